@@ -1,0 +1,1 @@
+"""usp: hybrid sequence parallelism (Ulysses x ring attention) for PyTorch."""
