@@ -1,0 +1,1 @@
+"""Communication: Ulysses all-to-all, the ring exchange, counted collectives."""
