@@ -1,0 +1,46 @@
+"""Backend names, instances and the ``auto`` preference order per device type."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from usp.kernels.backends.base import Backend
+
+BACKEND_NAMES: tuple[str, ...] = ("cudnn", "flash_attn", "flash", "efficient", "cpu", "math")
+
+# Fastest first. On an H200 (torch 2.11, bf16, causal, head dim 128, fwd+bwd) cuDNN
+# measured ~540 TFLOP/s, torch's FA2 ~325, memory-efficient ~140 (shared/DESIGN.md).
+# The flash-attn package comes before torch's FA2: with FA3 installed it is the Hopper
+# kernel, and its FA2 is the same kernel as torch's with more features.
+_AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "cuda": ("cudnn", "flash_attn", "flash", "efficient", "math"),
+    "cpu": ("cpu", "math"),
+}
+
+
+def auto_order(device: torch.device) -> tuple[str, ...]:
+    return _AUTO_ORDER.get(device.type, ("math",))
+
+
+@functools.cache
+def get(name: str) -> Backend:
+    """The (stateless) backend instance for a name; imports its module on first use."""
+    if name == "math":
+        from usp.kernels.backends.math import MathBackend
+
+        return MathBackend()
+    if name == "cpu":
+        from usp.kernels.backends.cpu import CpuBackend
+
+        return CpuBackend()
+    if name in ("cudnn", "flash", "efficient"):
+        from usp.kernels.backends import sdpa_cuda
+
+        return sdpa_cuda.make(name)
+    if name == "flash_attn":
+        from usp.kernels.backends.flash_attn import FlashAttnBackend
+
+        return FlashAttnBackend()
+    raise KeyError(name)

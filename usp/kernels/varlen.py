@@ -1,0 +1,109 @@
+"""Variable-length (packed) attention: documents attend only within themselves.
+
+Layout: q [Tq, H, D], k/v [Tk, Hkv, D]; ``cu_seqlens_q``/``cu_seqlens_k`` are int32
+[N+1] cumulative boundaries; document i is ``q[cu_q[i]:cu_q[i+1]]`` against
+``k[cu_k[i]:cu_k[i+1]]`` with the dense masking semantics (bottom-right causal per
+document). lse is [H, Tq]. Backends without native varlen kernels run one dense call
+per document: correct, and fast enough on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from usp.kernels.api import dense_backward, dense_forward, select_backend
+from usp.kernels.backends.base import Backend, Grads
+from usp.kernels.masks import accumulation_dtype
+from usp.kernels.spec import (
+    AttentionInputError,
+    AttentionSpec,
+    default_scale,
+    validate_backward_inputs,
+    validate_cu_seqlens,
+    validate_inputs,
+)
+
+
+def _documents(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k):
+    bounds_q = validate_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    bounds_k = validate_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    if len(bounds_q) != len(bounds_k):
+        raise AttentionInputError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, "
+            f"got {len(bounds_q) - 1} and {len(bounds_k) - 1}"
+        )
+    longest_q = max(b - a for a, b in zip(bounds_q, bounds_q[1:]))
+    longest_k = max(b - a for a, b in zip(bounds_k, bounds_k[1:]))
+    for name, given, actual in (("max_seqlen_q", max_seqlen_q, longest_q), ("max_seqlen_k", max_seqlen_k, longest_k)):
+        if given is not None and given < actual:
+            raise AttentionInputError(f"{name}={given} is smaller than the longest document ({actual})")
+    docs = list(zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])))
+    return docs, longest_q, longest_k
+
+
+def _doc_spec(spec: AttentionSpec, len_q: int, len_k: int) -> AttentionSpec:
+    return dataclasses.replace(spec, batch=1, seqlen_q=len_q, seqlen_k=len_k, varlen=False)
+
+
+def attention_varlen_forward(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+    causal: bool = False, softmax_scale: float | None = None, window: int | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed attention with LSE: out [Tq, H, D] (q's dtype), lse [H, Tq] (float32/64)."""
+    spec = validate_inputs(q, k, v, causal=causal, window=window, varlen=True)
+    scale = default_scale(spec.head_dim, softmax_scale)
+    docs, max_q, max_k = _documents(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    impl = select_backend(spec, backend)
+    if impl.supports_varlen:
+        return impl.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, spec, scale)
+    return _per_document_forward(impl, q, k, v, docs, spec, scale)
+
+
+def attention_varlen_backward(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+    causal: bool = False, softmax_scale: float | None = None, window: int | None = None,
+    backend: str = "auto",
+) -> Grads:
+    """Gradients of :func:`attention_varlen_forward` given (possibly merged) out and lse."""
+    spec = validate_inputs(q, k, v, causal=causal, window=window, varlen=True)
+    validate_backward_inputs(dout, out, lse, q, varlen=True)
+    scale = default_scale(spec.head_dim, softmax_scale)
+    docs, max_q, max_k = _documents(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    impl = select_backend(spec, backend)
+    if impl.supports_varlen:
+        return impl.varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, spec, scale)
+    return _per_document_backward(impl, dout, q, k, v, out, lse, docs, spec, scale)
+
+
+def _per_document_forward(impl: Backend, q, k, v, docs, spec, scale):
+    out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    lse = torch.empty((spec.num_heads, q.shape[0]), dtype=accumulation_dtype(q.dtype), device=q.device)
+    for (q0, q1), (k0, k1) in docs:
+        if q1 == q0:
+            continue
+        doc_out, doc_lse = dense_forward(
+            impl, q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], _doc_spec(spec, q1 - q0, k1 - k0), scale
+        )
+        out[q0:q1] = doc_out[0]
+        lse[:, q0:q1] = doc_lse[0]
+    return out, lse
+
+
+def _per_document_backward(impl: Backend, dout, q, k, v, out, lse, docs, spec, scale) -> Grads:
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    for (q0, q1), (k0, k1) in docs:
+        if q1 == q0:
+            dk[k0:k1] = 0
+            dv[k0:k1] = 0
+            continue
+        grads = dense_backward(
+            impl, dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+            out[None, q0:q1], lse[None, :, q0:q1], _doc_spec(spec, q1 - q0, k1 - k0), scale,
+        )
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = (g[0] for g in grads)
+    return dq, dk, dv
