@@ -1,0 +1,110 @@
+"""Ulysses all-to-all: trade a sharded sequence for sharded heads and back.
+
+    seq_to_head: [B, S/u, h, D] on each of u ranks -> [B, S, h/u, D]
+    head_to_seq: [B, S, h/u, D]                   -> [B, S/u, h, D]
+
+Several tensors (q, k and v, with different head counts but one dtype) move in one
+collective: each rank packs, for every destination, the pieces of all tensors into one
+buffer. Both are autograd functions; the backward of one is the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from usp.comm.collectives import all_to_all_into
+from usp.comm.stats import CommStats
+
+SEQ_DIM, HEAD_DIM = 1, 2
+
+
+@dataclass(frozen=True)
+class AllToAllPlan:
+    """Split ``scatter_dim`` of every tensor over the group; concatenate ``gather_dim``."""
+
+    group: dist.ProcessGroup
+    scatter_dim: int
+    gather_dim: int
+    stats: CommStats | None = None
+
+    def inverse(self) -> AllToAllPlan:
+        return replace(self, scatter_dim=self.gather_dim, gather_dim=self.scatter_dim)
+
+
+def all_to_all(tensors: Sequence[torch.Tensor], plan: AllToAllPlan) -> list[torch.Tensor]:
+    """The collective itself (no autograd). Every tensor's ``scatter_dim`` must divide."""
+    size = dist.get_world_size(plan.group)
+    if size == 1:
+        return list(tensors)
+    pieces = []  # shape of the piece each tensor sends to one rank
+    for x in tensors:
+        if x.shape[plan.scatter_dim] % size:
+            raise ValueError(
+                f"all-to-all over {size} ranks needs dim {plan.scatter_dim} of every tensor to be "
+                f"a multiple of {size}, got shape {tuple(x.shape)}"
+            )
+        shape = list(x.shape)
+        shape[plan.scatter_dim] //= size
+        pieces.append(shape)
+    numels = [torch.Size(p).numel() for p in pieces]
+    send = torch.empty((size, sum(numels)), dtype=tensors[0].dtype, device=tensors[0].device)
+    offset = 0
+    for x, piece, numel in zip(tensors, pieces, numels):
+        # [.., n, ..] -> [size, .., n/size, ..]: chunk j of scatter_dim goes to rank j
+        chunks = x.unflatten(plan.scatter_dim, (size, piece[plan.scatter_dim])).movedim(plan.scatter_dim, 0)
+        send[:, offset : offset + numel].view(size, *piece).copy_(chunks)
+        offset += numel
+    received = all_to_all_into(torch.empty_like(send), send, plan.group, plan.stats)
+    outputs, offset = [], 0
+    for piece, numel in zip(pieces, numels):
+        # [size, .., m, ..] (source rank first) -> [.., size * m, ..] along gather_dim
+        from_ranks = received[:, offset : offset + numel].view(size, *piece)
+        outputs.append(from_ranks.movedim(0, plan.gather_dim).flatten(plan.gather_dim, plan.gather_dim + 1))
+        offset += numel
+    return outputs
+
+
+class _AllToAllFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: AllToAllPlan, *tensors: torch.Tensor):
+        ctx.plan = plan
+        ctx.shapes = [t.shape for t in tensors]
+        return tuple(t.contiguous() for t in all_to_all(tensors, plan))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        plan = ctx.plan
+        size = dist.get_world_size(plan.group)
+        filled = []
+        for grad, shape in zip(grads, ctx.shapes):
+            if grad is None:  # an output nobody used: its gradient is zero
+                out_shape = list(shape)
+                out_shape[plan.scatter_dim] //= size
+                out_shape[plan.gather_dim] *= size
+                grad = torch.zeros(out_shape, dtype=_dtype_of(grads), device=_device_of(grads))
+            filled.append(grad)
+        return (None, *(g.contiguous() for g in all_to_all(filled, plan.inverse())))
+
+
+def _dtype_of(grads):
+    return next(g.dtype for g in grads if g is not None)
+
+
+def _device_of(grads):
+    return next(g.device for g in grads if g is not None)
+
+
+def seq_to_head(tensors: Sequence[torch.Tensor], group, stats: CommStats | None = None) -> list[torch.Tensor]:
+    """[B, S/u, h, D] each -> [B, S, h/u, D] each (autograd-aware)."""
+    plan = AllToAllPlan(group, scatter_dim=HEAD_DIM, gather_dim=SEQ_DIM, stats=stats)
+    return list(_AllToAllFunction.apply(plan, *tensors))
+
+
+def head_to_seq(tensors: Sequence[torch.Tensor], group, stats: CommStats | None = None) -> list[torch.Tensor]:
+    """[B, S, h/u, D] each -> [B, S/u, h, D] each (autograd-aware)."""
+    plan = AllToAllPlan(group, scatter_dim=SEQ_DIM, gather_dim=HEAD_DIM, stats=stats)
+    return list(_AllToAllFunction.apply(plan, *tensors))

@@ -1,0 +1,57 @@
+"""Point-to-point exchange around a ring: send to the next rank, receive from the previous.
+
+Used with double buffering: post the exchange of the block you are about to compute
+on, compute, then wait. On ring size 1 nothing is ever sent (gloo cannot send to
+itself, and it would be wasted work anyway).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from usp.comm.stats import CommStats
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class PendingExchange:
+    received: torch.Tensor
+    _requests: list
+
+    def wait(self) -> torch.Tensor:
+        for request in self._requests:
+            request.wait()
+        return self.received
+
+
+class RingExchange:
+    """Neighbours of this rank in ``group``; ring order is the group's rank order."""
+
+    def __init__(self, group: dist.ProcessGroup, stats: CommStats | None = None):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.stats = stats
+        self._next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self._prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start(self, send: torch.Tensor, recv_into: torch.Tensor | None = None) -> PendingExchange:
+        """Post ``send`` -> next rank and a receive from the previous rank into ``recv_into``
+        (a fresh buffer like ``send`` when None). Returns a handle; call ``wait()``."""
+        if self.size == 1:
+            raise RuntimeError("RingExchange.start called on a ring of size 1")
+        recv = torch.empty_like(send) if recv_into is None else recv_into
+        ops = [
+            dist.P2POp(dist.isend, send, self._next, self.group),
+            dist.P2POp(dist.irecv, recv, self._prev, self.group),
+        ]
+        requests = dist.batch_isend_irecv(ops)
+        if self.stats is not None:
+            self.stats.record("p2p", sent=_bytes(send), received=_bytes(recv))
+        return PendingExchange(recv, requests)

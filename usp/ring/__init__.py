@@ -1,0 +1,7 @@
+"""Ring attention across the ring group (layer 4): exact, load-balanced, overlapped."""
+
+from usp.ring.api import RingInputError, ring_attention
+from usp.ring.config import RING_IMPLS
+from usp.ring.layout import LAYOUTS
+
+__all__ = ["LAYOUTS", "RING_IMPLS", "RingInputError", "ring_attention"]

@@ -1,0 +1,130 @@
+"""``ring_attention``: exact attention over a sequence sharded across a ring group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from usp.comm.collectives import all_gather_uncounted
+from usp.comm.stats import CommStats
+from usp.kernels import attention_backward, attention_forward
+from usp.kernels.spec import validate_inputs
+from usp.ring.allgather import allgather_backward, allgather_forward, head_chunks
+from usp.ring.config import RING_IMPLS, RingConfig
+from usp.ring.layout import check_layout, required_local_multiple
+from usp.ring.p2p import p2p_backward, p2p_forward
+
+
+class RingInputError(ValueError):
+    """The inputs of a ring-attention call do not fit its group or layout."""
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cfg: RingConfig, q, k, v):
+        run = p2p_forward if cfg.ring_impl == "p2p" else allgather_forward
+        out, lse = run(q, k, v, cfg)
+        ctx.mark_non_differentiable(lse)
+        ctx.cfg = cfg
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        run = p2p_backward if ctx.cfg.ring_impl == "p2p" else allgather_backward
+        dq, dk, dv = run(dout.contiguous(), q, k, v, out, lse, ctx.cfg)
+        return None, dq, dk, dv
+
+
+class _LocalAttention(torch.autograd.Function):
+    """Ring of one: the local kernel, no communication at all."""
+
+    @staticmethod
+    def forward(ctx, cfg: RingConfig, q, k, v):
+        out, lse = attention_forward(q, k, v, causal=cfg.causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend)
+        ctx.mark_non_differentiable(lse)
+        ctx.cfg = cfg
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        cfg = ctx.cfg
+        grads = attention_backward(
+            dout.contiguous(), q, k, v, out, lse, causal=cfg.causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend
+        )
+        return (None, *grads)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    layout: str = "zigzag",
+    ring_impl: str = "p2p",
+    backend: str = "auto",
+    comm_stats: CommStats | None = None,
+    kv_head_chunks: int = 1,
+    return_lse: bool = False,
+    check_shapes: bool | None = None,
+):
+    """Attention over the whole sequence held, sharded, by the ranks of ``group``.
+
+    q [B, L, H, D], k/v [B, L, Hkv, D]: this rank's L = S / r tokens in ``layout``
+    (see :mod:`usp.ring.layout`; use :func:`usp.shard_sequence` to place them).
+    Returns out [B, L, H, D] (and lse [B, H, L] in float32 when ``return_lse``).
+    Only the Hkv K/V heads travel. ``check_shapes`` (default: on for CPU tensors, where
+    it costs nothing measurable) compares shapes across the ring before communicating.
+    """
+    check_layout(layout)
+    if ring_impl not in RING_IMPLS:
+        raise RingInputError(f"unknown ring_impl {ring_impl!r}; valid: {', '.join(RING_IMPLS)}")
+    validate_inputs(q, k, v, causal=causal, window=None)
+    cfg = RingConfig(group, causal, softmax_scale, layout, ring_impl, backend, comm_stats, kv_head_chunks)
+    _check_group_inputs(q, k, cfg, check_shapes)
+    function = _LocalAttention if cfg.size == 1 else _RingAttention
+    out, lse = function.apply(cfg, q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def _check_group_inputs(q, k, cfg: RingConfig, check_shapes: bool | None) -> None:
+    if q.shape[1] != k.shape[1]:
+        raise RingInputError(
+            f"ring attention needs q and k/v with the same local sequence length, got {q.shape[1]} and {k.shape[1]}"
+        )
+    multiple = required_local_multiple(cfg.layout, cfg.causal)
+    if q.shape[1] % multiple:
+        raise RingInputError(
+            f"the {cfg.layout} layout needs the local sequence length to be a multiple of {multiple} "
+            f"(global length a multiple of {multiple * cfg.size} on a ring of {cfg.size}), got {q.shape[1]}"
+        )
+    if cfg.ring_impl == "allgather":
+        try:
+            head_chunks(k.shape[2], cfg.kv_head_chunks)
+        except ValueError as err:
+            raise RingInputError(str(err)) from None
+    backend = dist.get_backend(cfg.group)
+    if backend == "nccl" and q.device.type != "cuda":
+        raise RingInputError(f"the ring group uses NCCL, which needs CUDA tensors; got tensors on {q.device}")
+    if backend == "gloo" and q.device.type != "cpu":
+        raise RingInputError(f"the ring group uses gloo; pass CPU tensors (got {q.device}) or use an NCCL group")
+    if check_shapes is None:
+        check_shapes = q.device.type == "cpu"
+    if check_shapes and cfg.size > 1:
+        _check_same_shapes(q, k, cfg)
+
+
+def _check_same_shapes(q, k, cfg: RingConfig) -> None:
+    mine = torch.tensor([[*q.shape, *k.shape]], dtype=torch.int64, device=q.device)
+    every = torch.empty((cfg.size, mine.shape[1]), dtype=torch.int64, device=q.device)
+    all_gather_uncounted(every, mine, cfg.group)
+    shapes = [tuple(row) for row in every.tolist()]
+    if len(set(shapes)) > 1:
+        described = ", ".join(f"ring rank {i}: q {s[:4]} k {s[4:]}" for i, s in enumerate(shapes))
+        raise RingInputError(f"ring ranks hold differently shaped inputs: {described}")

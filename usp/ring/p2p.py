@@ -1,0 +1,85 @@
+"""Ring attention with point-to-point K/V passing, double buffered.
+
+Forward: at each of the r steps, post the send of the K/V block we hold to the next
+rank (and the receive of the previous rank's) before computing on it, so the transfer
+overlaps the kernel. Partial results merge by LSE in float32.
+
+Backward: K/V circulate again; each block's dK/dV accumulator (float32) travels one
+step behind it, collecting every rank's contribution, and arrives back at its owner
+after the last step. dQ accumulates locally in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from usp.comm.ring_exchange import RingExchange
+from usp.kernels import attention_backward, attention_forward, merge_into
+from usp.kernels.masks import accumulation_dtype
+from usp.ring.config import RingConfig
+from usp.ring.layout import step_blocks
+
+
+def _kv_rank(ring: RingExchange, step: int) -> int:
+    return (ring.rank - step) % ring.size
+
+
+def p2p_forward(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, L, H, D], k/v [B, L, Hkv, D] (local) -> out [B, L, H, D], lse [B, H, L]."""
+    ring = RingExchange(cfg.group, cfg.stats)
+    batch, local_len, heads, _ = q.shape
+    acc = accumulation_dtype(q.dtype)
+    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)
+    lse = torch.full((batch, heads, local_len), float("-inf"), dtype=acc, device=q.device)
+    kv = torch.stack([k, v])  # [2, B, L, Hkv, D]: one message per step
+    spare = torch.empty_like(kv)
+    for step in range(ring.size):
+        pending = ring.start(kv, spare) if step + 1 < ring.size else None
+        for block in step_blocks(cfg.layout, cfg.causal, ring.rank, _kv_rank(ring, step), local_len):
+            block_out, block_lse = attention_forward(
+                q[:, block.q_rows], kv[0][:, block.kv_rows], kv[1][:, block.kv_rows],
+                causal=block.causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend,
+            )
+            merge_into(out[:, block.q_rows], lse[:, :, block.q_rows], block_out, block_lse)
+        if pending is not None:
+            spare, kv = kv, pending.wait()  # our send finished too: reuse its buffer
+    return out.to(q.dtype), lse
+
+
+def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
+    ring = RingExchange(cfg.group, cfg.stats)
+    local_len = q.shape[1]
+    acc = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = torch.stack([k, v])
+    kv_spare = torch.empty_like(kv)
+    # two float32 dK/dV buffers: the accumulator we add to and send, and the one the
+    # previous rank's accumulator arrives in
+    dkv_buffers = [torch.zeros((2,) + k.shape, dtype=acc, device=k.device)]
+    dkv_buffers.append(torch.empty_like(dkv_buffers[0]))
+    current, dkv_pending = 0, None
+    for step in range(ring.size):
+        kv_pending = ring.start(kv, kv_spare) if step + 1 < ring.size else None
+        block_grads = []
+        for block in step_blocks(cfg.layout, cfg.causal, ring.rank, _kv_rank(ring, step), local_len):
+            rows = block.q_rows
+            dq_block, dk_block, dv_block = attention_backward(
+                dout[:, rows], q[:, rows], kv[0][:, block.kv_rows], kv[1][:, block.kv_rows],
+                out[:, rows], lse[:, :, rows],
+                causal=block.causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend,
+            )
+            dq[:, rows] += dq_block
+            block_grads.append((block.kv_rows, dk_block, dv_block))
+        if dkv_pending is not None:
+            dkv_pending.wait()  # this block's accumulator arrived in dkv_buffers[current]
+        dkv = dkv_buffers[current]
+        for kv_rows, dk_block, dv_block in block_grads:
+            dkv[0][:, kv_rows] += dk_block
+            dkv[1][:, kv_rows] += dv_block
+        dkv_pending = ring.start(dkv, dkv_buffers[1 - current])
+        current = 1 - current
+        if kv_pending is not None:
+            kv_spare, kv = kv, kv_pending.wait()
+    dkv_pending.wait()  # after r sends every accumulator is back with its owner
+    dkv = dkv_buffers[current]
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
