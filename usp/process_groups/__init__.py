@@ -1,0 +1,43 @@
+"""Topology: ranks -> (dp, ring, ulysses) coordinates, nodes, process groups, DeviceMesh.
+
+``rank_math`` and ``degrees`` are pure (any world size, no process group needed);
+``topology`` creates the groups after ``torch.distributed.init_process_group``.
+"""
+
+from usp.process_groups.degrees import (
+    HeadLayoutError,
+    describe_valid_pairs,
+    format_pairs,
+    kv_replication,
+    suggest_degrees,
+    valid_degree_pairs,
+)
+from usp.process_groups.rank_math import (
+    PLACEMENTS,
+    RING_IN_NODE,
+    ULYSSES_IN_NODE,
+    Coords,
+    RankInfo,
+    RankMap,
+    TopologyError,
+)
+from usp.process_groups.topology import MESH_AXES, Topology, build_topology
+
+__all__ = [
+    "MESH_AXES",
+    "PLACEMENTS",
+    "RING_IN_NODE",
+    "ULYSSES_IN_NODE",
+    "Coords",
+    "HeadLayoutError",
+    "RankInfo",
+    "RankMap",
+    "Topology",
+    "TopologyError",
+    "build_topology",
+    "describe_valid_pairs",
+    "format_pairs",
+    "kv_replication",
+    "suggest_degrees",
+    "valid_degree_pairs",
+]
