@@ -1,0 +1,299 @@
+"""The ``usp`` command line (also ``python -m usp``).
+
+Subcommands register themselves in :func:`build_parser` with ``set_defaults(run=...)``;
+each ``run(args) -> int`` returns the exit status. ``usp topo`` prints a config's
+validated rank map without launching anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from usp.config import AUTO, ConfigError, ResolvedConfig, load_config
+from usp.process_groups.degrees import HeadLayoutError, valid_degree_pairs
+from usp.process_groups.rank_math import (
+    PLACEMENTS,
+    ULYSSES_IN_NODE,
+    RankMap,
+    TopologyError,
+    fitting_ulysses_degrees,
+)
+
+# How much of a big world the text view shows.
+_MAX_NODES_SHOWN = 8  # more nodes: the first 6 and the last 2
+_MAX_COLUMNS_SHOWN = 16  # more ranks per node: the first 8 and the last 4
+_MAX_GROUPS_SHOWN = 8  # more groups: the first 6 and the last 1
+_ASSUMED_HEAD_DIM = 128
+_BF16_BYTES = 2
+
+
+# ----------------------------------------------------------------------------- parser
+def _int_or_auto(text: str) -> int | str:
+    if text == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected an integer or "auto", got {text!r}') from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _int_or_auto(text)
+    if value == AUTO:
+        raise argparse.ArgumentTypeError('"auto" is not allowed here')
+    return value
+
+
+def _add_topo(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "topo",
+        help="print the validated rank map of a topology config",
+        description="Validate a topology config and print which rank does what, "
+        "without launching anything. Options override the config's values.",
+    )
+    p.add_argument("config", help="path to a TOML topology config")
+    p.add_argument("--world-size", type=_positive_int, help="default: nodes * gpus_per_node")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--ulysses", type=_int_or_auto, help='int or "auto"')
+    p.add_argument("--ring", type=_int_or_auto, help='int or "auto"')
+    p.add_argument("--dp", type=_int_or_auto, help='int or "auto"')
+    p.add_argument("--nodes", type=_positive_int)
+    p.add_argument("--gpus-per-node", type=_positive_int)
+    p.add_argument("--placement", choices=PLACEMENTS)
+    p.add_argument(
+        "--allow-cross-node-ulysses",
+        action="store_true",
+        default=None,
+        help="allow Ulysses groups to span nodes",
+    )
+    p.set_defaults(run=run_topo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="usp", description="usp: hybrid sequence parallelism (Ulysses x ring attention)."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_topo(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+# ----------------------------------------------------------------------------- usp topo
+def run_topo(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(
+            args.config,
+            ulysses=args.ulysses,
+            ring=args.ring,
+            dp=args.dp,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            placement=args.placement,
+            allow_cross_node_ulysses=args.allow_cross_node_ulysses,
+        )
+        resolved = config.resolve(args.world_size)
+    except (ConfigError, TopologyError, HeadLayoutError) as e:
+        print(f"usp topo: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(topo_json(resolved)))
+    else:
+        print(topo_text(resolved))
+    return 0
+
+
+def topo_json(resolved: ResolvedConfig) -> dict[str, Any]:
+    """The rank map as plain JSON types (the ``--json`` output)."""
+    m, config = resolved.rank_map, resolved.config
+    return {
+        "world_size": m.world_size,
+        "ranks": [
+            {
+                k: getattr(info, k)
+                for k in ("rank", "node", "local_rank", "dp", "ring", "ulysses", "sp")
+            }
+            for info in m.ranks
+        ],
+        "groups": {
+            "ulysses": m.ulysses_groups,
+            "ring": m.ring_groups,
+            "sp": m.sp_groups,
+            "dp": m.dp_groups,
+        },
+        "degrees": {
+            "ulysses": m.ulysses_degree,
+            "ring": m.ring_degree,
+            "dp": m.dp_degree,
+            "sp": m.sp_degree,
+        },
+        "nodes": m.num_nodes,
+        "ranks_per_node": m.ranks_per_node,
+        "placement": m.placement,
+        "attention": config.to_dict()["attention"],
+        "model": config.to_dict().get("model"),
+        "kv_replication": resolved.kv_replication,
+        "warnings": topo_warnings(resolved),
+    }
+
+
+def topo_text(resolved: ResolvedConfig) -> str:
+    m, config = resolved.rank_map, resolved.config
+    a = config.attention
+    lines = [
+        f"usp topo: {config.source}",
+        f"  world     {m.world_size} ranks = {m.num_nodes} node(s) x {m.ranks_per_node} ranks per node",
+        f"  degrees   dp {m.dp_degree} x ring {m.ring_degree} x ulysses {m.ulysses_degree} "
+        f"(sp {m.sp_degree}), placement {m.placement}",
+        f"  attention layout={a.layout} ring_impl={a.ring_impl} backend={a.backend}",
+    ]
+    if config.model is not None:
+        lines.append(f"  model     {_model_line(resolved)}")
+    lines += ["", "rank grid (cell = dp.ring.ulysses)", *_grid_lines(m), "", "groups"]
+    lines += _group_lines(m)
+    warnings = topo_warnings(resolved)
+    lines += ["", "warnings" if warnings else "warnings: none"]
+    lines += [f"  - {w}" for w in warnings]
+    return "\n".join(lines)
+
+
+def _model_line(resolved: ResolvedConfig) -> str:
+    model, u = resolved.config.model, resolved.ulysses
+    rep = resolved.kv_replication
+    per_rank_kv = model.num_kv_heads * rep // u
+    return (
+        f"{model.num_heads} heads / {model.num_kv_heads} KV heads -> per Ulysses rank "
+        f"{model.num_heads // u} query head(s) and {per_rank_kv} KV head(s), KV replication x{rep}"
+    )
+
+
+# ----------------------------------------------------------------------------- grid
+def _abbreviate(count: int, limit: int, head: int, tail: int) -> list[int | None]:
+    """Indices ``0..count-1``, or the first ``head``, None (for "..."), the last ``tail``."""
+    if count <= limit:
+        return list(range(count))
+    return [*range(head), None, *range(count - tail, count)]
+
+
+def _grid_lines(m: RankMap) -> list[str]:
+    columns = _abbreviate(m.ranks_per_node, _MAX_COLUMNS_SHOWN, 8, 4)
+    rows = _abbreviate(m.num_nodes, _MAX_NODES_SHOWN, 6, 2)
+    cell = max(len(_cell(m, m.world_size - 1)), len(f"local {m.ranks_per_node - 1}"))
+    label = len(f"node {m.num_nodes - 1}")
+    header = " " * (label + 4) + "  ".join(
+        ("..." if c is None else f"local {c}").ljust(cell) for c in columns
+    )
+    lines = [header.rstrip()]
+    for node in rows:
+        if node is None:
+            lines.append(f"  ... ({m.num_nodes - 8} more nodes)")
+            continue
+        cells = ("..." if c is None else _cell(m, node * m.ranks_per_node + c) for c in columns)
+        lines.append(f"  {f'node {node}'.ljust(label)}  " + "  ".join(x.ljust(cell) for x in cells))
+    return [line.rstrip() for line in lines]
+
+
+def _cell(m: RankMap, rank: int) -> str:
+    c = m.coords_of(rank)
+    return f"{c.dp}.{c.ring}.{c.ulysses}"
+
+
+# ----------------------------------------------------------------------------- groups
+def _format_group(members: list[int]) -> str:
+    """``[0-7]``, ``[0,8,...,56]`` or the full list when short and irregular."""
+    if len(members) >= 3:
+        step = members[1] - members[0]
+        regular = step > 0 and all(
+            b - a == step for a, b in zip(members[:-1], members[1:], strict=True)
+        )
+        if regular and step == 1:
+            return f"[{members[0]}-{members[-1]}]"
+        if regular:
+            return f"[{members[0]},{members[1]},...,{members[-1]}]"
+    if len(members) <= 8:
+        return "[" + ",".join(map(str, members)) + "]"
+    return "[" + ",".join(map(str, members[:6])) + f",... {len(members)} ranks]"
+
+
+def _group_lines(m: RankMap) -> list[str]:
+    lines = []
+    for name, groups in (
+        ("ulysses", m.ulysses_groups),
+        ("ring", m.ring_groups),
+        ("sp", m.sp_groups),
+        ("dp", m.dp_groups),
+    ):
+        shown = _abbreviate(len(groups), _MAX_GROUPS_SHOWN, 6, 1)
+        text = " ".join("..." if i is None else _format_group(groups[i]) for i in shown)
+        noun = "group" if len(groups) == 1 else "groups"
+        lines.append(f"  {name:<8} {len(groups)} {noun} of {len(groups[0])}: {text}")
+    if m.ulysses_degree > 1 and m.ring_degree > 1 and m.placement != ULYSSES_IN_NODE:
+        lines.append("  (sp groups are listed in sp_rank order = ring * ulysses_degree + ulysses)")
+    return lines
+
+
+# ----------------------------------------------------------------------------- warnings
+def topo_warnings(resolved: ResolvedConfig) -> list[str]:
+    """Legal but probably unintended choices, one sentence each."""
+    return [
+        w
+        for w in (_cross_node_warning(resolved), _kv_warning(resolved), _node_use_warning(resolved))
+        if w
+    ]
+
+
+def _cross_node_warning(resolved: ResolvedConfig) -> str | None:
+    m = resolved.rank_map
+    crossing = m.cross_node_ulysses_groups()
+    if not crossing:
+        return None
+    text = (
+        f"{len(crossing)} of {len(m.ulysses_groups)} Ulysses groups span nodes: the all-to-all "
+        "(the most bytes per layer) runs over inter-node links"
+    )
+    if m.ring_degree > 1 and m.ring_groups_inside_nodes():
+        text += " while the ring stays inside a node; consider placement ulysses-in-node"
+    return text
+
+
+def _kv_warning(resolved: ResolvedConfig) -> str | None:
+    rep, model = resolved.kv_replication, resolved.config.model
+    if rep is None or rep == 1:
+        return None
+    head_dim = model.head_dim or _ASSUMED_HEAD_DIM
+    assumed = "" if model.head_dim else " (assumed)"
+    before = 2 * model.num_kv_heads * head_dim * _BF16_BYTES  # K and V, bf16
+    after = before * rep
+    return (
+        f"KV heads replicated x{rep} ({model.num_kv_heads} -> {model.num_kv_heads * rep}) so that "
+        f"ulysses {resolved.ulysses} splits them: the K/V all-to-all and ring exchange move "
+        f"{after} instead of {before} bytes per token per layer (bf16, head_dim {head_dim}{assumed})"
+    )
+
+
+def _node_use_warning(resolved: ResolvedConfig) -> str | None:
+    m, model = resolved.rank_map, resolved.config.model
+    if m.placement != ULYSSES_IN_NODE or m.ulysses_degree >= m.ranks_per_node:
+        return None
+    heads = (model.num_heads, model.num_kv_heads) if model else (None, None)
+    fits = set(fitting_ulysses_degrees(m.sp_degree, m.ranks_per_node, m.placement, m.world_size))
+    better = [
+        u for u, _ in valid_degree_pairs(*heads, m.sp_degree) if u > m.ulysses_degree and u in fits
+    ]
+    if not better:
+        return None
+    u = max(better)
+    return (
+        f"ulysses {m.ulysses_degree} uses {m.ulysses_degree} of {m.ranks_per_node} ranks per node; "
+        f"ulysses {u} x ring {m.sp_degree // u} would keep more traffic on intra-node links"
+    )
