@@ -1,1 +1,54 @@
-"""usp: hybrid sequence parallelism (Ulysses x ring attention) for PyTorch."""
+"""usp: hybrid sequence parallelism (Ulysses all-to-all x ring attention) for PyTorch.
+
+Typical use, after ``torch.distributed.init_process_group``::
+
+    topo = usp.build_topology(ulysses_degree=4, ring_degree=2)
+    q, k, v = (usp.shard_sequence(t, topo) for t in (q_full, k_full, v_full))
+    out = usp.usp_attention(q, k, v, topo, causal=True)
+"""
+
+from usp.attention import UspAttention, usp_attention
+from usp.comm.stats import CommStats
+from usp.kernels import attention_backward, attention_forward
+from usp.process_groups import (
+    HeadLayoutError,
+    RankMap,
+    Topology,
+    TopologyError,
+    build_topology,
+    suggest_degrees,
+    valid_degree_pairs,
+)
+from usp.ring import ring_attention
+from usp.sharding import (
+    ShardingError,
+    gather_sequence,
+    local_positions,
+    pad_to_multiple,
+    sequence_multiple,
+    shard_sequence,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommStats",
+    "HeadLayoutError",
+    "RankMap",
+    "ShardingError",
+    "Topology",
+    "TopologyError",
+    "UspAttention",
+    "attention_backward",
+    "attention_forward",
+    "build_topology",
+    "gather_sequence",
+    "local_positions",
+    "pad_to_multiple",
+    "ring_attention",
+    "sequence_multiple",
+    "shard_sequence",
+    "suggest_degrees",
+    "usp_attention",
+    "valid_degree_pairs",
+]

@@ -1,0 +1,50 @@
+"""Ulysses sequence parallelism: all-to-all sequence<->heads around local attention.
+
+GQA head handling: the u ranks of a Ulysses group each take H/u query heads and must
+hold the KV heads those query heads use. When u does not divide Hkv, every KV head is
+repeated ``lcm(Hkv, u) / Hkv`` times before the all-to-all (see
+:func:`usp.process_groups.kv_replication`); autograd sums the replicas' gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from usp.comm.all_to_all import head_to_seq, seq_to_head
+from usp.comm.stats import CommStats
+from usp.process_groups import HeadLayoutError, describe_valid_pairs, kv_replication
+
+
+class UlyssesHeadError(HeadLayoutError):
+    """The head counts cannot be split over the Ulysses degree; the message lists the
+    (ulysses, ring) pairs that work for this sequence-parallel size."""
+
+
+def kv_replication_for(num_heads: int, num_kv_heads: int, ulysses_degree: int, sp_degree: int,
+                       ranks_per_node: int | None = None) -> int:
+    """``kv_replication`` with an error message that lists the valid degree pairs."""
+    try:
+        return kv_replication(num_heads, num_kv_heads, ulysses_degree)
+    except HeadLayoutError as err:
+        raise UlyssesHeadError(
+            f"cannot split {num_heads} query heads / {num_kv_heads} KV heads over "
+            f"ulysses={ulysses_degree}: {err}. "
+            f"{describe_valid_pairs(num_heads, num_kv_heads, sp_degree, ranks_per_node)}"
+        ) from None
+
+
+def replicate_kv_heads(k: torch.Tensor, v: torch.Tensor, times: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S, Hkv, D] -> [B, S, Hkv * times, D]: head e of the result is head e // times."""
+    if times == 1:
+        return k, v
+    return k.repeat_interleave(times, dim=2), v.repeat_interleave(times, dim=2)
+
+
+def gather_heads(q, k, v, group, stats: CommStats | None = None) -> list[torch.Tensor]:
+    """[B, S/u, h, D] each -> [B, S, h/u, D] each, in one all-to-all."""
+    return seq_to_head([q, k, v], group, stats)
+
+
+def scatter_heads(out: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
+    """[B, S, H/u, D] -> [B, S/u, H, D]."""
+    return head_to_seq([out], group, stats)[0]
