@@ -281,7 +281,7 @@ def test_flash_attn_package_missing_is_explained():
     try:
         import flash_attn  # noqa: F401
     except ImportError:
-        with pytest.raises(BackendUnavailableError, match="flash_attn"):
+        with pytest.raises(BackendUnavailableError, match="needs the flash_attn package"):
             attention_forward(*_good(), backend="flash_attn")
     else:
         pytest.skip("flash-attn is installed")
@@ -329,3 +329,11 @@ def test_merge_of_blocks_that_see_nothing_stays_finite():
     assert math.isclose(
         merge_pair(out + 1, torch.zeros(1, 2, 3), out, lse)[0][0, 0, 0, 0].item(), 1.0
     )
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "efficient"])
+def test_backends_without_windows_say_so(backend):
+    # a CUDA spec is only inspected here, so this runs without a GPU
+    spec = AttentionSpec(1, 64, 64, 4, 2, 64, torch.bfloat16, torch.device("cuda"), True, 16)
+    assert registry.get(backend).unsupported_reason(spec) == "has no sliding-window support"
+    assert registry.get("math").unsupported_reason(spec) is None

@@ -79,7 +79,7 @@ def ring_attention(
     q [B, L, H, D], k/v [B, L, Hkv, D]: this rank's L = S / r tokens in ``layout``
     (see :mod:`usp.ring.layout`; use :func:`usp.shard_sequence` to place them).
     Returns out [B, L, H, D] (and lse [B, H, L] in float32 when ``return_lse``).
-    Only the Hkv K/V heads travel. ``check_shapes`` (default: on for CPU tensors, where
+    Only the Hkv K/V heads travel. ``check_shapes`` (default: on for gloo groups, where
     it costs nothing measurable) compares shapes across the ring before communicating.
     """
     check_layout(layout)
@@ -114,8 +114,8 @@ def _check_group_inputs(q, k, cfg: RingConfig, check_shapes: bool | None) -> Non
         raise RingInputError(f"the ring group uses NCCL, which needs CUDA tensors; got tensors on {q.device}")
     if backend == "gloo" and q.device.type != "cpu":
         raise RingInputError(f"the ring group uses gloo; pass CPU tensors (got {q.device}) or use an NCCL group")
-    if check_shapes is None:
-        check_shapes = q.device.type == "cpu"
+    if check_shapes is None:  # one tiny collective: free on gloo, a host sync on NCCL
+        check_shapes = backend == "gloo"
     if check_shapes and cfg.size > 1:
         _check_same_shapes(q, k, cfg)
 
