@@ -45,13 +45,17 @@ def timed(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(samples)
 
 
-def bench_backend(backend, seqlen, *, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, device, repeats=3):
+def bench_backend(
+    backend, seqlen, *, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, device, repeats=3
+):
     spec = AttentionSpec(1, seqlen, seqlen, heads, kv_heads, head_dim, dtype, device, True, None)
     reason = registry.get(backend).unsupported_reason(spec)
     if reason is not None:
         return {"backend": backend, "seqlen": seqlen, "skipped": reason}
     q = torch.randn(1, seqlen, heads, head_dim, device=device, dtype=dtype)
-    k, v = (torch.randn(1, seqlen, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
+    k, v = (
+        torch.randn(1, seqlen, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2)
+    )
     dout = torch.randn_like(q)
     out, lse = attention_forward(q, k, v, causal=True, backend=backend)
 
@@ -66,13 +70,20 @@ def bench_backend(backend, seqlen, *, heads=32, kv_heads=8, head_dim=128, dtype=
     fwd_bwd = timed(forward_backward, repeats, device)
     flops = causal_flops(1, seqlen, heads, head_dim)
     return {
-        "backend": backend, "seqlen": seqlen, "fwd_ms": fwd * 1e3, "fwd_bwd_ms": fwd_bwd * 1e3,
-        "fwd_tflops": flops / fwd / 1e12, "fwd_bwd_tflops": 3.5 * flops / fwd_bwd / 1e12,
+        "backend": backend,
+        "seqlen": seqlen,
+        "fwd_ms": fwd * 1e3,
+        "fwd_bwd_ms": fwd_bwd * 1e3,
+        "fwd_tflops": flops / fwd / 1e12,
+        "fwd_bwd_tflops": 3.5 * flops / fwd_bwd / 1e12,
     }
 
 
 def markdown(rows) -> str:
-    lines = ["| backend | tokens | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd ms | fwd+bwd ms |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| backend | tokens | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd ms | fwd+bwd ms |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "skipped" in r:
             lines.append(f"| {r['backend']} | {r['seqlen']} | — | — | skipped: {r['skipped']} | |")
@@ -87,16 +98,25 @@ def markdown(rows) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     cuda = torch.cuda.is_available()
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768, 131072] if cuda else [256, 512])
-    parser.add_argument("--backends", nargs="+", default=[b for b in BACKEND_NAMES if b != "math"] if cuda else ["cpu", "math"])
+    parser.add_argument(
+        "--seqlens", type=int, nargs="+", default=[8192, 32768, 131072] if cuda else [256, 512]
+    )
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=[b for b in BACKEND_NAMES if b != "math"] if cuda else ["cpu", "math"],
+    )
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None, help="directory for kernels.json and kernels.md")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="directory for kernels.json and kernels.md"
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda" if cuda else "cpu")
     rows = [
         bench_backend(b, s, head_dim=args.head_dim, device=device, repeats=args.repeats)
-        for s in args.seqlens for b in args.backends
+        for s in args.seqlens
+        for b in args.backends
     ]
     table = markdown(rows)
     header = f"torch {torch.__version__}, {torch.cuda.get_device_name() if cuda else 'CPU'}, bf16, causal, H=32 Hkv=8 D={args.head_dim}"
@@ -104,7 +124,9 @@ def main(argv=None):
     print(table)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "kernels.json").write_text(json.dumps({"setup": header, "rows": rows}, indent=1))
+        (args.out / "kernels.json").write_text(
+            json.dumps({"setup": header, "rows": rows}, indent=1)
+        )
         (args.out / "kernels.md").write_text(header + "\n\n" + table + "\n")
     return rows
 

@@ -17,6 +17,7 @@ Contract of :meth:`DistributedRunner.run`:
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
@@ -101,7 +102,9 @@ class WorkerPool:
         self.world_size = world_size
         self._tmp = tempfile.TemporaryDirectory(prefix=f"usp-pool{world_size}-")
         store_path = os.path.join(self._tmp.name, "store")
-        self._dump_paths = [os.path.join(self._tmp.name, f"rank{r}.stack") for r in range(world_size)]
+        self._dump_paths = [
+            os.path.join(self._tmp.name, f"rank{r}.stack") for r in range(world_size)
+        ]
         self._conns = []
         self._procs = []
         for rank in range(world_size):
@@ -133,7 +136,9 @@ class WorkerPool:
         replies = self._collect(timeout=timeout, what=f"{fn.__qualname__}")
         errors = {r: v for r, (status, v) in replies.items() if status != "ok"}
         if errors or len(replies) < self.world_size:
-            message = self._describe(replies, f"{fn.__qualname__} failed on {self.world_size} ranks")
+            message = self._describe(
+                replies, f"{fn.__qualname__} failed on {self.world_size} ranks"
+            )
             self.kill()
             raise DistributedTestError(message)
         return [replies[r][1] for r in range(self.world_size)]
@@ -159,7 +164,10 @@ class WorkerPool:
             if any(status not in ("ok", "ready") for status, _ in replies.values()):
                 deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR_S)
         for rank in pending.values():
-            replies[rank] = ("hung", self._stack_of(rank, f"no reply to {what} within the time limit"))
+            replies[rank] = (
+                "hung",
+                self._stack_of(rank, f"no reply to {what} within the time limit"),
+            )
         return replies
 
     def _stack_of(self, rank: int, reason: str) -> str:
@@ -198,10 +206,8 @@ class WorkerPool:
 
     def close(self) -> None:
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError):  # a dead worker's pipe is already closed
                 conn.send_bytes(b"")
-            except OSError:
-                pass
         for proc in self._procs:
             proc.join(timeout=10)
         self.kill()
@@ -235,4 +241,3 @@ class DistributedRunner:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
-

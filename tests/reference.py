@@ -37,7 +37,9 @@ def reference_attention(q, k, v, *, causal=False, window=None, scale=None, mask=
     scores = scores.masked_fill(~mask.to(q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     seen = torch.isfinite(lse)
-    probs = torch.where(seen[..., None], torch.softmax(scores.masked_fill(~seen[..., None], 0.0), -1), 0.0)
+    probs = torch.where(
+        seen[..., None], torch.softmax(scores.masked_fill(~seen[..., None], 0.0), -1), 0.0
+    )
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out, lse
 

@@ -119,8 +119,12 @@ def test_backend_matches_reference(
 
     # the backward takes an external out/lse: give it the reference's, cast like a ring would
     grads = attention_backward(
-        cast[3], *cast[:3], ref_out.to(device=device, dtype=dtype), ref_lse.to(device=device, dtype=torch.float32),
-        causal=causal, backend=backend,
+        cast[3],
+        *cast[:3],
+        ref_out.to(device=device, dtype=dtype),
+        ref_lse.to(device=device, dtype=torch.float32),
+        causal=causal,
+        backend=backend,
     )
     for name, grad, ref, x in zip(("dq", "dk", "dv"), grads, ref_grads, cast[:3]):
         assert grad.dtype == dtype and grad.shape == x.shape, name
@@ -138,7 +142,9 @@ def test_float64_is_exact_where_supported(device, backend):
     assert lse.dtype == torch.float64
     _check("out", out, ref_out, 1e-12)
     _check("lse", lse, ref_lse, 1e-12)
-    for grad, ref in zip(attention_backward(dout, q, k, v, ref_out, ref_lse, causal=True, backend=backend), ref_grads):
+    for grad, ref in zip(
+        attention_backward(dout, q, k, v, ref_out, ref_lse, causal=True, backend=backend), ref_grads
+    ):
         _check("grad", grad, ref, 1e-12)
 
 
@@ -159,11 +165,24 @@ def test_backward_with_an_externally_merged_result(device, backend, causal):
     _check("merged lse", lse, ref_lse[:, :, 12:], 1e-5)
     out = out.to(q.dtype)
     dq_a, dk_a, dv_a = attention_backward(dout[:, 12:], q_hi, k_lo, v_lo, out, lse, backend=backend)
-    dq_b, dk_b, dv_b = attention_backward(dout[:, 12:], q_hi, k_hi, v_hi, out, lse, causal=causal, backend=backend)
+    dq_b, dk_b, dv_b = attention_backward(
+        dout[:, 12:], q_hi, k_hi, v_hi, out, lse, causal=causal, backend=backend
+    )
     if causal:  # queries [12, 24) are the only ones that see keys [12, 24)
         _check("dk (diagonal)", dk_b, ref_dk[:, 12:], 2e-5)
         _check("dv (diagonal)", dv_b, ref_dv[:, 12:], 2e-5)
-    _check("dq", dq_a + dq_b, _reference(q.double().cpu()[:, 12:], k.double().cpu(), v.double().cpu(), dout.double().cpu()[:, 12:], causal=causal)[2][0], 2e-5)
+    _check(
+        "dq",
+        dq_a + dq_b,
+        _reference(
+            q.double().cpu()[:, 12:],
+            k.double().cpu(),
+            v.double().cpu(),
+            dout.double().cpu()[:, 12:],
+            causal=causal,
+        )[2][0],
+        2e-5,
+    )
 
 
 @pytest.mark.parametrize("device,backend", BACKENDS)
@@ -172,12 +191,21 @@ def test_backward_with_an_externally_merged_result(device, backend, causal):
 def test_sliding_window(poisoned_allocations, device, backend, seqlens, causal):
     seqlen_q, seqlen_k = seqlens
     window = 7
-    spec = AttentionSpec(2, seqlen_q, seqlen_k, 4, 2, 64, torch.float32, torch.device(device), causal, window)
+    spec = AttentionSpec(
+        2, seqlen_q, seqlen_k, 4, 2, 64, torch.float32, torch.device(device), causal, window
+    )
     reason = registry.get(backend).unsupported_reason(spec)
     if reason is not None:
         with pytest.raises(BackendUnavailableError, match="sliding-window"):
-            attention_forward(*(t.to(device) for t in _inputs(2, seqlen_q, seqlen_k, 4, 2, 64, torch.float32, device)[:3]),
-                              causal=causal, window=window, backend=backend)
+            attention_forward(
+                *(
+                    t.to(device)
+                    for t in _inputs(2, seqlen_q, seqlen_k, 4, 2, 64, torch.float32, device)[:3]
+                ),
+                causal=causal,
+                window=window,
+                backend=backend,
+            )
         return
     q, k, v, dout = _inputs(2, seqlen_q, seqlen_k, 4, 2, 64, torch.float32, device, seed=5)
     ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, causal=causal, window=window)
@@ -185,8 +213,15 @@ def test_sliding_window(poisoned_allocations, device, backend, seqlens, causal):
     out, lse = attention_forward(*cast[:3], causal=causal, window=window, backend=backend)
     _check("out", out, ref_out, 1e-5)
     _check("lse", lse, ref_lse, 1e-5)
-    grads = attention_backward(cast[3], *cast[:3], ref_out.float().to(device), ref_lse.float().to(device),
-                               causal=causal, window=window, backend=backend)
+    grads = attention_backward(
+        cast[3],
+        *cast[:3],
+        ref_out.float().to(device),
+        ref_lse.float().to(device),
+        causal=causal,
+        window=window,
+        backend=backend,
+    )
     for grad, ref in zip(grads, ref_grads):
         _check("grad", grad, ref, 2e-5)
 
@@ -194,7 +229,9 @@ def test_sliding_window(poisoned_allocations, device, backend, seqlens, causal):
 @pytest.mark.parametrize("device,backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_varlen_matches_per_document_reference(poisoned_allocations, device, backend, causal, dtype):
+def test_varlen_matches_per_document_reference(
+    poisoned_allocations, device, backend, causal, dtype
+):
     # documents of lengths 1, 13, 0 (empty), 29, 6 ; keys longer than queries in two of them
     lens_q = [1, 13, 0, 29, 6]
     lens_k = [1, 20, 0, 29, 11]
@@ -205,24 +242,41 @@ def test_varlen_matches_per_document_reference(poisoned_allocations, device, bac
     k = torch.randn(sum(lens_k), 2, 64, generator=gen, dtype=torch.float64)
     v = torch.randn(sum(lens_k), 2, 64, generator=gen, dtype=torch.float64)
     dout = torch.randn_like(q)
-    ref_out, ref_lse = torch.zeros_like(q), torch.full((4, q.shape[0]), float("-inf"), dtype=torch.float64)
+    ref_out, ref_lse = (
+        torch.zeros_like(q),
+        torch.full((4, q.shape[0]), float("-inf"), dtype=torch.float64),
+    )
     ref_dq, ref_dk, ref_dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for (q0, q1), (k0, k1) in zip(zip(cu_q.tolist(), cu_q.tolist()[1:]), zip(cu_k.tolist(), cu_k.tolist()[1:])):
+    for (q0, q1), (k0, k1) in zip(
+        zip(cu_q.tolist(), cu_q.tolist()[1:]), zip(cu_k.tolist(), cu_k.tolist()[1:])
+    ):
         if q1 == q0:
             continue
-        o, lse_doc, g = _reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1], causal=causal)
+        o, lse_doc, g = _reference(
+            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1], causal=causal
+        )
         ref_out[q0:q1], ref_lse[:, q0:q1] = o[0], lse_doc[0]
         ref_dq[q0:q1], ref_dk[k0:k1], ref_dv[k0:k1] = (x[0] for x in g)
     on = lambda t: t.to(device)  # noqa: E731
     cast = [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
-    out, lse = attention_varlen_forward(*cast[:3], on(cu_q), on(cu_k), max(lens_q), max(lens_k), causal=causal, backend=backend)
+    out, lse = attention_varlen_forward(
+        *cast[:3], on(cu_q), on(cu_k), max(lens_q), max(lens_k), causal=causal, backend=backend
+    )
     out_tol, lse_tol, grad_tol = TOLERANCE[dtype]
     assert lse.shape == (4, q.shape[0])
     _check("out", out, ref_out, out_tol)
     _check("lse", lse, ref_lse, lse_tol)
     grads = attention_varlen_backward(
-        cast[3], *cast[:3], ref_out.to(device=device, dtype=dtype), ref_lse.float().to(device),
-        on(cu_q), on(cu_k), max(lens_q), max(lens_k), causal=causal, backend=backend,
+        cast[3],
+        *cast[:3],
+        ref_out.to(device=device, dtype=dtype),
+        ref_lse.float().to(device),
+        on(cu_q),
+        on(cu_k),
+        max(lens_q),
+        max(lens_k),
+        causal=causal,
+        backend=backend,
     )
     for grad, ref in zip(grads, (ref_dq, ref_dk, ref_dv)):
         _check("grad", grad, ref, grad_tol)
@@ -235,7 +289,12 @@ def test_auto_picks_the_first_supported_backend_in_preference_order():
 
     assert select_backend(cpu_spec).name == "cpu"
     cuda_order = registry.auto_order(torch.device("cuda"))
-    assert cuda_order.index("cudnn") < cuda_order.index("flash") < cuda_order.index("efficient") < cuda_order.index("math")
+    assert (
+        cuda_order.index("cudnn")
+        < cuda_order.index("flash")
+        < cuda_order.index("efficient")
+        < cuda_order.index("math")
+    )
 
 
 # ------------------------------------------------------------------ bad input
@@ -251,12 +310,24 @@ def _good(**over):
 @pytest.mark.parametrize(
     "tensors,message",
     [
-        (_good(q=torch.randn(8, 4, 16)), r"q must be 4-D \[batch, seq, heads, head_dim\], got shape \(8, 4, 16\)"),
-        (_good(k=torch.randn(1, 8, 2, 32), v=torch.randn(1, 8, 2, 32)), "same head_dim, got 16 and 32"),
-        (_good(k=torch.randn(1, 8, 3, 16), v=torch.randn(1, 8, 3, 16)), r"query heads \(4\) must be a multiple of the number of key/value heads \(3\)"),
+        (
+            _good(q=torch.randn(8, 4, 16)),
+            r"q must be 4-D \[batch, seq, heads, head_dim\], got shape \(8, 4, 16\)",
+        ),
+        (
+            _good(k=torch.randn(1, 8, 2, 32), v=torch.randn(1, 8, 2, 32)),
+            "same head_dim, got 16 and 32",
+        ),
+        (
+            _good(k=torch.randn(1, 8, 3, 16), v=torch.randn(1, 8, 3, 16)),
+            r"query heads \(4\) must be a multiple of the number of key/value heads \(3\)",
+        ),
         (_good(v=torch.randn(1, 8, 2, 16, dtype=torch.float64)), "share a dtype"),
         (_good(v=torch.randn(1, 9, 2, 16)), "k and v must have the same shape"),
-        (_good(k=torch.randn(2, 8, 2, 16), v=torch.randn(2, 8, 2, 16)), "same batch size, got 1 and 2"),
+        (
+            _good(k=torch.randn(2, 8, 2, 16), v=torch.randn(2, 8, 2, 16)),
+            "same batch size, got 1 and 2",
+        ),
         (_good(q=torch.ones(1, 8, 4, 16, dtype=torch.int64)), "floating-point"),
     ],
 )
@@ -266,14 +337,19 @@ def test_bad_inputs_are_explained(tensors, message):
 
 
 def test_unknown_backend_lists_the_valid_names():
-    with pytest.raises(AttentionInputError, match="unknown attention backend 'fast'; valid names: auto, cudnn"):
+    with pytest.raises(
+        AttentionInputError, match="unknown attention backend 'fast'; valid names: auto, cudnn"
+    ):
         attention_forward(*_good(), backend="fast")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 @pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient"])
 def test_a_cuda_backend_on_cpu_tensors_says_which_backends_can(backend):
-    with pytest.raises(BackendUnavailableError, match=rf"'{backend}' cannot run .*runs on cuda, not cpu.*Backends that can: cpu, math"):
+    with pytest.raises(
+        BackendUnavailableError,
+        match=rf"'{backend}' cannot run .*runs on cuda, not cpu.*Backends that can: cpu, math",
+    ):
         attention_forward(*_good(), backend=backend)
 
 
@@ -296,7 +372,9 @@ def test_bad_options_and_backward_inputs():
     with pytest.raises(AttentionInputError, match="softmax_scale must be a positive float"):
         attention_forward(q, k, v, softmax_scale=0.0)
     out, lse = attention_forward(q, k, v)
-    with pytest.raises(AttentionInputError, match=r"lse must be \[batch, heads, seq\] = \(1, 4, 8\)"):
+    with pytest.raises(
+        AttentionInputError, match=r"lse must be \[batch, heads, seq\] = \(1, 4, 8\)"
+    ):
         attention_backward(out, q, k, v, out, lse.transpose(1, 2))
     with pytest.raises(AttentionInputError, match="lse must be torch.float32"):
         attention_backward(out, q, k, v, out, lse.half())

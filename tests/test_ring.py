@@ -17,7 +17,7 @@ import torch.distributed as dist
 from reference import reference_attention, relative_error
 
 from usp.comm.stats import CommStats
-from usp.ring import RingInputError, ring_attention
+from usp.ring import ring_attention
 from usp.sharding import sequence_positions
 
 TOL = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 4e-2)}  # (out, grads)
@@ -27,7 +27,10 @@ HEADS = {"mha": (4, 4), "gqa": (4, 2)}
 def global_inputs(seq_len, heads, kv_heads, head_dim=16, batch=2, seed=0):
     gen = torch.Generator().manual_seed(seed)
     shape_q, shape_kv = (batch, seq_len, heads, head_dim), (batch, seq_len, kv_heads, head_dim)
-    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in (shape_q, shape_kv, shape_kv, shape_q)]
+    return [
+        torch.randn(s, generator=gen, dtype=torch.float64)
+        for s in (shape_q, shape_kv, shape_kv, shape_q)
+    ]
 
 
 def reference_with_grads(q, k, v, dout, causal):
@@ -36,7 +39,9 @@ def reference_with_grads(q, k, v, dout, causal):
     return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
 
 
-def run_ring_case(layout, ring_impl, causal, heads, dtype_name, local_len=16, kv_head_chunks=1, seed=0):
+def run_ring_case(
+    layout, ring_impl, causal, heads, dtype_name, local_len=16, kv_head_chunks=1, seed=0
+):
     """On every rank of WORLD: ring attention vs the reference; returns relative errors
     and this rank's byte counters (forward and backward separately)."""
     ring_size, rank = dist.get_world_size(), dist.get_rank()
@@ -48,8 +53,13 @@ def run_ring_case(layout, ring_impl, causal, heads, dtype_name, local_len=16, kv
     local = [t[:, positions].to(dtype).requires_grad_() for t in (q, k, v)]
     stats = CommStats()
     out = ring_attention(
-        *local, dist.group.WORLD, causal=causal, layout=layout, ring_impl=ring_impl,
-        comm_stats=stats, kv_head_chunks=kv_head_chunks,
+        *local,
+        dist.group.WORLD,
+        causal=causal,
+        layout=layout,
+        ring_impl=ring_impl,
+        comm_stats=stats,
+        kv_head_chunks=kv_head_chunks,
     )
     forward_bytes = stats.snapshot()
     stats.reset()
@@ -72,17 +82,23 @@ CASES = list(itertools.product([False, True], HEADS, ["float32", "bfloat16"]))
 def test_ring_matches_single_process_reference(distributed, ring_size, layout, ring_impl):
     failures = []
     for causal, heads, dtype in CASES:
-        results = distributed.run(run_ring_case, layout, ring_impl, causal, heads, dtype, world_size=ring_size)
+        results = distributed.run(
+            run_ring_case, layout, ring_impl, causal, heads, dtype, world_size=ring_size
+        )
         out_tol, grad_tol = TOL[dtype]
         for rank, result in enumerate(results):
             for name, err in result["errors"].items():
                 if err > (out_tol if name == "out" else grad_tol):
-                    failures.append(f"causal={causal} {heads} {dtype} rank {rank} {name}: {err:.3g}")
+                    failures.append(
+                        f"causal={causal} {heads} {dtype} rank {rank} {name}: {err:.3g}"
+                    )
     assert not failures, "\n".join(failures)
 
 
 def test_allgather_in_kv_head_chunks(distributed):
-    results = distributed.run(run_ring_case, "zigzag", "allgather", True, "gqa", "float32", kv_head_chunks=2, world_size=4)
+    results = distributed.run(
+        run_ring_case, "zigzag", "allgather", True, "gqa", "float32", kv_head_chunks=2, world_size=4
+    )
     for result in results:
         assert max(result["errors"].values()) < 1e-5, result["errors"]
         assert result["forward"]["all_gather"]["calls"] == 2
@@ -96,7 +112,14 @@ def test_bf16_gradient_error_does_not_grow_with_ring_size(distributed):
     worst = {}
     for ring_size in (2, 8):
         results = distributed.run(
-            run_ring_case, "zigzag", "p2p", True, "gqa", "bfloat16", local_len=256 // ring_size, seed=7,
+            run_ring_case,
+            "zigzag",
+            "p2p",
+            True,
+            "gqa",
+            "bfloat16",
+            local_len=256 // ring_size,
+            seed=7,
             world_size=ring_size,
         )
         worst[ring_size] = {n: max(r["errors"][n] for r in results) for n in ("dq", "dk", "dv")}
@@ -112,7 +135,9 @@ def _kv_bytes(local_len, kv_heads, itemsize, batch=2, head_dim=16):
 @pytest.mark.parametrize("ring_impl", ["p2p", "allgather"])
 def test_traffic_matches_the_formula(distributed, ring_impl, heads):
     ring_size, local_len = 4, 16
-    results = distributed.run(run_ring_case, "zigzag", ring_impl, True, heads, "bfloat16", world_size=ring_size)
+    results = distributed.run(
+        run_ring_case, "zigzag", ring_impl, True, heads, "bfloat16", world_size=ring_size
+    )
     kv_heads = HEADS[heads][1]
     block = _kv_bytes(local_len, kv_heads, itemsize=2)
     block_grads_fp32 = _kv_bytes(local_len, kv_heads, itemsize=4)
@@ -120,27 +145,44 @@ def test_traffic_matches_the_formula(distributed, ring_impl, heads):
         fwd, bwd = result["forward"], result["backward"]
         if ring_impl == "p2p":
             # forward: r-1 K/V blocks; backward: r-1 K/V blocks + r float32 dK/dV blocks
-            assert fwd == {"p2p": {"sent": (ring_size - 1) * block, "received": (ring_size - 1) * block, "calls": ring_size - 1}}
+            assert fwd == {
+                "p2p": {
+                    "sent": (ring_size - 1) * block,
+                    "received": (ring_size - 1) * block,
+                    "calls": ring_size - 1,
+                }
+            }
             moved = (ring_size - 1) * block + ring_size * block_grads_fp32
             assert bwd == {"p2p": {"sent": moved, "received": moved, "calls": 2 * ring_size - 1}}
         else:
-            gather = {"sent": (ring_size - 1) * block, "received": (ring_size - 1) * block, "calls": 1}
+            gather = {
+                "sent": (ring_size - 1) * block,
+                "received": (ring_size - 1) * block,
+                "calls": 1,
+            }
             assert fwd == {"all_gather": gather}
             scatter = (ring_size - 1) * block_grads_fp32
-            assert bwd == {"all_gather": gather, "reduce_scatter": {"sent": scatter, "received": scatter, "calls": 1}}
+            assert bwd == {
+                "all_gather": gather,
+                "reduce_scatter": {"sent": scatter, "received": scatter, "calls": 1},
+            }
 
 
 def _ring_of_one_case():
     from dist_harness import worker_cached
 
-    singles = worker_cached("single-rank groups", lambda: [dist.new_group([r]) for r in range(dist.get_world_size())])
+    singles = worker_cached(
+        "single-rank groups", lambda: [dist.new_group([r]) for r in range(dist.get_world_size())]
+    )
     q, k, v, dout = global_inputs(12, 4, 2)
     expected = reference_with_grads(q, k, v, dout, causal=True)
     local = [t.float().requires_grad_() for t in (q, k, v)]
     stats = CommStats()
     out = ring_attention(*local, singles[dist.get_rank()], causal=True, comm_stats=stats)
     out.backward(dout.float())
-    errors = [relative_error(a, e) for a, e in zip([out.detach(), *(t.grad for t in local)], expected)]
+    errors = [
+        relative_error(a, e) for a, e in zip([out.detach(), *(t.grad for t in local)], expected)
+    ]
     return stats.snapshot(), max(errors)
 
 
@@ -176,8 +218,14 @@ def _bad_input_case(kind):
 @pytest.mark.parametrize(
     "kind,message",
     [
-        ("odd_zigzag", "zigzag layout needs the local sequence length to be a multiple of 2 (global length a multiple of 4 on a ring of 2), got 7"),
-        ("shapes_differ", "ring ranks hold differently shaped inputs: ring rank 0: q (1, 8, 4, 16) k (1, 8, 2, 16), ring rank 1: q (1, 6, 4, 16)"),
+        (
+            "odd_zigzag",
+            "zigzag layout needs the local sequence length to be a multiple of 2 (global length a multiple of 4 on a ring of 2), got 7",
+        ),
+        (
+            "shapes_differ",
+            "ring ranks hold differently shaped inputs: ring rank 0: q (1, 8, 4, 16) k (1, 8, 2, 16), ring rank 1: q (1, 6, 4, 16)",
+        ),
         ("meta_device", "the ring group uses gloo; pass CPU tensors (got meta)"),
         ("layout", "unknown sequence layout 'striped'; valid layouts: zigzag, contiguous"),
         ("impl", "unknown ring_impl 'ulysses'; valid: p2p, allgather"),

@@ -26,11 +26,23 @@ def run_grid(ulysses, ring, ring_impl, local_len=8):
     topo = topology(ulysses, ring)
     world = dist.get_world_size()
     results = []
-    for (heads_name, (heads, kv_heads)), causal in itertools.product(HEAD_CONFIGS.items(), (False, True)):
+    for (heads_name, (heads, kv_heads)), causal in itertools.product(
+        HEAD_CONFIGS.items(), (False, True)
+    ):
         inputs = global_inputs(local_len * world, heads, kv_heads, seed=heads + kv_heads)
         expected = reference_with_grads(*inputs, causal=causal)
-        for layout, dtype in itertools.product(("zigzag", "contiguous"), (torch.float32, torch.bfloat16)):
-            errors = usp_errors(topo, inputs, expected, dtype=dtype, layout=layout, causal=causal, ring_impl=ring_impl)
+        for layout, dtype in itertools.product(
+            ("zigzag", "contiguous"), (torch.float32, torch.bfloat16)
+        ):
+            errors = usp_errors(
+                topo,
+                inputs,
+                expected,
+                dtype=dtype,
+                layout=layout,
+                causal=causal,
+                ring_impl=ring_impl,
+            )
             results.append(((heads_name, causal, layout, dtype), errors))
     return results
 
@@ -44,12 +56,16 @@ def test_usp_matches_single_process_reference(distributed, world, grid, ring_imp
     if grid[1] == 1 and ring_impl == "allgather":
         pytest.skip("ring of one: no ring implementation runs")
     failures = []
-    for rank, results in enumerate(distributed.run(run_grid, *grid, ring_impl, world_size=world, timeout=300)):
+    for rank, results in enumerate(
+        distributed.run(run_grid, *grid, ring_impl, world_size=world, timeout=300)
+    ):
         for (heads, causal, layout, dtype), errors in results:
             out_tol, grad_tol = TOL[dtype]
             for name, err in errors.items():
                 if err > (out_tol if name == "out" else grad_tol):
-                    failures.append(f"rank {rank} {heads} causal={causal} {layout} {dtype}: {name} {err:.3g}")
+                    failures.append(
+                        f"rank {rank} {heads} causal={causal} {layout} {dtype}: {name} {err:.3g}"
+                    )
     assert not failures, "\n".join(failures)
 
 
@@ -58,10 +74,14 @@ def run_uneven_replication(heads, kv_heads, ulysses, ring):
     topo = topology(ulysses, ring)
     inputs = global_inputs(8 * dist.get_world_size(), heads, kv_heads, seed=1)
     expected = reference_with_grads(*inputs, causal=True)
-    return usp_errors(topo, inputs, expected, dtype=torch.float32, layout="zigzag", causal=True, ring_impl="p2p")
+    return usp_errors(
+        topo, inputs, expected, dtype=torch.float32, layout="zigzag", causal=True, ring_impl="p2p"
+    )
 
 
-@pytest.mark.parametrize("heads,kv_heads,grid", [(12, 3, (4, 1)), (12, 3, (2, 2)), (4, 1, (4, 1)), (24, 6, (4, 1))])
+@pytest.mark.parametrize(
+    "heads,kv_heads,grid", [(12, 3, (4, 1)), (12, 3, (2, 2)), (4, 1, (4, 1)), (24, 6, (4, 1))]
+)
 def test_kv_replication_beyond_divisible_cases(distributed, heads, kv_heads, grid):
     for errors in distributed.run(run_uneven_replication, heads, kv_heads, *grid, world_size=4):
         assert max(errors.values()) < 1e-5, errors
@@ -71,7 +91,9 @@ def run_placement(placement, ulysses, ring, ranks_per_node):
     topo = topology(ulysses, ring, placement=placement, ranks_per_node=ranks_per_node)
     inputs = global_inputs(8 * topo.sp_degree, 8, 2, seed=3)
     expected = reference_with_grads(*inputs, causal=True)
-    return usp_errors(topo, inputs, expected, dtype=torch.float32, layout="zigzag", causal=True, ring_impl="p2p")
+    return usp_errors(
+        topo, inputs, expected, dtype=torch.float32, layout="zigzag", causal=True, ring_impl="p2p"
+    )
 
 
 def test_ring_in_node_placement_is_exact_too(distributed):
@@ -86,7 +108,9 @@ def run_data_parallel_replicas():
     assert topo.dp_degree == 2
     inputs = global_inputs(8 * topo.sp_degree, 8, 2, seed=10 + topo.dp_rank)
     expected = reference_with_grads(*inputs, causal=True)
-    return usp_errors(topo, inputs, expected, dtype=torch.float32, layout="zigzag", causal=True, ring_impl="p2p")
+    return usp_errors(
+        topo, inputs, expected, dtype=torch.float32, layout="zigzag", causal=True, ring_impl="p2p"
+    )
 
 
 def test_data_parallel_replicas_are_independent(distributed):
@@ -96,7 +120,12 @@ def test_data_parallel_replicas_are_independent(distributed):
 
 # ------------------------------------------------------------------ sharding
 def run_round_trip(ulysses, ring, placement):
-    topo = topology(ulysses, ring, placement=placement, ranks_per_node=4 if placement == "ring-in-node" else None)
+    topo = topology(
+        ulysses,
+        ring,
+        placement=placement,
+        ranks_per_node=4 if placement == "ring-in-node" else None,
+    )
     seq_len = 8 * topo.sp_degree
     full = torch.arange(2 * seq_len * 3).reshape(2, seq_len, 3)
     checks = []
@@ -105,14 +134,23 @@ def run_round_trip(ulysses, ring, placement):
             local = usp.shard_sequence(full, topo, dim=dim, layout=layout)
             positions = usp.local_positions(seq_len, topo, layout=layout)
             checks.append(bool(torch.equal(local, full[:, positions])))
-            checks.append(bool(torch.equal(usp.gather_sequence(local, topo, dim=dim, layout=layout), full)))
+            checks.append(
+                bool(torch.equal(usp.gather_sequence(local, topo, dim=dim, layout=layout), full))
+            )
     return checks, usp.local_positions(seq_len, topo, layout="zigzag").tolist(), topo.sp_rank
 
 
-@pytest.mark.parametrize("world,grid,placement", [
-    (8, (8, 1), "ulysses-in-node"), (8, (4, 2), "ulysses-in-node"), (8, (2, 4), "ulysses-in-node"),
-    (8, (1, 8), "ulysses-in-node"), (4, (2, 2), "ulysses-in-node"), (8, (2, 4), "ring-in-node"),
-])
+@pytest.mark.parametrize(
+    "world,grid,placement",
+    [
+        (8, (8, 1), "ulysses-in-node"),
+        (8, (4, 2), "ulysses-in-node"),
+        (8, (2, 4), "ulysses-in-node"),
+        (8, (1, 8), "ulysses-in-node"),
+        (4, (2, 2), "ulysses-in-node"),
+        (8, (2, 4), "ring-in-node"),
+    ],
+)
 def test_shard_and_gather_round_trip_exactly(distributed, world, grid, placement):
     results = distributed.run(run_round_trip, *grid, placement, world_size=world)
     assert all(all(checks) for checks, _, _ in results)
@@ -139,7 +177,10 @@ def test_pad_to_multiple():
     assert usp.pad_to_multiple(ids, 8).tolist() == [list(range(10)) + [0] * 6]
     assert usp.pad_to_multiple(labels, 8, value=-100)[0, 10:].tolist() == [-100] * 6
     assert usp.pad_to_multiple(ids, 5) is ids
-    with pytest.raises(usp.ShardingError, match="sequence length 10 must be a multiple of 4 for the zigzag layout with ring=2, ulysses=2 \\(pad to 12"):
+    with pytest.raises(
+        usp.ShardingError,
+        match="sequence length 10 must be a multiple of 4 for the zigzag layout with ring=2, ulysses=2 \\(pad to 12",
+    ):
         usp.sharding.check_sequence_length(10, 2, 2, "zigzag")
 
 
@@ -156,7 +197,9 @@ def run_traffic(ulysses, ring, heads, kv_heads):
     return forward, topo.comm_stats.snapshot()
 
 
-@pytest.mark.parametrize("grid,heads", [((4, 2), (8, 8)), ((4, 2), (8, 2)), ((2, 4), (16, 8)), ((8, 1), (8, 2))])
+@pytest.mark.parametrize(
+    "grid,heads", [((4, 2), (8, 8)), ((4, 2), (8, 2)), ((2, 4), (16, 8)), ((8, 1), (8, 2))]
+)
 def test_usp_traffic_matches_the_formula(distributed, grid, heads):
     (u, r), (num_heads, kv_heads) = grid, heads
     batch, local_len, head_dim, item = 2, 8, 16, 2
@@ -167,7 +210,9 @@ def test_usp_traffic_matches_the_formula(distributed, grid, heads):
     out = num_heads * token_bytes * (u - 1) // u
     ring_len = local_len * u  # after the all-to-all
     kv_block = 2 * batch * ring_len * (replicated_kv // u) * head_dim * item
-    for forward, backward in distributed.run(run_traffic, u, r, num_heads, kv_heads, world_size=u * r):
+    for forward, backward in distributed.run(
+        run_traffic, u, r, num_heads, kv_heads, world_size=u * r
+    ):
         if u > 1:
             assert forward["all_to_all"] == {"sent": qkv + out, "received": qkv + out, "calls": 2}
             assert backward["all_to_all"] == {"sent": qkv + out, "received": qkv + out, "calls": 2}
@@ -186,16 +231,35 @@ def run_bad_input(kind):
     topo = topology(4, 1)
     try:
         if kind == "heads":
-            usp.usp_attention(torch.randn(1, 8, 6, 16), torch.randn(1, 8, 6, 16), torch.randn(1, 8, 6, 16), topo)
-        elif kind == "length":  # with an even Ulysses degree any local length works: use a pure ring
+            usp.usp_attention(
+                torch.randn(1, 8, 6, 16), torch.randn(1, 8, 6, 16), torch.randn(1, 8, 6, 16), topo
+            )
+        elif (
+            kind == "length"
+        ):  # with an even Ulysses degree any local length works: use a pure ring
             ring_only = topology(1, 4)
-            usp.usp_attention(torch.randn(1, 3, 8, 16), torch.randn(1, 3, 2, 16), torch.randn(1, 3, 2, 16), ring_only, causal=True)
+            usp.usp_attention(
+                torch.randn(1, 3, 8, 16),
+                torch.randn(1, 3, 2, 16),
+                torch.randn(1, 3, 2, 16),
+                ring_only,
+                causal=True,
+            )
         elif kind == "batch":
-            usp.usp_attention(torch.randn(1, 8, 8, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16), topo)
+            usp.usp_attention(
+                torch.randn(1, 8, 8, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16), topo
+            )
         elif kind == "head_dim":
-            usp.usp_attention(torch.randn(1, 8, 8, 16), torch.randn(1, 8, 2, 32), torch.randn(1, 8, 2, 32), topo)
+            usp.usp_attention(
+                torch.randn(1, 8, 8, 16), torch.randn(1, 8, 2, 32), torch.randn(1, 8, 2, 32), topo
+            )
         elif kind == "dtype":
-            usp.usp_attention(torch.randn(1, 8, 8, 16), torch.randn(1, 8, 2, 16).double(), torch.randn(1, 8, 2, 16), topo)
+            usp.usp_attention(
+                torch.randn(1, 8, 8, 16),
+                torch.randn(1, 8, 2, 16).double(),
+                torch.randn(1, 8, 2, 16),
+                topo,
+            )
         elif kind == "shard":
             usp.shard_sequence(torch.randn(1, 10, 8), topo)
     except ValueError as err:
@@ -203,16 +267,31 @@ def run_bad_input(kind):
     return "no error"
 
 
-@pytest.mark.parametrize("kind,message", [
-    ("heads", "cannot split 6 query heads / 6 KV heads over ulysses=4: num_heads(6) is not divisible by ulysses(4)"),
-    ("heads", "valid (ulysses, ring) pairs for sp_size=4 with 6 heads / 6 KV heads and 4 ranks per node: (1, 4), (2, 2)"),
-    ("length", "sequence length 12 must be a multiple of 8 for the zigzag layout with ring=4, ulysses=1 (pad to 16"),
-    ("length", "each rank holds 3 tokens of 4 ranks"),
-    ("batch", "same batch size, got 1 and 2"),
-    ("head_dim", "same head_dim, got 16 and 32"),
-    ("dtype", "q, k and v must share a dtype"),
-    ("shard", "sequence length 10 must be a multiple of 4 for the zigzag layout with ring=1, ulysses=4 (pad to 12"),
-])
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        (
+            "heads",
+            "cannot split 6 query heads / 6 KV heads over ulysses=4: num_heads(6) is not divisible by ulysses(4)",
+        ),
+        (
+            "heads",
+            "valid (ulysses, ring) pairs for sp_size=4 with 6 heads / 6 KV heads and 4 ranks per node: (1, 4), (2, 2)",
+        ),
+        (
+            "length",
+            "sequence length 12 must be a multiple of 8 for the zigzag layout with ring=4, ulysses=1 (pad to 16",
+        ),
+        ("length", "each rank holds 3 tokens of 4 ranks"),
+        ("batch", "same batch size, got 1 and 2"),
+        ("head_dim", "same head_dim, got 16 and 32"),
+        ("dtype", "q, k and v must share a dtype"),
+        (
+            "shard",
+            "sequence length 10 must be a multiple of 4 for the zigzag layout with ring=1, ulysses=4 (pad to 12",
+        ),
+    ],
+)
 def test_bad_input_is_explained(distributed, kind, message):
     for result in distributed.run(run_bad_input, kind, world_size=4):
         assert message in result, result

@@ -10,14 +10,19 @@ from reference import reference_attention, relative_error
 import usp
 
 
-def topology(ulysses: int, ring: int, placement: str = "ulysses-in-node", ranks_per_node: int | None = None):
+def topology(
+    ulysses: int, ring: int, placement: str = "ulysses-in-node", ranks_per_node: int | None = None
+):
     """Cached per worker. "ring-in-node" tests put the ring inside a node on purpose,
     so their Ulysses groups cross nodes."""
     key = ("topology", ulysses, ring, placement, ranks_per_node)
     return worker_cached(
         key,
         lambda: usp.build_topology(
-            ulysses, ring, placement=placement, ranks_per_node=ranks_per_node,
+            ulysses,
+            ring,
+            placement=placement,
+            ranks_per_node=ranks_per_node,
             allow_cross_node_ulysses=placement == "ring-in-node",
         ),
     )
@@ -26,7 +31,10 @@ def topology(ulysses: int, ring: int, placement: str = "ulysses-in-node", ranks_
 def global_inputs(seq_len, heads, kv_heads, head_dim=16, batch=2, seed=0):
     gen = torch.Generator().manual_seed(seed)
     shape_q, shape_kv = (batch, seq_len, heads, head_dim), (batch, seq_len, kv_heads, head_dim)
-    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in (shape_q, shape_kv, shape_kv, shape_q)]
+    return [
+        torch.randn(s, generator=gen, dtype=torch.float64)
+        for s in (shape_q, shape_kv, shape_kv, shape_q)
+    ]
 
 
 def reference_with_grads(q, k, v, dout, causal, mask=None):
@@ -38,8 +46,12 @@ def reference_with_grads(q, k, v, dout, causal, mask=None):
 def usp_errors(topo, inputs, expected, *, dtype, layout, causal, ring_impl, extra=None):
     """Shard the global inputs, run usp_attention fwd+bwd, gather, compare."""
     q, k, v, dout = inputs
-    local = [usp.shard_sequence(t, topo, layout=layout).to(dtype).requires_grad_() for t in (q, k, v)]
-    out = usp.usp_attention(*local, topo, causal=causal, layout=layout, ring_impl=ring_impl, **(extra or {}))
+    local = [
+        usp.shard_sequence(t, topo, layout=layout).to(dtype).requires_grad_() for t in (q, k, v)
+    ]
+    out = usp.usp_attention(
+        *local, topo, causal=causal, layout=layout, ring_impl=ring_impl, **(extra or {})
+    )
     out.backward(usp.shard_sequence(dout, topo, layout=layout).to(dtype))
     actual = [out.detach(), *(t.grad for t in local)]
     if any(a.dtype != dtype for a in actual):

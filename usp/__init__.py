@@ -21,9 +21,13 @@ from usp.process_groups import (
 )
 from usp.ring import ring_attention
 from usp.sharding import (
+    DocumentPadding,
     ShardingError,
+    document_position_ids,
     gather_sequence,
+    local_position_ids,
     local_positions,
+    pad_documents,
     pad_to_multiple,
     sequence_multiple,
     shard_sequence,
@@ -33,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CommStats",
+    "DocumentPadding",
     "HeadLayoutError",
     "RankMap",
     "ShardingError",
@@ -42,8 +47,11 @@ __all__ = [
     "attention_backward",
     "attention_forward",
     "build_topology",
+    "document_position_ids",
     "gather_sequence",
+    "local_position_ids",
     "local_positions",
+    "pad_documents",
     "pad_to_multiple",
     "ring_attention",
     "sequence_multiple",

@@ -3,24 +3,31 @@
 The layout (what ``usp_attention`` and ``ring_attention`` expect), for a global sequence
 of S tokens, ring size r, Ulysses size u:
   1. ring level: ``contiguous`` gives ring rank i the i-th of r chunks; ``zigzag`` cuts
-     the sequence into 2r chunks and gives ring rank i chunks i and 2r-1-i (in that order);
+     the sequence into 2r chunks and gives ring rank i chunks i and 2r-1-i (in that order).
+     A packed sequence (``cu_seqlens``) is placed document by document: every document
+     is cut into 2r (or r) chunks, and ring rank i holds chunk i of every document, then
+     chunk 2r-1-i of every document (see :mod:`usp.ring.documents`);
   2. Ulysses level: the ring rank's block of S/r tokens is cut into u contiguous pieces,
      and Ulysses rank j holds piece j.
 After the Ulysses all-to-all, each rank of a Ulysses group holds the whole block of its
 ring rank, which is the ring layout. Tokens, labels and position ids must all be
-sharded this way (RoPE needs the global positions).
+sharded this way (RoPE needs the global positions, or the in-document positions of
+:func:`document_position_ids` for packed sequences).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from usp.comm.collectives import all_gather_uncounted
+from usp.kernels.spec import validate_cu_seqlens
+from usp.ring.documents import LAYOUTS, Documents, check_layout
 
-SEQUENCE_LAYOUTS = ("zigzag", "contiguous")
+SEQUENCE_LAYOUTS = LAYOUTS
 
 
 class ShardingError(ValueError):
@@ -28,7 +35,7 @@ class ShardingError(ValueError):
 
 
 def required_multiple(ring_size: int, ulysses_size: int, layout: str) -> int:
-    """The global sequence length must be a multiple of this."""
+    """The global length of a dense sequence must be a multiple of this."""
     _check_layout(layout)
     if layout == "zigzag":
         return ring_size * math.lcm(2, ulysses_size)  # 2r chunks, and u | S/r
@@ -45,6 +52,34 @@ def check_sequence_length(seq_len: int, ring_size: int, ulysses_size: int, layou
         )
 
 
+def _bounds(cu_seqlens, seq_len: int) -> list[int]:
+    try:
+        return validate_cu_seqlens(cu_seqlens, seq_len, "cu_seqlens")
+    except ValueError as err:
+        raise ShardingError(str(err)) from None
+
+
+def sequence_documents(
+    seq_len: int, ring_size: int, ulysses_size: int, layout: str, cu_seqlens=None
+) -> Documents:
+    """The placement of a dense (``cu_seqlens=None``) or packed sequence; checks that it
+    can be placed on ring x ulysses ranks and says what to pad otherwise."""
+    if cu_seqlens is None:
+        check_sequence_length(seq_len, ring_size, ulysses_size, layout)
+        return Documents.single(seq_len, ring_size, layout)
+    _check_layout(layout)
+    try:
+        docs = Documents.from_bounds(_bounds(cu_seqlens, seq_len), ring_size, layout)
+    except ValueError as err:
+        raise ShardingError(str(err)) from None
+    if docs.local_len % ulysses_size:
+        raise ShardingError(
+            f"each ring rank holds {docs.local_len} tokens of the packed sequence, which must split "
+            f"evenly over ulysses={ulysses_size}; pad with usp.pad_documents"
+        )
+    return docs
+
+
 def sequence_positions(
     seq_len: int,
     *,
@@ -53,26 +88,21 @@ def sequence_positions(
     ulysses_size: int = 1,
     ulysses_rank: int = 0,
     layout: str = "zigzag",
+    cu_seqlens=None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Global positions (int64, in local order) held by rank (ring_rank, ulysses_rank)."""
-    check_sequence_length(seq_len, ring_size, ulysses_size, layout)
-    block = seq_len // ring_size
-    if layout == "zigzag":
-        half = block // 2
-        first = torch.arange(ring_rank * half, (ring_rank + 1) * half, device=device)
-        last_chunk = 2 * ring_size - 1 - ring_rank
-        second = torch.arange(last_chunk * half, (last_chunk + 1) * half, device=device)
-        ring_block = torch.cat([first, second])
-    else:
-        ring_block = torch.arange(ring_rank * block, (ring_rank + 1) * block, device=device)
-    piece = block // ulysses_size
-    return ring_block[ulysses_rank * piece : (ulysses_rank + 1) * piece]
+    docs = sequence_documents(seq_len, ring_size, ulysses_size, layout, cu_seqlens)
+    block = docs.block_positions(ring_rank)
+    piece = block.numel() // ulysses_size
+    return block[ulysses_rank * piece : (ulysses_rank + 1) * piece].to(device)
 
 
 def _check_layout(layout: str) -> None:
-    if layout not in SEQUENCE_LAYOUTS:
-        raise ShardingError(f"unknown sequence layout {layout!r}; valid layouts: {', '.join(SEQUENCE_LAYOUTS)}")
+    try:
+        check_layout(layout)
+    except ValueError as err:
+        raise ShardingError(str(err)) from None
 
 
 def sequence_multiple(topology, layout: str = "zigzag") -> int:
@@ -80,24 +110,38 @@ def sequence_multiple(topology, layout: str = "zigzag") -> int:
     return required_multiple(topology.ring_degree, topology.ulysses_degree, layout)
 
 
-def local_positions(seq_len: int, topology, *, layout: str = "zigzag", device=None) -> torch.Tensor:
+def local_positions(
+    seq_len: int, topology, *, layout: str = "zigzag", cu_seqlens=None, device=None
+) -> torch.Tensor:
     """Global positions of the tokens this rank holds, in local order (int64)."""
     return sequence_positions(
-        seq_len, ring_size=topology.ring_degree, ring_rank=topology.ring_rank,
-        ulysses_size=topology.ulysses_degree, ulysses_rank=topology.ulysses_rank,
-        layout=layout, device=device,
+        seq_len,
+        ring_size=topology.ring_degree,
+        ring_rank=topology.ring_rank,
+        ulysses_size=topology.ulysses_degree,
+        ulysses_rank=topology.ulysses_rank,
+        layout=layout,
+        cu_seqlens=cu_seqlens,
+        device=device,
     )
 
 
-def shard_sequence(x: torch.Tensor, topology, *, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+def shard_sequence(
+    x: torch.Tensor, topology, *, dim: int = 1, layout: str = "zigzag", cu_seqlens=None
+) -> torch.Tensor:
     """This rank's shard of ``x`` (the full sequence, identical on every SP rank) along
-    ``dim``, in the order ``usp_attention`` expects. Differentiable (an index_select)."""
+    ``dim``, in the order ``usp_attention`` expects (pass the same ``cu_seqlens`` for a
+    packed sequence). Differentiable (an index_select)."""
     dim = dim % x.dim()
-    positions = local_positions(x.shape[dim], topology, layout=layout, device=x.device)
+    positions = local_positions(
+        x.shape[dim], topology, layout=layout, cu_seqlens=cu_seqlens, device=x.device
+    )
     return x.index_select(dim, positions)
 
 
-def gather_sequence(x_local: torch.Tensor, topology, *, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+def gather_sequence(
+    x_local: torch.Tensor, topology, *, dim: int = 1, layout: str = "zigzag", cu_seqlens=None
+) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: the full sequence, on every SP rank.
 
     A collective over ``topology.sp_group`` (all SP ranks must call it). The result does
@@ -106,7 +150,9 @@ def gather_sequence(x_local: torch.Tensor, topology, *, dim: int = 1, layout: st
     dim = dim % x_local.dim()
     sp_size = topology.sp_degree
     front = x_local.detach().movedim(dim, 0).contiguous()  # [L, ...]
-    gathered = torch.empty((sp_size * front.shape[0],) + front.shape[1:], dtype=front.dtype, device=front.device)
+    gathered = torch.empty(
+        (sp_size * front.shape[0],) + front.shape[1:], dtype=front.dtype, device=front.device
+    )
     all_gather_uncounted(gathered, front, topology.sp_group)
     seq_len = sp_size * front.shape[0]
     full = torch.empty_like(gathered)
@@ -114,9 +160,14 @@ def gather_sequence(x_local: torch.Tensor, topology, *, dim: int = 1, layout: st
         # torch orders the sp group by global rank; find each piece's (ring, ulysses) place
         coords = topology.rank_map.coords_of(dist.get_global_rank(topology.sp_group, group_rank))
         positions = sequence_positions(
-            seq_len, ring_size=topology.ring_degree, ring_rank=coords.ring,
-            ulysses_size=topology.ulysses_degree, ulysses_rank=coords.ulysses,
-            layout=layout, device=full.device,
+            seq_len,
+            ring_size=topology.ring_degree,
+            ring_rank=coords.ring,
+            ulysses_size=topology.ulysses_degree,
+            ulysses_rank=coords.ulysses,
+            layout=layout,
+            cu_seqlens=cu_seqlens,
+            device=full.device,
         )
         full.index_copy_(0, positions, piece)
     return full.movedim(0, dim)
@@ -137,3 +188,86 @@ def pad_to_multiple(x: torch.Tensor, multiple: int, *, dim: int = 1, value=0) ->
     pad_shape = list(x.shape)
     pad_shape[dim] = missing
     return torch.cat([x, torch.full(pad_shape, value, dtype=x.dtype, device=x.device)], dim=dim)
+
+
+def document_position_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Each token's position inside its document, for the whole packed sequence (int64).
+
+    Shard it like the tokens (``shard_sequence(ids[None], topo, cu_seqlens=cu)``) or use
+    :func:`local_position_ids`.
+    """
+    bounds = _bounds(cu_seqlens, int(cu_seqlens[-1]))
+    starts = torch.tensor(bounds[:-1], dtype=torch.int64)
+    lengths = torch.tensor(bounds[1:], dtype=torch.int64) - starts
+    return torch.arange(bounds[-1]) - torch.repeat_interleave(
+        starts, lengths, output_size=bounds[-1]
+    )
+
+
+def local_position_ids(
+    cu_seqlens: torch.Tensor, topology, *, layout: str = "zigzag"
+) -> torch.Tensor:
+    """In-document positions of the tokens this rank holds, in local order ([S/P] int64)."""
+    positions = document_position_ids(cu_seqlens)
+    return positions[
+        local_positions(positions.numel(), topology, layout=layout, cu_seqlens=cu_seqlens)
+    ]
+
+
+@dataclass(frozen=True)
+class DocumentPadding:
+    """How :func:`pad_documents` padded a packed sequence.
+
+    ``cu_seqlens`` are the new boundaries; :meth:`apply` pads any tensor laid out like
+    the tokens (input ids with the pad id, labels with the ignore index, ...).
+    """
+
+    cu_seqlens: torch.Tensor
+    #: where each original token lands in the padded sequence
+    destinations: torch.Tensor
+
+    @property
+    def padded_len(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    def apply(self, x: torch.Tensor, value, *, dim: int = 1) -> torch.Tensor:
+        dim = dim % x.dim()
+        if x.shape[dim] != self.destinations.numel():
+            raise ShardingError(
+                f"tensor has {x.shape[dim]} tokens along dim {dim}, the packed sequence {self.destinations.numel()}"
+            )
+        shape = list(x.shape)
+        shape[dim] = self.padded_len
+        padded = torch.full(shape, value, dtype=x.dtype, device=x.device)
+        return padded.index_copy(dim, self.destinations.to(x.device), x)
+
+
+def pad_documents(cu_seqlens: torch.Tensor, topology, *, layout: str = "zigzag") -> DocumentPadding:
+    """Pad every document of a packed sequence to what ``layout`` needs on ``topology``.
+
+    Each document grows at its end to a multiple of 2r (zigzag) or r (contiguous) tokens;
+    if the ring blocks then do not split over the Ulysses ranks, one padding document is
+    appended. For causal attention, pads at a document's end change nothing for its real
+    tokens (no earlier token attends to them); give their labels the ignore index.
+    """
+    _check_layout(layout)
+    r, u = topology.ring_degree, topology.ulysses_degree
+    bounds = _bounds(cu_seqlens, int(cu_seqlens[-1]))
+    chunks = 2 * r if layout == "zigzag" else r
+    old_starts = torch.tensor(bounds[:-1], dtype=torch.int64)
+    lengths = torch.tensor(bounds[1:], dtype=torch.int64) - old_starts
+    padded = -(-lengths // chunks) * chunks
+    new_bounds = [0, *torch.cumsum(padded, 0).tolist()]
+    # S/r = sum(padded)/r must be a multiple of u; a padding document of p*chunks tokens
+    # adds p*chunks/r to it
+    per_rank, step = new_bounds[-1] // r, chunks // r
+    extra = next(p for p in range(u) if (per_rank + p * step) % u == 0)
+    if extra:
+        new_bounds.append(new_bounds[-1] + extra * chunks)
+    new_starts = torch.tensor(new_bounds[: len(bounds) - 1], dtype=torch.int64)
+    total = int(lengths.sum())
+    offsets = torch.repeat_interleave(new_starts - old_starts, lengths, output_size=total)
+    return DocumentPadding(
+        cu_seqlens=torch.tensor(new_bounds, dtype=torch.int32),
+        destinations=torch.arange(total) + offsets,
+    )

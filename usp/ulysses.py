@@ -20,8 +20,13 @@ class UlyssesHeadError(HeadLayoutError):
     (ulysses, ring) pairs that work for this sequence-parallel size."""
 
 
-def kv_replication_for(num_heads: int, num_kv_heads: int, ulysses_degree: int, sp_degree: int,
-                       ranks_per_node: int | None = None) -> int:
+def kv_replication_for(
+    num_heads: int,
+    num_kv_heads: int,
+    ulysses_degree: int,
+    sp_degree: int,
+    ranks_per_node: int | None = None,
+) -> int:
     """``kv_replication`` with an error message that lists the valid degree pairs."""
     try:
         return kv_replication(num_heads, num_kv_heads, ulysses_degree)
@@ -33,7 +38,9 @@ def kv_replication_for(num_heads: int, num_kv_heads: int, ulysses_degree: int, s
         ) from None
 
 
-def replicate_kv_heads(k: torch.Tensor, v: torch.Tensor, times: int) -> tuple[torch.Tensor, torch.Tensor]:
+def replicate_kv_heads(
+    k: torch.Tensor, v: torch.Tensor, times: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, S, Hkv, D] -> [B, S, Hkv * times, D]: head e of the result is head e // times."""
     if times == 1:
         return k, v

@@ -55,7 +55,9 @@ def all_to_all(tensors: Sequence[torch.Tensor], plan: AllToAllPlan) -> list[torc
     offset = 0
     for x, piece, numel in zip(tensors, pieces, numels):
         # [.., n, ..] -> [size, .., n/size, ..]: chunk j of scatter_dim goes to rank j
-        chunks = x.unflatten(plan.scatter_dim, (size, piece[plan.scatter_dim])).movedim(plan.scatter_dim, 0)
+        chunks = x.unflatten(plan.scatter_dim, (size, piece[plan.scatter_dim])).movedim(
+            plan.scatter_dim, 0
+        )
         send[:, offset : offset + numel].view(size, *piece).copy_(chunks)
         offset += numel
     received = all_to_all_into(torch.empty_like(send), send, plan.group, plan.stats)
@@ -63,7 +65,9 @@ def all_to_all(tensors: Sequence[torch.Tensor], plan: AllToAllPlan) -> list[torc
     for piece, numel in zip(pieces, numels):
         # [size, .., m, ..] (source rank first) -> [.., size * m, ..] along gather_dim
         from_ranks = received[:, offset : offset + numel].view(size, *piece)
-        outputs.append(from_ranks.movedim(0, plan.gather_dim).flatten(plan.gather_dim, plan.gather_dim + 1))
+        outputs.append(
+            from_ranks.movedim(0, plan.gather_dim).flatten(plan.gather_dim, plan.gather_dim + 1)
+        )
         offset += numel
     return outputs
 
@@ -98,13 +102,17 @@ def _device_of(grads):
     return next(g.device for g in grads if g is not None)
 
 
-def seq_to_head(tensors: Sequence[torch.Tensor], group, stats: CommStats | None = None) -> list[torch.Tensor]:
+def seq_to_head(
+    tensors: Sequence[torch.Tensor], group, stats: CommStats | None = None
+) -> list[torch.Tensor]:
     """[B, S/u, h, D] each -> [B, S, h/u, D] each (autograd-aware)."""
     plan = AllToAllPlan(group, scatter_dim=HEAD_DIM, gather_dim=SEQ_DIM, stats=stats)
     return list(_AllToAllFunction.apply(plan, *tensors))
 
 
-def head_to_seq(tensors: Sequence[torch.Tensor], group, stats: CommStats | None = None) -> list[torch.Tensor]:
+def head_to_seq(
+    tensors: Sequence[torch.Tensor], group, stats: CommStats | None = None
+) -> list[torch.Tensor]:
     """[B, S, h/u, D] each -> [B, S/u, h, D] each (autograd-aware)."""
     plan = AllToAllPlan(group, scatter_dim=SEQ_DIM, gather_dim=HEAD_DIM, stats=stats)
     return list(_AllToAllFunction.apply(plan, *tensors))

@@ -23,16 +23,22 @@ def all_gather_uncounted(output: torch.Tensor, local: torch.Tensor, group) -> to
     return output
 
 
-def all_gather_into(output: torch.Tensor, local: torch.Tensor, group, stats: CommStats | None) -> torch.Tensor:
+def all_gather_into(
+    output: torch.Tensor, local: torch.Tensor, group, stats: CommStats | None
+) -> torch.Tensor:
     """``output`` [n * local.shape[0], ...] <- every rank's ``local``, in group-rank order."""
     size = dist.get_world_size(group)
     _all_gather_single(output, local.contiguous(), group=group)
     if stats is not None:
-        stats.record("all_gather", sent=(size - 1) * _bytes(local), received=(size - 1) * _bytes(local))
+        stats.record(
+            "all_gather", sent=(size - 1) * _bytes(local), received=(size - 1) * _bytes(local)
+        )
     return output
 
 
-def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group, stats: CommStats | None) -> torch.Tensor:
+def reduce_scatter_into(
+    output: torch.Tensor, full: torch.Tensor, group, stats: CommStats | None
+) -> torch.Tensor:
     """``output`` <- the sum over ranks of this rank's slice of ``full`` (dim 0 split)."""
     size = dist.get_world_size(group)
     _reduce_scatter_single(output, full.contiguous(), op=dist.ReduceOp.SUM, group=group)
@@ -42,7 +48,9 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group, stats: 
     return output
 
 
-def all_to_all_into(output: torch.Tensor, send: torch.Tensor, group, stats: CommStats | None) -> torch.Tensor:
+def all_to_all_into(
+    output: torch.Tensor, send: torch.Tensor, group, stats: CommStats | None
+) -> torch.Tensor:
     """Equal-split all-to-all along dim 0: chunk j of ``send`` goes to rank j."""
     size = dist.get_world_size(group)
     dist.all_to_all_single(output, send, group=group)

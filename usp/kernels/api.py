@@ -36,7 +36,9 @@ def select_backend(spec: AttentionSpec, backend: str = "auto") -> Backend:
     impl = registry.get(backend)
     reason = impl.unsupported_reason(spec)
     if reason is not None:
-        able = [n for n in registry.BACKEND_NAMES if registry.get(n).unsupported_reason(spec) is None]
+        able = [
+            n for n in registry.BACKEND_NAMES if registry.get(n).unsupported_reason(spec) is None
+        ]
         raise BackendUnavailableError(
             f"attention backend {backend!r} cannot run {_describe(spec)}: it {reason}. "
             f"Backends that can: {', '.join(able) or 'none'}"
@@ -111,13 +113,18 @@ def dense_forward(impl: Backend, q, k, v, spec: AttentionSpec, scale: float):
         return out, torch.full((batch, heads, seqlen_q), float("-inf"), dtype=acc, device=q.device)
     if not _needs_split(impl, spec):
         return impl.forward(q, k, v, spec, scale)
-    square = dataclasses.replace(spec, seqlen_q=min(seqlen_q, spec.seqlen_k), seqlen_k=min(seqlen_q, spec.seqlen_k))
+    square = dataclasses.replace(
+        spec, seqlen_q=min(seqlen_q, spec.seqlen_k), seqlen_k=min(seqlen_q, spec.seqlen_k)
+    )
     if seqlen_q > spec.seqlen_k:
         skip = seqlen_q - spec.seqlen_k
         part_out, part_lse = impl.forward(q[:, skip:], k, v, square, scale)
         out = torch.cat([q.new_zeros(q[:, :skip].shape[:-1] + (v.shape[-1],)), part_out], dim=1)
         lse = torch.cat(
-            [torch.full((batch, heads, skip), float("-inf"), dtype=acc, device=q.device), part_lse.to(acc)],
+            [
+                torch.full((batch, heads, skip), float("-inf"), dtype=acc, device=q.device),
+                part_lse.to(acc),
+            ],
             dim=2,
         )
         return out, lse
@@ -129,13 +136,17 @@ def dense_forward(impl: Backend, q, k, v, spec: AttentionSpec, scale: float):
     return out.to(q.dtype), lse
 
 
-def dense_backward(impl: Backend, dout, q, k, v, out, lse, spec: AttentionSpec, scale: float) -> Grads:
+def dense_backward(
+    impl: Backend, dout, q, k, v, out, lse, spec: AttentionSpec, scale: float
+) -> Grads:
     seqlen_q, seqlen_k = spec.seqlen_q, spec.seqlen_k
     if seqlen_k == 0 or seqlen_q == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if not _needs_split(impl, spec):
         return impl.backward(dout, q, k, v, out, lse, spec, scale)
-    square = dataclasses.replace(spec, seqlen_q=min(seqlen_q, seqlen_k), seqlen_k=min(seqlen_q, seqlen_k))
+    square = dataclasses.replace(
+        spec, seqlen_q=min(seqlen_q, seqlen_k), seqlen_k=min(seqlen_q, seqlen_k)
+    )
     if seqlen_q > seqlen_k:
         skip = seqlen_q - seqlen_k
         dq_part, dk, dv = impl.backward(
@@ -144,7 +155,11 @@ def dense_backward(impl: Backend, dout, q, k, v, out, lse, spec: AttentionSpec, 
         return torch.cat([torch.zeros_like(q[:, :skip]), dq_part], dim=1), dk, dv
     prefix = seqlen_k - seqlen_q
     full = dataclasses.replace(spec, seqlen_k=prefix, causal=False)
-    dq_full, dk_full, dv_full = impl.backward(dout, q, k[:, :prefix], v[:, :prefix], out, lse, full, scale)
-    dq_diag, dk_diag, dv_diag = impl.backward(dout, q, k[:, prefix:], v[:, prefix:], out, lse, square, scale)
+    dq_full, dk_full, dv_full = impl.backward(
+        dout, q, k[:, :prefix], v[:, :prefix], out, lse, full, scale
+    )
+    dq_diag, dk_diag, dv_diag = impl.backward(
+        dout, q, k[:, prefix:], v[:, prefix:], out, lse, square, scale
+    )
     dq = (dq_full.to(accumulation_dtype(q.dtype)) + dq_diag).to(q.dtype)
     return dq, torch.cat([dk_full, dk_diag], dim=1), torch.cat([dv_full, dv_diag], dim=1)

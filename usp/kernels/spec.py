@@ -56,16 +56,18 @@ def _check_tensor(name: str, x, ndim: int, layout: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise AttentionInputError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != ndim:
-        raise AttentionInputError(
-            f"{name} must be {ndim}-D {layout}, got shape {tuple(x.shape)}"
-        )
+        raise AttentionInputError(f"{name} must be {ndim}-D {layout}, got shape {tuple(x.shape)}")
     if not x.is_floating_point():
         raise AttentionInputError(f"{name} must be a floating-point tensor, got {x.dtype}")
 
 
-def validate_inputs(q, k, v, *, causal: bool, window: int | None, varlen: bool = False) -> AttentionSpec:
+def validate_inputs(
+    q, k, v, *, causal: bool, window: int | None, varlen: bool = False
+) -> AttentionSpec:
     """Check q/k/v and options; return the call's spec. Raises AttentionInputError."""
-    ndim, layout = (3, "[tokens, heads, head_dim]") if varlen else (4, "[batch, seq, heads, head_dim]")
+    ndim, layout = (
+        (3, "[tokens, heads, head_dim]") if varlen else (4, "[batch, seq, heads, head_dim]")
+    )
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x, ndim, layout)
     if not (q.dtype == k.dtype == v.dtype):
@@ -96,7 +98,9 @@ def validate_inputs(q, k, v, *, causal: bool, window: int | None, varlen: bool =
         )
     if not isinstance(causal, bool):
         raise AttentionInputError(f"causal must be a bool, got {causal!r}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 0
+    ):
         raise AttentionInputError(f"window must be None or an int >= 0, got {window!r}")
     seq_dim = 0 if varlen else 1
     return AttentionSpec(
@@ -144,7 +148,11 @@ def validate_backward_inputs(dout, out, lse, q, *, varlen: bool = False) -> None
 def default_scale(head_dim: int, softmax_scale: float | None) -> float:
     if softmax_scale is None:
         return head_dim**-0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or softmax_scale <= 0:
+    if (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, (int, float))
+        or softmax_scale <= 0
+    ):
         raise AttentionInputError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
     return float(softmax_scale)
 
@@ -155,7 +163,9 @@ def validate_cu_seqlens(cu_seqlens, total: int, name: str) -> list[int]:
     Valid: a 1-D int32 tensor [0, ..., total], non-decreasing (empty documents allowed).
     """
     if not isinstance(cu_seqlens, torch.Tensor):
-        raise AttentionInputError(f"{name} must be an int32 tensor, got {type(cu_seqlens).__name__}")
+        raise AttentionInputError(
+            f"{name} must be an int32 tensor, got {type(cu_seqlens).__name__}"
+        )
     if cu_seqlens.dtype != torch.int32:
         raise AttentionInputError(f"{name} must have dtype torch.int32, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:

@@ -2,6 +2,13 @@
 
 from usp.ring.api import RingInputError, ring_attention
 from usp.ring.config import RING_IMPLS
-from usp.ring.layout import LAYOUTS
+from usp.ring.documents import LAYOUTS, DocumentLayoutError, Documents
 
-__all__ = ["LAYOUTS", "RING_IMPLS", "RingInputError", "ring_attention"]
+__all__ = [
+    "LAYOUTS",
+    "RING_IMPLS",
+    "DocumentLayoutError",
+    "Documents",
+    "RingInputError",
+    "ring_attention",
+]

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from usp.comm.collectives import all_gather_uncounted
 from usp.comm.stats import CommStats
 from usp.kernels import attention_backward, attention_forward
-from usp.kernels.spec import validate_inputs
+from usp.kernels.spec import validate_cu_seqlens, validate_inputs
 from usp.ring.allgather import allgather_backward, allgather_forward, head_chunks
 from usp.ring.config import RING_IMPLS, RingConfig
-from usp.ring.layout import check_layout, required_local_multiple
+from usp.ring.documents import Documents, check_layout
+from usp.ring.layout import required_local_multiple
 from usp.ring.p2p import p2p_backward, p2p_forward
 
 
@@ -42,7 +45,9 @@ class _LocalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, cfg: RingConfig, q, k, v):
-        out, lse = attention_forward(q, k, v, causal=cfg.causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend)
+        out, lse = attention_forward(
+            q, k, v, causal=cfg.causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend
+        )
         ctx.mark_non_differentiable(lse)
         ctx.cfg = cfg
         ctx.save_for_backward(q, k, v, out, lse)
@@ -53,7 +58,15 @@ class _LocalAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cfg = ctx.cfg
         grads = attention_backward(
-            dout.contiguous(), q, k, v, out, lse, causal=cfg.causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend
+            dout.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            causal=cfg.causal,
+            softmax_scale=cfg.softmax_scale,
+            backend=cfg.backend,
         )
         return (None, *grads)
 
@@ -73,12 +86,16 @@ def ring_attention(
     kv_head_chunks: int = 1,
     return_lse: bool = False,
     check_shapes: bool | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ):
     """Attention over the whole sequence held, sharded, by the ranks of ``group``.
 
     q [B, L, H, D], k/v [B, L, Hkv, D]: this rank's L = S / r tokens in ``layout``
     (see :mod:`usp.ring.layout`; use :func:`usp.shard_sequence` to place them).
     Returns out [B, L, H, D] (and lse [B, H, L] in float32 when ``return_lse``).
+    ``cu_seqlens`` (int32 [N+1], identical on every rank) are the document boundaries
+    of the *global* packed sequence (batch 1): attention is then block-diagonal by
+    document, each document placed as :mod:`usp.ring.documents` describes.
     Only the Hkv K/V heads travel. ``check_shapes`` (default: on for gloo groups, where
     it costs nothing measurable) compares shapes across the ring before communicating.
     """
@@ -86,11 +103,27 @@ def ring_attention(
     if ring_impl not in RING_IMPLS:
         raise RingInputError(f"unknown ring_impl {ring_impl!r}; valid: {', '.join(RING_IMPLS)}")
     validate_inputs(q, k, v, causal=causal, window=None)
-    cfg = RingConfig(group, causal, softmax_scale, layout, ring_impl, backend, comm_stats, kv_head_chunks)
+    cfg = RingConfig(
+        group, causal, softmax_scale, layout, ring_impl, backend, comm_stats, kv_head_chunks
+    )
     _check_group_inputs(q, k, cfg, check_shapes)
-    function = _LocalAttention if cfg.size == 1 else _RingAttention
+    if cu_seqlens is not None:
+        cfg = dataclasses.replace(cfg, documents=packed_documents(cu_seqlens, q, cfg.size, layout))
+    function = _LocalAttention if cfg.size == 1 and cfg.documents is None else _RingAttention
     out, lse = function.apply(cfg, q, k, v)
     return (out, lse) if return_lse else out
+
+
+def packed_documents(cu_seqlens, q, ring_size: int, layout: str) -> Documents:
+    """Validate global document boundaries against this rank's q [1, L, H, D]."""
+    if q.shape[0] != 1:
+        raise RingInputError(f"packed sequences (cu_seqlens) need batch size 1, got {q.shape[0]}")
+    total = q.shape[1] * ring_size
+    try:
+        bounds = validate_cu_seqlens(cu_seqlens, total, "cu_seqlens")
+    except ValueError as err:
+        raise RingInputError(f"{err} (the global packed sequence has {total} tokens)") from None
+    return Documents.from_bounds(bounds, ring_size, layout)
 
 
 def _check_group_inputs(q, k, cfg: RingConfig, check_shapes: bool | None) -> None:
@@ -111,9 +144,13 @@ def _check_group_inputs(q, k, cfg: RingConfig, check_shapes: bool | None) -> Non
             raise RingInputError(str(err)) from None
     backend = dist.get_backend(cfg.group)
     if backend == "nccl" and q.device.type != "cuda":
-        raise RingInputError(f"the ring group uses NCCL, which needs CUDA tensors; got tensors on {q.device}")
+        raise RingInputError(
+            f"the ring group uses NCCL, which needs CUDA tensors; got tensors on {q.device}"
+        )
     if backend == "gloo" and q.device.type != "cpu":
-        raise RingInputError(f"the ring group uses gloo; pass CPU tensors (got {q.device}) or use an NCCL group")
+        raise RingInputError(
+            f"the ring group uses gloo; pass CPU tensors (got {q.device}) or use an NCCL group"
+        )
     if check_shapes is None:  # one tiny collective: free on gloo, a host sync on NCCL
         check_shapes = backend == "gloo"
     if check_shapes and cfg.size > 1:

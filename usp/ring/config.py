@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from usp.comm.stats import CommStats
+from usp.ring.documents import Documents
 
 RING_IMPLS = ("p2p", "allgather")
 
@@ -22,6 +23,8 @@ class RingConfig:
     stats: CommStats | None = None
     #: allgather only: gather K/V in this many chunks of KV heads to bound memory
     kv_head_chunks: int = 1
+    #: packed documents (batch 1), or None for a dense sequence
+    documents: Documents | None = None
 
     @property
     def size(self) -> int:
@@ -30,3 +33,11 @@ class RingConfig:
     @property
     def rank(self) -> int:
         return dist.get_rank(self.group)
+
+    def documents_for(self, local_len: int) -> Documents:
+        """The packed documents, or the dense sequence as one document (without a causal
+        mask the order of keys does not matter: one contiguous piece)."""
+        if self.documents is not None:
+            return self.documents
+        layout = self.layout if self.causal else "contiguous"
+        return Documents.single(local_len * self.size, self.size, layout)

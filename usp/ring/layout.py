@@ -1,20 +1,16 @@
-"""Which blocks of attention a ring rank computes at each step, per sequence layout.
+"""Which blocks of attention a ring rank computes at each step (p2p ring).
 
-Layouts of a global sequence of S tokens over a ring of r ranks (local length L = S/r):
-    contiguous: ring rank i holds chunk i of r.
-    zigzag:     the sequence is cut into 2r chunks of L/2; ring rank i holds chunks
-                i and 2r-1-i, so every step does the same amount of causal work.
-
-At ring step s a rank holds the K/V block of ring rank j = (i - s) mod r. A
-:class:`Block` names the local query rows and the rows of that K/V block to attend,
-and whether the pair is a (square) causal diagonal block or fully visible.
+See :mod:`usp.ring.documents` for the layouts. At ring step s a rank holds the K/V
+block of ring rank j = (i - s) mod r. A :class:`Block` names the local query rows and
+the rows of that K/V block to attend, and whether the pair is a (square) causal diagonal
+block or fully visible.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-LAYOUTS = ("zigzag", "contiguous")
+ALL = slice(None)
 
 
 @dataclass(frozen=True)
@@ -24,14 +20,14 @@ class Block:
     causal: bool
 
 
-ALL = slice(None)
-
-
-def step_blocks(layout: str, causal: bool, ring_rank: int, kv_rank: int, local_len: int) -> list[Block]:
-    """The blocks rank ``ring_rank`` computes against the K/V of ``kv_rank``."""
+def step_blocks(
+    layout: str, causal: bool, ring_rank: int, kv_rank: int, local_len: int
+) -> list[Block]:
+    """Dense sequence: the blocks rank ``ring_rank`` computes against ``kv_rank``'s K/V."""
     if not causal:
         return [Block(ALL, ALL, causal=False)]
     if kv_rank == ring_rank:
+        # [chunk i, chunk 2r-1-i] (or [chunk i]) is increasing in position: square causal
         return [Block(ALL, ALL, causal=True)]
     if layout == "contiguous":
         # earlier chunks are fully visible, later ones not at all
@@ -44,9 +40,27 @@ def step_blocks(layout: str, causal: bool, ring_rank: int, kv_rank: int, local_l
     return [Block(slice(half, None), ALL, causal=False)]
 
 
-def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown sequence layout {layout!r}; valid layouts: {', '.join(LAYOUTS)}")
+def packed_step_blocks(
+    layout: str, causal: bool, ring_rank: int, kv_rank: int, piece_len: int
+) -> list[Block]:
+    """Packed documents: blocks between whole *pieces* (see ``documents.py``), so every
+    call pairs pieces with the same per-document boundaries; within each document the
+    zigzag reasoning of :func:`step_blocks` applies chunk by chunk."""
+    first, second = slice(0, piece_len), slice(piece_len, 2 * piece_len)
+    if layout == "contiguous":
+        if not causal:
+            return [Block(ALL, ALL, causal=False)]
+        if kv_rank == ring_rank:
+            return [Block(ALL, ALL, causal=True)]
+        return [Block(ALL, ALL, causal=False)] if kv_rank < ring_rank else []
+    if not causal:
+        return [Block(q, kv, causal=False) for q in (first, second) for kv in (first, second)]
+    if kv_rank == ring_rank:
+        # chunk i sees itself causally; chunk 2r-1-i sees chunk i fully and itself causally
+        return [Block(first, first, True), Block(second, first, False), Block(second, second, True)]
+    if kv_rank < ring_rank:
+        return [Block(first, first, False), Block(second, first, False)]
+    return [Block(second, first, False), Block(second, second, False)]
 
 
 def required_local_multiple(layout: str, causal: bool) -> int:
@@ -54,34 +68,17 @@ def required_local_multiple(layout: str, causal: bool) -> int:
     return 2 if layout == "zigzag" and causal else 1
 
 
-def natural_chunk_order(layout: str, ring_size: int) -> list[tuple[int, int]]:
-    """For the all-gathered K/V: natural chunk n lives at (ring rank, piece of 2 or 1).
-
-    zigzag: chunk n < r is the first half of rank n; chunk n >= r the second half of
-    rank 2r-1-n. contiguous: chunk n is rank n's only piece.
-    """
-    if layout == "contiguous":
-        return [(n, 0) for n in range(ring_size)]
-    return [(n, 0) for n in range(ring_size)] + [(2 * ring_size - 1 - n, 1) for n in range(ring_size, 2 * ring_size)]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """All-gather variant: local query rows that attend to the first ``kv_len`` keys of
-    the gathered K/V in natural order (bottom-right causal when causal)."""
-
-    q_rows: slice
-    kv_len: int
-
-
-def allgather_segments(layout: str, causal: bool, ring_rank: int, ring_size: int, local_len: int) -> list[Segment]:
-    total = ring_size * local_len
-    if not causal:
-        return [Segment(ALL, total)]
-    if layout == "contiguous":
-        return [Segment(ALL, (ring_rank + 1) * local_len)]
-    half = local_len // 2
-    return [
-        Segment(slice(0, half), (ring_rank + 1) * half),  # chunk i sees chunks 0..i
-        Segment(slice(half, None), (2 * ring_size - ring_rank) * half),  # chunk 2r-1-i sees 0..2r-1-i
-    ]
+def attention_pairs(documents, causal: bool, ring_rank: int) -> int:
+    """Query-key pairs ``ring_rank`` computes over the r steps of the p2p ring for a
+    (packed) sequence, counted from the same block plans the ring runs: the measure of
+    per-rank attention work (a causal diagonal block of n rows counts n(n+1)/2)."""
+    chunk_lengths = documents.chunk_lengths
+    square = int((chunk_lengths * chunk_lengths).sum())
+    triangle = int((chunk_lengths * (chunk_lengths + 1) // 2).sum())
+    total = 0
+    for kv_rank in range(documents.ring_size):
+        for block in packed_step_blocks(
+            documents.layout, causal, ring_rank, kv_rank, documents.piece_len
+        ):
+            total += triangle if block.causal else square
+    return total

@@ -14,14 +14,27 @@ from __future__ import annotations
 import torch
 
 from usp.comm.ring_exchange import RingExchange
-from usp.kernels import attention_backward, attention_forward, merge_into
+from usp.kernels import merge_into
 from usp.kernels.masks import accumulation_dtype
+from usp.ring.calls import DenseCalls, PackedCalls
 from usp.ring.config import RingConfig
-from usp.ring.layout import step_blocks
+from usp.ring.layout import packed_step_blocks, step_blocks
 
 
 def _kv_rank(ring: RingExchange, step: int) -> int:
     return (ring.rank - step) % ring.size
+
+
+def _plan(cfg: RingConfig, local_len: int, device):
+    """(blocks of a step, the kernel calls that compute them) for dense or packed input."""
+    if cfg.documents is None:
+        calls = DenseCalls(cfg.softmax_scale, cfg.backend)
+        return (lambda i, j: step_blocks(cfg.layout, cfg.causal, i, j, local_len)), calls
+    docs = cfg.documents
+    calls = PackedCalls(
+        cfg.softmax_scale, cfg.backend, docs.piece_bounds, docs.piece_bounds, device
+    )
+    return (lambda i, j: packed_step_blocks(cfg.layout, cfg.causal, i, j, docs.piece_len)), calls
 
 
 def p2p_forward(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,12 +46,12 @@ def p2p_forward(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.full((batch, heads, local_len), float("-inf"), dtype=acc, device=q.device)
     kv = torch.stack([k, v])  # [2, B, L, Hkv, D]: one message per step
     spare = torch.empty_like(kv)
+    blocks, calls = _plan(cfg, local_len, q.device)
     for step in range(ring.size):
         pending = ring.start(kv, spare) if step + 1 < ring.size else None
-        for block in step_blocks(cfg.layout, cfg.causal, ring.rank, _kv_rank(ring, step), local_len):
-            block_out, block_lse = attention_forward(
-                q[:, block.q_rows], kv[0][:, block.kv_rows], kv[1][:, block.kv_rows],
-                causal=block.causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend,
+        for block in blocks(ring.rank, _kv_rank(ring, step)):
+            block_out, block_lse = calls.forward(
+                q[:, block.q_rows], kv[0][:, block.kv_rows], kv[1][:, block.kv_rows], block.causal
             )
             merge_into(out[:, block.q_rows], lse[:, :, block.q_rows], block_out, block_lse)
         if pending is not None:
@@ -58,15 +71,20 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
     dkv_buffers = [torch.zeros((2,) + k.shape, dtype=acc, device=k.device)]
     dkv_buffers.append(torch.empty_like(dkv_buffers[0]))
     current, dkv_pending = 0, None
+    blocks, calls = _plan(cfg, local_len, q.device)
     for step in range(ring.size):
         kv_pending = ring.start(kv, kv_spare) if step + 1 < ring.size else None
         block_grads = []
-        for block in step_blocks(cfg.layout, cfg.causal, ring.rank, _kv_rank(ring, step), local_len):
+        for block in blocks(ring.rank, _kv_rank(ring, step)):
             rows = block.q_rows
-            dq_block, dk_block, dv_block = attention_backward(
-                dout[:, rows], q[:, rows], kv[0][:, block.kv_rows], kv[1][:, block.kv_rows],
-                out[:, rows], lse[:, :, rows],
-                causal=block.causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend,
+            dq_block, dk_block, dv_block = calls.backward(
+                dout[:, rows],
+                q[:, rows],
+                kv[0][:, block.kv_rows],
+                kv[1][:, block.kv_rows],
+                out[:, rows],
+                lse[:, :, rows],
+                block.causal,
             )
             dq[:, rows] += dq_block
             block_grads.append((block.kv_rows, dk_block, dv_block))
@@ -76,10 +94,12 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
         for kv_rows, dk_block, dv_block in block_grads:
             dkv[0][:, kv_rows] += dk_block
             dkv[1][:, kv_rows] += dv_block
-        dkv_pending = ring.start(dkv, dkv_buffers[1 - current])
-        current = 1 - current
+        if ring.size > 1:
+            dkv_pending = ring.start(dkv, dkv_buffers[1 - current])
+            current = 1 - current
         if kv_pending is not None:
             kv_spare, kv = kv, kv_pending.wait()
-    dkv_pending.wait()  # after r sends every accumulator is back with its owner
+    if dkv_pending is not None:
+        dkv_pending.wait()  # after r sends every accumulator is back with its owner
     dkv = dkv_buffers[current]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)

@@ -39,7 +39,9 @@ class Backend:
         return None
 
     # Dense: q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> out [B, Sq, H, D], lse [B, H, Sq]
-    def forward(self, q, k, v, spec: AttentionSpec, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q, k, v, spec: AttentionSpec, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def backward(self, dout, q, k, v, out, lse, spec: AttentionSpec, scale: float) -> Grads:
@@ -49,5 +51,7 @@ class Backend:
     def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, spec, scale):
         raise NotImplementedError
 
-    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, spec, scale) -> Grads:
+    def varlen_backward(
+        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, spec, scale
+    ) -> Grads:
         raise NotImplementedError

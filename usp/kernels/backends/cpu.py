@@ -24,7 +24,9 @@ def _additive_mask(spec, dtype: torch.dtype, device: torch.device) -> torch.Tens
     if spec.window is None:
         return None
     visible = visibility_mask(spec.seqlen_q, spec.seqlen_k, spec.causal, spec.window, device)
-    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(
+        ~visible, float("-inf")
+    )
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -39,12 +41,19 @@ class CpuBackend(Backend):
     def forward(self, q, k, v, spec, scale):
         mask = _additive_mask(spec, q.dtype, q.device)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, spec.causal and mask is None,
-            attn_mask=mask, scale=scale,
+            _bhsd(q),
+            _bhsd(k),
+            _bhsd(v),
+            0.0,
+            spec.causal and mask is None,
+            attn_mask=mask,
+            scale=scale,
         )
         lse = lse.to(accumulation_dtype(q.dtype))
         if mask is not None:
-            empty = rows_without_keys(spec.seqlen_q, spec.seqlen_k, spec.causal, spec.window, q.device)
+            empty = rows_without_keys(
+                spec.seqlen_q, spec.seqlen_k, spec.causal, spec.window, q.device
+            )
             if empty is not None:
                 lse = lse.masked_fill(empty, float("-inf"))
         return out.transpose(1, 2), lse
@@ -54,7 +63,15 @@ class CpuBackend(Backend):
         # the kernel reads the LSE in the input's accumulation dtype
         kernel_lse = lse_for_backward(lse).to(accumulation_dtype(q.dtype))
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), kernel_lse,
-            0.0, spec.causal and mask is None, attn_mask=mask, scale=scale,
+            _bhsd(dout),
+            _bhsd(q),
+            _bhsd(k),
+            _bhsd(v),
+            _bhsd(out),
+            kernel_lse,
+            0.0,
+            spec.causal and mask is None,
+            attn_mask=mask,
+            scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

@@ -43,24 +43,38 @@ def _api() -> _Api | None:
         fa3 = importlib.import_module("flash_attn_interface")
         if hasattr(fa3, "_flash_attn_forward") and hasattr(fa3, "_flash_attn_backward"):
             # FA3 handles dense and packed calls in one function
-            return _Api("FA3", fa3._flash_attn_forward, fa3._flash_attn_backward,
-                        fa3._flash_attn_forward, fa3._flash_attn_backward)
+            return _Api(
+                "FA3",
+                fa3._flash_attn_forward,
+                fa3._flash_attn_backward,
+                fa3._flash_attn_forward,
+                fa3._flash_attn_backward,
+            )
     except ImportError:
         pass
     try:
         fa2 = importlib.import_module("flash_attn.flash_attn_interface")
     except ImportError:
         return None
-    return _Api("FA2", fa2._flash_attn_forward, fa2._flash_attn_backward,
-                fa2._flash_attn_varlen_forward, fa2._flash_attn_varlen_backward)
+    return _Api(
+        "FA2",
+        fa2._flash_attn_forward,
+        fa2._flash_attn_backward,
+        fa2._flash_attn_varlen_forward,
+        fa2._flash_attn_varlen_backward,
+    )
 
 
 def _call(fn, values: dict):
     """Call ``fn`` with the keyword arguments its signature names, from ``values``."""
     params = inspect.signature(fn).parameters
-    missing = [n for n, p in params.items() if n not in values and p.default is inspect.Parameter.empty]
+    missing = [
+        n for n, p in params.items() if n not in values and p.default is inspect.Parameter.empty
+    ]
     if missing:
-        raise TypeError(f"{fn.__module__}.{fn.__name__} needs arguments usp does not know: {missing}")
+        raise TypeError(
+            f"{fn.__module__}.{fn.__name__} needs arguments usp does not know: {missing}"
+        )
     return fn(**{n: values[n] for n in params if n in values})
 
 
@@ -68,9 +82,17 @@ def _options(spec, scale) -> dict:
     left = -1 if spec.window is None else spec.window
     right = 0 if spec.causal else -1
     return {
-        "dropout_p": 0.0, "softmax_scale": scale, "causal": spec.causal, "is_causal": spec.causal,
-        "window_size": (left, right), "window_size_left": left, "window_size_right": right,
-        "softcap": 0.0, "alibi_slopes": None, "return_softmax": False, "deterministic": False,
+        "dropout_p": 0.0,
+        "softmax_scale": scale,
+        "causal": spec.causal,
+        "is_causal": spec.causal,
+        "window_size": (left, right),
+        "window_size_left": left,
+        "window_size_right": right,
+        "softcap": 0.0,
+        "alibi_slopes": None,
+        "return_softmax": False,
+        "deterministic": False,
         "rng_state": None,
     }
 
@@ -94,34 +116,81 @@ class FlashAttnBackend(_CudaBackend):
         return super().unsupported_reason(spec)
 
     def forward(self, q, k, v, spec, scale):
-        out, lse = _out_and_lse(_call(_api().forward, {"q": q, "k": k, "v": v, **_options(spec, scale)}))
+        out, lse = _out_and_lse(
+            _call(_api().forward, {"q": q, "k": k, "v": v, **_options(spec, scale)})
+        )
         return out, _empty_rows_to_neg_inf(lse)
 
     def backward(self, dout, q, k, v, out, lse, spec, scale) -> Grads:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _call(_api().backward, {
-            "dout": dout.contiguous(), "q": q, "k": k, "v": v, "out": out.contiguous(),
-            "softmax_lse": lse_for_backward(lse).contiguous(), "dq": dq, "dk": dk, "dv": dv,
-            "cu_seqlens_q": None, "cu_seqlens_k": None, "sequed_q": None, "sequed_k": None,
-            "seqused_q": None, "seqused_k": None, "max_seqlen_q": None, "max_seqlen_k": None,
-            **_options(spec, scale),
-        })
+        _call(
+            _api().backward,
+            {
+                "dout": dout.contiguous(),
+                "q": q,
+                "k": k,
+                "v": v,
+                "out": out.contiguous(),
+                "softmax_lse": lse_for_backward(lse).contiguous(),
+                "dq": dq,
+                "dk": dk,
+                "dv": dv,
+                "cu_seqlens_q": None,
+                "cu_seqlens_k": None,
+                "sequed_q": None,
+                "sequed_k": None,
+                "seqused_q": None,
+                "seqused_k": None,
+                "max_seqlen_q": None,
+                "max_seqlen_k": None,
+                **_options(spec, scale),
+            },
+        )
         return dq, dk, dv
 
     def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, spec, scale):
-        out, lse = _out_and_lse(_call(_api().varlen_forward, {
-            "q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
-            "max_seqlen_q": max_q, "max_seqlen_k": max_k, **_options(spec, scale),
-        }))
+        out, lse = _out_and_lse(
+            _call(
+                _api().varlen_forward,
+                {
+                    "q": q,
+                    "k": k,
+                    "v": v,
+                    "cu_seqlens_q": cu_q,
+                    "cu_seqlens_k": cu_k,
+                    "max_seqlen_q": max_q,
+                    "max_seqlen_k": max_k,
+                    **_options(spec, scale),
+                },
+            )
+        )
         return out, _empty_rows_to_neg_inf(lse)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, spec, scale) -> Grads:
+    def varlen_backward(
+        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, spec, scale
+    ) -> Grads:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _call(_api().varlen_backward, {
-            "dout": dout.contiguous(), "q": q, "k": k, "v": v, "out": out.contiguous(),
-            "softmax_lse": lse_for_backward(lse).contiguous(), "dq": dq, "dk": dk, "dv": dv,
-            "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "sequed_q": None, "sequed_k": None,
-            "seqused_q": None, "seqused_k": None, "max_seqlen_q": max_q, "max_seqlen_k": max_k,
-            **_options(spec, scale),
-        })
+        _call(
+            _api().varlen_backward,
+            {
+                "dout": dout.contiguous(),
+                "q": q,
+                "k": k,
+                "v": v,
+                "out": out.contiguous(),
+                "softmax_lse": lse_for_backward(lse).contiguous(),
+                "dq": dq,
+                "dk": dk,
+                "dv": dv,
+                "cu_seqlens_q": cu_q,
+                "cu_seqlens_k": cu_k,
+                "sequed_q": None,
+                "sequed_k": None,
+                "seqused_q": None,
+                "seqused_k": None,
+                "max_seqlen_q": max_q,
+                "max_seqlen_k": max_k,
+                **_options(spec, scale),
+            },
+        )
         return dq, dk, dv

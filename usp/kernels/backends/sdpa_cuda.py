@@ -76,7 +76,9 @@ def _cudnn_lse_rank() -> int:
     """3 ([B, H, S]) or 4 ([B, H, S, 1]) depending on the torch release: ask the op's
     meta implementation instead of comparing version strings."""
     q = torch.empty(1, 1, 8, 64, device="meta", dtype=torch.bfloat16)
-    lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, 0.0, False, False)[1]
+    lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, q, q, None, True, 0.0, False, False
+    )[1]
     return lse.dim()
 
 
@@ -96,7 +98,15 @@ class CudnnBackend(_CudaBackend):
     def forward(self, q, k, v, spec, scale):
         q, k, v = (t.contiguous() for t in (q, k, v))
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, spec.causal, False, scale=scale
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            None,
+            True,
+            0.0,
+            spec.causal,
+            False,
+            scale=scale,
         )[:2]
         return out.transpose(1, 2), lse.reshape(spec.batch, spec.num_heads, spec.seqlen_q)
 
@@ -108,9 +118,22 @@ class CudnnBackend(_CudaBackend):
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         offset = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            out.transpose(1, 2), kernel_lse, seed, offset, None, None, None,
-            spec.seqlen_q, spec.seqlen_k, 0.0, spec.causal, scale=scale,
+            dout.transpose(1, 2),
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            out.transpose(1, 2),
+            kernel_lse,
+            seed,
+            offset,
+            None,
+            None,
+            None,
+            spec.seqlen_q,
+            spec.seqlen_k,
+            0.0,
+            spec.causal,
+            scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
@@ -133,7 +156,9 @@ def _flash_varlen_lse_is_packed() -> bool:
 
 def _rng_placeholders(device):
     # only read when dropout > 0, which usp never uses
-    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, dtype=torch.uint64, device=device)
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(
+        0, dtype=torch.uint64, device=device
+    )
 
 
 class FlashBackend(_CudaBackend):
@@ -154,31 +179,81 @@ class FlashBackend(_CudaBackend):
 
     def forward(self, q, k, v, spec, scale):
         out, lse = torch.ops.aten._flash_attention_forward(
-            q, k, v, None, None, spec.seqlen_q, spec.seqlen_k, 0.0, spec.causal, False,
-            scale=scale, **_window_kwargs(spec),
+            q,
+            k,
+            v,
+            None,
+            None,
+            spec.seqlen_q,
+            spec.seqlen_k,
+            0.0,
+            spec.causal,
+            False,
+            scale=scale,
+            **_window_kwargs(spec),
         )[:2]
         return out, _empty_rows_to_neg_inf(lse.reshape(spec.batch, spec.num_heads, spec.seqlen_q))
 
     def backward(self, dout, q, k, v, out, lse, spec, scale) -> Grads:
         rng_state, unused = _rng_placeholders(q.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            dout, q, k, v, out, lse_for_backward(lse).contiguous(), None, None,
-            spec.seqlen_q, spec.seqlen_k, 0.0, spec.causal, rng_state, unused,
-            scale=scale, **_window_kwargs(spec),
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse_for_backward(lse).contiguous(),
+            None,
+            None,
+            spec.seqlen_q,
+            spec.seqlen_k,
+            0.0,
+            spec.causal,
+            rng_state,
+            unused,
+            scale=scale,
+            **_window_kwargs(spec),
         )
         return dq, dk, dv
 
     def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, spec, scale):
         out, lse = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, spec.causal, False, scale=scale, **_window_kwargs(spec)
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            0.0,
+            spec.causal,
+            False,
+            scale=scale,
+            **_window_kwargs(spec),
         )[:2]
         return out, _empty_rows_to_neg_inf(lse)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, spec, scale) -> Grads:
+    def varlen_backward(
+        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, spec, scale
+    ) -> Grads:
         rng_state, unused = _rng_placeholders(q.device)
         return torch.ops.aten._flash_attention_backward(
-            dout, q, k, v, out, lse_for_backward(lse).contiguous(), cu_q, cu_k, max_q, max_k,
-            0.0, spec.causal, rng_state, unused, scale=scale, **_window_kwargs(spec),
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse_for_backward(lse).contiguous(),
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            0.0,
+            spec.causal,
+            rng_state,
+            unused,
+            scale=scale,
+            **_window_kwargs(spec),
         )
 
 
@@ -215,8 +290,18 @@ class EfficientBackend(_CudaBackend):
 
     def forward(self, q, k, v, spec, scale):
         out, lse = torch.ops.aten._efficient_attention_forward(
-            q, _repeat_kv(k, spec), _repeat_kv(v, spec), None, None, None, None, None,
-            0.0, self._mask_type(spec), True, scale=scale,
+            q,
+            _repeat_kv(k, spec),
+            _repeat_kv(v, spec),
+            None,
+            None,
+            None,
+            None,
+            None,
+            0.0,
+            self._mask_type(spec),
+            True,
+            scale=scale,
         )[:2]
         return out, _empty_rows_to_neg_inf(lse[:, :, : spec.seqlen_q])
 
@@ -228,9 +313,23 @@ class EfficientBackend(_CudaBackend):
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         offset = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
-            dout.contiguous(), q, _repeat_kv(k, spec), _repeat_kv(v, spec), None, out.contiguous(),
-            None, None, spec.seqlen_q, spec.seqlen_k, kernel_lse, 0.0, seed, offset,
-            self._mask_type(spec), False, scale=scale,
+            dout.contiguous(),
+            q,
+            _repeat_kv(k, spec),
+            _repeat_kv(v, spec),
+            None,
+            out.contiguous(),
+            None,
+            None,
+            spec.seqlen_q,
+            spec.seqlen_k,
+            kernel_lse,
+            0.0,
+            seed,
+            offset,
+            self._mask_type(spec),
+            False,
+            scale=scale,
         )
         return dq, _sum_kv_groups(dk, spec), _sum_kv_groups(dv, spec)
 

@@ -1,0 +1,157 @@
+"""Where each token of a (packed) sequence lives on the ring.
+
+A sequence is a list of documents; a dense sequence is one document. Every document is
+cut into equal chunks, 2r for ``zigzag`` and r for ``contiguous``, and ring rank i's
+block is made of *pieces*, each holding one chunk of every document, in document order:
+
+    zigzag:     piece 0 = [chunk i of doc 0, chunk i of doc 1, ...]
+                piece 1 = [chunk 2r-1-i of doc 0, chunk 2r-1-i of doc 1, ...]
+    contiguous: piece 0 = [chunk i of doc 0, chunk i of doc 1, ...]
+
+So every rank's block has the same shape (pieces of ``piece_len`` tokens with the same
+per-document boundaries ``piece_bounds``), and with zigzag every rank does the same
+causal work on every document. For one document this is the familiar layout: rank i
+holds chunks i and 2r-1-i of the sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+class DocumentLayoutError(ValueError):
+    """Document boundaries that the layout cannot place."""
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise DocumentLayoutError(
+            f"unknown sequence layout {layout!r}; valid layouts: {', '.join(LAYOUTS)}"
+        )
+
+
+def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenation of ``arange(s, s + n)`` for each (s, n), without a Python loop."""
+    total = int(lengths.sum())
+    offsets = torch.cumsum(lengths, 0) - lengths
+    return torch.arange(total) + torch.repeat_interleave(
+        starts - offsets, lengths, output_size=total
+    )
+
+
+@dataclass(frozen=True)
+class Documents:
+    lengths: tuple[int, ...]
+    ring_size: int
+    layout: str
+
+    def __post_init__(self):
+        check_layout(self.layout)
+        for index, length in enumerate(self.lengths):
+            if length % self.chunks_per_doc:
+                kind = "the sequence" if len(self.lengths) == 1 else f"document {index}"
+                raise DocumentLayoutError(
+                    f"{kind} has {length} tokens; the {self.layout} layout on a ring of {self.ring_size} "
+                    f"cuts every document into {self.chunks_per_doc} equal chunks, so it needs a multiple of "
+                    f"{self.chunks_per_doc} (pad documents with usp.pad_documents)"
+                )
+
+    @classmethod
+    def from_bounds(cls, bounds: list[int], ring_size: int, layout: str) -> Documents:
+        """From cumulative boundaries [0, ..., S] (already validated); empty documents dropped."""
+        lengths = tuple(b - a for a, b in zip(bounds, bounds[1:]) if b > a)
+        return cls(lengths or (0,), ring_size, layout)
+
+    @classmethod
+    def single(cls, seq_len: int, ring_size: int, layout: str) -> Documents:
+        return cls((seq_len,), ring_size, layout)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def chunks_per_doc(self) -> int:
+        return 2 * self.ring_size if self.layout == "zigzag" else self.ring_size
+
+    @property
+    def pieces(self) -> int:
+        return 2 if self.layout == "zigzag" else 1
+
+    @cached_property
+    def chunk_lengths(self) -> torch.Tensor:
+        return torch.tensor(self.lengths, dtype=torch.int64) // self.chunks_per_doc
+
+    @property
+    def piece_len(self) -> int:
+        return int(self.chunk_lengths.sum())
+
+    @property
+    def local_len(self) -> int:
+        return self.piece_len * self.pieces
+
+    @property
+    def total_len(self) -> int:
+        return sum(self.lengths)
+
+    @cached_property
+    def piece_bounds(self) -> list[int]:
+        """Cumulative document boundaries inside one piece (the same on every rank)."""
+        return [0, *torch.cumsum(self.chunk_lengths, 0).tolist()]
+
+    def piece_rows(self, piece: int) -> slice:
+        return slice(piece * self.piece_len, (piece + 1) * self.piece_len)
+
+    def chunk_of(self, ring_rank: int, piece: int) -> int:
+        """Which chunk of each document piece ``piece`` of ``ring_rank`` holds."""
+        return ring_rank if piece == 0 else 2 * self.ring_size - 1 - ring_rank
+
+    def owner_of(self, chunk: int) -> tuple[int, int]:
+        """(ring rank, piece) holding chunk ``chunk`` of every document."""
+        if chunk < self.ring_size:
+            return chunk, 0
+        return 2 * self.ring_size - 1 - chunk, 1
+
+    # ------------------------------------------------------------------ positions
+    @cached_property
+    def _doc_starts(self) -> torch.Tensor:
+        lengths = torch.tensor(self.lengths, dtype=torch.int64)
+        return torch.cumsum(lengths, 0) - lengths
+
+    def block_positions(self, ring_rank: int) -> torch.Tensor:
+        """Global positions of ring rank's block, in block order (int64 [local_len])."""
+        parts = []
+        for piece in range(self.pieces):
+            chunk = self.chunk_of(ring_rank, piece)
+            parts.append(ranges(self._doc_starts + chunk * self.chunk_lengths, self.chunk_lengths))
+        return torch.cat(parts)
+
+    def gathered_rows(self, chunks_of_doc: list[range]) -> tuple[torch.Tensor, list[int]]:
+        """Rows of the ring's blocks concatenated in ring-rank order ([r * local_len])
+        holding, for each document d, its chunks ``chunks_of_doc[d]`` in order; and the
+        cumulative per-document boundaries of that selection."""
+        starts, lengths, bounds = [], [], [0]
+        for doc, chunks in enumerate(chunks_of_doc):
+            chunk_len = int(self.chunk_lengths[doc])
+            for chunk in chunks:
+                rank, piece = self.owner_of(chunk)
+                starts.append(
+                    rank * self.local_len + piece * self.piece_len + self.piece_bounds[doc]
+                )
+                lengths.append(chunk_len)
+            bounds.append(bounds[-1] + chunk_len * len(chunks))
+        return ranges(
+            torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+        ), bounds
+
+    def visible_rows(
+        self, ring_rank: int, piece: int, causal: bool
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Keys that piece ``piece`` of ``ring_rank`` attends to, per document, in order:
+        every chunk of its document, or (causal) the chunks up to its own, so the causal
+        mask is bottom-right aligned within each document."""
+        chunk = self.chunk_of(ring_rank, piece)
+        visible = range(chunk + 1) if causal else range(self.chunks_per_doc)
+        return self.gathered_rows([visible] * len(self.lengths))
