@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 import usp
-from usp.config import build_topology_from_config, load_config
 
 
 def parse_args():
@@ -57,8 +56,8 @@ def main():
         )
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank()
-    config = load_config(args.config)
-    topo = build_topology_from_config(config)
+    config = usp.load_config(args.config)
+    topo = usp.build_topology_from_config(config)
     options = config.attention
     model = config.model
     heads, kv_heads = (model.num_heads, model.num_kv_heads) if model else (8, 2)

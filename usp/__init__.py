@@ -9,6 +9,7 @@ Typical use, after ``torch.distributed.init_process_group``::
 
 from usp.attention import UspAttention, usp_attention
 from usp.comm.stats import CommStats
+from usp.config import ConfigError, UspConfig, build_topology_from_config, load_config
 from usp.kernels import attention_backward, attention_forward
 from usp.process_groups import (
     HeadLayoutError,
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CommStats",
+    "ConfigError",
     "DocumentPadding",
     "HeadLayoutError",
     "RankMap",
@@ -44,12 +46,15 @@ __all__ = [
     "Topology",
     "TopologyError",
     "UspAttention",
+    "UspConfig",
     "attention_backward",
     "attention_forward",
     "build_topology",
+    "build_topology_from_config",
     "document_position_ids",
     "gather_sequence",
     "local_position_ids",
+    "load_config",
     "local_positions",
     "pad_documents",
     "pad_to_multiple",
