@@ -127,6 +127,26 @@ def test_bf16_gradient_error_does_not_grow_with_ring_size(distributed):
         assert worst[8][name] <= 1.5 * worst[2][name], worst
 
 
+def _float32_gradients_are_independent(ring_impl):
+    q, k, v, dout = (t.float() for t in global_inputs(32, 4, 2))
+    local = [t[:, :16].clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, dist.group.WORLD, causal=True, ring_impl=ring_impl)
+    out.backward(dout[:, :16])
+    grads = [t.grad for t in local]
+    storages = {g.untyped_storage().data_ptr() for g in grads}
+    before = grads[2].clone()
+    grads[1].add_(1.0)  # an optimizer touching dk must not change dv
+    return len(storages), torch.equal(before, grads[2])
+
+
+@pytest.mark.parametrize("ring_impl", ["p2p", "allgather"])
+def test_float32_gradients_do_not_alias(distributed, ring_impl):
+    for distinct, untouched in distributed.run(
+        _float32_gradients_are_independent, ring_impl, world_size=2
+    ):
+        assert distinct == 3 and untouched
+
+
 def _kv_bytes(local_len, kv_heads, itemsize, batch=2, head_dim=16):
     return 2 * batch * local_len * kv_heads * head_dim * itemsize  # K and V of one block
 

@@ -102,4 +102,5 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
     if dkv_pending is not None:
         dkv_pending.wait()  # after r sends every accumulator is back with its owner
     dkv = dkv_buffers[current]
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    # copies even for float32: dk and dv must not be views of one shared buffer
+    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
