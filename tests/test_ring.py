@@ -14,7 +14,8 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from reference import reference_attention, relative_error
+from reference import relative_error
+from usp_cases import global_inputs, reference_with_grads
 
 from usp.comm.stats import CommStats
 from usp.ring import ring_attention
@@ -22,21 +23,6 @@ from usp.sharding import sequence_positions
 
 TOL = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 4e-2)}  # (out, grads)
 HEADS = {"mha": (4, 4), "gqa": (4, 2)}
-
-
-def global_inputs(seq_len, heads, kv_heads, head_dim=16, batch=2, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    shape_q, shape_kv = (batch, seq_len, heads, head_dim), (batch, seq_len, kv_heads, head_dim)
-    return [
-        torch.randn(s, generator=gen, dtype=torch.float64)
-        for s in (shape_q, shape_kv, shape_kv, shape_q)
-    ]
-
-
-def reference_with_grads(q, k, v, dout, causal):
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out, _ = reference_attention(q, k, v, causal=causal)
-    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
 
 
 def run_ring_case(

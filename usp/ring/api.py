@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 from usp.comm.collectives import all_gather_uncounted
 from usp.comm.stats import CommStats
-from usp.kernels import attention_backward, attention_forward
 from usp.kernels.spec import validate_cu_seqlens, validate_inputs
 from usp.ring.allgather import allgather_backward, allgather_forward, head_chunks
+from usp.ring.calls import DenseCalls
 from usp.ring.config import RING_IMPLS, RingConfig
 from usp.ring.documents import Documents, check_layout
 from usp.ring.layout import required_local_multiple
@@ -22,11 +22,29 @@ class RingInputError(ValueError):
     """The inputs of a ring-attention call do not fit its group or layout."""
 
 
+def _local_forward(q, k, v, cfg: RingConfig):
+    """Ring of one with a dense sequence: the local kernel, no communication at all."""
+    return DenseCalls(cfg.softmax_scale, cfg.backend).forward(q, k, v, cfg.causal)
+
+
+def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig):
+    return DenseCalls(cfg.softmax_scale, cfg.backend).backward(dout, q, k, v, out, lse, cfg.causal)
+
+
+def _implementation(cfg: RingConfig):
+    """(forward, backward) for this call: local, p2p ring or all-gather ring. A ring of
+    one with packed documents still runs the p2p plan (it never sends anything)."""
+    if cfg.size == 1 and cfg.documents is None:
+        return _local_forward, _local_backward
+    if cfg.ring_impl == "p2p":
+        return p2p_forward, p2p_backward
+    return allgather_forward, allgather_backward
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cfg: RingConfig, q, k, v):
-        run = p2p_forward if cfg.ring_impl == "p2p" else allgather_forward
-        out, lse = run(q, k, v, cfg)
+        out, lse = _implementation(cfg)[0](q, k, v, cfg)
         ctx.mark_non_differentiable(lse)
         ctx.cfg = cfg
         ctx.save_for_backward(q, k, v, out, lse)
@@ -35,40 +53,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        run = p2p_backward if ctx.cfg.ring_impl == "p2p" else allgather_backward
-        dq, dk, dv = run(dout.contiguous(), q, k, v, out, lse, ctx.cfg)
+        dq, dk, dv = _implementation(ctx.cfg)[1](dout.contiguous(), q, k, v, out, lse, ctx.cfg)
         return None, dq, dk, dv
-
-
-class _LocalAttention(torch.autograd.Function):
-    """Ring of one: the local kernel, no communication at all."""
-
-    @staticmethod
-    def forward(ctx, cfg: RingConfig, q, k, v):
-        out, lse = attention_forward(
-            q, k, v, causal=cfg.causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend
-        )
-        ctx.mark_non_differentiable(lse)
-        ctx.cfg = cfg
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        cfg = ctx.cfg
-        grads = attention_backward(
-            dout.contiguous(),
-            q,
-            k,
-            v,
-            out,
-            lse,
-            causal=cfg.causal,
-            softmax_scale=cfg.softmax_scale,
-            backend=cfg.backend,
-        )
-        return (None, *grads)
 
 
 def ring_attention(
@@ -109,8 +95,7 @@ def ring_attention(
     _check_group_inputs(q, k, cfg, check_shapes)
     if cu_seqlens is not None:
         cfg = dataclasses.replace(cfg, documents=packed_documents(cu_seqlens, q, cfg.size, layout))
-    function = _LocalAttention if cfg.size == 1 and cfg.documents is None else _RingAttention
-    out, lse = function.apply(cfg, q, k, v)
+    out, lse = _RingAttention.apply(cfg, q, k, v)
     return (out, lse) if return_lse else out
 
 

@@ -67,7 +67,8 @@ def _api() -> _Api | None:
 
 def _call(fn, values: dict):
     """Call ``fn`` with the keyword arguments its signature names, from ``values``."""
-    params = inspect.signature(fn).parameters
+    # flash-attn >= 2.7 wraps these in torch.library custom ops; read the wrapped function
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
     missing = [
         n for n, p in params.items() if n not in values and p.default is inspect.Parameter.empty
     ]
@@ -102,6 +103,32 @@ def _out_and_lse(result):
     return (result[0], result[5]) if len(result) == 8 else (result[0], result[1])
 
 
+def _packing(cu_q=None, cu_k=None, max_q=None, max_k=None) -> dict:
+    """Document boundaries (None for dense calls), under every name the releases use."""
+    return {
+        "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k,
+        "seqused_q": None, "seqused_k": None, "sequed_q": None, "sequed_k": None,
+    }  # fmt: skip
+
+
+def _forward(fn, q, k, v, spec, scale, packing):
+    values = {"q": q, "k": k, "v": v, **packing, **_options(spec, scale)}
+    out, lse = _out_and_lse(_call(fn, values))
+    return out, _empty_rows_to_neg_inf(lse)
+
+
+def _backward(fn, dout, q, k, v, out, lse, spec, scale, packing) -> Grads:
+    # the backward writes into the dq/dk/dv buffers it is given
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    values = {
+        "dout": dout.contiguous(), "q": q, "k": k, "v": v, "out": out.contiguous(),
+        "softmax_lse": lse_for_backward(lse).contiguous(), "dq": dq, "dk": dk, "dv": dv,
+        **packing, **_options(spec, scale),
+    }  # fmt: skip
+    _call(fn, values)
+    return dq, dk, dv
+
+
 class FlashAttnBackend(_CudaBackend):
     name = "flash_attn"
     bottom_right_causal = True
@@ -116,81 +143,17 @@ class FlashAttnBackend(_CudaBackend):
         return super().unsupported_reason(spec)
 
     def forward(self, q, k, v, spec, scale):
-        out, lse = _out_and_lse(
-            _call(_api().forward, {"q": q, "k": k, "v": v, **_options(spec, scale)})
-        )
-        return out, _empty_rows_to_neg_inf(lse)
+        return _forward(_api().forward, q, k, v, spec, scale, _packing())
 
     def backward(self, dout, q, k, v, out, lse, spec, scale) -> Grads:
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _call(
-            _api().backward,
-            {
-                "dout": dout.contiguous(),
-                "q": q,
-                "k": k,
-                "v": v,
-                "out": out.contiguous(),
-                "softmax_lse": lse_for_backward(lse).contiguous(),
-                "dq": dq,
-                "dk": dk,
-                "dv": dv,
-                "cu_seqlens_q": None,
-                "cu_seqlens_k": None,
-                "sequed_q": None,
-                "sequed_k": None,
-                "seqused_q": None,
-                "seqused_k": None,
-                "max_seqlen_q": None,
-                "max_seqlen_k": None,
-                **_options(spec, scale),
-            },
-        )
-        return dq, dk, dv
+        return _backward(_api().backward, dout, q, k, v, out, lse, spec, scale, _packing())
 
     def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, spec, scale):
-        out, lse = _out_and_lse(
-            _call(
-                _api().varlen_forward,
-                {
-                    "q": q,
-                    "k": k,
-                    "v": v,
-                    "cu_seqlens_q": cu_q,
-                    "cu_seqlens_k": cu_k,
-                    "max_seqlen_q": max_q,
-                    "max_seqlen_k": max_k,
-                    **_options(spec, scale),
-                },
-            )
-        )
-        return out, _empty_rows_to_neg_inf(lse)
+        packing = _packing(cu_q, cu_k, max_q, max_k)
+        return _forward(_api().varlen_forward, q, k, v, spec, scale, packing)
 
     def varlen_backward(
         self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, spec, scale
     ) -> Grads:
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _call(
-            _api().varlen_backward,
-            {
-                "dout": dout.contiguous(),
-                "q": q,
-                "k": k,
-                "v": v,
-                "out": out.contiguous(),
-                "softmax_lse": lse_for_backward(lse).contiguous(),
-                "dq": dq,
-                "dk": dk,
-                "dv": dv,
-                "cu_seqlens_q": cu_q,
-                "cu_seqlens_k": cu_k,
-                "sequed_q": None,
-                "sequed_k": None,
-                "seqused_q": None,
-                "seqused_k": None,
-                "max_seqlen_q": max_q,
-                "max_seqlen_k": max_k,
-                **_options(spec, scale),
-            },
-        )
-        return dq, dk, dv
+        packing = _packing(cu_q, cu_k, max_q, max_k)
+        return _backward(_api().varlen_backward, dout, q, k, v, out, lse, spec, scale, packing)
