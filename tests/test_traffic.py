@@ -1,0 +1,152 @@
+"""Every byte usp_attention moves, per rank, per collective kind, per pass, on gloo.
+
+The bytes each rank sends AND receives, and the number of calls, must equal
+``traffic_formula`` of ``benchmarks/emulate.py`` (the formula the emulator reports its
+measurements against) exactly, forward and backward separately: Ulysses all-to-all
+(q, k, v and out forward; dout and dq, dk, dv backward, a rank not counting the chunk
+it keeps), the p2p ring (K/V blocks, then float32 dK/dV accumulators) and the allgather
+ring (all_gather forward and backward, reduce_scatter of float32 dK/dV). MHA, GQA and
+GQA with KV replication (u > Hkv), both ring implementations, both layouts, bf16 and
+float32, on 4 and 8 ranks, with and without data parallelism.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from usp_cases import global_inputs, topology
+
+import usp
+
+
+def _load_emulate():
+    """benchmarks/emulate.py is a script, not a package module: load it by path."""
+    name = "usp_benchmarks_emulate"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / "emulate.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up here
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+emulate = _load_emulate()
+
+# name -> (heads, kv heads); "gqa-replicated" needs KV replication whenever u > 2
+HEADS = {"mha": (8, 8), "gqa": (8, 4), "gqa-replicated": (8, 2)}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LOCAL_LEN, BATCH, HEAD_DIM = 8, 2, 16
+
+
+def measure(ulysses, ring):
+    """On every rank: CommStats snapshots of one forward and one backward per case."""
+    topo = topology(ulysses, ring)
+    results = {}
+    for heads, impl, layout, dtype in itertools.product(
+        HEADS, ("p2p", "allgather"), ("zigzag", "contiguous"), DTYPES
+    ):
+        q, k, v, dout = global_inputs(
+            LOCAL_LEN * topo.sp_degree, *HEADS[heads], head_dim=HEAD_DIM, batch=BATCH
+        )
+        local = [
+            usp.shard_sequence(t, topo, layout=layout).to(DTYPES[dtype]).requires_grad_()
+            for t in (q, k, v)
+        ]
+        topo.comm_stats.reset()
+        out = usp.usp_attention(*local, topo, causal=True, layout=layout, ring_impl=impl)
+        forward = topo.comm_stats.snapshot()
+        topo.comm_stats.reset()
+        out.backward(usp.shard_sequence(dout, topo, layout=layout).to(DTYPES[dtype]))
+        results[heads, impl, layout, dtype] = {
+            "forward": forward,
+            "backward": topo.comm_stats.snapshot(),
+        }
+    return results
+
+
+def expected(ulysses, ring, heads, impl, dtype, sp_degree):
+    num_heads, kv_heads = HEADS[heads]
+    return emulate.traffic_formula(
+        emulate.AttentionShape(num_heads, kv_heads, HEAD_DIM),
+        batch=BATCH,
+        seqlen=LOCAL_LEN * sp_degree,
+        ulysses=ulysses,
+        ring=ring,
+        ring_impl=impl,
+        item_bytes=DTYPES[dtype].itemsize,
+        acc_bytes=4,
+    )
+
+
+GRIDS = [(4, (4, 1)), (4, (2, 2)), (4, (1, 4)), (8, (8, 1)), (8, (4, 2)), (8, (2, 4)), (8, (1, 8))]
+GRIDS_WITH_DP = [*GRIDS, (8, (2, 2))]
+
+
+@pytest.mark.parametrize(
+    "world,grid", GRIDS_WITH_DP, ids=[f"{w}ranks-u{u}r{r}" for w, (u, r) in GRIDS_WITH_DP]
+)
+def test_every_rank_moves_exactly_the_formula(distributed, world, grid):
+    u, r = grid
+    failures = []
+    for rank, results in enumerate(distributed.run(measure, u, r, world_size=world, timeout=300)):
+        for (heads, impl, layout, dtype), traffic in results.items():
+            want = expected(u, r, heads, impl, dtype, u * r)
+            if traffic != want:
+                failures.append(
+                    f"rank {rank} {heads} {impl} {layout} {dtype}: got {traffic}, want {want}"
+                )
+    assert not failures, "\n".join(failures[:10])
+
+
+def test_the_formula_by_hand():
+    """Spot values worked out independently of ``traffic_formula``: Llama-3-8B heads, bf16,
+    128k tokens, u=4 x r=2 (no replication) and u=8 x r=8 at 1M (KV heads 8 -> 8/8 = 1)."""
+    shape = emulate.AttentionShape(32, 8, 128)
+    f = emulate.traffic_formula(
+        shape, batch=1, seqlen=131072, ulysses=4, ring=2, ring_impl="p2p", item_bytes=2, acc_bytes=4
+    )
+    local = 131072 // 8
+    # q (32 heads) + k, v (8 each) + out (32): 80 heads of 16k tokens, 3/4 of it leaves
+    assert f["forward"]["all_to_all"]["sent"] == 80 * local * 128 * 2 * 3 // 4 == 251_658_240
+    # one K/V block: 64k tokens x 2 KV heads x 128 x 2 bytes x (K and V)
+    block = 65536 * 2 * 128 * 2 * 2
+    assert f["forward"]["p2p"] == {"sent": block, "received": block, "calls": 1}
+    assert f["backward"]["p2p"] == {
+        "sent": block + 2 * 2 * block,
+        "received": 5 * block,
+        "calls": 3,
+    }
+    big = emulate.traffic_formula(
+        shape,
+        batch=1,
+        seqlen=1 << 20,
+        ulysses=8,
+        ring=8,
+        ring_impl="allgather",
+        item_bytes=2,
+        acc_bytes=4,
+    )
+    kv = 2 * (1 << 17) * 1 * 128 * 2  # 128k tokens x 1 KV head x 128 x bf16, K and V
+    assert big["forward"]["all_gather"]["sent"] == 7 * kv
+    assert big["backward"]["reduce_scatter"]["received"] == 7 * 2 * kv
+    assert set(big["backward"]) == {"all_to_all", "all_gather", "reduce_scatter"}
+
+
+def test_replication_grows_kv_traffic():
+    """Hkv=2 at u=8: each KV head is repeated 4 times before the all-to-all, so GQA moves
+    exactly what MHA moves; at u=2 nothing is repeated and the ring moves 1/4 of MHA's."""
+    mha, gqa = emulate.AttentionShape(8, 8, 16), emulate.AttentionShape(8, 2, 16)
+    common = dict(batch=1, seqlen=256, ring_impl="p2p", item_bytes=2, acc_bytes=4)
+    assert emulate.traffic_formula(gqa, ulysses=8, ring=2, **common) == emulate.traffic_formula(
+        mha, ulysses=8, ring=2, **common
+    )
+    split_mha = emulate.traffic_formula(mha, ulysses=2, ring=8, **common)
+    split_gqa = emulate.traffic_formula(gqa, ulysses=2, ring=8, **common)
+    for phase in ("forward", "backward"):
+        assert 4 * split_gqa[phase]["p2p"]["sent"] == split_mha[phase]["p2p"]["sent"]
