@@ -144,7 +144,8 @@ def traffic_formula(
       forward q, k, v (KV heads replicated to lcm(Hkv, u)) then out; backward dout
       then dq, dk, dv: (2H + 2Hkv') * B * L * D * item * (u - 1) / u per pass.
     Ring (r > 1) on the post-all-to-all block of S/r tokens and Hkv'/u KV heads:
-      p2p: forward r-1 K/V blocks; backward r-1 K/V blocks + r accumulator dK/dV blocks.
+      p2p: forward r-1 K/V blocks; backward r-1 K/V blocks + r-1 accumulator dK/dV blocks
+      (each accumulator starts at the owner's next rank and reaches the owner in r-1 hops).
       allgather: forward all_gather of (r-1) local K/V; backward all_gather again and
       reduce_scatter of (r-1) accumulator dK/dV blocks ((r-1)/r of the gathered dK/dV).
     """
@@ -164,7 +165,7 @@ def traffic_formula(
         kv, dkv = block * item_bytes, block * acc_bytes
         if ring_impl == "p2p":
             forward["p2p"] = _counts((r - 1) * kv, r - 1)
-            backward["p2p"] = _counts((r - 1) * kv + r * dkv, 2 * r - 1)
+            backward["p2p"] = _counts((r - 1) * (kv + dkv), 2 * (r - 1))
         else:
             forward["all_gather"] = _counts((r - 1) * kv, 1)
             backward["all_gather"] = _counts((r - 1) * kv, 1)

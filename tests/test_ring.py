@@ -150,7 +150,7 @@ def test_traffic_matches_the_formula(distributed, ring_impl, heads):
     for result in results:
         fwd, bwd = result["forward"], result["backward"]
         if ring_impl == "p2p":
-            # forward: r-1 K/V blocks; backward: r-1 K/V blocks + r float32 dK/dV blocks
+            # forward: r-1 K/V blocks; backward: r-1 K/V blocks + r-1 float32 dK/dV blocks
             assert fwd == {
                 "p2p": {
                     "sent": (ring_size - 1) * block,
@@ -158,8 +158,8 @@ def test_traffic_matches_the_formula(distributed, ring_impl, heads):
                     "calls": ring_size - 1,
                 }
             }
-            moved = (ring_size - 1) * block + ring_size * block_grads_fp32
-            assert bwd == {"p2p": {"sent": moved, "received": moved, "calls": 2 * ring_size - 1}}
+            moved = (ring_size - 1) * (block + block_grads_fp32)
+            assert bwd == {"p2p": {"sent": moved, "received": moved, "calls": 2 * (ring_size - 1)}}
         else:
             gather = {
                 "sent": (ring_size - 1) * block,

@@ -220,7 +220,7 @@ def test_usp_traffic_matches_the_formula(distributed, grid, heads):
             assert "all_to_all" not in forward and "all_to_all" not in backward
         if r > 1:
             p2p_fwd = (r - 1) * kv_block
-            p2p_bwd = (r - 1) * kv_block + r * kv_block * 2  # dK/dV travel in float32
+            p2p_bwd = (r - 1) * (kv_block + kv_block * 2)  # dK/dV travel in float32
             assert forward["p2p"]["sent"] == p2p_fwd and backward["p2p"]["sent"] == p2p_bwd
         else:
             assert "p2p" not in forward and "p2p" not in backward

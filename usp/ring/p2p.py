@@ -4,9 +4,10 @@ Forward: at each of the r steps, post the send of the K/V block we hold to the n
 rank (and the receive of the previous rank's) before computing on it, so the transfer
 overlaps the kernel. Partial results merge by LSE in float32.
 
-Backward: K/V circulate again; each block's dK/dV accumulator (float32) travels one
-step behind it, collecting every rank's contribution, and arrives back at its owner
-after the last step. dQ accumulates locally in float32.
+Backward: K/V circulate again; each block's dK/dV accumulator (float32) starts at the
+owner's next rank, travels one step behind the K/V, collects every other rank's
+contribution and reaches the owner after r-1 hops, who adds its own. dQ accumulates
+locally in float32.
 """
 
 from __future__ import annotations
@@ -66,10 +67,12 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.stack([k, v])
     kv_spare = torch.empty_like(kv)
-    # two float32 dK/dV buffers: the accumulator we add to and send, and the one the
-    # previous rank's accumulator arrives in
-    dkv_buffers = [torch.zeros((2,) + k.shape, dtype=acc, device=k.device)]
-    dkv_buffers.append(torch.empty_like(dkv_buffers[0]))
+    # dK/dV in float32: ``own`` keeps this rank's contribution to its own block (step 0);
+    # the accumulator of every other block starts at the owner's next rank, collects
+    # one contribution per step, and reaches the owner after r-1 hops. Two buffers: the
+    # accumulator being added to and sent, and the one the next arrives in.
+    own = torch.zeros((2,) + k.shape, dtype=acc, device=k.device)
+    travelling = [torch.empty_like(own), torch.empty_like(own)]
     current, dkv_pending = 0, None
     blocks, calls = _plan(cfg, local_len, q.device)
     for step in range(ring.size):
@@ -88,19 +91,23 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
             )
             dq[:, rows] += dq_block
             block_grads.append((block.kv_rows, dk_block, dv_block))
-        if dkv_pending is not None:
-            dkv_pending.wait()  # this block's accumulator arrived in dkv_buffers[current]
-        dkv = dkv_buffers[current]
+        if step == 0:
+            dkv = own
+        elif step == 1:
+            dkv = travelling[current].zero_()
+        else:
+            dkv_pending.wait()  # this block's accumulator arrived in travelling[current]
+            dkv = travelling[current]
         for kv_rows, dk_block, dv_block in block_grads:
             dkv[0][:, kv_rows] += dk_block
             dkv[1][:, kv_rows] += dv_block
-        if ring.size > 1:
-            dkv_pending = ring.start(dkv, dkv_buffers[1 - current])
+        if step > 0:
+            dkv_pending = ring.start(dkv, travelling[1 - current])
             current = 1 - current
         if kv_pending is not None:
             kv_spare, kv = kv, kv_pending.wait()
     if dkv_pending is not None:
-        dkv_pending.wait()  # after r sends every accumulator is back with its owner
-    dkv = dkv_buffers[current]
+        dkv_pending.wait()  # everyone else's contributions to this rank's block
+        own += travelling[current]
     # copies even for float32: dk and dv must not be views of one shared buffer
-    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+    return dq.to(q.dtype), own[0].to(k.dtype, copy=True), own[1].to(v.dtype, copy=True)

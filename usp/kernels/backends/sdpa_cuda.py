@@ -3,7 +3,7 @@ and memory-efficient. These ops return the LSE and their backwards take an exter
 out/LSE, which is what ring attention needs.
 
 Facts these wrappers rely on (read in the PyTorch sources of 2.6-2.13; checked on a GPU
-by ``benchmarks/gpu_check.py``, and at run time by a small self-check, see
+by ``benchmarks/gpu_check.sh`` (which runs tests/test_kernels.py on the GPU), and at run time by a small self-check, see
 ``selfcheck.py``):
 - cuDNN takes BHSD views of any strides (so BSHD memory works without a copy), handles
   GQA natively, aligns causal masks top-left (so only square causal blocks are sent
