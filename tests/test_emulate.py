@@ -10,29 +10,14 @@ are written.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from usp_cases import load_benchmark
 
-
-def _load_emulate():
-    """benchmarks/emulate.py is a script, not a package module: load it by path."""
-    name = "usp_benchmarks_emulate"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / "emulate.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up here
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-emulate = _load_emulate()
+emulate = load_benchmark("emulate")
 
 GRIDS = [(8, 1), (4, 2), (2, 4), (1, 8)]
 TINY = ["--preset", "tiny", "--seqlen", "256", "--world", "8", "--backends", "cpu"]

@@ -12,31 +12,15 @@ float32, on 4 and 8 ranks, with and without data parallelism.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from usp_cases import global_inputs, topology
+from usp_cases import global_inputs, load_benchmark, topology
 
 import usp
 
-
-def _load_emulate():
-    """benchmarks/emulate.py is a script, not a package module: load it by path."""
-    name = "usp_benchmarks_emulate"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / "emulate.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up here
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-emulate = _load_emulate()
+emulate = load_benchmark("emulate")
 
 # name -> (heads, kv heads); "gqa-replicated" needs KV replication whenever u > 2
 HEADS = {"mha": (8, 8), "gqa": (8, 4), "gqa-replicated": (8, 2)}

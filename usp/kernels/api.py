@@ -54,6 +54,12 @@ def _describe(spec: AttentionSpec) -> str:
     )
 
 
+def prepare_call(q, k, v, causal, window, softmax_scale, backend, varlen=False):
+    """Validate a call and resolve its (backend, spec, softmax scale)."""
+    spec = validate_inputs(q, k, v, causal=causal, window=window, varlen=varlen)
+    return select_backend(spec, backend), spec, default_scale(spec.head_dim, softmax_scale)
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -70,9 +76,8 @@ def attention_forward(
     dtype, lse [B, H, Sq] in float32 (float64 for float64 inputs). Causal masks are
     bottom-right aligned when Sq != Sk; ``window`` is a left window (see ``spec.py``).
     """
-    spec = validate_inputs(q, k, v, causal=causal, window=window)
-    scale = default_scale(spec.head_dim, softmax_scale)
-    return dense_forward(select_backend(spec, backend), q, k, v, spec, scale)
+    impl, spec, scale = prepare_call(q, k, v, causal, window, softmax_scale, backend)
+    return dense_forward(impl, q, k, v, spec, scale)
 
 
 def attention_backward(
@@ -90,10 +95,9 @@ def attention_backward(
 ) -> Grads:
     """Gradients of :func:`attention_forward` given the (possibly externally merged)
     ``out`` and ``lse``; returns (dq, dk, dv) in the inputs' dtypes and shapes."""
-    spec = validate_inputs(q, k, v, causal=causal, window=window)
+    impl, spec, scale = prepare_call(q, k, v, causal, window, softmax_scale, backend)
     validate_backward_inputs(dout, out, lse, q)
-    scale = default_scale(spec.head_dim, softmax_scale)
-    return dense_backward(select_backend(spec, backend), dout, q, k, v, out, lse, spec, scale)
+    return dense_backward(impl, dout, q, k, v, out, lse, spec, scale)
 
 
 # ------------------------------------------------------------------ dense dispatch

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from usp.kernels.api import dense_backward, dense_forward, select_backend
+from usp.kernels.api import dense_backward, dense_forward, prepare_call
 from usp.kernels.backends.base import Backend, Grads
 from usp.kernels.masks import accumulation_dtype
 from usp.kernels.spec import (
     AttentionInputError,
     AttentionSpec,
-    default_scale,
     validate_backward_inputs,
     validate_cu_seqlens,
     validate_inputs,
@@ -147,9 +146,7 @@ def packed_forward(
     q, k, v, docs: PackedDocs, *, causal, softmax_scale=None, window=None, backend="auto"
 ):
     """:func:`attention_varlen_forward` for pre-validated boundaries (no host syncs)."""
-    spec = validate_inputs(q, k, v, causal=causal, window=window, varlen=True)
-    scale = default_scale(spec.head_dim, softmax_scale)
-    impl = select_backend(spec, backend)
+    impl, spec, scale = prepare_call(q, k, v, causal, window, softmax_scale, backend, varlen=True)
     if impl.supports_varlen:
         return impl.varlen_forward(
             q, k, v, docs.cu_q, docs.cu_k, docs.max_q, docs.max_k, spec, scale
@@ -171,9 +168,7 @@ def packed_backward(
     window=None,
     backend="auto",
 ) -> Grads:
-    spec = validate_inputs(q, k, v, causal=causal, window=window, varlen=True)
-    scale = default_scale(spec.head_dim, softmax_scale)
-    impl = select_backend(spec, backend)
+    impl, spec, scale = prepare_call(q, k, v, causal, window, softmax_scale, backend, varlen=True)
     if impl.supports_varlen:
         return impl.varlen_backward(
             dout, q, k, v, out, lse, docs.cu_q, docs.cu_k, docs.max_q, docs.max_k, spec, scale
