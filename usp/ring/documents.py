@@ -128,23 +128,19 @@ class Documents:
             parts.append(ranges(self._doc_starts + chunk * self.chunk_lengths, self.chunk_lengths))
         return torch.cat(parts)
 
-    def gathered_rows(self, chunks_of_doc: list[range]) -> tuple[torch.Tensor, list[int]]:
+    def gathered_rows(self, num_chunks: int) -> tuple[torch.Tensor, list[int]]:
         """Rows of the ring's blocks concatenated in ring-rank order ([r * local_len])
-        holding, for each document d, its chunks ``chunks_of_doc[d]`` in order; and the
-        cumulative per-document boundaries of that selection."""
-        starts, lengths, bounds = [], [], [0]
-        for doc, chunks in enumerate(chunks_of_doc):
-            chunk_len = int(self.chunk_lengths[doc])
-            for chunk in chunks:
-                rank, piece = self.owner_of(chunk)
-                starts.append(
-                    rank * self.local_len + piece * self.piece_len + self.piece_bounds[doc]
-                )
-                lengths.append(chunk_len)
-            bounds.append(bounds[-1] + chunk_len * len(chunks))
-        return ranges(
-            torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
-        ), bounds
+        holding chunks ``0 .. num_chunks-1`` of every document, document by document in
+        position order; and the cumulative per-document boundaries of that selection."""
+        chunks = torch.arange(num_chunks)
+        second = chunks >= self.ring_size  # zigzag chunks r..2r-1 sit in piece 1 of rank 2r-1-c
+        owner = torch.where(second, 2 * self.ring_size - 1 - chunks, chunks)
+        chunk_offset = owner * self.local_len + second.long() * self.piece_len  # [C]
+        doc_offset = torch.tensor(self.piece_bounds[:-1], dtype=torch.int64)  # [N]
+        starts = doc_offset[:, None] + chunk_offset[None, :]  # [N, C], document-major
+        lengths = self.chunk_lengths[:, None].expand(-1, num_chunks)
+        bounds = [0, *torch.cumsum(self.chunk_lengths * num_chunks, 0).tolist()]
+        return ranges(starts.reshape(-1), lengths.reshape(-1)), bounds
 
     def visible_rows(
         self, ring_rank: int, piece: int, causal: bool
@@ -153,5 +149,4 @@ class Documents:
         every chunk of its document, or (causal) the chunks up to its own, so the causal
         mask is bottom-right aligned within each document."""
         chunk = self.chunk_of(ring_rank, piece)
-        visible = range(chunk + 1) if causal else range(self.chunks_per_doc)
-        return self.gathered_rows([visible] * len(self.lengths))
+        return self.gathered_rows(chunk + 1 if causal else self.chunks_per_doc)
