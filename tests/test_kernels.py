@@ -9,6 +9,7 @@ the bounds are a few times those, so a missing mask element or a wrong LSE fails
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -288,6 +289,8 @@ def test_auto_picks_the_first_supported_backend_in_preference_order():
     from usp.kernels import select_backend
 
     assert select_backend(cpu_spec).name == "cpu"
+    varlen_spec = dataclasses.replace(cpu_spec, varlen=True)
+    assert select_backend(varlen_spec).name == "cpu"  # no native varlen on CPU: per-document loop
     cuda_order = registry.auto_order(torch.device("cuda"))
     assert (
         cuda_order.index("cudnn")

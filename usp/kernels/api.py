@@ -23,7 +23,10 @@ from usp.kernels.spec import (
 def select_backend(spec: AttentionSpec, backend: str = "auto") -> Backend:
     """The backend that will run a call: the named one, or the fastest that supports it."""
     if backend == "auto":
-        for name in registry.auto_order(spec.device):
+        order = registry.auto_order(spec.device)
+        if spec.varlen:  # native varlen kernels first; others loop over documents
+            order = sorted(order, key=lambda name: not registry.get(name).supports_varlen)
+        for name in order:
             impl = registry.get(name)
             if impl.unsupported_reason(spec) is None:
                 return impl
