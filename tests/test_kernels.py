@@ -418,3 +418,60 @@ def test_backends_without_windows_say_so(backend):
     spec = AttentionSpec(1, 64, 64, 4, 2, 64, torch.bfloat16, torch.device("cuda"), True, 16)
     assert registry.get(backend).unsupported_reason(spec) == "has no sliding-window support"
     assert registry.get("math").unsupported_reason(spec) is None
+
+
+# ------------------------------------------------------------------ CUDA plumbing without a GPU
+META = torch.device("meta")
+
+
+def _meta(*shape):
+    return torch.empty(*shape, device=META, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient"])
+@pytest.mark.parametrize("seqlens,causal", [((40, 40), True), ((40, 56), False), ((40, 56), True)])
+def test_cuda_backends_call_their_ops_correctly_on_meta_tensors(backend, seqlens, causal):
+    """The aten ops' meta implementations check op names, arity, argument order and
+    types, and give the output shapes, so the CUDA wrappers' plumbing is tested here
+    without a GPU (numerics need one: benchmarks/gpu_check.sh)."""
+    impl = registry.get(backend)
+    (seqlen_q, seqlen_k), batch, heads, kv_heads, dim = seqlens, 2, 8, 2, 64
+    if causal and seqlen_q != seqlen_k and not impl.bottom_right_causal:
+        pytest.skip("the dispatcher splits non-square causal calls for this backend")
+    spec = AttentionSpec(
+        batch, seqlen_q, seqlen_k, heads, kv_heads, dim, torch.bfloat16, META, causal, None
+    )
+    q, k, v = (
+        _meta(batch, seqlen_q, heads, dim),
+        _meta(batch, seqlen_k, kv_heads, dim),
+        _meta(batch, seqlen_k, kv_heads, dim),
+    )
+    out, lse = impl.forward(q, k, v, spec, 0.125)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (batch, heads, seqlen_q) and lse.dtype == torch.float32
+    if backend == "efficient":
+        pytest.skip(
+            "torch's meta function for _efficient_attention_backward lacks the schema's `out` argument"
+        )
+    grads = impl.backward(torch.empty_like(q), q, k, v, out, lse, spec, 0.125)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert all(g.dtype == torch.bfloat16 for g in grads)
+
+
+def test_flash_window_and_varlen_calls_on_meta_tensors():
+    impl = registry.get("flash")
+    q, k = _meta(2, 40, 8, 64), _meta(2, 40, 2, 64)
+    spec = AttentionSpec(2, 40, 40, 8, 2, 64, torch.bfloat16, META, True, 8)
+    out, lse = impl.forward(q, k, k, spec, 0.125)
+    assert [g.shape for g in impl.backward(q, q, k, k, out, lse, spec, 0.125)] == [
+        q.shape,
+        k.shape,
+        k.shape,
+    ]
+    tokens, cu = 50, torch.tensor([0, 20, 50], dtype=torch.int32, device=META)
+    qv, kv = _meta(tokens, 8, 64), _meta(tokens, 2, 64)
+    spec = AttentionSpec(1, tokens, tokens, 8, 2, 64, torch.bfloat16, META, True, None, varlen=True)
+    out, lse = impl.varlen_forward(qv, kv, kv, cu, cu, 30, 30, spec, 0.125)
+    assert out.shape == qv.shape and lse.shape == (8, tokens)
+    grads = impl.varlen_backward(qv, qv, kv, kv, out, lse, cu, cu, 30, 30, spec, 0.125)
+    assert [g.shape for g in grads] == [qv.shape, kv.shape, kv.shape]
