@@ -93,9 +93,13 @@ def sequence_positions(
 ) -> torch.Tensor:
     """Global positions (int64, in local order) held by rank (ring_rank, ulysses_rank)."""
     docs = sequence_documents(seq_len, ring_size, ulysses_size, layout, cu_seqlens)
-    block = docs.block_positions(ring_rank)
+    return _rank_positions(docs, ring_rank, ulysses_size, ulysses_rank).to(device)
+
+
+def _rank_positions(docs: Documents, ring_rank: int, ulysses_size: int, ulysses_rank: int):
+    block = docs.block_positions(ring_rank)  # the ring rank's block, cut into u pieces
     piece = block.numel() // ulysses_size
-    return block[ulysses_rank * piece : (ulysses_rank + 1) * piece].to(device)
+    return block[ulysses_rank * piece : (ulysses_rank + 1) * piece]
 
 
 def _check_layout(layout: str) -> None:
@@ -154,22 +158,14 @@ def gather_sequence(
         (sp_size * front.shape[0],) + front.shape[1:], dtype=front.dtype, device=front.device
     )
     all_gather_uncounted(gathered, front, topology.sp_group)
-    seq_len = sp_size * front.shape[0]
+    u = topology.ulysses_degree
+    docs = sequence_documents(sp_size * front.shape[0], topology.ring_degree, u, layout, cu_seqlens)
     full = torch.empty_like(gathered)
     for group_rank, piece in enumerate(gathered.chunk(sp_size)):
         # torch orders the sp group by global rank; find each piece's (ring, ulysses) place
         coords = topology.rank_map.coords_of(dist.get_global_rank(topology.sp_group, group_rank))
-        positions = sequence_positions(
-            seq_len,
-            ring_size=topology.ring_degree,
-            ring_rank=coords.ring,
-            ulysses_size=topology.ulysses_degree,
-            ulysses_rank=coords.ulysses,
-            layout=layout,
-            cu_seqlens=cu_seqlens,
-            device=full.device,
-        )
-        full.index_copy_(0, positions, piece)
+        positions = _rank_positions(docs, coords.ring, u, coords.ulysses)
+        full.index_copy_(0, positions.to(full.device), piece)
     return full.movedim(0, dim)
 
 
