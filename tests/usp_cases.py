@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from dist_harness import worker_cached
 from reference import reference_attention, relative_error
 
@@ -63,10 +62,6 @@ def usp_errors(topo, inputs, expected, *, dtype, layout, causal, ring_impl, extr
         raise AssertionError(f"dtype changed: {[a.dtype for a in actual]}")
     full = [usp.gather_sequence(a, topo, layout=layout) for a in actual]
     return {n: relative_error(a, e) for n, a, e in zip(("out", "dq", "dk", "dv"), full, expected)}
-
-
-def rank_summary():
-    return dist.get_rank()
 
 
 def load_benchmark(name: str):

@@ -25,9 +25,7 @@ import torch.distributed as dist
 
 from usp.comm.collectives import all_gather_uncounted
 from usp.kernels.spec import validate_cu_seqlens
-from usp.ring.documents import LAYOUTS, Documents, check_layout
-
-SEQUENCE_LAYOUTS = LAYOUTS
+from usp.ring.documents import Documents, check_layout
 
 
 class ShardingError(ValueError):

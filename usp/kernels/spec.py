@@ -44,10 +44,6 @@ class AttentionSpec:
     varlen: bool = False
 
     @property
-    def gqa(self) -> bool:
-        return self.num_heads != self.num_kv_heads
-
-    @property
     def square(self) -> bool:
         return self.seqlen_q == self.seqlen_k
 

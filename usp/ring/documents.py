@@ -92,10 +92,6 @@ class Documents:
     def local_len(self) -> int:
         return self.piece_len * self.pieces
 
-    @property
-    def total_len(self) -> int:
-        return sum(self.lengths)
-
     @cached_property
     def piece_bounds(self) -> list[int]:
         """Cumulative document boundaries inside one piece (the same on every rank)."""
@@ -107,12 +103,6 @@ class Documents:
     def chunk_of(self, ring_rank: int, piece: int) -> int:
         """Which chunk of each document piece ``piece`` of ``ring_rank`` holds."""
         return ring_rank if piece == 0 else 2 * self.ring_size - 1 - ring_rank
-
-    def owner_of(self, chunk: int) -> tuple[int, int]:
-        """(ring rank, piece) holding chunk ``chunk`` of every document."""
-        if chunk < self.ring_size:
-            return chunk, 0
-        return 2 * self.ring_size - 1 - chunk, 1
 
     # ------------------------------------------------------------------ positions
     @cached_property
