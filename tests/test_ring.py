@@ -230,10 +230,10 @@ def _bad_input_case(kind):
         ),
         (
             "shapes_differ",
-            "ring ranks hold differently shaped inputs: ring rank 0: q (1, 8, 4, 16) k (1, 8, 2, 16), ring rank 1: q (1, 6, 4, 16)",
+            "RankDisagreementError: ring_attention: the ranks of the group disagree on q.shape[1] (rank 0: 8; rank 1: 6)",
         ),
         ("meta_device", "the ring group uses gloo; pass CPU tensors (got meta)"),
-        ("layout", "unknown sequence layout 'striped'; valid layouts: zigzag, contiguous"),
+        ("layout", "unknown sequence layout 'striped'; valid: zigzag, contiguous"),
         ("impl", "unknown ring_impl 'ulysses'; valid: p2p, allgather"),
         ("head_chunks", "kv_head_chunks=3 must be >= 1 and divide the local KV heads (2)"),
     ],

@@ -132,12 +132,12 @@ def run_round_trip(ulysses, ring, placement):
     for layout in ("zigzag", "contiguous"):
         for dim in (1, -2):
             local = usp.shard_sequence(full, topo, dim=dim, layout=layout)
-            positions = usp.local_positions(seq_len, topo, layout=layout)
+            positions = usp.local_token_indices(seq_len, topo, layout=layout)
             checks.append(bool(torch.equal(local, full[:, positions])))
             checks.append(
                 bool(torch.equal(usp.gather_sequence(local, topo, dim=dim, layout=layout), full))
             )
-    return checks, usp.local_positions(seq_len, topo, layout="zigzag").tolist(), topo.sp_rank
+    return checks, usp.local_token_indices(seq_len, topo, layout="zigzag").tolist(), topo.sp_rank
 
 
 @pytest.mark.parametrize(
@@ -282,7 +282,7 @@ def run_bad_input(kind):
             "length",
             "sequence length 12 must be a multiple of 8 for the zigzag layout with ring=4, ulysses=1 (pad to 16",
         ),
-        ("length", "each rank holds 3 tokens of 4 ranks"),
+        ("length", "each of the 4 SP ranks holds 3 tokens"),
         ("batch", "same batch size, got 1 and 2"),
         ("head_dim", "same head_dim, got 16 and 32"),
         ("dtype", "q, k and v must share a dtype"),

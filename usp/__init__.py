@@ -2,15 +2,25 @@
 
 Typical use, after ``torch.distributed.init_process_group``::
 
-    topo = usp.build_topology(ulysses_degree=4, ring_degree=2)
-    q, k, v = (usp.shard_sequence(t, topo) for t in (q_full, k_full, v_full))
-    out = usp.usp_attention(q, k, v, topo, causal=True)
+    plan = usp.Plan(usp.build_topology(ulysses_degree=4, ring_degree=2))
+    q, k, v = (plan.shard(t) for t in (q_full, k_full, v_full))
+    out = plan.attention(q, k, v, causal=True)
 """
 
 from usp.attention import UspAttention, usp_attention
+from usp.comm.agreement import RankDisagreementError
 from usp.comm.stats import CommStats
 from usp.config import ConfigError, UspConfig, build_topology_from_config, load_config
+from usp.functional import (
+    gather_sequence,
+    local_position_ids,
+    local_positions,
+    local_token_indices,
+    sequence_multiple,
+    shard_sequence,
+)
 from usp.kernels import attention_backward, attention_forward
+from usp.plan import PackedSequence, Plan, PlanError
 from usp.process_groups import (
     HeadLayoutError,
     RankMap,
@@ -25,13 +35,8 @@ from usp.sharding import (
     DocumentPadding,
     ShardingError,
     document_position_ids,
-    gather_sequence,
-    local_position_ids,
-    local_positions,
     pad_documents,
     pad_to_multiple,
-    sequence_multiple,
-    shard_sequence,
 )
 
 __version__ = "0.1.0"
@@ -41,6 +46,10 @@ __all__ = [
     "ConfigError",
     "DocumentPadding",
     "HeadLayoutError",
+    "PackedSequence",
+    "Plan",
+    "PlanError",
+    "RankDisagreementError",
     "RankMap",
     "ShardingError",
     "Topology",
@@ -53,9 +62,10 @@ __all__ = [
     "build_topology_from_config",
     "document_position_ids",
     "gather_sequence",
-    "local_position_ids",
     "load_config",
+    "local_position_ids",
     "local_positions",
+    "local_token_indices",
     "pad_documents",
     "pad_to_multiple",
     "ring_attention",

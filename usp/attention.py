@@ -4,122 +4,210 @@
                    --ring attention (ring)--> [B, S/r, H/u, D]
                    --all-to-all (ulysses)--> [B, S/P, H, D]
 
-Inputs are this rank's shard in the layout of :mod:`usp.sharding` (``shard_sequence``
-puts tokens there). With u = 1 or r = 1 the unneeded collectives are skipped entirely.
+Inputs are this rank's shard in the plan's layout (``plan.shard`` puts tokens there).
+With u = 1 or r = 1 the unneeded collectives are skipped entirely. Every check happens
+before the first collective (and, with ``verify``, the SP ranks agree on the call), so an
+error leaves every process group usable.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from usp.kernels.spec import validate_inputs
-from usp.process_groups import Topology
-from usp.ring import ring_attention
-from usp.ring.config import RING_IMPLS
-from usp.sharding import ShardingError, sequence_documents
-from usp.ulysses import gather_heads, kv_replication_for, replicate_kv_heads, scatter_heads
+from usp.call_check import call_fields, checked_call, needs_grad
+from usp.kernels.spec import AttentionInputError, AttentionSpec, validate_inputs
+from usp.options import BACKENDS, LAYOUTS, RING_IMPLS
+from usp.plan import PackedSequence, Plan, PlanError, as_plan
+from usp.process_groups import HeadLayoutError
+from usp.ring.api import RING_ERRORS, prepare_ring, ring_placement, run_ring
+from usp.ring.config import RingConfig
+from usp.sharding import ShardingError, check_sequence_length
+from usp.ulysses import (
+    kv_replication_for,
+    replicate_kv_heads,
+    to_head_sharded,
+    to_sequence_sharded,
+)
+
+#: errors a rank may raise while checking a call; shared with the other SP ranks
+USP_ERRORS = (*RING_ERRORS, ShardingError, HeadLayoutError, PlanError)
+
+
+@dataclass(frozen=True)
+class _CheckedCall:
+    kv_replication: int
+    ring: RingConfig
+
+
+def _check_call(plan: Plan, q, k, v, causal, softmax_scale, packed) -> _CheckedCall:
+    """Everything that could fail, checked on this rank before anything is sent."""
+    spec = validate_inputs(q, k, v, causal=causal, window=None)
+    u, r = plan.ulysses_degree, plan.ring_degree
+    local_len = spec.seqlen_q
+    if packed is not None:
+        if spec.batch != 1:
+            raise ShardingError(
+                f"packed sequences (cu_seqlens) need batch size 1, got {spec.batch}"
+            )
+        if packed.seq_len != local_len * u * r:
+            raise ShardingError(
+                f"the packed sequence has {packed.seq_len} tokens, but each of the {u * r} SP "
+                f"ranks holds {local_len} ({local_len * u * r} in all)"
+            )
+        if packed.placement.device != q.device:
+            raise ShardingError(
+                f"the PackedSequence was built for {packed.placement.device}, q is on "
+                f"{q.device}; pass device= to Plan.pack"
+            )
+    else:
+        try:
+            check_sequence_length(local_len * u * r, r, u, plan.layout)
+        except ShardingError as err:
+            raise ShardingError(
+                f"{err} (each of the {u * r} SP ranks holds {local_len} tokens)"
+            ) from None
+    topology = plan.topology
+    replication = 1
+    if u > 1:
+        replication = kv_replication_for(
+            spec.num_heads, spec.num_kv_heads, u, plan.sp_degree, topology.rank_map.ranks_per_node
+        )
+    # what the ring sees after the all-to-all: the ring rank's block, H/u heads
+    ring_spec = AttentionSpec(
+        spec.batch, local_len * u, local_len * u, spec.num_heads // u,
+        spec.num_kv_heads * replication // u, spec.head_dim, spec.dtype, spec.device, causal, None,
+    )  # fmt: skip
+    ring_group = plan.ring_group
+    placement = (
+        packed.placement
+        if packed is not None
+        else ring_placement(ring_spec, ring_group, plan.layout, plan.ring_impl, None)
+    )
+    ring = prepare_ring(
+        ring_spec, ring_group, placement, causal=causal, softmax_scale=softmax_scale,
+        layout=plan.layout, ring_impl=plan.ring_impl, backend=plan.backend,
+        comm_stats=plan.comm_stats,
+    )  # fmt: skip
+    return _CheckedCall(replication, ring)
+
+
+def attend(
+    plan: Plan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    packed=None,
+    verify: bool | None = None,
+) -> torch.Tensor:
+    """:meth:`Plan.attention` (see :func:`usp_attention` for the arguments)."""
+    packed_seq: PackedSequence | None = None
+
+    def validate() -> _CheckedCall:
+        nonlocal packed_seq
+        q_shape = getattr(q, "shape", ())
+        total = q_shape[1] * plan.sp_degree if len(q_shape) > 1 else None
+        packed_seq = plan.packed_sequence(packed, device=getattr(q, "device", None), seq_len=total)
+        return _check_call(plan, q, k, v, causal, softmax_scale, packed_seq)
+
+    def fields():
+        options = {
+            "layout": (plan.layout, LAYOUTS),
+            "ring_impl": (plan.ring_impl, RING_IMPLS),
+            "backend": (plan.backend, BACKENDS),
+        }
+        documents = 0 if packed_seq is None else packed_seq.fingerprint
+        return call_fields(
+            q, k, causal=causal, softmax_scale=softmax_scale, options=options,
+            documents_hash=documents, needs_grad=needs_grad(q, k, v),
+        )  # fmt: skip
+
+    call = checked_call(plan.sp_group, "usp_attention", fields, validate, USP_ERRORS, verify)
+    topology, u = plan.topology, plan.ulysses_degree
+    stats = plan.comm_stats
+    if u > 1:
+        k, v = replicate_kv_heads(k, v, call.kv_replication)
+        q, k, v = to_head_sharded([q, k, v], topology.ulysses_group, stats)  # [B, S/r, h/u, D]
+    out, _ = run_ring(q, k, v, call.ring)
+    if u > 1:
+        out = to_sequence_sharded(out, topology.ulysses_group, stats)  # [B, S/P, H, D]
+    return out
 
 
 def usp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    topology: Topology,
+    topology,
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
-    layout: str = "zigzag",
-    ring_impl: str = "p2p",
-    backend: str = "auto",
-    cu_seqlens: torch.Tensor | None = None,
+    layout: str | None = None,
+    ring_impl: str | None = None,
+    backend: str | None = None,
+    cu_seqlens=None,
+    verify: bool | None = None,
 ) -> torch.Tensor:
-    """Exact attention over the sequence sharded across ``topology``'s SP group.
+    """Exact attention over the sequence sharded across the SP group.
 
     q [B, S/P, H, D], k/v [B, S/P, Hkv, D] (P = ulysses * ring) -> [B, S/P, H, D].
+    ``topology``: a :class:`usp.Plan` (its layout, ring_impl and backend are the
+    defaults) or a :class:`usp.Topology` (defaults: zigzag, p2p, auto); the keyword
+    arguments override them for this call. ``causal`` is False by default, as in
+    ``torch.nn.functional.scaled_dot_product_attention`` and flash-attn.
     ``cu_seqlens``: int32 document boundaries of the *global* packed sequence (B = 1,
-    identical on every SP rank; shard with the same ``cu_seqlens``). Attention is then
-    block-diagonal by document, causal inside each document when ``causal``.
-    Bytes moved are counted in ``topology.comm_stats``.
+    identical on every SP rank; shard with the same ``cu_seqlens``), or the
+    :class:`usp.PackedSequence` built once per batch by ``plan.pack`` (no host syncs).
+    Attention is then block-diagonal by document, causal inside each document when
+    ``causal``. ``verify``: agree on the call across the SP ranks before anything is sent
+    (default: on for gloo, off for NCCL; see :mod:`usp.call_check`).
+    Bytes moved are counted in ``topology.comm_stats``. Second derivatives are refused.
     """
-    spec = validate_inputs(q, k, v, causal=causal, window=None)
-    if ring_impl not in RING_IMPLS:
-        raise ValueError(f"unknown ring_impl {ring_impl!r}; valid: {', '.join(RING_IMPLS)}")
-    u, r = topology.ulysses_degree, topology.ring_degree
-    if cu_seqlens is not None and spec.batch != 1:
-        raise ShardingError(f"packed sequences (cu_seqlens) need batch size 1, got {spec.batch}")
-    try:
-        sequence_documents(spec.seqlen_q * u * r, r, u, layout, cu_seqlens)
-    except ShardingError as err:
-        raise ShardingError(
-            f"{err} (each rank holds {spec.seqlen_q} tokens of {u * r} ranks)"
-        ) from None
-    replication = kv_replication_for(
-        spec.num_heads, spec.num_kv_heads, u, topology.sp_degree, topology.rank_map.ranks_per_node
+    plan = as_plan(topology).with_options(layout=layout, ring_impl=ring_impl, backend=backend)
+    return attend(
+        plan, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=cu_seqlens, verify=verify
     )
-    stats = topology.comm_stats
-    if u > 1:
-        k, v = replicate_kv_heads(k, v, replication)
-        q, k, v = gather_heads(q, k, v, topology.ulysses_group, stats)  # [B, S/r, h/u, D]
-    out = ring_attention(
-        q,
-        k,
-        v,
-        topology.ring_group,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        layout=layout,
-        ring_impl=ring_impl,
-        backend=backend,
-        comm_stats=stats,
-        cu_seqlens=cu_seqlens,
-    )
-    if u > 1:
-        out = scatter_heads(out, topology.ulysses_group, stats)  # [B, S/P, H, D]
-    return out
 
 
 class UspAttention(nn.Module):
     """``nn.Module`` form of :func:`usp_attention` (no parameters: it replaces the
-    ``softmax(QK^T)V`` core of an attention layer, after projections and RoPE)."""
+    ``softmax(QK^T)V`` core of an attention layer, after projections and RoPE).
+    Defaults as the function: ``causal=False``."""
 
     def __init__(
         self,
-        topology: Topology,
+        topology,
         *,
-        causal: bool = True,
+        causal: bool = False,
         softmax_scale: float | None = None,
-        layout: str = "zigzag",
-        ring_impl: str = "p2p",
-        backend: str = "auto",
+        layout: str | None = None,
+        ring_impl: str | None = None,
+        backend: str | None = None,
     ):
         super().__init__()
-        self.topology = topology
+        self.plan = as_plan(topology).with_options(
+            layout=layout, ring_impl=ring_impl, backend=backend
+        )
+        if not isinstance(causal, bool):
+            raise AttentionInputError(f"causal must be a bool, got {causal!r}")
         self.causal = causal
         self.softmax_scale = softmax_scale
-        self.layout = layout
-        self.ring_impl = ring_impl
-        self.backend = backend
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None
     ) -> torch.Tensor:
-        return usp_attention(
-            q,
-            k,
-            v,
-            self.topology,
-            causal=self.causal,
-            softmax_scale=self.softmax_scale,
-            layout=self.layout,
-            ring_impl=self.ring_impl,
-            backend=self.backend,
-            cu_seqlens=cu_seqlens,
+        return self.plan.attention(
+            q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, packed=cu_seqlens
         )
 
     def extra_repr(self) -> str:
-        t = self.topology
+        p = self.plan
         return (
-            f"ulysses={t.ulysses_degree}, ring={t.ring_degree}, causal={self.causal}, "
-            f"layout={self.layout}, ring_impl={self.ring_impl}, backend={self.backend}"
+            f"ulysses={p.ulysses_degree}, ring={p.ring_degree}, causal={self.causal}, "
+            f"layout={p.layout}, ring_impl={p.ring_impl}, backend={p.backend}"
         )

@@ -51,6 +51,8 @@ def check_sequence_length(seq_len: int, ring_size: int, ulysses_size: int, layou
 
 
 def _bounds(cu_seqlens, seq_len: int) -> list[int]:
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type == "meta":
+        raise ShardingError("cu_seqlens is on the meta device; pass real boundaries (CPU)")
     try:
         return validate_cu_seqlens(cu_seqlens, seq_len, "cu_seqlens")
     except ValueError as err:
@@ -89,67 +91,23 @@ def sequence_positions(
     cu_seqlens=None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Global positions (int64, in local order) held by rank (ring_rank, ulysses_rank)."""
+    """Global indices (int64, in local order) held by rank (ring_rank, ulysses_rank): the
+    pure rank math, for any ring/Ulysses size without process groups."""
     docs = sequence_documents(seq_len, ring_size, ulysses_size, layout, cu_seqlens)
-    return _rank_positions(docs, ring_rank, ulysses_size, ulysses_rank).to(device)
+    return rank_token_indices(docs, ring_rank, ulysses_size, ulysses_rank).to(device)
 
 
-def _rank_positions(docs: Documents, ring_rank: int, ulysses_size: int, ulysses_rank: int):
-    block = docs.block_positions(ring_rank)  # the ring rank's block, cut into u pieces
+def rank_token_indices(docs: Documents, ring_rank: int, ulysses_size: int, ulysses_rank: int):
+    """Indices into the global sequence of the tokens rank (ring_rank, ulysses_rank)
+    holds, in local order: the ring rank's block, cut into u contiguous pieces."""
+    block = docs.block_positions(ring_rank)
     piece = block.numel() // ulysses_size
     return block[ulysses_rank * piece : (ulysses_rank + 1) * piece]
 
 
-def _check_layout(layout: str) -> None:
-    try:
-        check_layout(layout)
-    except ValueError as err:
-        raise ShardingError(str(err)) from None
-
-
-def sequence_multiple(topology, layout: str = "zigzag") -> int:
-    """What the global sequence length must be a multiple of on ``topology``."""
-    return required_multiple(topology.ring_degree, topology.ulysses_degree, layout)
-
-
-def local_positions(
-    seq_len: int, topology, *, layout: str = "zigzag", cu_seqlens=None, device=None
-) -> torch.Tensor:
-    """Global positions of the tokens this rank holds, in local order (int64)."""
-    return sequence_positions(
-        seq_len,
-        ring_size=topology.ring_degree,
-        ring_rank=topology.ring_rank,
-        ulysses_size=topology.ulysses_degree,
-        ulysses_rank=topology.ulysses_rank,
-        layout=layout,
-        cu_seqlens=cu_seqlens,
-        device=device,
-    )
-
-
-def shard_sequence(
-    x: torch.Tensor, topology, *, dim: int = 1, layout: str = "zigzag", cu_seqlens=None
-) -> torch.Tensor:
-    """This rank's shard of ``x`` (the full sequence, identical on every SP rank) along
-    ``dim``, in the order ``usp_attention`` expects (pass the same ``cu_seqlens`` for a
-    packed sequence). Differentiable (an index_select)."""
-    dim = dim % x.dim()
-    positions = local_positions(
-        x.shape[dim], topology, layout=layout, cu_seqlens=cu_seqlens, device=x.device
-    )
-    return x.index_select(dim, positions)
-
-
-def gather_sequence(
-    x_local: torch.Tensor, topology, *, dim: int = 1, layout: str = "zigzag", cu_seqlens=None
-) -> torch.Tensor:
-    """Inverse of :func:`shard_sequence`: the full sequence, on every SP rank.
-
-    A collective over ``topology.sp_group`` (all SP ranks must call it). The result does
-    not carry gradients back to ``x_local``.
-    """
-    dim = dim % x_local.dim()
+def gather_by_documents(x_local: torch.Tensor, topology, docs: Documents, dim: int):
+    """Every SP rank's shard of ``x`` along ``dim`` put back in global order (a collective
+    over ``topology.sp_group``; no gradient)."""
     sp_size = topology.sp_degree
     front = x_local.detach().movedim(dim, 0).contiguous()  # [L, ...]
     gathered = torch.empty(
@@ -157,14 +115,20 @@ def gather_sequence(
     )
     all_gather_uncounted(gathered, front, topology.sp_group)
     u = topology.ulysses_degree
-    docs = sequence_documents(sp_size * front.shape[0], topology.ring_degree, u, layout, cu_seqlens)
     full = torch.empty_like(gathered)
     for group_rank, piece in enumerate(gathered.chunk(sp_size)):
         # torch orders the sp group by global rank; find each piece's (ring, ulysses) place
         coords = topology.rank_map.coords_of(dist.get_global_rank(topology.sp_group, group_rank))
-        positions = _rank_positions(docs, coords.ring, u, coords.ulysses)
-        full.index_copy_(0, positions.to(full.device), piece)
+        indices = rank_token_indices(docs, coords.ring, u, coords.ulysses)
+        full.index_copy_(0, indices.to(full.device), piece)
     return full.movedim(0, dim)
+
+
+def _check_layout(layout: str) -> None:
+    try:
+        check_layout(layout)
+    except ValueError as err:
+        raise ShardingError(str(err)) from None
 
 
 def pad_to_multiple(x: torch.Tensor, multiple: int, *, dim: int = 1, value=0) -> torch.Tensor:
@@ -198,16 +162,6 @@ def document_position_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
     )
 
 
-def local_position_ids(
-    cu_seqlens: torch.Tensor, topology, *, layout: str = "zigzag"
-) -> torch.Tensor:
-    """In-document positions of the tokens this rank holds, in local order ([S/P] int64)."""
-    positions = document_position_ids(cu_seqlens)
-    return positions[
-        local_positions(positions.numel(), topology, layout=layout, cu_seqlens=cu_seqlens)
-    ]
-
-
 @dataclass(frozen=True)
 class DocumentPadding:
     """How :func:`pad_documents` padded a packed sequence.
@@ -236,16 +190,26 @@ class DocumentPadding:
         return padded.index_copy(dim, self.destinations.to(x.device), x)
 
 
-def pad_documents(cu_seqlens: torch.Tensor, topology, *, layout: str = "zigzag") -> DocumentPadding:
+def pad_documents(
+    cu_seqlens: torch.Tensor, topology, *, layout: str | None = None
+) -> DocumentPadding:
     """Pad every document of a packed sequence to what ``layout`` needs on ``topology``.
 
+    ``topology`` may be a :class:`usp.Plan` (its layout is then the default).
     Each document grows at its end to a multiple of 2r (zigzag) or r (contiguous) tokens;
     if the ring blocks then do not split over the Ulysses ranks, one padding document is
     appended. For causal attention, pads at a document's end change nothing for its real
     tokens (no earlier token attends to them); give their labels the ignore index.
     """
+    layout = getattr(topology, "layout", "zigzag") if layout is None else layout
     _check_layout(layout)
     r, u = topology.ring_degree, topology.ulysses_degree
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        shape = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, torch.Tensor) else None
+        raise ShardingError(
+            "cu_seqlens must be a 1-D int32 tensor [0, ..., total] with at least 2 entries, "
+            f"got {type(cu_seqlens).__name__} of shape {shape}"
+        )
     bounds = _bounds(cu_seqlens, int(cu_seqlens[-1]))
     chunks = 2 * r if layout == "zigzag" else r
     old_starts = torch.tensor(bounds[:-1], dtype=torch.int64)

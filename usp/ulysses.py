@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from usp.comm.all_to_all import head_to_seq, seq_to_head
+from usp.comm.all_to_all import AllToAllPlan, differentiable_all_to_all
 from usp.comm.stats import CommStats
 from usp.process_groups import HeadLayoutError, describe_valid_pairs, kv_replication
 
@@ -47,11 +47,20 @@ def replicate_kv_heads(
     return k.repeat_interleave(times, dim=2), v.repeat_interleave(times, dim=2)
 
 
-def gather_heads(q, k, v, group, stats: CommStats | None = None) -> list[torch.Tensor]:
-    """[B, S/u, h, D] each -> [B, S, h/u, D] each, in one all-to-all."""
-    return seq_to_head([q, k, v], group, stats)
+# Attention tensors are [B, S, H, D] (the flash-attn convention).
+SEQ_DIM, HEAD_DIM = 1, 2
 
 
-def scatter_heads(out: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
-    """[B, S, H/u, D] -> [B, S/u, H, D]."""
-    return head_to_seq([out], group, stats)[0]
+def to_head_sharded(
+    tensors: list[torch.Tensor], group, stats: CommStats | None = None
+) -> list[torch.Tensor]:
+    """Sequence-sharded -> head-sharded, all tensors in one all-to-all (differentiable):
+    [B, S/u, h, D] each -> [B, S, h/u, D] each (the group's whole sequence, h/u heads)."""
+    plan = AllToAllPlan(group, scatter_dim=HEAD_DIM, gather_dim=SEQ_DIM, stats=stats)
+    return differentiable_all_to_all(tensors, plan)
+
+
+def to_sequence_sharded(out: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
+    """Head-sharded -> sequence-sharded (differentiable): [B, S, H/u, D] -> [B, S/u, H, D]."""
+    plan = AllToAllPlan(group, scatter_dim=SEQ_DIM, gather_dim=HEAD_DIM, stats=stats)
+    return differentiable_all_to_all([out], plan)[0]

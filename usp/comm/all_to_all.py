@@ -1,11 +1,13 @@
-"""Ulysses all-to-all: trade a sharded sequence for sharded heads and back.
+"""All-to-all of several tensors at once: split one dim over the group, gather another.
 
-    seq_to_head: [B, S/u, h, D] on each of u ranks -> [B, S, h/u, D]
-    head_to_seq: [B, S, h/u, D]                   -> [B, S/u, h, D]
+    all_to_all(tensors, AllToAllPlan(group, scatter_dim=a, gather_dim=b)):
+        x [.., n_a, .., m_b, ..] on each of g ranks -> [.., n_a/g, .., g*m_b, ..]
 
-Several tensors (q, k and v, with different head counts but one dtype) move in one
+Several tensors (e.g. q, k and v, with different head counts but one dtype) move in one
 collective: each rank packs, for every destination, the pieces of all tensors into one
-buffer. Both are autograd functions; the backward of one is the other.
+buffer. :func:`differentiable_all_to_all` is an autograd function whose backward is the
+inverse all-to-all (itself differentiable, so second derivatives through it are exact).
+What the dims mean (sequence, heads) is the caller's business (see :mod:`usp.ulysses`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import torch.distributed as dist
 
 from usp.comm.collectives import all_to_all_into
 from usp.comm.stats import CommStats
-
-SEQ_DIM, HEAD_DIM = 1, 2
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,8 @@ class _AllToAllFunction(torch.autograd.Function):
                 out_shape[plan.gather_dim] *= size
                 grad = torch.zeros(out_shape, dtype=_dtype_of(grads), device=_device_of(grads))
             filled.append(grad)
-        return (None, *(g.contiguous() for g in all_to_all(filled, plan.inverse())))
+        # through the autograd function again, so that a double backward is exact
+        return (None, *_AllToAllFunction.apply(plan.inverse(), *filled))
 
 
 def _dtype_of(grads):
@@ -102,17 +103,8 @@ def _device_of(grads):
     return next(g.device for g in grads if g is not None)
 
 
-def seq_to_head(
-    tensors: Sequence[torch.Tensor], group, stats: CommStats | None = None
+def differentiable_all_to_all(
+    tensors: Sequence[torch.Tensor], plan: AllToAllPlan
 ) -> list[torch.Tensor]:
-    """[B, S/u, h, D] each -> [B, S, h/u, D] each (autograd-aware)."""
-    plan = AllToAllPlan(group, scatter_dim=HEAD_DIM, gather_dim=SEQ_DIM, stats=stats)
-    return list(_AllToAllFunction.apply(plan, *tensors))
-
-
-def head_to_seq(
-    tensors: Sequence[torch.Tensor], group, stats: CommStats | None = None
-) -> list[torch.Tensor]:
-    """[B, S, h/u, D] each -> [B, S/u, h, D] each (autograd-aware)."""
-    plan = AllToAllPlan(group, scatter_dim=SEQ_DIM, gather_dim=HEAD_DIM, stats=stats)
+    """:func:`all_to_all` with autograd (the backward is the inverse all-to-all)."""
     return list(_AllToAllFunction.apply(plan, *tensors))

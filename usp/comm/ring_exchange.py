@@ -33,11 +33,15 @@ class PendingExchange:
 class RingExchange:
     """Neighbours of this rank in ``group``; ring order is the group's rank order."""
 
-    def __init__(self, group: dist.ProcessGroup, stats: CommStats | None = None):
+    def __init__(self, group: dist.ProcessGroup | None, stats: CommStats | None = None):
+        """``group=None``: a single process (a ring of one, no communication)."""
         self.group = group
+        self.stats = stats
+        if group is None:
+            self.size, self.rank = 1, 0
+            return
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.stats = stats
         self._next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self._prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 

@@ -1,8 +1,8 @@
 """Ring attention across the ring group (layer 4): exact, load-balanced, overlapped."""
 
+from usp.options import LAYOUTS, RING_IMPLS
 from usp.ring.api import RingInputError, ring_attention
-from usp.ring.config import RING_IMPLS
-from usp.ring.documents import LAYOUTS, DocumentLayoutError, Documents
+from usp.ring.documents import DocumentLayoutError, Documents
 
 __all__ = [
     "LAYOUTS",

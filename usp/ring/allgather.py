@@ -15,7 +15,7 @@ import torch
 
 from usp.comm.collectives import all_gather_into, reduce_scatter_into
 from usp.kernels.masks import accumulation_dtype
-from usp.ring.calls import DenseCalls, PackedCalls
+from usp.ring.calls import calls_for
 from usp.ring.config import RingConfig
 
 
@@ -28,18 +28,12 @@ def head_chunks(num_kv_heads: int, chunks: int) -> list[tuple[int, int]]:
     return [(h, h + step) for h in range(0, num_kv_heads, step)]
 
 
-def _segments(cfg: RingConfig, local_len: int, device):
+def _segments(cfg: RingConfig):
     """(query rows, rows of the gathered K/V they see, kernel calls) per query piece."""
-    docs = cfg.documents_for(local_len)
-    segments = []
-    for piece in range(docs.pieces):
-        rows, bounds_k = docs.visible_rows(cfg.rank, piece, cfg.causal)
-        if cfg.documents is None:
-            calls = DenseCalls(cfg.softmax_scale, cfg.backend)
-        else:
-            calls = PackedCalls(cfg.softmax_scale, cfg.backend, docs.piece_bounds, bounds_k, device)
-        segments.append((docs.piece_rows(piece), rows.to(device), calls))
-    return segments
+    return [
+        (seg.q_rows, seg.kv_rows, calls_for(cfg, seg.docs))
+        for seg in cfg.placement.segments_for(cfg.causal)
+    ]
 
 
 def _gather_kv(k, v, heads: slice, cfg: RingConfig) -> torch.Tensor:
@@ -73,7 +67,7 @@ def allgather_forward(q, k, v, cfg: RingConfig):
     group_size = heads // k.shape[2]
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, local_len), dtype=accumulation_dtype(q.dtype), device=q.device)
-    segments = _segments(cfg, q.shape[1], q.device)
+    segments = _segments(cfg)
     for h0, h1 in head_chunks(k.shape[2], cfg.kv_head_chunks):
         kv = _gather_kv(k, v, slice(h0, h1), cfg)
         q_heads = slice(h0 * group_size, h1 * group_size)
@@ -93,7 +87,7 @@ def allgather_backward(dout, q, k, v, out, lse, cfg: RingConfig):
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    segments = _segments(cfg, q.shape[1], q.device)
+    segments = _segments(cfg)
     for h0, h1 in head_chunks(k.shape[2], cfg.kv_head_chunks):
         kv = _gather_kv(k, v, slice(h0, h1), cfg)
         q_heads = slice(h0 * group_size, h1 * group_size)

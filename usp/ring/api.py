@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
-from usp.comm.collectives import all_gather_uncounted
+from usp.call_check import call_fields, checked_call, needs_grad
+from usp.comm.agreement import stable_hash
 from usp.comm.stats import CommStats
-from usp.kernels.spec import validate_cu_seqlens, validate_inputs
+from usp.kernels.api import select_backend
+from usp.kernels.spec import (
+    AttentionInputError,
+    AttentionSpec,
+    default_scale,
+    validate_cu_seqlens,
+    validate_inputs,
+)
+from usp.options import BACKENDS, LAYOUTS, RING_IMPLS, check_choice
 from usp.ring.allgather import allgather_backward, allgather_forward, head_chunks
-from usp.ring.calls import DenseCalls
-from usp.ring.config import RING_IMPLS, RingConfig
-from usp.ring.documents import Documents, check_layout
+from usp.ring.calls import calls_for
+from usp.ring.config import RingConfig
+from usp.ring.documents import DocumentLayoutError, Documents
 from usp.ring.layout import required_local_multiple
 from usp.ring.p2p import p2p_backward, p2p_forward
+from usp.ring.placement import RankPlacement, dense_placement, packed_placement
 
 
 class RingInputError(ValueError):
@@ -24,17 +33,17 @@ class RingInputError(ValueError):
 
 def _local_forward(q, k, v, cfg: RingConfig):
     """Ring of one with a dense sequence: the local kernel, no communication at all."""
-    return DenseCalls(cfg.softmax_scale, cfg.backend).forward(q, k, v, cfg.causal)
+    return calls_for(cfg, None).forward(q, k, v, cfg.causal)
 
 
 def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig):
-    return DenseCalls(cfg.softmax_scale, cfg.backend).backward(dout, q, k, v, out, lse, cfg.causal)
+    return calls_for(cfg, None).backward(dout, q, k, v, out, lse, cfg.causal)
 
 
 def _implementation(cfg: RingConfig):
     """(forward, backward) for this call: local, p2p ring or all-gather ring. A ring of
     one with packed documents still runs the p2p plan (it never sends anything)."""
-    if cfg.size == 1 and cfg.documents is None:
+    if cfg.size == 1 and not cfg.packed:
         return _local_forward, _local_backward
     if cfg.ring_impl == "p2p":
         return p2p_forward, p2p_backward
@@ -51,10 +60,16 @@ class _RingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # second derivatives are refused with a clear error, not wrong
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _implementation(ctx.cfg)[1](dout.contiguous(), q, k, v, out, lse, ctx.cfg)
         return None, dq, dk, dv
+
+
+def run_ring(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """A validated call (see :func:`ring_attention`): (out, lse), differentiable in q/k/v."""
+    return _RingAttention.apply(cfg, q, k, v)
 
 
 def ring_attention(
@@ -71,7 +86,7 @@ def ring_attention(
     comm_stats: CommStats | None = None,
     kv_head_chunks: int = 1,
     return_lse: bool = False,
-    check_shapes: bool | None = None,
+    verify: bool | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ):
     """Attention over the whole sequence held, sharded, by the ranks of ``group``.
@@ -82,71 +97,133 @@ def ring_attention(
     ``cu_seqlens`` (int32 [N+1], identical on every rank) are the document boundaries
     of the *global* packed sequence (batch 1): attention is then block-diagonal by
     document, each document placed as :mod:`usp.ring.documents` describes.
-    Only the Hkv K/V heads travel. ``check_shapes`` (default: on for gloo groups, where
-    it costs nothing measurable) compares shapes across the ring before communicating.
+    Only the Hkv K/V heads travel. Everything is validated before anything is sent;
+    ``verify`` (default: on for gloo groups) also makes the ranks agree on the call
+    first, so a bad input on any rank raises the same error on every rank.
+    Second derivatives are not supported (a clear error if attempted).
     """
-    check_layout(layout)
-    if ring_impl not in RING_IMPLS:
-        raise RingInputError(f"unknown ring_impl {ring_impl!r}; valid: {', '.join(RING_IMPLS)}")
-    validate_inputs(q, k, v, causal=causal, window=None)
-    cfg = RingConfig(
-        group, causal, softmax_scale, layout, ring_impl, backend, comm_stats, kv_head_chunks
-    )
-    _check_group_inputs(q, k, cfg, check_shapes)
-    if cu_seqlens is not None:
-        cfg = dataclasses.replace(cfg, documents=packed_documents(cu_seqlens, q, cfg.size, layout))
-    out, lse = _RingAttention.apply(cfg, q, k, v)
+    bounds = None
+
+    def validate() -> RingConfig:
+        nonlocal bounds
+        check_choice("sequence layout", layout, LAYOUTS, RingInputError)
+        check_choice("ring_impl", ring_impl, RING_IMPLS, RingInputError)
+        check_choice("attention backend", backend, BACKENDS, RingInputError)
+        spec = validate_inputs(q, k, v, causal=causal, window=None)
+        size = dist.get_world_size(group)
+        if cu_seqlens is not None:
+            bounds = _packed_bounds(cu_seqlens, q, size)
+        placement = ring_placement(
+            spec, group, layout, ring_impl, None if bounds is None else tuple(bounds)
+        )
+        return prepare_ring(
+            spec, group, placement, causal=causal, softmax_scale=softmax_scale, layout=layout,
+            ring_impl=ring_impl, backend=backend, comm_stats=comm_stats,
+            kv_head_chunks=kv_head_chunks,
+        )  # fmt: skip
+
+    def fields():
+        documents = 0 if bounds is None else stable_hash(bounds)
+        options = {"layout": (layout, LAYOUTS), "ring_impl": (ring_impl, RING_IMPLS)}
+        options["backend"] = (backend, BACKENDS)
+        return call_fields(
+            q, k, causal=causal, softmax_scale=softmax_scale, options=options,
+            documents_hash=documents, needs_grad=needs_grad(q, k, v),
+        )  # fmt: skip
+
+    cfg = checked_call(group, "ring_attention", fields, validate, RING_ERRORS, verify)
+    out, lse = run_ring(q, k, v, cfg)
     return (out, lse) if return_lse else out
 
 
-def packed_documents(cu_seqlens, q, ring_size: int, layout: str) -> Documents:
-    """Validate global document boundaries against this rank's q [1, L, H, D]."""
+RING_ERRORS = (RingInputError, AttentionInputError, DocumentLayoutError)
+
+
+def _packed_bounds(cu_seqlens, q, ring_size: int) -> list[int]:
     if q.shape[0] != 1:
         raise RingInputError(f"packed sequences (cu_seqlens) need batch size 1, got {q.shape[0]}")
     total = q.shape[1] * ring_size
     try:
-        bounds = validate_cu_seqlens(cu_seqlens, total, "cu_seqlens")
+        return validate_cu_seqlens(cu_seqlens, total, "cu_seqlens")
     except ValueError as err:
         raise RingInputError(f"{err} (the global packed sequence has {total} tokens)") from None
-    return Documents.from_bounds(bounds, ring_size, layout)
 
 
-def _check_group_inputs(q, k, cfg: RingConfig, check_shapes: bool | None) -> None:
-    if q.shape[1] != k.shape[1]:
-        raise RingInputError(
-            f"ring attention needs q and k/v with the same local sequence length, got {q.shape[1]} and {k.shape[1]}"
+def ring_placement(spec, group, layout, ring_impl, bounds) -> RankPlacement:
+    """This rank's placement: dense (cached per shape) or packed (``bounds`` given)."""
+    size = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    allgather = ring_impl == "allgather"
+    if bounds is None:
+        multiple = required_local_multiple(layout, spec.causal)
+        if spec.seqlen_q % multiple:
+            raise RingInputError(
+                f"the {layout} layout needs the local sequence length to be a multiple of "
+                f"{multiple} (global length a multiple of {multiple * size} on a ring of "
+                f"{size}), got {spec.seqlen_q}"
+            )
+        return dense_placement(
+            spec.seqlen_q * size, size, layout, spec.causal, rank, spec.device, allgather
         )
-    multiple = required_local_multiple(cfg.layout, cfg.causal)
-    if q.shape[1] % multiple:
+    documents = Documents.from_bounds(list(bounds), size, layout)
+    return packed_placement(documents, rank, spec.device, allgather=allgather)
+
+
+def prepare_ring(
+    spec: AttentionSpec,
+    group,
+    placement: RankPlacement,
+    *,
+    causal: bool,
+    softmax_scale,
+    layout: str,
+    ring_impl: str,
+    backend: str,
+    comm_stats: CommStats | None,
+    kv_head_chunks: int = 1,
+) -> RingConfig:
+    """Every local check of a ring call, so that nothing fails after the first send: the
+    group's device, lengths, head chunks, softmax scale and the kernel backend."""
+    if spec.seqlen_q != spec.seqlen_k:
         raise RingInputError(
-            f"the {cfg.layout} layout needs the local sequence length to be a multiple of {multiple} "
-            f"(global length a multiple of {multiple * cfg.size} on a ring of {cfg.size}), got {q.shape[1]}"
+            "ring attention needs q and k/v with the same local sequence length, "
+            f"got {spec.seqlen_q} and {spec.seqlen_k}"
         )
-    if cfg.ring_impl == "allgather":
+    if placement.documents.local_len != spec.seqlen_q:
+        raise RingInputError(
+            f"the documents place {placement.documents.local_len} tokens on each ring rank, "
+            f"but q holds {spec.seqlen_q}"
+        )
+    if group is not None:
+        _check_device(group, spec.device)
+    if ring_impl == "allgather":
         try:
-            head_chunks(k.shape[2], cfg.kv_head_chunks)
+            head_chunks(spec.num_kv_heads, kv_head_chunks)
         except ValueError as err:
             raise RingInputError(str(err)) from None
-    backend = dist.get_backend(cfg.group)
-    if backend == "nccl" and q.device.type != "cuda":
-        raise RingInputError(
-            f"the ring group uses NCCL, which needs CUDA tensors; got tensors on {q.device}"
-        )
-    if backend == "gloo" and q.device.type != "cpu":
-        raise RingInputError(
-            f"the ring group uses gloo; pass CPU tensors (got {q.device}) or use an NCCL group"
-        )
-    if check_shapes is None:  # one tiny collective: free on gloo, a host sync on NCCL
-        check_shapes = backend == "gloo"
-    if check_shapes and cfg.size > 1:
-        _check_same_shapes(q, k, cfg)
+    scale = default_scale(spec.head_dim, softmax_scale)
+    size = 1 if group is None else dist.get_world_size(group)
+    # the largest local kernel call this ring makes must have a backend that runs it
+    widest = spec.seqlen_k * (size if ring_impl == "allgather" else 1)
+    select_backend(
+        AttentionSpec(
+            spec.batch, spec.seqlen_q, widest, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+            spec.dtype, spec.device, causal, None, varlen=placement.packed,
+        ),
+        backend,
+    )  # fmt: skip
+    return RingConfig(
+        group, causal, scale, layout, ring_impl, backend, placement, comm_stats, kv_head_chunks
+    )
 
 
-def _check_same_shapes(q, k, cfg: RingConfig) -> None:
-    mine = torch.tensor([[*q.shape, *k.shape]], dtype=torch.int64, device=q.device)
-    every = torch.empty((cfg.size, mine.shape[1]), dtype=torch.int64, device=q.device)
-    all_gather_uncounted(every, mine, cfg.group)
-    shapes = [tuple(row) for row in every.tolist()]
-    if len(set(shapes)) > 1:
-        described = ", ".join(f"ring rank {i}: q {s[:4]} k {s[4:]}" for i, s in enumerate(shapes))
-        raise RingInputError(f"ring ranks hold differently shaped inputs: {described}")
+def _check_device(group, device: torch.device) -> None:
+    backend = dist.get_backend(group)
+    if backend == "nccl" and device.type != "cuda":
+        raise RingInputError(
+            f"the ring group uses NCCL, which needs CUDA tensors; got tensors on {device}"
+        )
+    if backend == "gloo" and device.type != "cpu":
+        raise RingInputError(
+            f"the ring group uses gloo; pass CPU tensors (got {device}) or use an NCCL group"
+        )

@@ -2,7 +2,8 @@
 
 Both expose ``forward(q, k, v, causal) -> (out, lse)`` and
 ``backward(dout, q, k, v, out, lse, causal) -> (dq, dk, dv)`` on [B, n, h, D] tensors, so
-the ring loops do not care whether the sequence is packed.
+the ring loops do not care whether the sequence is packed. Packed calls take boundaries
+already on the device (:class:`~usp.kernels.varlen.PackedDocs`, built once per batch).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ class DenseCalls:
 class PackedCalls:
     """Varlen calls with fixed document boundaries for q rows and k rows (batch 1)."""
 
-    def __init__(self, softmax_scale, backend, bounds_q, bounds_k, device):
+    def __init__(self, softmax_scale, backend, docs: PackedDocs):
         self.options = {"softmax_scale": softmax_scale, "backend": backend}
-        self.docs = PackedDocs.build(list(bounds_q), list(bounds_k), device)
+        self.docs = docs
 
     def forward(self, q, k, v, causal):
         out, lse = packed_forward(q[0], k[0], v[0], self.docs, causal=causal, **self.options)
@@ -38,3 +39,10 @@ class PackedCalls:
             dout[0], q[0], k[0], v[0], out[0], lse[0], self.docs, causal=causal, **self.options
         )
         return tuple(g[None] for g in grads)
+
+
+def calls_for(cfg, docs: PackedDocs | None):
+    """Dense calls, or packed calls over ``docs``, with the call's scale and backend."""
+    if docs is None:
+        return DenseCalls(cfg.softmax_scale, cfg.backend)
+    return PackedCalls(cfg.softmax_scale, cfg.backend, docs)

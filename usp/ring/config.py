@@ -7,37 +7,34 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from usp.comm.stats import CommStats
-from usp.ring.documents import Documents
-
-RING_IMPLS = ("p2p", "allgather")
+from usp.options import RING_IMPLS  # noqa: F401  (re-exported: usp.ring.RING_IMPLS)
+from usp.ring.placement import RankPlacement
 
 
 @dataclass(frozen=True)
 class RingConfig:
-    group: dist.ProcessGroup
+    """A validated call: the group (None for a single process), the options, the resolved
+    softmax scale and this rank's placement of the sequence."""
+
+    group: dist.ProcessGroup | None
     causal: bool
-    softmax_scale: float | None
+    softmax_scale: float
     layout: str
     ring_impl: str
     backend: str
+    placement: RankPlacement
     stats: CommStats | None = None
     #: allgather only: gather K/V in this many chunks of KV heads to bound memory
     kv_head_chunks: int = 1
-    #: packed documents (batch 1), or None for a dense sequence
-    documents: Documents | None = None
 
     @property
     def size(self) -> int:
-        return dist.get_world_size(self.group)
+        return 1 if self.group is None else dist.get_world_size(self.group)
 
     @property
     def rank(self) -> int:
-        return dist.get_rank(self.group)
+        return 0 if self.group is None else dist.get_rank(self.group)
 
-    def documents_for(self, local_len: int) -> Documents:
-        """The packed documents, or the dense sequence as one document (without a causal
-        mask the order of keys does not matter: one contiguous piece)."""
-        if self.documents is not None:
-            return self.documents
-        layout = self.layout if self.causal else "contiguous"
-        return Documents.single(local_len * self.size, self.size, layout)
+    @property
+    def packed(self) -> bool:
+        return self.placement.packed

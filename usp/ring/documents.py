@@ -21,7 +21,7 @@ from functools import cached_property
 
 import torch
 
-LAYOUTS = ("zigzag", "contiguous")
+from usp.options import LAYOUTS
 
 
 class DocumentLayoutError(ValueError):

@@ -17,7 +17,7 @@ import torch
 from usp.comm.ring_exchange import RingExchange
 from usp.kernels import merge_into
 from usp.kernels.masks import accumulation_dtype
-from usp.ring.calls import DenseCalls, PackedCalls
+from usp.ring.calls import calls_for
 from usp.ring.config import RingConfig
 from usp.ring.layout import packed_step_blocks, step_blocks
 
@@ -26,16 +26,15 @@ def _kv_rank(ring: RingExchange, step: int) -> int:
     return (ring.rank - step) % ring.size
 
 
-def _plan(cfg: RingConfig, local_len: int, device):
+def _plan(cfg: RingConfig, local_len: int):
     """(blocks of a step, the kernel calls that compute them) for dense or packed input."""
-    if cfg.documents is None:
-        calls = DenseCalls(cfg.softmax_scale, cfg.backend)
-        return (lambda i, j: step_blocks(cfg.layout, cfg.causal, i, j, local_len)), calls
-    docs = cfg.documents
-    calls = PackedCalls(
-        cfg.softmax_scale, cfg.backend, docs.piece_bounds, docs.piece_bounds, device
-    )
-    return (lambda i, j: packed_step_blocks(cfg.layout, cfg.causal, i, j, docs.piece_len)), calls
+    if not cfg.packed:
+        return (lambda i, j: step_blocks(cfg.layout, cfg.causal, i, j, local_len)), calls_for(
+            cfg, None
+        )
+    piece_len = cfg.placement.documents.piece_len
+    blocks = lambda i, j: packed_step_blocks(cfg.layout, cfg.causal, i, j, piece_len)  # noqa: E731
+    return blocks, calls_for(cfg, cfg.placement.piece_docs)
 
 
 def p2p_forward(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +46,7 @@ def p2p_forward(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.full((batch, heads, local_len), float("-inf"), dtype=acc, device=q.device)
     kv = torch.stack([k, v])  # [2, B, L, Hkv, D]: one message per step
     spare = torch.empty_like(kv)
-    blocks, calls = _plan(cfg, local_len, q.device)
+    blocks, calls = _plan(cfg, local_len)
     for step in range(ring.size):
         pending = ring.start(kv, spare) if step + 1 < ring.size else None
         for block in blocks(ring.rank, _kv_rank(ring, step)):
@@ -74,7 +73,7 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
     own = torch.zeros((2,) + k.shape, dtype=acc, device=k.device)
     travelling = [torch.empty_like(own), torch.empty_like(own)]
     current, dkv_pending = 0, None
-    blocks, calls = _plan(cfg, local_len, q.device)
+    blocks, calls = _plan(cfg, local_len)
     for step in range(ring.size):
         kv_pending = ring.start(kv, kv_spare) if step + 1 < ring.size else None
         block_grads = []

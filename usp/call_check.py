@@ -1,0 +1,126 @@
+"""Check a distributed attention call before its first byte moves.
+
+A call is validated locally (tensors, options, backend, scale, documents); then, when
+``verify`` is on, the ranks of its group agree on a fingerprint of the call (see
+:mod:`usp.comm.agreement`), so a bad input on one rank, or ranks that disagree, end in
+the same clear error on every rank with the groups still usable.
+
+``verify=None`` means: on for gloo groups (one tiny all-gather, about 0.1 ms on CPU) and
+off for NCCL, where it would be a host sync per layer; there the plan agrees once per
+batch instead (``Plan.pack`` for packed documents, ``Plan.verify_batch``). The choice
+depends only on the group's backend, which every rank shares, so no rank can skip a
+check another rank makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from usp.comm.agreement import Field, agree, bits_float, float_bits
+
+T = TypeVar("T")
+
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def verify_by_default(group) -> bool:
+    """Per-call agreement on gloo, not on NCCL (host sync) or the fake backend."""
+    return group is not None and dist.get_backend(group) == "gloo"
+
+
+def _dtype_code(x) -> int:
+    dtype = getattr(x, "dtype", None)
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+
+
+def _show_dtype(code: int) -> str:
+    return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else "not a float tensor"
+
+
+def _shape(x, ndim: int = 4) -> list[int]:
+    shape = list(getattr(x, "shape", ()))[:ndim]
+    return shape + [-1] * (ndim - len(shape))
+
+
+def _choice(choices: Sequence[str]) -> tuple[Callable[[object], int], Callable[[int], str]]:
+    def encode(value) -> int:
+        return choices.index(value) if value in choices else -1
+
+    def show(code: int) -> str:
+        return repr(choices[code]) if 0 <= code < len(choices) else "an invalid value"
+
+    return encode, show
+
+
+def _show_scale(bits: int) -> str:
+    return "default (head_dim**-0.5)" if bits == float_bits(-1.0) else repr(bits_float(bits))
+
+
+def call_fields(
+    q,
+    k,
+    *,
+    causal,
+    softmax_scale,
+    options: dict[str, tuple[object, Sequence[str]]],
+    documents_hash: int,
+    needs_grad: bool,
+) -> list[Field]:
+    """The fingerprint of an attention call; robust to invalid inputs (they show as -1)."""
+    fields = [
+        *(Field(f"q.shape[{i}]", n) for i, n in enumerate(_shape(q))),
+        *(Field(f"k.shape[{i}]", n) for i, n in enumerate(_shape(k))),
+        Field("dtype", _dtype_code(q), _show_dtype),
+        Field("causal", int(causal) if isinstance(causal, bool) else -1),
+    ]
+    for name, (value, choices) in options.items():
+        encode, show = _choice(choices)
+        fields.append(Field(name, encode(value), show))
+    try:
+        scale = -1.0 if softmax_scale is None else float(softmax_scale)
+    except (TypeError, ValueError):
+        scale = float("nan")
+    fields.append(Field("softmax_scale", float_bits(scale), _show_scale))
+    fields.append(
+        Field(
+            "documents (cu_seqlens)", documents_hash, lambda h: "dense" if h == 0 else f"hash {h}"
+        )
+    )
+    fields.append(
+        Field("needs_grad", int(needs_grad), lambda b: "requires grad" if b else "no grad")
+    )
+    return fields
+
+
+def needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
+def checked_call(
+    group,
+    what: str,
+    fields: Callable[[], list[Field]],
+    validate: Callable[[], T],
+    error_kinds: Sequence[type[BaseException]],
+    verify: bool | None,
+) -> T:
+    """``validate()``'s result, after agreeing on ``fields()`` across ``group`` when
+    ``verify`` (None: :func:`verify_by_default`). Errors of ``error_kinds`` raised by
+    ``validate`` are shared so that every rank raises the same one."""
+    if verify is None:
+        verify = verify_by_default(group)
+    if not verify or group is None or dist.get_world_size(group) == 1:
+        return validate()
+    result, error = None, None
+    try:
+        result = validate()
+    except tuple(error_kinds) as err:
+        error = err
+    agree(group, what, fields(), error, error_kinds)
+    return result

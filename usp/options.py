@@ -1,0 +1,27 @@
+"""The choices a user makes for attention, in one place (no torch import).
+
+Config parsing, the plan, the ring and the kernel registry all read these tuples, so a
+new layout, ring implementation or backend is added here once.
+"""
+
+from __future__ import annotations
+
+#: how a sequence is cut over the ring (see :mod:`usp.ring.documents`)
+LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
+#: how K/V travel around the ring (see :mod:`usp.ring`)
+RING_IMPLS: tuple[str, ...] = ("p2p", "allgather")
+#: local attention kernels (see :mod:`usp.kernels`); ``"auto"`` picks one per call
+BACKEND_NAMES: tuple[str, ...] = ("cudnn", "flash_attn", "flash", "efficient", "cpu", "math")
+AUTO_BACKEND = "auto"
+BACKENDS: tuple[str, ...] = (AUTO_BACKEND, *BACKEND_NAMES)
+
+DEFAULT_LAYOUT = "zigzag"
+DEFAULT_RING_IMPL = "p2p"
+DEFAULT_BACKEND = AUTO_BACKEND
+
+
+def check_choice(what: str, value, choices: tuple[str, ...], error: type[Exception]) -> str:
+    """``value`` if it is one of ``choices``, else ``error`` naming the valid ones."""
+    if isinstance(value, str) and value in choices:
+        return value
+    raise error(f"unknown {what} {value!r}; valid: {', '.join(choices)}")

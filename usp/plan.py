@@ -1,0 +1,401 @@
+"""The plan: one owner of how a sequence is placed on the SP ranks and attended.
+
+A :class:`Plan` carries the :class:`~usp.process_groups.Topology` and the attention
+choices (sequence layout, ring implementation, kernel backend). Sharding, position ids,
+gathering and attention all read them from the plan, so they cannot disagree::
+
+    plan = usp.Plan.from_config("examples/configs/cpu_demo.toml")   # or usp.Plan(topology)
+    ids = plan.shard(input_ids)                  # [B, S] -> [B, S/P]
+    pos = plan.position_ids(input_ids.shape[1])  # RoPE positions of this rank's tokens
+    out = plan.attention(q, k, v, causal=True)   # inside the attention layer
+
+Packed documents are validated once per batch with :meth:`Plan.pack` (a collective: the
+SP ranks agree on the boundaries), which also builds every device tensor the kernels
+need; pass the :class:`PackedSequence` down to the layers, and nothing inside a layer
+syncs with the host. ``Plan(None)`` is the single-process plan: the same calls, no
+communication (what a model uses without sequence parallelism).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from usp.comm.agreement import Field, agree, stable_hash
+from usp.options import (
+    BACKENDS,
+    DEFAULT_BACKEND,
+    DEFAULT_LAYOUT,
+    DEFAULT_RING_IMPL,
+    LAYOUTS,
+    RING_IMPLS,
+    check_choice,
+)
+from usp.process_groups import Topology
+from usp.ring.documents import Documents
+from usp.ring.placement import RankPlacement, packed_placement
+from usp.sharding import (
+    ShardingError,
+    document_position_ids,
+    gather_by_documents,
+    rank_token_indices,
+    required_multiple,
+    sequence_documents,
+)
+
+
+class PlanError(ValueError):
+    """A plan was built or used with options or inputs it cannot serve."""
+
+
+@dataclass(frozen=True, eq=False)
+class PackedSequence:
+    """A packed global sequence (batch 1) placed on one plan's ranks; build it with
+    :meth:`Plan.pack`, once per batch, and pass it wherever ``cu_seqlens`` is accepted.
+
+    ``cu_seqlens`` are the global int32 boundaries (on the CPU); ``placement`` holds the
+    device tensors this rank's ring kernels use.
+    """
+
+    cu_seqlens: torch.Tensor
+    bounds: tuple[int, ...]
+    documents: Documents
+    ulysses_degree: int
+    placement: RankPlacement
+
+    @property
+    def seq_len(self) -> int:
+        return self.bounds[-1]
+
+    @property
+    def layout(self) -> str:
+        return self.documents.layout
+
+    @property
+    def ring_degree(self) -> int:
+        return self.documents.ring_size
+
+    @cached_property
+    def fingerprint(self) -> int:
+        """Equal on two ranks exactly when their boundaries are equal."""
+        return stable_hash(self.bounds)
+
+    @cached_property
+    def position_ids(self) -> torch.Tensor:
+        """Every token's position inside its document, for the global sequence (int64)."""
+        return document_position_ids(self.cu_seqlens)
+
+
+def _validated_choice(what: str, value, choices) -> str:
+    return check_choice(what, value, choices, PlanError)
+
+
+class Plan:
+    """The topology plus the attention choices; see the module docstring."""
+
+    def __init__(
+        self,
+        topology: Topology | None,
+        *,
+        layout: str = DEFAULT_LAYOUT,
+        ring_impl: str = DEFAULT_RING_IMPL,
+        backend: str = DEFAULT_BACKEND,
+        verify_calls: bool | None = None,
+    ):
+        """``verify_calls``: agree across the SP ranks on every attention call before it
+        communicates (None: on for gloo, off for NCCL where it costs a host sync per
+        layer; see :mod:`usp.call_check`)."""
+        if topology is not None and not isinstance(topology, Topology):
+            raise PlanError(
+                f"Plan needs a usp.Topology (or None for one process), got {type(topology).__name__}"
+            )
+        self.topology = topology
+        self.layout = _validated_choice("sequence layout", layout, LAYOUTS)
+        self.ring_impl = _validated_choice("ring_impl", ring_impl, RING_IMPLS)
+        self.backend = _validated_choice("attention backend", backend, BACKENDS)
+        if verify_calls is not None and not isinstance(verify_calls, bool):
+            raise PlanError(f"verify_calls must be None, True or False, got {verify_calls!r}")
+        self.verify_calls = verify_calls
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, config_or_path, *, device_type: str | None = None, **overrides) -> Plan:
+        """Build the topology from a config (collective: every rank calls it) and take the
+        config's ``[attention]`` section as the plan's choices."""
+        from usp.config import UspConfig, build_topology_from_config, load_config
+
+        if isinstance(config_or_path, UspConfig):
+            config = config_or_path.with_overrides(**overrides) if overrides else config_or_path
+        else:
+            config = load_config(os.fspath(config_or_path), **overrides)
+        topology = build_topology_from_config(config, device_type=device_type)
+        a = config.attention
+        return cls(topology, layout=a.layout, ring_impl=a.ring_impl, backend=a.backend)
+
+    def with_options(
+        self, *, layout: str | None = None, ring_impl: str | None = None, backend: str | None = None
+    ) -> Plan:
+        """The same topology with some choices replaced (None keeps this plan's)."""
+        if layout is None and ring_impl is None and backend is None:
+            return self
+        return Plan(
+            self.topology,
+            layout=self.layout if layout is None else layout,
+            ring_impl=self.ring_impl if ring_impl is None else ring_impl,
+            backend=self.backend if backend is None else backend,
+            verify_calls=self.verify_calls,
+        )
+
+    # ------------------------------------------------------------------ degrees and groups
+    @property
+    def ulysses_degree(self) -> int:
+        return 1 if self.topology is None else self.topology.ulysses_degree
+
+    @property
+    def ring_degree(self) -> int:
+        return 1 if self.topology is None else self.topology.ring_degree
+
+    @property
+    def sp_degree(self) -> int:
+        return self.ulysses_degree * self.ring_degree
+
+    @property
+    def ring_rank(self) -> int:
+        return 0 if self.topology is None else self.topology.ring_rank
+
+    @property
+    def ulysses_rank(self) -> int:
+        return 0 if self.topology is None else self.topology.ulysses_rank
+
+    @property
+    def sp_group(self):
+        """The SP ranks' process group (None for a single process)."""
+        return None if self.topology is None else self.topology.sp_group
+
+    @property
+    def ring_group(self):
+        return None if self.topology is None else self.topology.ring_group
+
+    @property
+    def ulysses_group(self):
+        return None if self.topology is None else self.topology.ulysses_group
+
+    @property
+    def comm_stats(self):
+        return None if self.topology is None else self.topology.comm_stats
+
+    @property
+    def sequence_multiple(self) -> int:
+        """A dense global sequence length must be a multiple of this."""
+        return required_multiple(self.ring_degree, self.ulysses_degree, self.layout)
+
+    def default_device(self) -> torch.device:
+        if self.topology is not None and self.topology.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------ packed documents
+    def pack(
+        self,
+        cu_seqlens: torch.Tensor,
+        *,
+        device=None,
+        seq_len: int | None = None,
+        agree_ranks: bool = True,
+    ) -> PackedSequence:
+        """Validate the global document boundaries of a packed sequence (batch 1) once,
+        and build what the kernels need on ``device`` (default: this rank's device).
+        ``seq_len``: the global length the boundaries must end at (default: their end).
+
+        A collective over the SP group when ``agree_ranks`` (every SP rank must call it):
+        the ranks agree on the boundaries, so a mismatch raises the same error everywhere.
+        Raises :class:`~usp.sharding.ShardingError` for boundaries the layout cannot place
+        (they say what to pad; see :func:`usp.pad_documents`).
+        """
+        error, packed = None, None
+        try:
+            packed = self._build_packed(cu_seqlens, device, seq_len)
+        except ShardingError as err:
+            error = err
+        group = self.sp_group
+        if agree_ranks and group is not None and self.sp_degree > 1 and _can_agree(group):
+            fingerprint = 0 if packed is None else packed.fingerprint
+            agree(
+                group, "Plan.pack", [Field("cu_seqlens", fingerprint, _show_hash)], error,
+                (ShardingError,),
+            )  # fmt: skip
+        if error is not None:
+            raise error
+        return packed
+
+    def _build_packed(self, cu_seqlens, device, seq_len) -> PackedSequence:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise ShardingError(
+                f"cu_seqlens must be an int32 tensor, got {type(cu_seqlens).__name__}"
+            )
+        if cu_seqlens.device.type == "meta":
+            raise ShardingError("cu_seqlens is on the meta device; pass real boundaries (CPU)")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ShardingError(
+                "cu_seqlens must be 1-D with at least 2 entries [0, ..., total], "
+                f"got shape {tuple(cu_seqlens.shape)}"
+            )
+        total = int(cu_seqlens[-1]) if seq_len is None else seq_len
+        documents = sequence_documents(
+            total, self.ring_degree, self.ulysses_degree, self.layout, cu_seqlens
+        )
+        bounds = tuple(cu_seqlens.tolist())
+        placement = packed_placement(
+            documents,
+            self.ring_rank,
+            self.default_device() if device is None else torch.device(device),
+            allgather=self.ring_impl == "allgather",
+        )
+        cpu = cu_seqlens.detach().to("cpu", torch.int32)
+        return PackedSequence(cpu, bounds, documents, self.ulysses_degree, placement)
+
+    def packed_sequence(
+        self, packed, *, device=None, seq_len: int | None = None
+    ) -> PackedSequence | None:
+        """``packed`` as a :class:`PackedSequence` of this plan: None stays None, a
+        cu_seqlens tensor is packed here without a collective (the attention call's own
+        agreement covers it), a PackedSequence is checked to fit this plan."""
+        if packed is None:
+            return None
+        if isinstance(packed, PackedSequence):
+            expected = (self.ring_degree, self.ulysses_degree, self.layout)
+            got = (packed.ring_degree, packed.ulysses_degree, packed.layout)
+            if got != expected:
+                raise PlanError(
+                    f"this PackedSequence was built for (ring, ulysses, layout) = {got}, the plan "
+                    f"has {expected}; build it with this plan's pack()"
+                )
+            return packed
+        return self.pack(packed, device=device, seq_len=seq_len, agree_ranks=False)
+
+    # ------------------------------------------------------------------ sharding
+    def _documents(self, seq_len: int, packed) -> Documents:
+        if isinstance(packed, PackedSequence):
+            self.packed_sequence(packed)
+            if packed.seq_len != seq_len:
+                raise ShardingError(
+                    f"the packed sequence has {packed.seq_len} tokens, the tensor {seq_len}"
+                )
+            return packed.documents
+        return sequence_documents(
+            seq_len, self.ring_degree, self.ulysses_degree, self.layout, packed
+        )
+
+    def token_indices(self, seq_len: int, *, packed=None, device=None) -> torch.Tensor:
+        """Indices into the global sequence of the tokens this rank holds, in local order
+        (int64 [S/P])."""
+        documents = self._documents(seq_len, packed)
+        return rank_token_indices(
+            documents, self.ring_rank, self.ulysses_degree, self.ulysses_rank
+        ).to(device)
+
+    def position_ids(self, seq_len: int, *, packed=None, device=None) -> torch.Tensor:
+        """RoPE positions of this rank's tokens, in local order (int64 [S/P]): their global
+        positions, or with packed documents their positions inside each document."""
+        indices = self.token_indices(seq_len, packed=packed)
+        if packed is None:
+            return indices.to(device)
+        if not isinstance(packed, PackedSequence):
+            packed = self.pack(packed, agree_ranks=False)
+        return packed.position_ids[indices].to(device)
+
+    def shard(self, x: torch.Tensor, *, dim: int = 1, packed=None) -> torch.Tensor:
+        """This rank's shard of ``x`` (the global sequence along ``dim``, identical on every
+        SP rank). Differentiable (an index_select)."""
+        dim = dim % x.dim()
+        return x.index_select(dim, self.token_indices(x.shape[dim], packed=packed, device=x.device))
+
+    def gather(self, x_local: torch.Tensor, *, dim: int = 1, packed=None) -> torch.Tensor:
+        """The inverse of :meth:`shard`: the global sequence, on every SP rank. A
+        collective over the SP group; the result carries no gradient."""
+        if self.topology is None:
+            return x_local.detach()
+        dim = dim % x_local.dim()
+        documents = self._documents(x_local.shape[dim] * self.sp_degree, packed)
+        return gather_by_documents(x_local, self.topology, documents, dim)
+
+    # ------------------------------------------------------------------ attention
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool = False,
+        softmax_scale: float | None = None,
+        packed=None,
+        verify: bool | None = None,
+    ) -> torch.Tensor:
+        """Exact attention over the global sequence: q [B, S/P, H, D], k/v
+        [B, S/P, Hkv, D] (this rank's shard, after RoPE) -> [B, S/P, H, D], in q's dtype.
+        ``packed``: a :class:`PackedSequence` (or global cu_seqlens) for block-diagonal
+        attention by document. See :func:`usp.usp_attention`."""
+        from usp.attention import attend
+
+        return attend(
+            self, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=packed,
+            verify=self.verify_calls if verify is None else verify,
+        )  # fmt: skip
+
+    def verify_batch(self, *tensors: torch.Tensor, packed=None) -> None:
+        """Agree across the SP ranks on a batch's shapes and dtypes (and documents) once
+        per step — the cheap alternative to per-call checks on NCCL. A collective."""
+        group = self.sp_group
+        if group is None or self.sp_degree == 1 or not _can_agree(group):
+            return
+        fields = []
+        for i, t in enumerate(tensors):
+            shape = list(t.shape)[:4] + [-1] * (4 - min(t.dim(), 4))
+            fields += [Field(f"tensor {i} shape[{d}]", n) for d, n in enumerate(shape)]
+            fields.append(Field(f"tensor {i} dtype", _dtype_id(t.dtype), _show_dtype_id))
+        if packed is not None:
+            packed = self.packed_sequence(packed)
+            fields.append(Field("cu_seqlens", packed.fingerprint, _show_hash))
+        agree(group, "Plan.verify_batch", fields)
+
+    # ------------------------------------------------------------------ text
+    def describe(self) -> str:
+        grid = "single process" if self.topology is None else self.topology.describe()
+        return f"{grid}; layout={self.layout}, ring_impl={self.ring_impl}, backend={self.backend}"
+
+    def __repr__(self) -> str:
+        return f"Plan({self.describe()})"
+
+
+def _dtype_id(dtype: torch.dtype) -> int:
+    return stable_hash(list(str(dtype).encode()))
+
+
+_DTYPE_NAMES = {
+    _dtype_id(d): str(d)
+    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+}
+
+
+def _show_dtype_id(code: int) -> str:
+    return _DTYPE_NAMES.get(code, "another dtype")
+
+
+def _show_hash(value: int) -> str:
+    return "dense" if value == 0 else f"boundaries with hash {value}"
+
+
+def _can_agree(group) -> bool:
+    """Agreement needs real collectives (not the ``fake`` backend of emulations)."""
+    return dist.get_backend(group) != "fake"
+
+
+def as_plan(topology_or_plan) -> Plan:
+    """A :class:`Plan` from a Plan (itself), a Topology (default choices) or None."""
+    if isinstance(topology_or_plan, Plan):
+        return topology_or_plan
+    return Plan(topology_or_plan)

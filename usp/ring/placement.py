@@ -1,0 +1,87 @@
+"""What one ring rank's kernels need for one batch, as device tensors, built once.
+
+A :class:`RankPlacement` holds the documents' placement (:mod:`usp.ring.documents`) for
+one ring rank together with every index and boundary tensor its kernel calls use, already
+on the compute device: the varlen boundaries of a piece against a piece (p2p) and, for
+the all-gather ring, the rows of the gathered K/V each query piece sees. Built once per
+batch (packed) or once per shape (dense, cached), so a layer's forward and backward make
+no host-to-device copies and no host syncs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from usp.kernels.varlen import PackedDocs
+from usp.ring.documents import Documents
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """All-gather ring: one query piece and the keys it sees."""
+
+    q_rows: slice
+    #: [n] int64 on the device: rows of the ring's gathered K/V (ring-rank order)
+    kv_rows: torch.Tensor
+    #: varlen boundaries (the piece's documents vs their visible keys); None when dense
+    docs: PackedDocs | None
+
+
+@dataclass(frozen=True, eq=False)
+class RankPlacement:
+    documents: Documents
+    ring_rank: int
+    device: torch.device
+    #: packed documents (varlen kernel calls) rather than one dense sequence
+    packed: bool
+    #: p2p, packed: piece-vs-piece document boundaries (the same on every rank and step)
+    piece_docs: PackedDocs | None
+    #: all-gather: query segments, for causal=False and causal=True
+    segments: dict[bool, tuple[Segment, ...]]
+
+    def segments_for(self, causal: bool) -> tuple[Segment, ...]:
+        return self.segments[causal]
+
+
+def _segments(documents: Documents, ring_rank: int, causal: bool, packed: bool, device):
+    segments = []
+    for piece in range(documents.pieces):
+        rows, bounds_k = documents.visible_rows(ring_rank, piece, causal)
+        docs = PackedDocs.build(documents.piece_bounds, bounds_k, device) if packed else None
+        segments.append(Segment(documents.piece_rows(piece), rows.to(device), docs))
+    return tuple(segments)
+
+
+def packed_placement(
+    documents: Documents, ring_rank: int, device, *, allgather: bool
+) -> RankPlacement:
+    """Packed documents: everything a ring rank needs on ``device`` (all-gather segments,
+    for both causal flags, only if asked)."""
+    device = torch.device(device)
+    bounds = documents.piece_bounds
+    segments = {}
+    if allgather:
+        segments = {c: _segments(documents, ring_rank, c, True, device) for c in (False, True)}
+    return RankPlacement(
+        documents, ring_rank, device, True, PackedDocs.build(bounds, bounds, device), segments
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def dense_placement(
+    seq_len: int,
+    ring_size: int,
+    layout: str,
+    causal: bool,
+    ring_rank: int,
+    device: torch.device,
+    allgather: bool,
+) -> RankPlacement:
+    """A dense sequence (cached per shape: a few small index tensors). Without a causal
+    mask the order of keys does not matter, so the sequence is one contiguous piece."""
+    documents = Documents.single(seq_len, ring_size, layout if causal else "contiguous")
+    segments = {causal: _segments(documents, ring_rank, causal, False, device)} if allgather else {}
+    return RankPlacement(documents, ring_rank, device, False, None, segments)
