@@ -13,7 +13,8 @@ Packed documents are validated once per batch with :meth:`Plan.pack` (a collecti
 SP ranks agree on the boundaries), which also builds every device tensor the kernels
 need; pass the :class:`PackedSequence` down to the layers, and nothing inside a layer
 syncs with the host. ``Plan(None)`` is the single-process plan: the same calls, no
-communication (what a model uses without sequence parallelism).
+communication (what a model uses without sequence parallelism); its tokens stay in
+their natural order (the layout is always ``contiguous`` there).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from usp.ring.documents import Documents
 from usp.ring.placement import RankPlacement, packed_placement
 from usp.sharding import (
     ShardingError,
+    check_boundary_tensor,
     document_position_ids,
     gather_by_documents,
     rank_token_indices,
@@ -115,6 +117,9 @@ class Plan:
             )
         self.topology = topology
         self.layout = _validated_choice("sequence layout", layout, LAYOUTS)
+        if topology is None:
+            # one process has nothing to balance: tokens stay in their natural order
+            self.layout = "contiguous"
         self.ring_impl = _validated_choice("ring_impl", ring_impl, RING_IMPLS)
         self.backend = _validated_choice("attention backend", backend, BACKENDS)
         if verify_calls is not None and not isinstance(verify_calls, bool):
@@ -233,17 +238,7 @@ class Plan:
         return packed
 
     def _build_packed(self, cu_seqlens, device, seq_len) -> PackedSequence:
-        if not isinstance(cu_seqlens, torch.Tensor):
-            raise ShardingError(
-                f"cu_seqlens must be an int32 tensor, got {type(cu_seqlens).__name__}"
-            )
-        if cu_seqlens.device.type == "meta":
-            raise ShardingError("cu_seqlens is on the meta device; pass real boundaries (CPU)")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ShardingError(
-                "cu_seqlens must be 1-D with at least 2 entries [0, ..., total], "
-                f"got shape {tuple(cu_seqlens.shape)}"
-            )
+        check_boundary_tensor(cu_seqlens)
         total = int(cu_seqlens[-1]) if seq_len is None else seq_len
         documents = sequence_documents(
             total, self.ring_degree, self.ulysses_degree, self.layout, cu_seqlens
@@ -317,10 +312,11 @@ class Plan:
     def gather(self, x_local: torch.Tensor, *, dim: int = 1, packed=None) -> torch.Tensor:
         """The inverse of :meth:`shard`: the global sequence, on every SP rank. A
         collective over the SP group; the result carries no gradient."""
-        if self.topology is None:
-            return x_local.detach()
         dim = dim % x_local.dim()
         documents = self._documents(x_local.shape[dim] * self.sp_degree, packed)
+        if self.topology is None:  # packed documents are still reordered on a ring of one
+            indices = rank_token_indices(documents, 0, 1, 0).to(x_local.device)
+            return torch.empty_like(x_local).index_copy(dim, indices, x_local.detach())
         return gather_by_documents(x_local, self.topology, documents, dim)
 
     # ------------------------------------------------------------------ attention

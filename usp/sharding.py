@@ -50,9 +50,24 @@ def check_sequence_length(seq_len: int, ring_size: int, ulysses_size: int, layou
         )
 
 
-def _bounds(cu_seqlens, seq_len: int) -> list[int]:
-    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type == "meta":
+def check_boundary_tensor(cu_seqlens) -> None:
+    """The shape and device checks that come before reading boundaries' values."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ShardingError(f"cu_seqlens must be an int32 tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.device.type == "meta":
         raise ShardingError("cu_seqlens is on the meta device; pass real boundaries (CPU)")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ShardingError(
+            "cu_seqlens must be a 1-D int32 tensor [0, ..., total] with at least 2 entries, "
+            f"got shape {tuple(cu_seqlens.shape)}"
+        )
+
+
+def _bounds(cu_seqlens, seq_len: int | None = None) -> list[int]:
+    """Validated boundaries (ending at ``seq_len``, or wherever they end)."""
+    check_boundary_tensor(cu_seqlens)
+    if seq_len is None:
+        seq_len = int(cu_seqlens[-1])
     try:
         return validate_cu_seqlens(cu_seqlens, seq_len, "cu_seqlens")
     except ValueError as err:
@@ -154,7 +169,7 @@ def document_position_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
     Shard it like the tokens (``shard_sequence(ids[None], topo, cu_seqlens=cu)``) or use
     :func:`local_position_ids`.
     """
-    bounds = _bounds(cu_seqlens, int(cu_seqlens[-1]))
+    bounds = _bounds(cu_seqlens)
     starts = torch.tensor(bounds[:-1], dtype=torch.int64)
     lengths = torch.tensor(bounds[1:], dtype=torch.int64) - starts
     return torch.arange(bounds[-1]) - torch.repeat_interleave(
@@ -204,13 +219,7 @@ def pad_documents(
     layout = getattr(topology, "layout", "zigzag") if layout is None else layout
     _check_layout(layout)
     r, u = topology.ring_degree, topology.ulysses_degree
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        shape = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, torch.Tensor) else None
-        raise ShardingError(
-            "cu_seqlens must be a 1-D int32 tensor [0, ..., total] with at least 2 entries, "
-            f"got {type(cu_seqlens).__name__} of shape {shape}"
-        )
-    bounds = _bounds(cu_seqlens, int(cu_seqlens[-1]))
+    bounds = _bounds(cu_seqlens)
     chunks = 2 * r if layout == "zigzag" else r
     old_starts = torch.tensor(bounds[:-1], dtype=torch.int64)
     lengths = torch.tensor(bounds[1:], dtype=torch.int64) - old_starts

@@ -85,8 +85,10 @@ def agree(
     size = dist.get_world_size(group)
     kinds = tuple(error_kinds)
     code = 0
-    if error is not None:
-        code = next((i + 1 for i, kind in enumerate(kinds) if type(error) is kind), len(kinds) + 1)
+    if error is not None:  # the most specific listed class (exact, else the first base)
+        exact = [i + 1 for i, kind in enumerate(kinds) if type(error) is kind]
+        bases = [i + 1 for i, kind in enumerate(kinds) if isinstance(error, kind)]
+        code = (exact or bases or [len(kinds) + 1])[0]
     device = _device_for(group)
     mine = torch.tensor([[code, *(f.value for f in fields)]], dtype=torch.int64, device=device)
     every = torch.empty((size, mine.shape[1]), dtype=torch.int64, device=device)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from usp.call_check import call_fields, checked_call, needs_grad
 from usp.comm.agreement import stable_hash
@@ -12,6 +11,7 @@ from usp.comm.stats import CommStats
 from usp.kernels.api import select_backend
 from usp.kernels.spec import (
     AttentionInputError,
+    BackendUnavailableError,
     AttentionSpec,
     default_scale,
     validate_cu_seqlens,
@@ -50,6 +50,25 @@ def _implementation(cfg: RingConfig):
     return allgather_forward, allgather_backward
 
 
+class _NoSecondDerivative(torch.autograd.Function):
+    """Passes first-order gradients through; differentiating them again raises.
+
+    Connected to the first backward's inputs (so that a double backward reaches it and
+    raises, on every rank at the same point) rather than to detached leaves."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        return tuple(t.detach() if t is not None else None for t in tensors[:3])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "usp attention does not support second derivatives (double backward through "
+            "attention, e.g. create_graph=True followed by another backward through its "
+            "gradients): its backward is a hand-written ring/all-to-all pass"
+        )
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cfg: RingConfig, q, k, v):
@@ -60,10 +79,12 @@ class _RingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @once_differentiable  # second derivatives are refused with a clear error, not wrong
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _implementation(ctx.cfg)[1](dout.contiguous(), q, k, v, out, lse, ctx.cfg)
+        with torch.no_grad():
+            dq, dk, dv = _implementation(ctx.cfg)[1](dout.contiguous(), q, k, v, out, lse, ctx.cfg)
+        if torch.is_grad_enabled():  # create_graph=True: refuse a second derivative loudly
+            dq, dk, dv = _NoSecondDerivative.apply(dq, dk, dv, dout, q, k, v)
         return None, dq, dk, dv
 
 
@@ -136,7 +157,7 @@ def ring_attention(
     return (out, lse) if return_lse else out
 
 
-RING_ERRORS = (RingInputError, AttentionInputError, DocumentLayoutError)
+RING_ERRORS = (RingInputError, BackendUnavailableError, AttentionInputError, DocumentLayoutError)
 
 
 def _packed_bounds(cu_seqlens, q, ring_size: int) -> list[int]:

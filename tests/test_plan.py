@@ -1,0 +1,308 @@
+"""usp.Plan: one owner of topology + attention choices.
+
+Multi-process gloo runs against the single-process float64 reference: the plan's
+shard / position_ids / attention / gather agree with each other for non-default
+choices (contiguous layout, allgather ring, math backend, a softmax scale), packed
+documents go through a PackedSequence built once per batch, the single-process plan
+gives the same numbers, and no host sync happens inside an attention call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from reference import document_mask, reference_attention, relative_error
+from usp_cases import topology
+
+import usp
+from usp import options
+from usp.kernels.backends import registry
+
+TOL = 1e-6  # float64 through the math backend: exact up to rounding
+
+
+def _inputs(total, heads=8, kv_heads=2, dim=16, batch=1, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(batch, total, h, dim, generator=gen, dtype=torch.float64)
+        for h in (heads, kv_heads, kv_heads, heads)
+    ]
+
+
+def _expected(q, k, v, dout, *, causal, scale=None, mask=None):
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = reference_attention(*ref, causal=causal, scale=scale, mask=mask)
+    return [out.detach(), *torch.autograd.grad(out, ref, dout)]
+
+
+def _plan_errors(plan, inputs, expected, *, causal, scale, packed=None):
+    q, k, v, dout = inputs
+    local = [plan.shard(t, packed=packed).requires_grad_() for t in (q, k, v)]
+    out = plan.attention(*local, causal=causal, softmax_scale=scale, packed=packed)
+    out.backward(plan.shard(dout, packed=packed))
+    actual = [out.detach(), *(t.grad for t in local)]
+    full = [plan.gather(a, packed=packed) for a in actual]
+    return max(relative_error(a, e) for a, e in zip(full, expected))
+
+
+def run_dense(ulysses, ring, layout, ring_impl, causal):
+    plan = usp.Plan(topology(ulysses, ring), layout=layout, ring_impl=ring_impl, backend="math")
+    total = 4 * plan.sequence_multiple
+    inputs = _inputs(total, batch=2)
+    expected = _expected(*inputs, causal=causal, scale=0.3)
+    error = _plan_errors(plan, inputs, expected, causal=causal, scale=0.3)
+    # RoPE positions of a dense sequence are the global indices this rank holds
+    positions = plan.position_ids(total)
+    assert torch.equal(positions, plan.token_indices(total))
+    assert torch.equal(plan.shard(torch.arange(total)[None])[0], positions)
+    return error
+
+
+@pytest.mark.parametrize(
+    "ulysses,ring,layout,ring_impl,causal",
+    [
+        (2, 2, "zigzag", "p2p", True),
+        (2, 2, "contiguous", "allgather", True),
+        (1, 4, "contiguous", "p2p", False),
+        (4, 1, "zigzag", "allgather", False),
+    ],
+)
+def test_plan_dense_matches_reference(distributed, ulysses, ring, layout, ring_impl, causal):
+    for error in distributed.run(run_dense, ulysses, ring, layout, ring_impl, causal, world_size=4):
+        assert error < TOL
+
+
+def run_packed(ulysses, ring, layout, ring_impl, causal):
+    plan = usp.Plan(topology(ulysses, ring), layout=layout, ring_impl=ring_impl)
+    raw = torch.tensor([0, 5, 6, 19, 30], dtype=torch.int32)
+    padding = usp.pad_documents(raw, plan)  # the plan's layout is the default
+    packed = plan.pack(padding.cu_seqlens)
+    inputs = _inputs(packed.seq_len)
+    mask = document_mask(packed.bounds, causal)
+    expected = _expected(*inputs, causal=causal, mask=mask)
+    error = _plan_errors(plan, inputs, expected, causal=causal, scale=None, packed=packed)
+    # positions restart in every document, and agree with the functional helper
+    positions = plan.position_ids(packed.seq_len, packed=packed)
+    global_ids = usp.document_position_ids(padding.cu_seqlens)
+    assert torch.equal(positions, plan.shard(global_ids[None], packed=packed)[0])
+    assert torch.equal(positions, usp.local_position_ids(padding.cu_seqlens, plan))
+    return error
+
+
+@pytest.mark.parametrize(
+    "ulysses,ring,layout,ring_impl",
+    [(2, 2, "zigzag", "p2p"), (1, 4, "contiguous", "allgather"), (4, 1, "zigzag", "allgather")],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_plan_packed_matches_reference(distributed, ulysses, ring, layout, ring_impl, causal):
+    for error in distributed.run(
+        run_packed, ulysses, ring, layout, ring_impl, causal, world_size=4
+    ):
+        assert error < 1e-5  # float64 inputs on the default (cpu) backend
+
+
+def test_single_process_plan_matches_reference():
+    plan = usp.Plan(None, backend="math")
+    assert plan.sp_degree == 1 and plan.sequence_multiple == 1
+    assert plan.layout == "contiguous"  # one process: natural token order
+    inputs = _inputs(12, batch=2)
+    expected = _expected(*inputs, causal=True, scale=0.2)
+    assert _plan_errors(plan, inputs, expected, causal=True, scale=0.2) < TOL
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    packed = plan.pack(cu)
+    inputs = _inputs(12)
+    expected = _expected(*inputs, causal=True, mask=document_mask(packed.bounds, True))
+    assert _plan_errors(plan, inputs, expected, causal=True, scale=None, packed=packed) < TOL
+    assert plan.position_ids(12, packed=packed).tolist() == [0, 1, 2, 3, *range(8)]
+    assert torch.equal(plan.shard(inputs[0], packed=packed), inputs[0])
+
+
+def run_functional_defaults():
+    plan = usp.Plan(topology(1, 2), layout="contiguous", ring_impl="allgather", backend="math")
+    assert usp.sequence_multiple(plan) == 2
+    assert usp.sequence_multiple(plan, layout="zigzag") == 4
+    q, k, v, dout = _inputs(6)
+    local = [usp.shard_sequence(t, plan) for t in (q, k, v)]  # contiguous: 6 tokens are fine
+    out = usp.gather_sequence(usp.usp_attention(*local, plan, causal=True), plan)
+    ref, _ = reference_attention(q, k, v, causal=True)
+    with pytest.raises(usp.ShardingError, match="multiple of 4 for the zigzag layout"):
+        usp.usp_attention(*local, plan, causal=True, layout="zigzag")
+    return relative_error(out, ref)
+
+
+def test_functional_api_reads_its_defaults_from_the_plan(distributed):
+    for error in distributed.run(run_functional_defaults, world_size=2):
+        assert error < TOL
+
+
+def test_plan_rejects_unknown_choices_with_the_valid_ones():
+    with pytest.raises(
+        usp.PlanError, match="unknown sequence layout 'striped'; valid: zigzag, contiguous"
+    ):
+        usp.Plan(None, layout="striped")
+    with pytest.raises(usp.PlanError, match="unknown ring_impl 'tree'; valid: p2p, allgather"):
+        usp.Plan(None, ring_impl="tree")
+    with pytest.raises(usp.PlanError, match="valid: auto, cudnn, flash_attn"):
+        usp.Plan(None, backend="fast")
+    with pytest.raises(usp.PlanError, match="needs a usp.Topology"):
+        usp.Plan("examples/configs/cpu_demo.toml")
+
+
+def test_one_source_for_the_choices():
+    from usp import config
+
+    assert registry.BACKEND_NAMES == options.BACKEND_NAMES
+    assert tuple(config.LAYOUTS) == options.LAYOUTS
+    assert tuple(config.RING_IMPLS) == options.RING_IMPLS
+    assert tuple(config.BACKENDS) == options.BACKENDS
+    assert usp.ring.LAYOUTS == options.LAYOUTS and usp.ring.RING_IMPLS == options.RING_IMPLS
+
+
+def run_foreign_packed():
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    packed = usp.Plan(topology(1, 2), layout="contiguous").pack(cu)
+    q, k, v, _ = (usp.Plan(topology(1, 2)).shard(t) for t in _inputs(8))
+    try:
+        usp.Plan(topology(1, 2)).attention(q, k, v, packed=packed)
+    except usp.PlanError as err:
+        return str(err)
+    return "no error"
+
+
+def test_packed_sequence_of_another_plan_is_refused(distributed):
+    for message in distributed.run(run_foreign_packed, world_size=2):
+        assert (
+            "built for (ring, ulysses, layout) = (2, 1, 'contiguous'), the plan has (2, 1, 'zigzag')"
+            in message
+        )
+
+
+def run_from_config(path):
+    plan = usp.Plan.from_config(path)
+    try:
+        return plan.layout, plan.ring_impl, plan.backend, plan.ulysses_degree, plan.ring_degree
+    finally:
+        plan.topology.destroy()
+
+
+def test_plan_from_config_takes_the_attention_section(distributed, tmp_path):
+    path = tmp_path / "plan.toml"
+    path.write_text(
+        "[cluster]\nnodes = 1\ngpus_per_node = 4\n"
+        "[parallel]\nulysses = 2\nring = 2\n"
+        '[attention]\nlayout = "contiguous"\nring_impl = "allgather"\nbackend = "math"\n'
+    )
+    for result in distributed.run(run_from_config, str(path), world_size=4):
+        assert result == ("contiguous", "allgather", "math", 2, 2)
+
+
+# ---------------------------------------------------------------- no host syncs in a layer
+class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ops that read a tensor's value on the host (``.item()``; on CUDA a sync)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default):
+            where = _usp_frames()
+            # the CPU-only kernel may read its CPU tensors: that is no host sync
+            if not any(f.startswith("usp/kernels/backends/cpu.py") for f in where[-1:]):
+                self.calls.append(f"{func} at {' <- '.join(reversed(where))}")
+        return func(*args, **(kwargs or {}))
+
+
+def _usp_frames() -> list[str]:
+    import traceback
+
+    frames = [f for f in traceback.extract_stack() if "/usp/" in f.filename]
+    return [f"usp/{f.filename.rsplit('/usp/', 1)[-1]}:{f.lineno}" for f in frames]
+
+
+def run_without_host_syncs(ring_impl):
+    """With a PackedSequence built beforehand and per-call agreement off (the NCCL
+    default), a forward and backward read no tensor values on the host and create no
+    tensors from Python data: nothing that would be a host sync or a host-to-device copy
+    on a GPU."""
+    plan = usp.Plan(topology(2, 2), ring_impl=ring_impl, verify_calls=False)
+    packed = plan.pack(torch.tensor([0, 8, 12, 32], dtype=torch.int32))
+    q, k, v, dout = (plan.shard(t, packed=packed) for t in _inputs(32))
+    q.requires_grad_()
+    calls = {}
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "item")}
+
+    def spy(name):
+        def wrapped(self, *a, **kw):
+            calls[name] = calls.get(name, 0) + 1
+            return originals[name](self, *a, **kw)
+
+        return wrapped
+
+    def step():
+        for cu in (packed, None):  # packed, then dense
+            plan.attention(q, k, v, causal=True, packed=cu).backward(dout)
+
+    step()  # first use: cached index tensors and the backend choice are made here
+    for name in originals:
+        setattr(torch.Tensor, name, spy(name))
+    try:
+        with _HostSyncs() as mode:
+            step()
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+    return calls, mode.calls
+
+
+@pytest.mark.parametrize("ring_impl", ["p2p", "allgather"])
+def test_no_host_syncs_inside_attention(distributed, ring_impl):
+    for calls, dispatched in distributed.run(run_without_host_syncs, ring_impl, world_size=4):
+        assert calls == {} and dispatched == [], (calls, dispatched)
+
+
+def run_host_sync_detector_works():
+    """The detector above must see a sync when there is one (verify on: .tolist())."""
+    plan = usp.Plan(topology(2, 2), verify_calls=True)
+    q, k, v, _ = (plan.shard(t) for t in _inputs(16))
+    seen = []
+    original = torch.Tensor.tolist
+
+    def spy(self, *a, **kw):
+        seen.append(1)
+        return original(self, *a, **kw)
+
+    torch.Tensor.tolist = spy
+    try:
+        plan.attention(q, k, v, causal=True)
+    finally:
+        torch.Tensor.tolist = original
+    return len(seen)
+
+
+def test_host_sync_detector_sees_the_agreement_check(distributed):
+    assert all(n >= 1 for n in distributed.run(run_host_sync_detector_works, world_size=4))
+
+
+def run_agreement_cost(calls):
+    """Per-call cost of the cross-rank agreement on gloo (CPU), for the notes."""
+    import time
+
+    plan = usp.Plan(topology(2, 2))
+    q, k, v, _ = (plan.shard(t) for t in _inputs(64))
+    timings = {}
+    for verify in (False, True, False, True):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            plan.attention(q, k, v, causal=True, verify=verify)
+        timings[verify] = (time.perf_counter() - start) / calls
+    return timings
+
+
+def test_agreement_cost_is_measured(distributed):
+    """Not a timed assertion (machines are noisy): both variants run and finish."""
+    results = distributed.run(run_agreement_cost, 20, world_size=4)
+    for timings in results:
+        assert timings[True] > 0 and timings[False] > 0
