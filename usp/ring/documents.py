@@ -84,11 +84,11 @@ class Documents:
     def chunk_lengths(self) -> torch.Tensor:
         return torch.tensor(self.lengths, dtype=torch.int64) // self.chunks_per_doc
 
-    @property
+    @cached_property
     def piece_len(self) -> int:
         return int(self.chunk_lengths.sum())
 
-    @property
+    @cached_property
     def local_len(self) -> int:
         return self.piece_len * self.pieces
 
