@@ -1,0 +1,139 @@
+"""Shared pieces of the usp.models tests: one tiny Llama config, checkpoints written by
+HF transformers into temporary directories, global batches, and the single-process
+float64 reference computed by transformers itself."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+#: one tiny shape for every test: 8 query heads / 2 KV heads (KV replication at
+#: ulysses 4 and 8), head_dim given explicitly and != hidden / heads
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=8,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # short, so that the tiny sequences reach the scaled band of frequencies
+    "original_max_position_embeddings": 16,
+}
+IGNORE = -100
+
+
+def hf_config(*, tied=False, rope_scaling=None, **changes):
+    import transformers
+
+    return transformers.LlamaConfig(
+        **{**TINY, **changes}, tie_word_embeddings=tied, rope_scaling=rope_scaling
+    )
+
+
+def write_hf_checkpoint(directory: Path, *, tied=False, rope_scaling=None, seed=0, **save_kwargs):
+    """A random tiny LlamaForCausalLM saved by transformers (float32 safetensors), with
+    norm weights away from 1 so that their gradients are not trivial."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(hf_config(tied=tied, rope_scaling=rope_scaling))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+    model.save_pretrained(directory, **save_kwargs)
+    return Path(directory)
+
+
+def _rms_norm_float64(self, x):
+    """HF's RMSNorm normalises in float32 even for float64 inputs; the float64 reference
+    normalises in float64 (same formula)."""
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def load_hf_reference(directory: Path, dtype=torch.float64, attn_implementation="sdpa"):
+    """transformers' own model from ``directory``: float64, SDPA attention (float64 all
+    through; eager's softmax is float32), RMSNorm in float64."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        directory, dtype=dtype, attn_implementation=attn_implementation
+    )
+    if dtype == torch.float64:
+        for module in model.modules():
+            if type(module).__name__ == "LlamaRMSNorm":
+                module.forward = types.MethodType(_rms_norm_float64, module)
+    return model
+
+
+def hf_reference(directory: Path, input_ids, labels, cu_seqlens=None) -> dict:
+    """Single-process float64 logits [B, S, V], mean loss over non-ignored labels, and
+    every parameter's gradient (HF names). Packed sequences run document by document."""
+    model = load_hf_reference(directory)
+    if cu_seqlens is None:
+        logits = model(input_ids, use_cache=False).logits
+    else:
+        bounds = cu_seqlens.tolist()
+        logits = torch.cat(
+            [model(input_ids[:, a:b], use_cache=False).logits for a, b in zip(bounds, bounds[1:])],
+            dim=1,
+        )
+    count = (labels != IGNORE).sum()
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=IGNORE,
+        reduction="sum",
+    )
+    loss = total / count.clamp(min=1)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {"logits": logits.detach(), "loss": loss.item(), "grads": grads}
+
+
+def global_batch(batch, seq_len, *, seed=0, vocab=TINY["vocab_size"]) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq_len), generator=gen)
+
+
+def cu_of(lengths) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def sft_labels(input_ids, prompt_lengths, cu_seqlens=None):
+    """Globally shifted labels with each document's first ``prompt_lengths[i]`` tokens
+    (the prompt) ignored, as in supervised fine-tuning."""
+    from usp.models import shift_labels
+
+    masked = input_ids.clone()
+    starts = [0] if cu_seqlens is None else cu_seqlens.tolist()[:-1]
+    for start, prompt in zip(starts, prompt_lengths):
+        masked[..., start : start + prompt] = IGNORE
+    return shift_labels(masked, cu_seqlens=cu_seqlens)
+
+
+def relative_error(actual, expected) -> float:
+    actual, expected = actual.double(), expected.double()
+    if not torch.isfinite(actual).all():
+        return float("inf")
+    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
+
+
+def grad_errors(actual: dict, expected: dict) -> dict:
+    missing = set(expected) ^ set(actual)
+    assert not missing, f"parameter names differ from HF's: {sorted(missing)}"
+    return {n: relative_error(actual[n], expected[n]) for n in expected}

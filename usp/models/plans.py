@@ -1,0 +1,61 @@
+"""How a model turns what a user hands it (a Topology, a Plan, None; cu_seqlens or a
+PackedSequence) into the one :class:`usp.Plan` and, per forward, one PackedSequence."""
+
+from __future__ import annotations
+
+import torch
+
+from usp.plan import PackedSequence, Plan
+from usp.process_groups import HeadLayoutError, Topology, describe_valid_pairs, kv_replication
+
+
+def as_plan(topology, **attention_options) -> Plan:
+    """``topology`` (a Topology, a Plan or None) as a Plan; ``attention_options``
+    (``layout``, ``ring_impl``, ``backend``) replace the plan's choices."""
+    if isinstance(topology, Plan):
+        return topology.with_options(**attention_options)
+    if topology is None or isinstance(topology, Topology):
+        return Plan(topology, **attention_options)
+    raise TypeError(
+        f"topology must be a usp.Topology, a usp.Plan or None (single process), "
+        f"got {type(topology).__name__}"
+    )
+
+
+def check_heads(plan: Plan, num_heads: int, num_kv_heads: int) -> None:
+    """Fail at model construction (not at the first forward) when the Ulysses degree
+    cannot split the heads; the error lists the (ulysses, ring) pairs that can."""
+    if plan.topology is None:
+        return
+    try:
+        kv_replication(num_heads, num_kv_heads, plan.ulysses_degree)
+    except HeadLayoutError as err:
+        pairs = describe_valid_pairs(
+            num_heads, num_kv_heads, plan.sp_degree, plan.topology.rank_map.ranks_per_node
+        )
+        raise HeadLayoutError(
+            f"this model's {num_heads} query heads / {num_kv_heads} KV heads cannot be split "
+            f"over ulysses={plan.ulysses_degree}: {err}. {pairs}"
+        ) from None
+
+
+def pack_once(plan: Plan, cu_seqlens, input_ids: torch.Tensor) -> PackedSequence | None:
+    """The forward's packed sequence: validated and on ``input_ids``' device once, then
+    handed to every layer (no host syncs inside the layers)."""
+    if cu_seqlens is None:
+        return None
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"packed sequences (cu_seqlens) need batch size 1, got input_ids of shape "
+            f"{tuple(input_ids.shape)}"
+        )
+    global_len = input_ids.shape[1] * plan.sp_degree
+    if isinstance(cu_seqlens, PackedSequence):
+        if cu_seqlens.seq_len != global_len:
+            raise ValueError(
+                f"the packed sequence has {cu_seqlens.seq_len} tokens, but input_ids hold "
+                f"{input_ids.shape[1]} per rank x {plan.sp_degree} ranks = {global_len}"
+            )
+        return plan.packed_sequence(cu_seqlens)
+    # a collective (the SP ranks agree on the boundaries), once per forward
+    return plan.pack(cu_seqlens, device=input_ids.device, seq_len=global_len)
