@@ -36,7 +36,7 @@ def reference_attention(q, k, v, *, causal=False, window=None, scale=None, mask=
         mask = reference_mask(q.shape[1], k.shape[1], causal, window)
     scores = scores.masked_fill(~mask.to(q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    seen = torch.isfinite(lse)
+    seen = ~torch.isneginf(lse)  # rows that see no key; NaN rows stay NaN
     probs = torch.where(
         seen[..., None], torch.softmax(scores.masked_fill(~seen[..., None], 0.0), -1), 0.0
     )

@@ -1,10 +1,21 @@
-"""Local attention kernels against an independent float64 reference, every backend here.
+"""Local attention kernels against an independent float64 reference, every backend the
+build has.
+
+Which backends: on CPU ``cpu`` and ``math``; on CUDA ``cudnn``, ``flash``, ``efficient``
+and ``math``, plus ``flash_attn`` when the package is installed
+(``registry.expected_backends``). A test skips a backend only for a limit it states
+(a dtype, a head dim, no window); a backend that refuses a call it should serve (it
+failed its self-check, its kernel is missing from the build) FAILS the test.
 
 Tolerances are relative to the largest reference magnitude (``relative_error``):
-float32 5e-6 for out/lse and 1e-5 for gradients; bfloat16 2e-2 for out, 5e-3 for lse
+CPU float32 5e-6 for out/lse and 1e-5 for gradients; bfloat16 2e-2 for out, 5e-3 for lse
 (computed in float32 from bf16 inputs) and 4e-2 for gradients. Measured worst cases on
 the CPU backends: float32 8e-7 / 3e-7 / 1.3e-6, bfloat16 6.4e-3 / 1.7e-3 / 1.2e-2;
 the bounds are a few times those, so a missing mask element or a wrong LSE fails them.
+CUDA float32 bounds are 10x the CPU ones (the kernels' fast exp2/log and split-TF32
+matmuls; a missing mask element still costs ~1e-2): not yet measured on a GPU.
+Head dim 128 runs with a softmax scale that is not head_dim**-0.5, so a kernel that
+drops ``softmax_scale`` fails.
 """
 
 from __future__ import annotations
@@ -17,7 +28,6 @@ import torch
 from reference import reference_attention, relative_error
 
 from usp.kernels import (
-    BACKEND_NAMES,
     AttentionInputError,
     AttentionSpec,
     BackendUnavailableError,
@@ -28,26 +38,45 @@ from usp.kernels import (
     merge_pair,
 )
 from usp.kernels.backends import registry
+from usp.kernels.backends.base import BackendFailure
 
-TOLERANCE = {  # dtype: (out, lse, grads)
-    torch.float32: (5e-6, 5e-6, 1e-5),
-    torch.bfloat16: (2e-2, 5e-3, 4e-2),
-    torch.float64: (1e-12, 1e-12, 1e-12),
+TOLERANCE = {  # (device type, dtype): (out, lse, grads)
+    ("cpu", torch.float32): (5e-6, 5e-6, 1e-5),
+    ("cpu", torch.bfloat16): (2e-2, 5e-3, 4e-2),
+    ("cpu", torch.float64): (1e-12, 1e-12, 1e-12),
+    ("cuda", torch.float32): (5e-5, 5e-5, 1e-4),
+    ("cuda", torch.bfloat16): (2e-2, 5e-3, 4e-2),
+    ("cuda", torch.float64): (1e-12, 1e-12, 1e-12),
 }
+# head dim 128 runs at ~1.25x the default scale (a dropped scale= changes the logits by 20%)
+SCALE = {64: None, 128: 0.11}
 
 
-def _devices():
+def devices():
     yield "cpu"
     if torch.cuda.is_available():
         yield "cuda"
 
 
-def _runnable(device: str) -> list[str]:
-    spec = AttentionSpec(1, 8, 8, 2, 2, 64, torch.bfloat16, torch.device(device), True, None)
-    return [n for n in BACKEND_NAMES if registry.get(n).unsupported_reason(spec) is None]
+BACKENDS = [(d, b) for d in devices() for b in registry.expected_backends(d)]
+CUDA_BACKENDS = [b for d, b in BACKENDS if d == "cuda"]
 
 
-BACKENDS = [(d, b) for d in _devices() for b in _runnable(d)]
+def require(backend: str, spec: AttentionSpec) -> None:
+    """Skip for a limit the backend states; fail when it should run this call but does
+    not (a self-check failure, a kernel missing from the build)."""
+    reason = registry.get(backend).unsupported_reason(spec)
+    if isinstance(reason, BackendFailure):
+        pytest.fail(f"backend {backend!r} must run {spec} but it {reason}")
+    if reason is not None:
+        pytest.skip(f"{backend} {reason}")
+
+
+def work_dtype(device: str, backend: str) -> torch.dtype:
+    """float32 where the backend runs it, else bfloat16 (cuDNN and the FA kernels)."""
+    spec = AttentionSpec(1, 8, 8, 2, 2, 64, torch.float32, torch.device(device), True, None)
+    reason = registry.get(backend).unsupported_reason(spec)
+    return torch.bfloat16 if reason is not None and "float32" in reason else torch.float32
 
 
 @pytest.fixture
@@ -80,9 +109,9 @@ def _inputs(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, dtype, device,
     return q, k, v, dout
 
 
-def _reference(q, k, v, dout, **mask):
+def _reference(q, k, v, dout, **options):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = reference_attention(q, k, v, **mask)
+    out, lse = reference_attention(q, k, v, **options)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     return out.detach(), lse.detach(), (dq, dk, dv)
 
@@ -104,14 +133,28 @@ def test_backend_matches_reference(
     if backend == "math" and dtype == torch.bfloat16 and head_dim == 128:
         pytest.skip("math is the reference; one bf16 head dim is enough")
     (seqlen_q, seqlen_k), (num_heads, kv_heads) = seqlens, heads
+    spec = AttentionSpec(
+        2,
+        seqlen_q,
+        seqlen_k,
+        num_heads,
+        kv_heads,
+        head_dim,
+        dtype,
+        torch.device(device),
+        causal,
+        None,
+    )
+    require(backend, spec)
+    scale = SCALE[head_dim]
     q, k, v, dout = _inputs(2, seqlen_q, seqlen_k, num_heads, kv_heads, head_dim, dtype, device)
-    ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, causal=causal)
+    ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, causal=causal, scale=scale)
     cast = [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
 
-    out, lse = attention_forward(*cast[:3], causal=causal, backend=backend)
+    out, lse = attention_forward(*cast[:3], causal=causal, softmax_scale=scale, backend=backend)
     assert out.dtype == dtype and out.shape == q.shape
     assert lse.dtype == torch.float32 and lse.shape == (2, num_heads, seqlen_q)
-    out_tol, lse_tol, grad_tol = TOLERANCE[dtype]
+    out_tol, lse_tol, grad_tol = TOLERANCE[device, dtype]
     _check("out", out, ref_out, out_tol)
     _check("lse", lse, ref_lse, lse_tol)
     if seqlen_q > seqlen_k and causal:  # rows with no visible key
@@ -125,6 +168,7 @@ def test_backend_matches_reference(
         ref_out.to(device=device, dtype=dtype),
         ref_lse.to(device=device, dtype=torch.float32),
         causal=causal,
+        softmax_scale=scale,
         backend=backend,
     )
     for name, grad, ref, x in zip(("dq", "dk", "dv"), grads, ref_grads, cast[:3]):
@@ -136,13 +180,14 @@ def test_backend_matches_reference(
 def test_float64_is_exact_where_supported(device, backend):
     q, k, v, dout = _inputs(1, 21, 33, 6, 3, 32, torch.float64, device)
     spec = AttentionSpec(1, 21, 33, 6, 3, 32, torch.float64, torch.device(device), True, None)
-    if registry.get(backend).unsupported_reason(spec) is not None:
-        pytest.skip(f"{backend} does not run float64")
-    ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, causal=True)
+    require(backend, spec)
+    q, k, v, dout = (t.to(device) for t in (q, k, v, dout))
+    ref_out, ref_lse, ref_grads = _reference(*(t.cpu() for t in (q, k, v, dout)), causal=True)
     out, lse = attention_forward(q, k, v, causal=True, backend=backend)
     assert lse.dtype == torch.float64
     _check("out", out, ref_out, 1e-12)
     _check("lse", lse, ref_lse, 1e-12)
+    ref_out, ref_lse = ref_out.to(device), ref_lse.to(device)
     for grad, ref in zip(
         attention_backward(dout, q, k, v, ref_out, ref_lse, causal=True, backend=backend), ref_grads
     ):
@@ -154,27 +199,33 @@ def test_float64_is_exact_where_supported(device, backend):
 def test_backward_with_an_externally_merged_result(device, backend, causal):
     """What the ring does: attend to two key blocks separately, merge by LSE, then run
     each block's backward with the merged out/lse; the sum is the full gradient."""
+    dtype = work_dtype(device, backend)
+    out_tol, lse_tol, grad_tol = (
+        (1e-5, 1e-5, 2e-5) if dtype == torch.float32 else TOLERANCE[device, dtype]
+    )
+    spec = AttentionSpec(2, 12, 12, 4, 2, 64, dtype, torch.device(device), causal, None)
+    require(backend, spec)
     q, k, v, dout = _inputs(2, 24, 24, 4, 2, 64, torch.float32, device, seed=3)
     ref_out, ref_lse, (ref_dq, ref_dk, ref_dv) = _reference(q, k, v, dout, causal=causal)
-    q, k, v, dout = (t.to(device=device, dtype=torch.float32) for t in (q, k, v, dout))
+    q, k, v, dout = (t.to(device=device, dtype=dtype) for t in (q, k, v, dout))
     # keys [0, 12) are fully visible to queries [12, 24); keys [12, 24) form the diagonal block
     q_hi, k_lo, v_lo, k_hi, v_hi = q[:, 12:], k[:, :12], v[:, :12], k[:, 12:], v[:, 12:]
     out_a, lse_a = attention_forward(q_hi, k_lo, v_lo, backend=backend)
     out_b, lse_b = attention_forward(q_hi, k_hi, v_hi, causal=causal, backend=backend)
     out, lse = merge_pair(out_a, lse_a, out_b, lse_b)
-    _check("merged out", out, ref_out[:, 12:], 1e-5)
-    _check("merged lse", lse, ref_lse[:, :, 12:], 1e-5)
+    _check("merged out", out, ref_out[:, 12:], out_tol)
+    _check("merged lse", lse, ref_lse[:, :, 12:], lse_tol)
     out = out.to(q.dtype)
     dq_a, dk_a, dv_a = attention_backward(dout[:, 12:], q_hi, k_lo, v_lo, out, lse, backend=backend)
     dq_b, dk_b, dv_b = attention_backward(
         dout[:, 12:], q_hi, k_hi, v_hi, out, lse, causal=causal, backend=backend
     )
     if causal:  # queries [12, 24) are the only ones that see keys [12, 24)
-        _check("dk (diagonal)", dk_b, ref_dk[:, 12:], 2e-5)
-        _check("dv (diagonal)", dv_b, ref_dv[:, 12:], 2e-5)
+        _check("dk (diagonal)", dk_b, ref_dk[:, 12:], grad_tol)
+        _check("dv (diagonal)", dv_b, ref_dv[:, 12:], grad_tol)
     _check(
         "dq",
-        dq_a + dq_b,
+        dq_a.float() + dq_b.float(),
         _reference(
             q.double().cpu()[:, 12:],
             k.double().cpu(),
@@ -182,7 +233,7 @@ def test_backward_with_an_externally_merged_result(device, backend, causal):
             dout.double().cpu()[:, 12:],
             causal=causal,
         )[2][0],
-        2e-5,
+        grad_tol,
     )
 
 
@@ -192,39 +243,62 @@ def test_backward_with_an_externally_merged_result(device, backend, causal):
 def test_sliding_window(poisoned_allocations, device, backend, seqlens, causal):
     seqlen_q, seqlen_k = seqlens
     window = 7
-    spec = AttentionSpec(
-        2, seqlen_q, seqlen_k, 4, 2, 64, torch.float32, torch.device(device), causal, window
+    dtype = work_dtype(device, backend)
+    out_tol, lse_tol, grad_tol = (
+        (1e-5, 1e-5, 2e-5) if dtype == torch.float32 else TOLERANCE[device, dtype]
     )
-    reason = registry.get(backend).unsupported_reason(spec)
-    if reason is not None:
+    spec = AttentionSpec(
+        2, seqlen_q, seqlen_k, 4, 2, 64, dtype, torch.device(device), causal, window
+    )
+    q, k, v, dout = _inputs(2, seqlen_q, seqlen_k, 4, 2, 64, dtype, device, seed=5)
+    cast = [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
+    if not registry.get(backend).supports_window:
         with pytest.raises(BackendUnavailableError, match="sliding-window"):
-            attention_forward(
-                *(
-                    t.to(device)
-                    for t in _inputs(2, seqlen_q, seqlen_k, 4, 2, 64, torch.float32, device)[:3]
-                ),
-                causal=causal,
-                window=window,
-                backend=backend,
-            )
+            attention_forward(*cast[:3], causal=causal, window=window, backend=backend)
         return
-    q, k, v, dout = _inputs(2, seqlen_q, seqlen_k, 4, 2, 64, torch.float32, device, seed=5)
+    require(backend, spec)
     ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, causal=causal, window=window)
-    cast = [t.to(device=device, dtype=torch.float32) for t in (q, k, v, dout)]
     out, lse = attention_forward(*cast[:3], causal=causal, window=window, backend=backend)
-    _check("out", out, ref_out, 1e-5)
-    _check("lse", lse, ref_lse, 1e-5)
+    _check("out", out, ref_out, out_tol)
+    _check("lse", lse, ref_lse, lse_tol)
     grads = attention_backward(
         cast[3],
         *cast[:3],
-        ref_out.float().to(device),
+        ref_out.to(device=device, dtype=dtype),
         ref_lse.float().to(device),
         causal=causal,
         window=window,
         backend=backend,
     )
     for grad, ref in zip(grads, ref_grads):
-        _check("grad", grad, ref, 2e-5)
+        _check("grad", grad, ref, grad_tol)
+
+
+# documents of lengths 1, 13, 0 (empty), 29, 6, 9; keys longer than queries in two of
+# them, fewer keys than queries in the last (its first 5 rows see nothing when causal)
+DOCS_Q = [1, 13, 0, 29, 6, 9]
+DOCS_K = [1, 20, 0, 29, 11, 4]
+
+
+def cumulative(lengths) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def packed_reference(q, k, v, dout, lens_q, lens_k, **options):
+    """Per-document float64 reference of a packed call: out, lse [H, Tq], (dq, dk, dv)."""
+    ref_out = torch.zeros_like(q)
+    ref_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=q.dtype)
+    ref_dq, ref_dk, ref_dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    bounds_q, bounds_k = cumulative(lens_q).tolist(), cumulative(lens_k).tolist()
+    for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
+        if q1 == q0:
+            continue
+        o, lse_doc, g = _reference(
+            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1], **options
+        )
+        ref_out[q0:q1], ref_lse[:, q0:q1] = o[0], lse_doc[0]
+        ref_dq[q0:q1], ref_dk[k0:k1], ref_dv[k0:k1] = (x[0] for x in g)
+    return ref_out, ref_lse, (ref_dq, ref_dk, ref_dv)
 
 
 @pytest.mark.parametrize("device,backend", BACKENDS)
@@ -233,37 +307,33 @@ def test_sliding_window(poisoned_allocations, device, backend, seqlens, causal):
 def test_varlen_matches_per_document_reference(
     poisoned_allocations, device, backend, causal, dtype
 ):
-    # documents of lengths 1, 13, 0 (empty), 29, 6 ; keys longer than queries in two of them
-    lens_q = [1, 13, 0, 29, 6]
-    lens_k = [1, 20, 0, 29, 11]
-    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
-    gen = torch.Generator().manual_seed(11)
-    q = torch.randn(sum(lens_q), 4, 64, generator=gen, dtype=torch.float64)
-    k = torch.randn(sum(lens_k), 2, 64, generator=gen, dtype=torch.float64)
-    v = torch.randn(sum(lens_k), 2, 64, generator=gen, dtype=torch.float64)
-    dout = torch.randn_like(q)
-    ref_out, ref_lse = (
-        torch.zeros_like(q),
-        torch.full((4, q.shape[0]), float("-inf"), dtype=torch.float64),
+    spec = AttentionSpec(
+        1,
+        sum(DOCS_Q),
+        sum(DOCS_K),
+        4,
+        2,
+        64,
+        dtype,
+        torch.device(device),
+        causal,
+        None,
+        varlen=True,
     )
-    ref_dq, ref_dk, ref_dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for (q0, q1), (k0, k1) in zip(
-        zip(cu_q.tolist(), cu_q.tolist()[1:]), zip(cu_k.tolist(), cu_k.tolist()[1:])
-    ):
-        if q1 == q0:
-            continue
-        o, lse_doc, g = _reference(
-            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1], causal=causal
-        )
-        ref_out[q0:q1], ref_lse[:, q0:q1] = o[0], lse_doc[0]
-        ref_dq[q0:q1], ref_dk[k0:k1], ref_dv[k0:k1] = (x[0] for x in g)
+    require(backend, spec)
+    cu_q, cu_k = cumulative(DOCS_Q), cumulative(DOCS_K)
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(sum(DOCS_Q), 4, 64, generator=gen, dtype=torch.float64)
+    k = torch.randn(sum(DOCS_K), 2, 64, generator=gen, dtype=torch.float64)
+    v = torch.randn(sum(DOCS_K), 2, 64, generator=gen, dtype=torch.float64)
+    dout = torch.randn_like(q)
+    ref_out, ref_lse, ref_grads = packed_reference(q, k, v, dout, DOCS_Q, DOCS_K, causal=causal)
     on = lambda t: t.to(device)  # noqa: E731
     cast = [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
     out, lse = attention_varlen_forward(
-        *cast[:3], on(cu_q), on(cu_k), max(lens_q), max(lens_k), causal=causal, backend=backend
+        *cast[:3], on(cu_q), on(cu_k), max(DOCS_Q), max(DOCS_K), causal=causal, backend=backend
     )
-    out_tol, lse_tol, grad_tol = TOLERANCE[dtype]
+    out_tol, lse_tol, grad_tol = TOLERANCE[device, dtype]
     assert lse.shape == (4, q.shape[0])
     _check("out", out, ref_out, out_tol)
     _check("lse", lse, ref_lse, lse_tol)
@@ -274,13 +344,25 @@ def test_varlen_matches_per_document_reference(
         ref_lse.float().to(device),
         on(cu_q),
         on(cu_k),
-        max(lens_q),
-        max(lens_k),
+        max(DOCS_Q),
+        max(DOCS_K),
         causal=causal,
         backend=backend,
     )
-    for grad, ref in zip(grads, (ref_dq, ref_dk, ref_dv)):
+    for grad, ref in zip(grads, ref_grads):
         _check("grad", grad, ref, grad_tol)
+
+
+@pytest.mark.parametrize("device,backend", [(d, b) for d, b in BACKENDS if b != "math"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_every_backend_the_build_has_passes_its_self_check(device, backend, dtype, head_dim):
+    """Dense and (for backends with varlen kernels) packed; see ``selfcheck.py`` for what
+    it covers. ``math`` is the reference the check compares against."""
+    spec = AttentionSpec(1, 64, 64, 4, 2, head_dim, dtype, torch.device(device), True, None)
+    require(backend, spec)
+    require(backend, dataclasses.replace(spec, varlen=True))
+    assert registry.get(backend).unsupported_reason(spec) is None
 
 
 def test_auto_picks_the_first_supported_backend_in_preference_order():
@@ -372,7 +454,7 @@ def test_bad_options_and_backward_inputs():
         attention_forward(q, k, v, window=-1)
     with pytest.raises(AttentionInputError, match="causal must be a bool"):
         attention_forward(q, k, v, causal=1)
-    with pytest.raises(AttentionInputError, match="softmax_scale must be a positive float"):
+    with pytest.raises(AttentionInputError, match="softmax_scale must be a positive finite float"):
         attention_forward(q, k, v, softmax_scale=0.0)
     out, lse = attention_forward(q, k, v)
     with pytest.raises(

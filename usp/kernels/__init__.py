@@ -2,25 +2,62 @@
 
 One interface, several backends (``cudnn``, ``flash_attn``, ``flash``, ``efficient``,
 ``cpu``, ``math``), chosen per call; ``backend="auto"`` picks the fastest that supports
-the call. See ``usp/kernels/spec.py`` for shapes and masking semantics.
+the call and says (``usp.kernels`` logger, a warning for a failed backend) what it
+skipped. See ``usp/kernels/spec.py`` for shapes, masking and NaN semantics.
+
+Distributed callers validate a call before their first collective with
+:func:`validate_inputs`, :func:`select_backend` and :func:`default_scale` (or
+:func:`prepare_call`, all three), which raise the errors a kernel call would, without
+running a kernel.
 """
 
-from usp.kernels.api import attention_backward, attention_forward, select_backend
+from usp.kernels.api import (
+    MATH_AUTO_MAX_SCORES,
+    attention_backward,
+    attention_forward,
+    dense_backward,
+    dense_forward,
+    prepare_call,
+    select_backend,
+)
+from usp.kernels.backends.base import BackendFailure
 from usp.kernels.backends.registry import BACKEND_NAMES
 from usp.kernels.merge import merge_into, merge_pair
-from usp.kernels.spec import AttentionInputError, AttentionSpec, BackendUnavailableError
-from usp.kernels.varlen import attention_varlen_backward, attention_varlen_forward
+from usp.kernels.spec import (
+    AttentionInputError,
+    AttentionSpec,
+    BackendUnavailableError,
+    default_scale,
+    validate_inputs,
+)
+from usp.kernels.varlen import (
+    PackedDocs,
+    attention_varlen_backward,
+    attention_varlen_forward,
+    packed_backward,
+    packed_forward,
+)
 
 __all__ = [
     "BACKEND_NAMES",
+    "MATH_AUTO_MAX_SCORES",
     "AttentionInputError",
     "AttentionSpec",
+    "BackendFailure",
     "BackendUnavailableError",
+    "PackedDocs",
     "attention_backward",
     "attention_forward",
     "attention_varlen_backward",
     "attention_varlen_forward",
+    "default_scale",
+    "dense_backward",
+    "dense_forward",
     "merge_into",
     "merge_pair",
+    "packed_backward",
+    "packed_forward",
+    "prepare_call",
     "select_backend",
+    "validate_inputs",
 ]

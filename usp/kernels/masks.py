@@ -1,7 +1,9 @@
 """Which keys each query row sees, under the masking semantics of ``spec.py``.
 
-Backends that build explicit masks (``math``, ``cpu`` with a window) and code that
-fixes up rows with no visible key share these helpers, so the semantics live in one place.
+Backends that build explicit masks (``math``, ``cpu`` with a window) and the dispatcher,
+which cuts off rows that see no key, share these helpers, so the semantics live in one
+place. Everything here is shape arithmetic on Python ints or device-side tensor ops: no
+host synchronisation.
 """
 
 from __future__ import annotations
@@ -30,17 +32,17 @@ def visibility_mask(
     return (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])
 
 
-def rows_without_keys(
-    seqlen_q: int, seqlen_k: int, causal: bool, window: int | None, device: torch.device
-) -> torch.Tensor | None:
-    """Boolean ``[Sq]`` of rows that see no key; None when there are none."""
+def empty_row_count(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
+    """How many rows see no key; they are always the first ones.
+
+    Row i sits at key position p = i + Sk - Sq and sees keys max(0, p - window) ..
+    (p if causal else Sk - 1). A left window never empties a row (p - window <= p and
+    p <= Sk - 1), so only causality does, for the rows with p < 0: the first Sq - Sk rows
+    when Sq > Sk. With no keys at all, every row is empty.
+    """
     if seqlen_k == 0:
-        return torch.ones(seqlen_q, dtype=torch.bool, device=device)
-    if not causal and window is None:
-        return None
-    lo, hi = visible_key_bounds(seqlen_q, seqlen_k, causal, window, device)
-    empty = lo > hi
-    return empty if bool(empty.any()) else None
+        return seqlen_q
+    return max(0, seqlen_q - seqlen_k) if causal else 0
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

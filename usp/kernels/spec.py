@@ -10,10 +10,18 @@ position ``p = i + Sk - Sq`` (bottom-right alignment, as flash-attn >= 2.1). Key
 visible when ``j <= p`` (if causal) and ``j >= p - window`` (if a left window is set).
 For Sq == Sk this is the usual square causal mask. A row that sees no key gets
 out = 0 and lse = -inf, so merging it with other blocks is a no-op.
+
+Non-finite inputs follow IEEE arithmetic, as the float64 reference does: a NaN in a
+query row makes that row's out and lse NaN (if it sees any key); a NaN in a key or
+value reaches every row that sees it (a NaN value may also reach rows that do not see
+it, through 0 * NaN in P @ V). A row whose every visible score is -inf (an infinite
+key) gets lse = -inf, like a row that sees nothing, so merges ignore that block.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -142,15 +150,23 @@ def validate_backward_inputs(dout, out, lse, q, *, varlen: bool = False) -> None
 
 
 def default_scale(head_dim: int, softmax_scale: float | None) -> float:
+    """The softmax scale of a call: ``head_dim**-0.5`` for None, else the given number,
+    which must be a finite real > 0 (NaN, inf, 0, negatives, bools and tensors are
+    refused: a NaN scale would come back as rows of zeros from some kernels)."""
     if softmax_scale is None:
         return head_dim**-0.5
-    if (
-        isinstance(softmax_scale, bool)
-        or not isinstance(softmax_scale, (int, float))
-        or softmax_scale <= 0
-    ):
-        raise AttentionInputError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
-    return float(softmax_scale)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise AttentionInputError(
+            "softmax_scale must be a positive finite float (or None for head_dim**-0.5), "
+            f"got {softmax_scale!r} of type {type(softmax_scale).__name__}"
+        )
+    value = float(softmax_scale)
+    if not math.isfinite(value) or value <= 0:
+        raise AttentionInputError(
+            "softmax_scale must be a positive finite float (or None for head_dim**-0.5), "
+            f"got {value!r}"
+        )
+    return value
 
 
 def validate_cu_seqlens(cu_seqlens, total: int, name: str) -> list[int]:

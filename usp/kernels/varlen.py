@@ -26,12 +26,24 @@ from usp.kernels.spec import (
 )
 
 
+def _device_bounds(bounds, device: torch.device) -> torch.Tensor:
+    """int32 boundaries on ``device``. On CUDA the copy goes through pinned memory with
+    ``non_blocking``: it is queued on the stream instead of making the host wait for
+    the work already queued there (a plain host-to-device copy would)."""
+    host = torch.tensor(bounds, dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 @dataclass(frozen=True)
 class PackedDocs:
-    """Validated document boundaries, ready for repeated varlen calls.
+    """Validated document boundaries, ready for repeated varlen calls: build it once per
+    batch and pass it to every layer's :func:`packed_forward`/:func:`packed_backward`.
 
     ``bounds_*`` are the Python boundaries (for per-document loops), ``cu_*`` the int32
-    tensors on the compute device (for native varlen kernels).
+    tensors on the compute device (for native varlen kernels), ``max_*`` the longest
+    document: a call reads nothing back from the device and copies nothing to it.
     """
 
     bounds_q: tuple[int, ...]
@@ -42,19 +54,30 @@ class PackedDocs:
     max_k: int
 
     @classmethod
-    def build(cls, bounds_q, bounds_k, device) -> PackedDocs:
+    def build(cls, bounds_q, bounds_k, device, *, cu_q=None, cu_k=None) -> PackedDocs:
+        """From Python boundaries [0, ..., total]; ``cu_q``/``cu_k``, when given, are the
+        same boundaries already on ``device`` (int32), reused instead of copied."""
         if len(bounds_q) != len(bounds_k):
             raise AttentionInputError(
                 f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, "
                 f"got {len(bounds_q) - 1} and {len(bounds_k) - 1}"
             )
-        as_tensor = lambda b: torch.tensor(b, dtype=torch.int32, device=device)  # noqa: E731
+
+        def on_device(given, bounds):
+            usable = (
+                given is not None
+                and given.device == torch.device(device)
+                and given.dtype == torch.int32
+                and given.is_contiguous()
+            )
+            return given if usable else _device_bounds(bounds, device)
+
         longest = lambda b: max(y - x for x, y in zip(b, b[1:]))  # noqa: E731
         return cls(
             tuple(bounds_q),
             tuple(bounds_k),
-            as_tensor(bounds_q),
-            as_tensor(bounds_k),
+            on_device(cu_q, bounds_q),
+            on_device(cu_k, bounds_k),
             longest(bounds_q),
             longest(bounds_k),
         )
@@ -68,7 +91,7 @@ class PackedDocs:
 def _packed_docs(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k) -> PackedDocs:
     bounds_q = validate_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
     bounds_k = validate_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
-    docs = PackedDocs.build(bounds_q, bounds_k, q.device)
+    docs = PackedDocs.build(bounds_q, bounds_k, q.device, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k)
     for name, given, actual in (
         ("max_seqlen_q", max_seqlen_q, docs.max_q),
         ("max_seqlen_k", max_seqlen_k, docs.max_k),
@@ -145,13 +168,10 @@ def attention_varlen_backward(
 def packed_forward(
     q, k, v, docs: PackedDocs, *, causal, softmax_scale=None, window=None, backend="auto"
 ):
-    """:func:`attention_varlen_forward` for pre-validated boundaries (no host syncs)."""
+    """:func:`attention_varlen_forward` for pre-validated boundaries: no host syncs and
+    no host-to-device copies (``docs`` carries its device tensors)."""
     impl, spec, scale = prepare_call(q, k, v, causal, window, softmax_scale, backend, varlen=True)
-    if impl.supports_varlen:
-        return impl.varlen_forward(
-            q, k, v, docs.cu_q, docs.cu_k, docs.max_q, docs.max_k, spec, scale
-        )
-    return _per_document_forward(impl, q, k, v, docs, spec, scale)
+    return docs_forward(impl, q, k, v, docs, spec, scale)
 
 
 def packed_backward(
@@ -169,6 +189,22 @@ def packed_backward(
     backend="auto",
 ) -> Grads:
     impl, spec, scale = prepare_call(q, k, v, causal, window, softmax_scale, backend, varlen=True)
+    return docs_backward(impl, dout, q, k, v, out, lse, docs, spec, scale)
+
+
+def docs_forward(impl: Backend, q, k, v, docs: PackedDocs, spec: AttentionSpec, scale: float):
+    """Run a validated packed call on a chosen backend: its varlen kernel, or one dense
+    call per document."""
+    if impl.supports_varlen:
+        return impl.varlen_forward(
+            q, k, v, docs.cu_q, docs.cu_k, docs.max_q, docs.max_k, spec, scale
+        )
+    return _per_document_forward(impl, q, k, v, docs, spec, scale)
+
+
+def docs_backward(
+    impl: Backend, dout, q, k, v, out, lse, docs: PackedDocs, spec: AttentionSpec, scale: float
+) -> Grads:
     if impl.supports_varlen:
         return impl.varlen_backward(
             dout, q, k, v, out, lse, docs.cu_q, docs.cu_k, docs.max_q, docs.max_k, spec, scale

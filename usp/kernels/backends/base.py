@@ -1,9 +1,11 @@
 """The interface every local attention backend implements.
 
 A backend is called only for calls it said it supports (``unsupported_reason`` returned
-None). Dense calls see the layout of ``spec.py``; a backend with
-``bottom_right_causal = False`` is only given causal calls with Sq == Sk (the
-dispatcher splits the others into a full block and a square causal block).
+None). Dense calls see the layout of ``spec.py``. The dispatcher (``api.py``) never gives
+a backend a row that sees no key: causal calls with Sq > Sk have their leading rows cut
+off first. A backend with ``bottom_right_causal = False`` is in addition only given causal
+calls with Sq == Sk (the dispatcher splits Sq < Sk into a full block and a square causal
+block), and a call with fewer than ``min_seqlen_k`` keys goes to ``math`` instead.
 """
 
 from __future__ import annotations
@@ -17,26 +19,70 @@ from usp.kernels.spec import AttentionSpec
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+class BackendFailure(str):
+    """A reason that is a failure, not a limit: the backend should run this call here but
+    does not (it failed its self-check, or its kernel is missing from this build).
+
+    ``auto`` warns about these (``warnings.warn`` and the ``usp.kernels`` logger) where it
+    only logs a limit (dtype, head dim, window, a package that is not installed), and the
+    tests fail on them where they skip a limit. ``transient`` failures (out of memory
+    during the self-check) are not cached: the next call checks again.
+    """
+
+    transient: bool = False
+
+    @classmethod
+    def of(cls, text: str, *, transient: bool = False) -> BackendFailure:
+        failure = cls(text)
+        failure.transient = transient
+        return failure
+
+
 class Backend:
     name: ClassVar[str]
     device_types: ClassVar[tuple[str, ...]]
-    #: handles causal calls with Sq != Sk itself (bottom-right aligned)
+    #: handles causal calls with Sq < Sk itself (bottom-right aligned)
     bottom_right_causal: ClassVar[bool] = False
     #: supports a left window (``spec.window``), any Sq/Sk
     supports_window: ClassVar[bool] = False
     #: has native variable-length (packed) entry points
     supports_varlen: ClassVar[bool] = False
+    #: fewest keys a kernel call may have; smaller calls (a short document, the full
+    #: block of a split causal call) run on ``math``, whose cost is tiny there
+    min_seqlen_k: ClassVar[int] = 1
+    #: vetted against ``math`` by a run-time self-check before its first call for a
+    #: (device, dtype, head_dim), see ``selfcheck.py``
+    self_checked: ClassVar[bool] = True
 
     def unsupported_reason(self, spec: AttentionSpec) -> str | None:
-        """None if this backend can run the call here, else a short reason."""
+        """None if this backend can run the call here, else a short reason (a
+        :class:`BackendFailure` when it should have been able to)."""
         if spec.device.type not in self.device_types:
             return f"runs on {'/'.join(self.device_types)}, not {spec.device.type}"
         if spec.window is not None and not self.supports_window:
             return "has no sliding-window support"
-        return self.extra_unsupported_reason(spec)
+        reason = self.extra_unsupported_reason(spec)
+        if reason is None and self.self_checked:
+            reason = self.self_check_reason(spec)
+        return reason
 
     def extra_unsupported_reason(self, spec: AttentionSpec) -> str | None:
         return None
+
+    def self_check_reason(self, spec: AttentionSpec) -> str | None:
+        """The (cached) verdict of the self-check for this call's device, dtype, head dim
+        and, for packed calls on a backend with varlen kernels, its varlen entry points."""
+        from usp.kernels.backends.selfcheck import self_check
+
+        return self_check(self, spec.device, spec.dtype, spec.head_dim, varlen=False) or (
+            self_check(self, spec.device, spec.dtype, spec.head_dim, varlen=True)
+            if spec.varlen and self.supports_varlen
+            else None
+        )
+
+    def label(self, spec: AttentionSpec) -> str:
+        """What runs, for logs and benchmark tables (e.g. which flash-attn generation)."""
+        return self.name
 
     # Dense: q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> out [B, Sq, H, D], lse [B, H, Sq]
     def forward(

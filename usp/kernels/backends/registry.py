@@ -24,6 +24,21 @@ def auto_order(device: torch.device) -> tuple[str, ...]:
     return _AUTO_ORDER.get(device.type, ("math",))
 
 
+def expected_backends(device_type: str) -> tuple[str, ...]:
+    """The backends this build must be able to run on a device type: on CUDA every
+    backend of torch itself, plus ``flash_attn`` when the package is installed. A
+    backend listed here that refuses a call it should serve (a self-check failure, a
+    kernel missing from the build) is a failure, not a skip, for tests and benchmarks."""
+    if device_type == "cuda":
+        from usp.kernels.backends.flash_attn import is_installed
+
+        optional = ("flash_attn",) if is_installed() else ()
+        return ("cudnn", *optional, "flash", "efficient", "math")
+    if device_type == "cpu":
+        return ("cpu", "math")
+    return ("math",)
+
+
 @functools.cache
 def get(name: str) -> Backend:
     """The (stateless) backend instance for a name; imports its module on first use."""

@@ -2,21 +2,27 @@
 and memory-efficient. These ops return the LSE and their backwards take an external
 out/LSE, which is what ring attention needs.
 
-Facts these wrappers rely on (read in the PyTorch sources of 2.6-2.13; checked on a GPU
-by ``benchmarks/gpu_check.sh`` (which runs tests/test_kernels.py on the GPU), and at run time by a small self-check, see
-``selfcheck.py``):
+Facts these wrappers rely on (read in the PyTorch sources of 2.6-2.13; not yet run on a
+GPU: ``benchmarks/gpu_check.sh`` runs the kernel tests there, and every backend vets
+itself at run time with ``selfcheck.py`` before its first call):
 - cuDNN takes BHSD views of any strides (so BSHD memory works without a copy), handles
   GQA natively, aligns causal masks top-left (so only square causal blocks are sent
-  here), returns LSE as [B, H, S] or [B, H, S, 1]. Its compiled backward graph is cached
-  by q/k/v strides only and bakes in the strides of out/dout/LSE: every tensor is
-  therefore made contiguous BSHD (LSE contiguous) so those strides always agree.
+  here), returns LSE as [B, H, S] or [B, H, S, 1] depending on the release. Its backward
+  wants the LSE back in the rank its forward returned; that rank is taken from a real
+  forward on the device (the meta kernel need not agree with the CUDA one). Its compiled
+  backward graph is cached by q/k/v strides only and bakes in the strides of
+  out/dout/LSE: every tensor is therefore made contiguous BSHD (LSE contiguous) so
+  those strides always agree.
 - ``_flash_attention_forward`` takes BSHD (or packed [T, H, D] with cu_seqlens), handles
   GQA natively, is bottom-right aligned, has left/right windows, and writes LSE = +inf
-  for rows that see no key. Dense LSE is [B, H, S], varlen [H, T].
+  for rows whose softmax sum is 0 or NaN (no visible key, or every score -inf); usp
+  turns that +inf into -inf. Dense LSE is [B, H, S], varlen [H, T].
 - ``_efficient_attention_forward`` takes BSHD, has no GQA (K/V heads are repeated here),
   supports float32, bottom-right causal via ``custom_mask_type=2``, and pads its LSE to
-  a multiple of 32 along the sequence; its backward reads the padded LSE and needs
-  contiguous BSHD out.
+  a multiple of 32 along the sequence with +inf; its backward reads an LSE padded the
+  same way and needs contiguous BSHD out. Its causal offset is unsigned in the kernel
+  (``causal_diagonal_offset``), so Sq > Sk is never sent: the dispatcher cuts off the
+  rows that see no key for every backend.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import functools
 
 import torch
 
-from usp.kernels.backends.base import Backend, Grads
+from usp.kernels.backends.base import Backend, BackendFailure, Grads
 from usp.kernels.masks import lse_for_backward
 from usp.kernels.spec import AttentionSpec
 
@@ -38,11 +44,15 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 
 def _empty_rows_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
-    """FA-style kernels write +inf for rows that see no key; usp's convention is -inf."""
+    """FA-style kernels write +inf for rows whose softmax sum is 0 (no visible key, or
+    every score -inf) or NaN; usp's convention for the first is -inf, so merges ignore
+    the block. A NaN row still carries its NaN in ``out``, which a merge propagates."""
     return lse.masked_fill(lse == float("inf"), float("-inf"))
 
 
-def _op_schema_has(op, argument: str) -> bool:
+@functools.cache
+def _op_schema_has(op_name: str, argument: str) -> bool:
+    op = getattr(torch.ops.aten, op_name)
     return any(arg.name == argument for arg in op.default._schema.arguments)
 
 
@@ -59,12 +69,7 @@ class _CudaBackend(Backend):
             return f"needs head_dim <= {self.max_head_dim} and a multiple of {self.head_dim_multiple}, got {spec.head_dim}"
         if _capability(spec.device) < (8, 0):
             return "needs an sm80 (Ampere) or newer GPU"
-        reason = self.unsupported_here(spec)
-        if reason is None:
-            from usp.kernels.backends.selfcheck import self_check
-
-            reason = self_check(self.name, spec.device, spec.dtype)
-        return reason
+        return self.unsupported_here(spec)
 
     def unsupported_here(self, spec: AttentionSpec) -> str | None:
         return None
@@ -72,10 +77,10 @@ class _CudaBackend(Backend):
 
 # ------------------------------------------------------------------------------ cuDNN
 @functools.cache
-def _cudnn_lse_rank() -> int:
-    """3 ([B, H, S]) or 4 ([B, H, S, 1]) depending on the torch release: ask the op's
-    meta implementation instead of comparing version strings."""
-    q = torch.empty(1, 1, 8, 64, device="meta", dtype=torch.bfloat16)
+def _cudnn_lse_rank(device: torch.device) -> int:
+    """3 ([B, H, S]) or 4 ([B, H, S, 1]): what a real forward on this device returns, which
+    is what its backward expects back (not version strings, not the meta kernel)."""
+    q = torch.zeros(1, 1, 16, 64, device=device, dtype=torch.bfloat16)
     lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, q, q, None, True, 0.0, False, False
     )[1]
@@ -85,14 +90,13 @@ def _cudnn_lse_rank() -> int:
 class CudnnBackend(_CudaBackend):
     name = "cudnn"
     max_head_dim = 128
+    min_seqlen_k = 2  # cannot attend to a single key: such calls go to math
 
     def unsupported_here(self, spec):
         if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward"):
-            return "is not in this torch build"
+            return BackendFailure("is not in this torch build")
         if not torch.backends.cudnn.is_available():
-            return "needs cuDNN, which this torch build lacks"
-        if spec.seqlen_k < 2:
-            return "cannot attend to a single key"
+            return BackendFailure("needs cuDNN, which this torch build lacks")
         return None
 
     def forward(self, q, k, v, spec, scale):
@@ -113,7 +117,7 @@ class CudnnBackend(_CudaBackend):
     def backward(self, dout, q, k, v, out, lse, spec, scale) -> Grads:
         q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
         kernel_lse = lse_for_backward(lse).contiguous()
-        if _cudnn_lse_rank() == 4:
+        if _cudnn_lse_rank(q.device) == 4:
             kernel_lse = kernel_lse.unsqueeze(-1)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         offset = torch.zeros((), dtype=torch.int64, device=q.device)
@@ -168,10 +172,11 @@ class FlashBackend(_CudaBackend):
     supports_varlen = True
 
     def unsupported_here(self, spec):
-        op = torch.ops.aten._flash_attention_forward
         if not torch.backends.cuda.is_flash_attention_available():
-            return "is not in this torch build"
-        if spec.window is not None and not _op_schema_has(op, "window_size_left"):
+            return BackendFailure("is not in this torch build")
+        if spec.window is not None and not _op_schema_has(
+            "_flash_attention_forward", "window_size_left"
+        ):
             return "has no sliding-window support in this torch build"
         if spec.varlen and not _flash_varlen_lse_is_packed():
             return "returns an unpacked varlen LSE in this torch build (packed needs torch >= 2.7)"
@@ -259,8 +264,13 @@ class FlashBackend(_CudaBackend):
 
 # ------------------------------------------------------------------------------ efficient
 def _repeat_kv(x: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """[B, S, Hkv, D] -> [B, S, H, D], each KV head repeated for its group of query heads
+    (expand + reshape: shape arithmetic only, no device value read back)."""
     groups = spec.num_heads // spec.num_kv_heads
-    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+    if groups == 1:
+        return x
+    b, s, h, d = x.shape
+    return x.unsqueeze(3).expand(b, s, h, groups, d).reshape(b, s, h * groups, d)
 
 
 def _sum_kv_groups(grad: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
@@ -269,6 +279,18 @@ def _sum_kv_groups(grad: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
         return grad
     b, s, _, d = grad.shape
     return grad.view(b, s, spec.num_kv_heads, groups, d).sum(dim=3)
+
+
+def efficient_kernel_lse(lse: torch.Tensor) -> torch.Tensor:
+    """[B, H, Sq] -> [B, H, ceil(Sq / 32) * 32] float32, contiguous: the LSE laid out as
+    the kernel's own forward writes it, the padding rows +inf (exp(s - lse) = 0 there)."""
+    batch, heads, seqlen_q = lse.shape
+    padded = -(-seqlen_q // 32) * 32
+    kernel_lse = torch.full(
+        (batch, heads, padded), float("inf"), dtype=torch.float32, device=lse.device
+    )
+    kernel_lse[:, :, :seqlen_q] = lse_for_backward(lse)
+    return kernel_lse
 
 
 class EfficientBackend(_CudaBackend):
@@ -280,7 +302,7 @@ class EfficientBackend(_CudaBackend):
 
     def unsupported_here(self, spec):
         if not hasattr(torch.ops.aten, "_efficient_attention_backward"):
-            return "is not in this torch build"
+            return BackendFailure("is not in this torch build")
         if spec.dtype in _HALF and spec.head_dim % 8:
             return f"needs head_dim a multiple of 8 for {spec.dtype}, got {spec.head_dim}"
         return None
@@ -303,13 +325,10 @@ class EfficientBackend(_CudaBackend):
             True,
             scale=scale,
         )[:2]
+        # [B, H, ceil(Sq / 32) * 32] -> [B, H, Sq]; every row sees a key (see api.py)
         return out, _empty_rows_to_neg_inf(lse[:, :, : spec.seqlen_q])
 
     def backward(self, dout, q, k, v, out, lse, spec, scale) -> Grads:
-        batch, heads, seqlen_q = lse.shape
-        padded = -(-seqlen_q // 32) * 32  # the kernel reads an LSE padded to 32 rows
-        kernel_lse = torch.zeros((batch, heads, padded), dtype=torch.float32, device=lse.device)
-        kernel_lse[:, :, :seqlen_q] = lse_for_backward(lse)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         offset = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
@@ -323,7 +342,7 @@ class EfficientBackend(_CudaBackend):
             None,
             spec.seqlen_q,
             spec.seqlen_k,
-            kernel_lse,
+            efficient_kernel_lse(lse),
             0.0,
             seed,
             offset,
