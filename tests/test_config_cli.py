@@ -1,9 +1,15 @@
 """Config files, "auto" resolution and the ``usp topo`` command."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 import pytest
 
@@ -47,8 +53,16 @@ ring = 2
 
 
 # ----------------------------------------------------------------------------- shipped configs
+def _is_topology_config(path: Path) -> bool:
+    """Topology configs have only topology sections (trainer configs add [train], [data]...;
+    the trainer's tests cover those)."""
+    with open(path, "rb") as f:
+        return set(tomllib.load(f)) <= {"cluster", "parallel", "attention", "model"}
+
+
 def test_every_shipped_config_is_tested():
-    assert sorted(p.name for p in CONFIGS.glob("*.toml")) == sorted(SHIPPED)
+    shipped = [p.name for p in CONFIGS.glob("*.toml") if _is_topology_config(p)]
+    assert sorted(shipped) == sorted(SHIPPED)
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -211,10 +225,13 @@ def expect_cli_error(capsys, path, *argv) -> str:
             BASE.replace("ring = 2", "ring = true"),
             '[parallel] ring must be an integer >= 1 or "auto", got true',
         ),
-        (BASE.replace("nodes = 2", "nodes = 0"), "[cluster] nodes must be an integer >= 1, got 0"),
         (
-            BASE.replace("nodes = 2", 'nodes = "auto"'),
-            '[cluster] nodes must be an integer >= 1, got "auto"',
+            BASE.replace("nodes = 2", "nodes = 0"),
+            '[cluster] nodes must be an integer >= 1 or "auto", got 0',
+        ),
+        (
+            BASE.replace("gpus_per_node = 8", 'gpus_per_node = "many"'),
+            '[cluster] gpus_per_node must be an integer >= 1 or "auto", got "many"',
         ),
         (BASE.replace("gpus_per_node = 8", ""), "[cluster] missing required key 'gpus_per_node'"),
         (
@@ -427,3 +444,102 @@ def test_python_dash_m_usp_entry_point():
     data = json.loads(proc.stdout)
     assert data["world_size"] == 16
     assert data["groups"]["ring"][0] == [0, 8]
+
+
+# ----------------------------------------------------------------------------- bad inputs, huge sizes
+def test_paths_that_are_not_config_files(tmp_path, capsys):
+    assert "is a directory, not a config file" in expect_cli_error(capsys, tmp_path)
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(BASE.encode() + b"# caf\xe9\n")
+    err = expect_cli_error(capsys, latin1)
+    assert f"not UTF-8 text (byte {len(BASE) + 5}: b'\\xe9'); TOML files are UTF-8" in err
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (2 << 20))
+    assert "larger than 1048576 bytes" in expect_cli_error(capsys, big)
+    nested = tmp_path / "nested.toml"
+    nested.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert "invalid TOML" in expect_cli_error(capsys, nested)
+
+
+def test_sizes_are_checked_before_anything_proportional_is_built(tmp_path, capsys):
+    import time
+
+    huge = BASE.replace("nodes = 2", "nodes = 1").replace(
+        "gpus_per_node = 8", "gpus_per_node = 100000000000"
+    )
+    start = time.perf_counter()
+    err = expect_cli_error(capsys, write(tmp_path, huge))
+    assert "world_size(100000000000) exceeds the largest world torch.distributed can launch" in err
+    # a world of ten million ranks with auto degrees: answered, abbreviated, fast
+    code, out, err = run_cli(
+        capsys, CONFIGS / "1node_8gpu.toml", "--world-size", "10000000", "--ring", "auto"
+    )
+    assert code == 0 and err == ""
+    assert "dp 1 x ring 1250000 x ulysses 8 (sp 10000000)" in out
+    assert "ring     8 groups of 1250000: [0,8,...,9999992]" in out
+    assert len(out.splitlines()) < 40
+    err = expect_cli_error(
+        capsys, CONFIGS / "1node_8gpu.toml", "--world-size", "10000000", "--json"
+    )
+    assert "--json lists every rank and group; 10000000 ranks is more than 65536" in err
+    # the biggest world torch can launch, Ulysses groups spanning nodes (counted, not listed)
+    code, out, _ = run_cli(
+        capsys,
+        CONFIGS / "2node_llama3_8b.toml",
+        "--world-size",
+        str(2**31 - 1 - (2**31 - 1) % 16),
+        "--ulysses",
+        "16",
+        "--ring",
+        "auto",
+        "--allow-cross-node-ulysses",
+    )
+    assert code == 0 and "134217727 of 134217727 Ulysses groups span nodes" in out
+    assert time.perf_counter() - start < 3.0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--world-size", "1e7"], "argument --world-size: expected an integer >= 1, got '1e7'"),
+        (["--world-size", "0"], "argument --world-size: expected an integer >= 1, got 0"),
+        (["--nodes", "auto"], "argument --nodes: expected an integer >= 1, got 'auto'"),
+        (["--ring", "-3"], "argument --ring: expected an integer >= 1, got -3"),
+        (["--placement", "nodes"], "argument --placement: invalid choice: 'nodes'"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(["topo", str(CONFIGS / "cpu_demo.toml"), *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_auto_cluster_in_usp_topo(tmp_path, capsys):
+    path = write(tmp_path, BASE.replace("nodes = 2", 'nodes = "auto"'))
+    assert 'nodes = "auto" is taken from the launch' in expect_cli_error(capsys, path)
+    code, out, _ = run_cli(capsys, path, "--world-size", "32", "--json")
+    assert code == 0 and json.loads(out)["nodes"] == 4
+    path = write(tmp_path, BASE.replace("gpus_per_node = 8", 'gpus_per_node = "auto"'))
+    assert "usp topo --gpus-per-node N" in expect_cli_error(capsys, path)
+    code, out, _ = run_cli(capsys, path, "--gpus-per-node", "8", "--json")
+    assert code == 0 and json.loads(out)["world_size"] == 16
+
+
+def test_training_configs_are_read_the_way_usp_train_reads_them(tmp_path, capsys):
+    # `usp topo` on a `usp train` config: the model's real head counts when available ...
+    finetune = CONFIGS / "cpu_finetune.toml"
+    code, out, err = run_cli(capsys, finetune, "--json")
+    assert code == 0 and err == "", err
+    data = json.loads(out)
+    assert data["world_size"] == 4 and data["model"]["num_heads"] > 0
+    assert not any("head counts not checked" in w for w in data["warnings"])
+    # ... and a note, not an error, when its checkpoint directory is not on this machine
+    text = finetune.read_text()
+    text = re.sub(r'(?m)^preset = "tiny".*$', f'path = "{tmp_path / "absent"}"', text)
+    path = write(tmp_path, text, "remote_model.toml")
+    code, out, _ = run_cli(capsys, path, "--ulysses", "4", "--ring", "1")
+    assert code == 0
+    assert "head counts not checked: the model's config is not readable here" in out
+    assert "dp 1 x ring 1 x ulysses 4" in out

@@ -5,11 +5,17 @@ import itertools
 import pytest
 
 from usp.process_groups.rank_math import (
+    MAX_LISTED_RANKS,
+    MAX_WORLD_SIZE,
+    PLACEMENTS,
     RING_IN_NODE,
     ULYSSES_IN_NODE,
     RankMap,
     TopologyError,
+    describe_node_shape,
+    divisors,
     fitting_ulysses_degrees,
+    node_sizes_of,
 )
 
 # (world_size, ranks_per_node, ulysses, ring, dp, placement)
@@ -243,3 +249,148 @@ def test_out_of_range_coordinates():
 )
 def test_fitting_ulysses_degrees(sp, rpn, placement, world, expected):
     assert fitting_ulysses_degrees(sp, rpn, placement, world) == expected
+
+
+# ----------------------------------------------------------------------------- closed-form node checks
+def _brute_groups(placement, w, u, r, kind):
+    """Ulysses or ring groups straight from the rank formula, indexed as documented."""
+    d = w // (u * r)
+
+    def rank(dp, ring, k):
+        return (dp * r + ring) * u + k if placement == ULYSSES_IN_NODE else (dp * u + k) * r + ring
+
+    if kind == "ulysses":
+        return [[rank(dp, ring, k) for k in range(u)] for dp in range(d) for ring in range(r)]
+    return [[rank(dp, ring, k) for ring in range(r)] for dp in range(d) for k in range(u)]
+
+
+def _all_grids(max_world):
+    for w in range(1, max_world + 1):
+        for n in divisors(w):
+            for u in divisors(w):
+                for r in divisors(w // u):
+                    for placement in PLACEMENTS:
+                        yield w, n, u, r, placement
+
+
+def test_closed_form_node_checks_match_brute_force():
+    """Validation, crossing counts, ring locality and fitting degrees are computed without
+    listing groups; check them against the listed groups on every small grid."""
+    checked = 0
+    for w, n, u, r, placement in _all_grids(24):
+        ulysses = _brute_groups(placement, w, u, r, "ulysses")
+        ring = _brute_groups(placement, w, u, r, "ring")
+        crossing = [i for i, g in enumerate(ulysses) if len({m // n for m in g}) > 1]
+        m = RankMap(w, n, u, r, w // (u * r), placement=placement, allow_cross_node_ulysses=True)
+        assert m.ulysses_groups == ulysses and m.ring_groups == ring
+        assert m.cross_node_ulysses_count() == len(crossing)
+        assert m.cross_node_ulysses_groups() == crossing
+        assert m.ring_groups_inside_nodes() == all(len({x // n for x in g}) == 1 for g in ring)
+        if crossing:
+            with pytest.raises(TopologyError, match=rf"^Ulysses group {crossing[0]} \("):
+                RankMap(w, n, u, r, w // (u * r), placement=placement)
+        fits = [
+            k
+            for k in divisors(u * r)
+            if all(
+                len({x // n for x in g}) == 1
+                for g in _brute_groups(placement, w, k, u * r // k, "ulysses")
+            )
+        ]
+        assert fitting_ulysses_degrees(u * r, n, placement, w) == fits
+        checked += 1
+    assert checked > 1000
+
+
+def test_huge_worlds_need_no_memory_proportional_to_them():
+    import time
+
+    start = time.perf_counter()
+    w = 2**30
+    m = RankMap(w, 8, 8, 2**27, 1)  # validated in closed form
+    assert m.info(w - 1) == (w - 1, w // 8 - 1, 7, 0, 2**27 - 1, 7, w - 1)
+    assert m.ulysses_group(5) == range(40, 48)
+    assert m.ring_group(3) == range(3, w, 8)
+    assert len(m.sp_group(0)) == w and m.dp_group(7) == range(7, w, w)
+    crossing = RankMap(w, 8, 16, 2**26, 1, allow_cross_node_ulysses=True)
+    assert crossing.cross_node_ulysses_count() == 2**26
+    strided = RankMap(w, 64, 4, 2**28, 1, placement=RING_IN_NODE, allow_cross_node_ulysses=True)
+    assert strided.cross_node_ulysses_count() == 2**28
+    assert fitting_ulysses_degrees(w, 8, ULYSSES_IN_NODE, w) == [1, 2, 4, 8]
+    with pytest.raises(TopologyError, match="lists all 1073741824 ranks, more than 1048576"):
+        _ = m.ranks
+    with pytest.raises(TopologyError, match=r"RankMap.mesh_list lists all"):
+        m.mesh_list()
+    assert time.perf_counter() - start < 1.0
+    assert MAX_LISTED_RANKS == 2**20
+
+
+def test_world_larger_than_torch_can_launch():
+    with pytest.raises(TopologyError) as info:
+        RankMap(MAX_WORLD_SIZE + 1, 1, 1, MAX_WORLD_SIZE + 1, 1)
+    assert str(info.value) == (
+        "world_size(2147483648) exceeds the largest world torch.distributed can launch "
+        "(2147483647 = 2**31 - 1 ranks)"
+    )
+
+
+# ----------------------------------------------------------------------------- observed nodes
+def test_from_nodes_canonical_form():
+    # uniform and contiguous: the same RankMap as ranks_per_node gives
+    assert RankMap.from_nodes([0, 0, 1, 1], 2, 2, 1) == RankMap(4, 2, 2, 2, 1)
+    assert RankMap.from_nodes([0, 0, 1, 1], 2, 2, 1).uniform_nodes
+    interleaved = RankMap.from_nodes([0, 1, 0, 1], 2, 2, 1, placement=RING_IN_NODE)
+    assert interleaved.node_of_rank == (0, 1, 0, 1) and not interleaved.uniform_nodes
+    assert [interleaved.node_of(x) for x in range(4)] == [0, 1, 0, 1]
+    assert [interleaved.local_rank_of(x) for x in range(4)] == [0, 0, 1, 1]
+    assert interleaved.ulysses_groups == [[0, 2], [1, 3]]  # each inside one node
+    assert interleaved.describe_nodes() == "2 nodes x 2 ranks (ranks interleaved across nodes)"
+    assert "on 2 nodes x 2 ranks (ranks interleaved" in interleaved.describe()
+
+
+def test_nodes_of_different_sizes():
+    m = RankMap.from_nodes([0, 0, 0, 0, 1, 1], 2, 3, 1)
+    assert m.ranks_per_node == 4 and m.node_sizes == (4, 2) and m.num_nodes == 2
+    assert [m.info(x)[1:3] for x in range(6)] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
+    assert m.describe_nodes() == "2 nodes with 4 and 2 ranks"
+    assert m.cross_node_ulysses_count() == 0 and not m.ring_groups_inside_nodes()
+    with pytest.raises(TopologyError) as info:
+        RankMap.from_nodes([0, 0, 0, 1, 1, 1, 1, 1], 2, 4, 1)
+    assert str(info.value).startswith(
+        "Ulysses group 1 (ranks [2, 3]) spans nodes 0, 1 with 2 nodes with 3 and 5 ranks"
+    )
+    assert "use ulysses_degree=1 (with ring_degree=8" in str(info.value)
+    assert fitting_ulysses_degrees(8, 5, node_of_rank=[0, 0, 0, 1, 1, 1, 1, 1]) == [1]
+    assert fitting_ulysses_degrees(6, 4, node_of_rank=[0, 0, 0, 0, 1, 1]) == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "nodes, kwargs, message",
+    [
+        ([1, 1, 0, 0], {}, "node_of_rank[0] = 1: node ids must be 0, 1, ... in the order of"),
+        ([0, 2, 1, 1], {}, "node_of_rank[1] = 2: node ids must be 0, 1, ..."),
+        ([0, -1, 0, 0], {}, "node_of_rank[1] = -1 is not a node id >= 0"),
+        ([0, True, 0, 0], {}, "node_of_rank[1] = True is not a node id >= 0"),
+        ((), {}, "node_of_rank is empty"),
+    ],
+)
+def test_bad_node_lists(nodes, kwargs, message):
+    with pytest.raises(TopologyError) as info:
+        node_sizes_of(nodes)
+    assert str(info.value).startswith(message)
+
+
+def test_node_list_must_fit_the_other_fields():
+    with pytest.raises(TopologyError, match=r"node_of_rank must be a tuple of world_size\(4\)"):
+        RankMap(4, 2, 2, 2, 1, node_of_rank=(0, 0, 1))
+    with pytest.raises(TopologyError, match=r"ranks_per_node\(2\) must be the size of the larg"):
+        RankMap(4, 2, 1, 4, 1, node_of_rank=(0, 0, 0, 1))
+
+
+def test_describe_node_shape():
+    assert describe_node_shape([4]) == "1 node x 4 ranks"
+    assert describe_node_shape([1, 1]) == "2 nodes x 1 rank"
+    assert describe_node_shape([4, 2, 2]) == "3 nodes with 4, 2 and 2 ranks"
+    assert describe_node_shape([1] * 9 + [2]) == (
+        "10 nodes with 1, 1, 1, 1, 1, 1, 1, 1 and ... (2 more) ranks"
+    )

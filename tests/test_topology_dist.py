@@ -34,9 +34,18 @@ GROUP_NAMES = ("ulysses", "ring", "sp", "dp", "dp_sp")
 
 
 def _cached_topology(u, r, d, rpn, placement):
+    """``rpn`` given: nodes of ``rpn`` ranks are emulated (all ranks run on one host)."""
     key = ("test_topology_dist", u, r, d, rpn, placement)
     return worker_cached(
-        key, lambda: build_topology(u, r, dp_degree=d, ranks_per_node=rpn, placement=placement)
+        key,
+        lambda: build_topology(
+            u,
+            r,
+            dp_degree=d,
+            ranks_per_node=rpn,
+            placement=placement,
+            emulate_nodes=rpn is not None,
+        ),
     )
 
 
@@ -183,6 +192,7 @@ def _defaults_and_errors(config_dir):
         ("rest", lambda: build_topology(3, 1)),
         ("product", lambda: build_topology(2, 2, dp_degree=2)),
         ("mismatch", lambda: build_topology_from_config(f"{config_dir}/2node_llama3_8b.toml")),
+        ("emulate", lambda: build_topology(2, 2, emulate_nodes=True)),
     ):
         try:
             call()
@@ -201,8 +211,12 @@ def test_defaults_and_errors_before_any_group_is_made(distributed):
             "so dp_degree cannot take the rest of the world"
         )
         assert res["product"] == "ring(2) * ulysses(2) * dp(2) = 8 != world_size(4)"
-        assert "2node_llama3_8b.toml" in res["mismatch"]
-        assert "nodes(2) * gpus_per_node(8) = 16 != world_size(4)" in res["mismatch"]
+        assert res["emulate"] == "emulate_nodes=True needs ranks_per_node (the emulated node size)"
+        assert res["mismatch"].startswith(f"{CONFIGS}/2node_llama3_8b.toml: ")
+        assert (
+            "[cluster] config says 2 nodes x 8 ranks; the job runs on 1 node x 4 ranks"
+            in res["mismatch"]
+        )
 
 
 def _from_config_then_destroy(config_path):
@@ -300,3 +314,246 @@ def test_large_worlds_with_the_fake_backend():
         assert res["dp"] == m.dp_group_of(rank)
         assert res["sp"] == sorted(m.sp_group_of(rank))
         assert res["sizes"] == [u * r, w]
+
+
+# ----------------------------------------------------------------------------- observed nodes
+# Each rank sets the variables torchrun would give it, then builds a topology: the same
+# observation code as under a real multi-node launch (tests/test_launch.py runs that too),
+# at the cost of a few group creations. Errors must come on every rank, after which the
+# world is still usable.
+LAUNCH_ENV = ("GROUP_RANK", "NODE_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _env_for(kind: str, rank: int) -> dict[str, str]:
+    if kind == "2x2":  # torchrun, 2 nodes x 2 ranks
+        return {"GROUP_RANK": rank // 2, "LOCAL_RANK": rank % 2, "LOCAL_WORLD_SIZE": 2}
+    if kind == "interleaved":  # another launcher, round-robin placement (NODE_RANK)
+        return {"NODE_RANK": rank % 2, "LOCAL_RANK": rank // 2, "LOCAL_WORLD_SIZE": 2}
+    if kind == "3+1":  # nodes of different sizes
+        node = 0 if rank < 3 else 1
+        return {"GROUP_RANK": node, "LOCAL_RANK": rank % 3, "LOCAL_WORLD_SIZE": 3 - 2 * node}
+    if kind == "wrong-local-size":  # LOCAL_WORLD_SIZE disagrees with what is observed
+        return {"LOCAL_WORLD_SIZE": 2}
+    if kind == "unparsable-on-rank-1":
+        return {"LOCAL_WORLD_SIZE": "eight" if rank == 1 else "4"}
+    raise ValueError(kind)
+
+
+def _with_launch_env(kind: str, build):
+    """``build()`` under this rank's launch variables; its result or error text, then a
+    barrier (a failed build must leave the world usable)."""
+    saved = {name: os.environ.pop(name, None) for name in LAUNCH_ENV}
+    os.environ.update({k: str(v) for k, v in _env_for(kind, dist.get_rank()).items()})
+    try:
+        with build() as topo:
+            result = {
+                "node": topo.node,
+                "local_rank": topo.local_rank,
+                "nodes": topo.rank_map.describe_nodes(),
+                "launcher": topo.launch.launcher,
+                "ulysses": topo.ulysses_global_ranks,
+                "ulysses_sum": _one_hot_sum(topo.ulysses_group),
+                "describe": topo.describe(),
+            }
+    except (TopologyError, ConfigError) as e:
+        result = {"error": str(e)}
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+    dist.barrier()
+    return result
+
+
+def _observe(kind, u, r, placement=ULYSSES_IN_NODE, **kw):
+    return _with_launch_env(kind, lambda: build_topology(u, r, placement=placement, **kw))
+
+
+def _observe_config(kind, data):
+    from usp.config import config_from_dict
+
+    return _with_launch_env(
+        kind, lambda: build_topology_from_config(config_from_dict(data, source="test.toml"))
+    )
+
+
+def test_nodes_come_from_the_launch(distributed):
+    results = distributed.run(_observe, "2x2", 2, 2, world_size=4)
+    for rank, res in enumerate(results):
+        assert (res["node"], res["local_rank"]) == (rank // 2, rank % 2)
+        assert res["nodes"] == "2 nodes x 2 ranks" and res["launcher"] == "torchrun"
+        assert res["ulysses"] == [rank - rank % 2, rank - rank % 2 + 1]  # inside the node
+        assert f"(node {rank // 2}, local {rank % 2})" in res["describe"]
+
+
+def test_interleaved_nodes_are_observed_not_assumed(distributed):
+    # ranks 0 and 2 on node 0, ranks 1 and 3 on node 1: contiguous Ulysses pairs would
+    # cross nodes, the ring-in-node placement's strided pairs do not.
+    results = distributed.run(_observe, "interleaved", 2, 2, world_size=4)
+    for res in results:
+        assert res["error"] == (
+            "Ulysses group 0 (ranks [0, 1]) spans nodes 0, 1 with 2 nodes x 2 ranks (ranks "
+            "interleaved across nodes), ulysses(2), ring(2), placement 'ulysses-in-node'; the "
+            "all-to-all would cross slow links. Either use ulysses_degree=1 (with "
+            "ring_degree=4 for the same sp size 4), or placement 'ring-in-node', or pass "
+            "allow_cross_node_ulysses=True"
+        )
+    results = distributed.run(_observe, "interleaved", 2, 2, RING_IN_NODE, world_size=4)
+    for rank, res in enumerate(results):
+        assert (res["node"], res["local_rank"]) == (rank % 2, rank // 2)
+        assert res["ulysses"] == [rank % 2, rank % 2 + 2]
+        assert res["ulysses_sum"] == [1.0 if x % 2 == rank % 2 else 0.0 for x in range(4)]
+        assert res["launcher"] == "torchrun"  # NODE_RANK counts as the node's rank too
+    # allow_cross_node_ulysses keeps meaning what it says, on the real nodes
+    results = distributed.run(
+        _observe, "interleaved", 2, 2, allow_cross_node_ulysses=True, world_size=4
+    )
+    assert [res["node"] for res in results] == [0, 1, 0, 1]
+
+
+def test_nodes_of_different_sizes(distributed):
+    results = distributed.run(_observe, "3+1", 1, 4, world_size=4)
+    assert [(res["node"], res["local_rank"]) for res in results] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    assert {res["nodes"] for res in results} == {"2 nodes with 3 and 1 ranks"}
+    results = distributed.run(_observe, "3+1", 2, 2, world_size=4)
+    for res in results:
+        assert res["error"].startswith(
+            "Ulysses group 1 (ranks [2, 3]) spans nodes 0, 1 with 2 nodes with 3 and 1 ranks"
+        )
+
+
+def test_declared_node_size_that_contradicts_the_launch(distributed):
+    results = distributed.run(_observe, "2x2", 4, 1, ranks_per_node=4, world_size=4)
+    for res in results:
+        assert res["error"] == (
+            "ranks_per_node=4 says 1 node x 4 ranks; torchrun launched 2 nodes x 2 ranks. "
+            "Leave ranks_per_node unset to use the launch's nodes, or pass "
+            "emulate_nodes=True to pretend other nodes on purpose"
+        )
+
+
+def test_inconsistent_launch_environment_fails_on_every_rank(distributed):
+    for kind, message in (
+        (
+            "wrong-local-size",
+            "rank 0 has LOCAL_WORLD_SIZE=2, but 4 rank(s) run on its node (node 0); the job "
+            "runs on 1 node x 4 ranks: the launch environment is inconsistent",
+        ),
+        (
+            "unparsable-on-rank-1",
+            "LOCAL_WORLD_SIZE is not an integer >= 0 in the environment of rank(s) 1",
+        ),
+    ):
+        for res in distributed.run(_observe, kind, 2, 2, world_size=4):
+            assert res["error"].startswith(message), res
+
+
+CONFIG_2x2 = {
+    "cluster": {"nodes": 2, "gpus_per_node": 2},
+    "parallel": {"ulysses": "auto", "ring": "auto"},
+    "model": {"num_heads": 4, "num_kv_heads": 2},
+}
+
+
+def test_config_against_the_launch(distributed):
+    auto = {**CONFIG_2x2, "cluster": {"nodes": "auto", "gpus_per_node": "auto"}}
+    # auto degrees respect the observed nodes: Ulysses 2 inside each node, a ring of 2
+    for config in (CONFIG_2x2, auto):
+        results = distributed.run(_observe_config, "2x2", config, world_size=4)
+        assert [res["ulysses"] for res in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+        assert [res["node"] for res in results] == [0, 0, 1, 1]
+    one_node = {**CONFIG_2x2, "cluster": {"nodes": 1, "gpus_per_node": 4}}
+    for res in distributed.run(_observe_config, "2x2", one_node, world_size=4):
+        assert res["error"] == (
+            "test.toml: [cluster] config says 1 node x 4 ranks; torchrun launched 2 nodes x 2 "
+            "ranks. Make [cluster] nodes and gpus_per_node match the launch, or set "
+            'nodes = "auto" and gpus_per_node = "auto" to take the launch\'s shape'
+        )
+    half_auto = {**CONFIG_2x2, "cluster": {"nodes": "auto", "gpus_per_node": 4}}
+    for res in distributed.run(_observe_config, "2x2", half_auto, world_size=4):
+        assert (
+            "config says auto nodes x 4 ranks; torchrun launched 2 nodes x 2 ranks"
+            in (res["error"])
+        )
+        assert 'or set gpus_per_node = "auto"' in res["error"]
+
+
+# ----------------------------------------------------------------------------- lifecycle
+def _use_after_destroy():
+    import usp
+
+    with build_topology(2, 2) as topo:
+        q = torch.randn(1, 8, 4, 8, generator=torch.Generator().manual_seed(0))
+        before = usp.usp_attention(q, q, q, topo, causal=True).shape
+    assert topo.destroyed
+    errors = {}
+    for name, use in (
+        ("ulysses_group", lambda: topo.ulysses_group),
+        ("sp_mesh", lambda: topo.sp_mesh),
+        ("usp_attention", lambda: usp.usp_attention(q, q, q, topo, causal=True)),
+        ("plan.gather", lambda: usp.Plan(topo).gather(q)),
+    ):
+        try:
+            use()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001 - the test reports whatever was raised
+            errors[name] = (type(e).__name__, str(e))
+    topo.destroy()  # idempotent, and nothing collective: a lone call cannot hang
+    world = torch.ones(1)
+    dist.all_reduce(world)
+    return before, errors, repr(topo), topo.sp_degree, world.item()
+
+
+def test_using_a_destroyed_topology_is_a_clear_error(distributed):
+    for before, errors, text, sp, world in distributed.run(_use_after_destroy, world_size=4):
+        assert before == (1, 8, 4, 8)
+        for name, error in errors.items():
+            assert error is not None, name
+            kind, message = error
+            assert kind == "TopologyDestroyedError", (name, error)
+            assert "the topology was destroyed (Topology.destroy() or the end of its `with`" in (
+                message
+            )
+            assert "0x" not in message  # no object addresses
+        assert text.endswith("(destroyed))") and sp == 4 and world == 4.0
+
+
+def _error_inside_with():
+    topo = build_topology(2, 2)
+    try:
+        with topo:
+            raise ValueError("every rank fails inside the block")
+    except ValueError:
+        pass
+    assert topo.destroyed
+    dist.barrier()  # no rank is stuck in a teardown barrier
+    return True
+
+
+def test_an_error_inside_the_with_block_leaves_without_a_collective(distributed):
+    assert distributed.run(_error_inside_with, world_size=4, timeout=60) == [True] * 4
+
+
+def _emulated_config(data):
+    from usp.config import config_from_dict
+
+    try:
+        with build_topology_from_config(
+            config_from_dict(data, source="test.toml"), emulate_nodes=True
+        ) as topo:
+            return topo.node, topo.launch, topo.ulysses_global_ranks
+    except ConfigError as e:
+        return str(e)
+
+
+def test_config_with_emulated_nodes(distributed):
+    # one host, but the config's 2 nodes x 2 ranks are taken as given
+    results = distributed.run(_emulated_config, CONFIG_2x2, world_size=4)
+    assert results == [(0, None, [0, 1]), (0, None, [0, 1]), (1, None, [2, 3]), (1, None, [2, 3])]
+    three = {**CONFIG_2x2, "cluster": {"nodes": 3, "gpus_per_node": 2}}
+    for res in distributed.run(_emulated_config, three, world_size=4):
+        assert res == (
+            "test.toml: [cluster] config says 3 nodes x 2 ranks (6 ranks); the running job has "
+            "4 ranks"
+        )

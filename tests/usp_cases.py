@@ -28,6 +28,7 @@ def topology(
             placement=placement,
             ranks_per_node=ranks_per_node,
             allow_cross_node_ulysses=placement == "ring-in-node",
+            emulate_nodes=ranks_per_node is not None,  # the harness runs on one host
         ),
     )
 

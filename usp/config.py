@@ -3,8 +3,8 @@
 Format (see ``examples/configs/`` for commented files)::
 
     [cluster]
-    nodes = 2
-    gpus_per_node = 8             # = ranks per node
+    nodes = 2                     # int or "auto" (= what the launcher started)
+    gpus_per_node = 8             # = ranks per node; int or "auto"
 
     [parallel]
     ulysses = 8                   # int or "auto"
@@ -23,7 +23,11 @@ Format (see ``examples/configs/`` for commented files)::
     num_kv_heads = 8              # default num_heads
     head_dim = 128                # optional, only for byte estimates
 
-``"auto"`` is resolved by :meth:`UspConfig.resolve`:
+At run time the cluster is compared with the launch that is really running
+(:func:`build_topology_from_config`): a config that disagrees with it is an error naming
+both shapes; ``nodes = "auto"`` / ``gpus_per_node = "auto"`` take the launch's values.
+
+``"auto"`` degrees are resolved by :meth:`UspConfig.resolve`:
 
 - ``ulysses = "auto"``: the largest Ulysses degree whose groups stay inside a node and
   that the model's head counts allow (see :mod:`usp.process_groups.degrees`); when
@@ -47,15 +51,18 @@ from usp.process_groups.degrees import (
     HeadLayoutError,
     describe_valid_pairs,
     kv_replication,
-    valid_degree_pairs,
 )
+from usp.process_groups.launch import Launch
 from usp.process_groups.rank_math import (
     PLACEMENTS,
     ULYSSES_IN_NODE,
     RankMap,
     TopologyError,
+    check_world_size,
+    describe_uniform_nodes,
     divisors,
     fitting_ulysses_degrees,
+    node_sizes_of,
 )
 
 if sys.version_info >= (3, 11):
@@ -64,6 +71,9 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 AUTO = "auto"
+# A topology config is a few hundred bytes; refuse to read more than this (a device file,
+# a mistaken path to a dataset) instead of loading it into memory.
+MAX_CONFIG_BYTES = 1 << 20
 LAYOUTS = ("zigzag", "contiguous")
 RING_IMPLS = ("p2p", "allgather")
 # "auto" plus usp.kernels' backend names (kept here so config parsing imports no kernels).
@@ -107,16 +117,32 @@ def _one_of(section: str, key: str, value: Any, choices: tuple[str, ...]) -> Non
 # ----------------------------------------------------------------------------- sections
 @dataclass(frozen=True)
 class ClusterConfig:
-    nodes: int
-    gpus_per_node: int
+    """``nodes`` and ``gpus_per_node`` (ranks per node); ``"auto"`` takes the launch's."""
+
+    nodes: int | str
+    gpus_per_node: int | str
 
     def __post_init__(self) -> None:
-        _positive_int("cluster", "nodes", self.nodes)
-        _positive_int("cluster", "gpus_per_node", self.gpus_per_node)
+        _positive_int("cluster", "nodes", self.nodes, auto=True)
+        _positive_int("cluster", "gpus_per_node", self.gpus_per_node, auto=True)
+
+    @property
+    def is_auto(self) -> bool:
+        return AUTO in (self.nodes, self.gpus_per_node)
 
     @property
     def world_size(self) -> int:
+        """``nodes * gpus_per_node``; a :class:`ConfigError` when either is ``"auto"``."""
+        if self.is_auto:
+            raise ConfigError(
+                f"[cluster] nodes = {_show(self.nodes)}, gpus_per_node = "
+                f"{_show(self.gpus_per_node)}: the world size comes from the launch"
+            )
         return self.nodes * self.gpus_per_node
+
+    def describe(self) -> str:
+        """``"1 node x 4 ranks"`` (``"auto"`` where the launch decides)."""
+        return describe_uniform_nodes(self.nodes, self.gpus_per_node)
 
 
 @dataclass(frozen=True)
@@ -204,22 +230,36 @@ class UspConfig:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The TOML structure (sections -> keys), without ``source``."""
-        data = {name: asdict(getattr(self, name)) for name in _SECTIONS}
-        if self.model is None:
-            del data["model"]
-        return data
+        sections = {name: getattr(self, name) for name in _SECTIONS}
+        return {name: asdict(body) for name, body in sections.items() if body is not None}
 
     def with_overrides(self, **overrides: Any) -> UspConfig:
         return config_from_dict(self.to_dict(), source=self.source, **overrides)
 
-    def resolve(self, world_size: int | None = None) -> ResolvedConfig:
+    def resolve(
+        self, world_size: int | None = None, *, launch: Launch | None = None
+    ) -> ResolvedConfig:
         """Turn ``"auto"`` into numbers and validate everything through the rank math.
 
-        ``world_size`` defaults to ``nodes * gpus_per_node``; a different world size keeps
-        ``gpus_per_node`` as the ranks per node (so the node count changes).
+        Without ``launch`` (checking a file, ``usp topo``): ``world_size`` defaults to
+        ``nodes * gpus_per_node``; a different world size keeps ``gpus_per_node`` as the
+        ranks per node (so the node count changes). ``gpus_per_node = "auto"`` then
+        needs a number from an override, and ``nodes = "auto"`` a ``world_size``.
+
+        With the running job's ``launch``: the cluster must describe it (``"auto"``
+        values take it), and the rank map uses the nodes observed, including uneven or
+        interleaved ones.
         """
         try:
-            return _resolve(self, self.cluster.world_size if world_size is None else world_size)
+            if launch is not None:
+                if world_size is not None and world_size != launch.world_size:
+                    raise ConfigError(
+                        f"world_size({world_size}) differs from the launch's "
+                        f"{launch.world_size} ranks"
+                    )
+                check_cluster_matches_launch(self.cluster, launch)
+                return _resolve(self, launch.world_size, launch.node_of_rank)
+            return _resolve(self, _planned_world_size(self.cluster, world_size), None)
         except (TopologyError, HeadLayoutError, ConfigError) as e:
             raise ConfigError(_located(self.source, str(e))) from e
 
@@ -259,14 +299,38 @@ def load_config(path: str | os.PathLike, **overrides: Any) -> UspConfig:
     An override of ``None`` is ignored, so argparse results can be passed straight in.
     """
     source = os.fspath(path)
+    return config_from_dict(read_toml(source), source=source, **overrides)
+
+
+def read_toml(source: str) -> dict[str, Any]:
+    """The TOML document at ``source``; every way that can fail is a :class:`ConfigError`."""
     try:
         with open(source, "rb") as f:
-            data = tomllib.load(f)
+            raw = f.read(MAX_CONFIG_BYTES + 1)  # bounded: the path may be a device or a dataset
     except FileNotFoundError:
         raise ConfigError(f"{source}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{source}: is a directory, not a config file") from None
+    except OSError as e:
+        raise ConfigError(f"{source}: cannot read the config file: {e.strerror or e}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{source}: larger than {MAX_CONFIG_BYTES} bytes; a topology config is a small "
+            "TOML file (see examples/configs/)"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{source}: not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 1]!r}); "
+            "TOML files are UTF-8"
+        ) from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{source}: invalid TOML: {e}") from None
-    return config_from_dict(data, source=source, **overrides)
+    except RecursionError:
+        raise ConfigError(f"{source}: invalid TOML: nested too deeply") from None
 
 
 def config_from_dict(
@@ -328,35 +392,111 @@ def _is_required(f) -> bool:
 
 
 # ----------------------------------------------------------------------------- resolution
-def _resolve(config: UspConfig, world_size: int) -> ResolvedConfig:
+def _planned_world_size(cluster: ClusterConfig, world_size: int | None) -> int:
+    """The world size to check a file against when there is no launch."""
+    if cluster.gpus_per_node == AUTO:
+        raise ConfigError(
+            '[cluster] gpus_per_node = "auto" is taken from the launch; to check this '
+            "config without one, give the ranks per node (usp topo --gpus-per-node N)"
+        )
+    if world_size is not None:
+        return world_size
+    if cluster.nodes == AUTO:
+        raise ConfigError(
+            '[cluster] nodes = "auto" is taken from the launch; to check this config '
+            "without one, give the node count or the world size (usp topo --nodes N or "
+            "--world-size N)"
+        )
+    return cluster.nodes * cluster.gpus_per_node
+
+
+def check_cluster_matches_launch(cluster: ClusterConfig, launch: Launch) -> None:
+    """The ``[cluster]`` section must describe the running launch; ``"auto"`` matches.
+
+    The message names both shapes, e.g. ``config says 1 node x 4 ranks; torchrun
+    launched 2 nodes x 2 ranks``.
+    """
+    sizes = launch.node_sizes
+    problems = []
+    if cluster.nodes != AUTO and cluster.nodes != len(sizes):
+        problems.append("nodes")
+    if cluster.gpus_per_node != AUTO and any(s != cluster.gpus_per_node for s in sizes):
+        problems.append("gpus_per_node")
+    if not problems:
+        return
+    keys = " and ".join(problems)
+    autos = " and ".join(f'{key} = "auto"' for key in problems)
+    raise ConfigError(
+        f"[cluster] config says {cluster.describe()}; {launch.launched()}. Make [cluster] "
+        f"{keys} match the launch, or set {autos} to take the launch's shape"
+    )
+
+
+def _resolve(
+    config: UspConfig, world_size: int, node_of_rank: tuple[int, ...] | None
+) -> ResolvedConfig:
     if not _is_int(world_size) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
-    ranks_per_node = config.cluster.gpus_per_node
-    if world_size % ranks_per_node != 0:
-        raise ConfigError(
-            f"world_size({world_size}) is not a multiple of [cluster] gpus_per_node({ranks_per_node})"
-        )
-    u, r, d = _resolve_degrees(config, world_size)
+    check_world_size("world_size", world_size)
+    if node_of_rank is None:
+        ranks_per_node = config.cluster.gpus_per_node
+        if world_size % ranks_per_node != 0:
+            raise ConfigError(
+                f"world_size({world_size}) is not a multiple of [cluster] "
+                f"gpus_per_node({ranks_per_node})"
+            )
+    else:
+        ranks_per_node = max(node_sizes_of(node_of_rank))
+    nodes = _NodeLayout(world_size, ranks_per_node, node_of_rank, config.parallel.placement)
+    u, r, d = _resolve_degrees(config, world_size, nodes)
     p = config.parallel
+    degrees = dict(
+        ulysses_degree=u,
+        ring_degree=r,
+        dp_degree=d,
+        placement=p.placement,
+        allow_cross_node_ulysses=p.allow_cross_node_ulysses,
+    )
     try:
-        rank_map = RankMap(
-            world_size=world_size,
-            ranks_per_node=ranks_per_node,
-            ulysses_degree=u,
-            ring_degree=r,
-            dp_degree=d,
-            placement=p.placement,
-            allow_cross_node_ulysses=p.allow_cross_node_ulysses,
-        )
+        if node_of_rank is None:
+            rank_map = RankMap(world_size=world_size, ranks_per_node=ranks_per_node, **degrees)
+        else:
+            rank_map = RankMap.from_nodes(node_of_rank, **degrees)
     except TopologyError as e:
         raise TopologyError(f"[parallel] {_config_wording(str(e))}") from None
     kv = _check_heads(config.model, u, r * u, ranks_per_node)
+    uniform = node_of_rank is None or len(set(node_sizes_of(node_of_rank))) == 1
     resolved = replace(
         config,
-        cluster=replace(config.cluster, nodes=world_size // ranks_per_node),
+        cluster=replace(
+            config.cluster,
+            nodes=rank_map.num_nodes,
+            gpus_per_node=ranks_per_node if uniform else AUTO,  # uneven: see rank_map
+        ),
         parallel=replace(p, ulysses=u, ring=r, dp=d),
     )
     return ResolvedConfig(resolved, world_size, rank_map, kv)
+
+
+@dataclass(frozen=True)
+class _NodeLayout:
+    """The node layout ``auto`` degrees must respect (uniform, or observed per rank)."""
+
+    world_size: int
+    ranks_per_node: int
+    node_of_rank: tuple[int, ...] | None  # None: uniform nodes of ranks_per_node
+    placement: str
+
+    def fitting_ulysses(self, sp: int) -> set[int]:
+        return set(
+            fitting_ulysses_degrees(
+                sp,
+                self.ranks_per_node,
+                self.placement,
+                self.world_size,
+                node_of_rank=self.node_of_rank,
+            )
+        )
 
 
 def _config_wording(message: str) -> str:
@@ -390,12 +530,14 @@ def _exact(world_size: int, factors: dict[str, int]) -> int:
     return world_size // product
 
 
-def _resolve_degrees(config: UspConfig, world_size: int) -> tuple[int, int, int]:
+def _resolve_degrees(
+    config: UspConfig, world_size: int, nodes: _NodeLayout
+) -> tuple[int, int, int]:
     """``(ulysses, ring, dp)`` with every ``"auto"`` replaced (rules in the module doc)."""
     p = config.parallel
     u, r, d = p.ulysses, p.ring, p.dp
     if u == AUTO:
-        u = _auto_ulysses(config, world_size, ring=r, dp=d)
+        u = _auto_ulysses(config, world_size, nodes, ring=r, dp=d)
     if r == AUTO:
         r = _exact(world_size, {"ulysses": u} if d == AUTO else {"ulysses": u, "dp": d})
     if d == AUTO:
@@ -403,31 +545,34 @@ def _resolve_degrees(config: UspConfig, world_size: int) -> tuple[int, int, int]
     return u, r, d
 
 
-def _auto_ulysses(config: UspConfig, world_size: int, *, ring: int | str, dp: int | str) -> int:
+def _auto_ulysses(
+    config: UspConfig, world_size: int, nodes: _NodeLayout, *, ring: int | str, dp: int | str
+) -> int:
+    """The largest Ulysses degree the heads allow whose groups stay inside nodes.
+
+    Each candidate costs O(1) for uniform nodes (closed-form node checks), so a world of
+    2**31 ranks resolves in milliseconds.
+    """
     if ring != AUTO and dp != AUTO:
         return _exact(world_size, {"ring": ring, "dp": dp})
     if dp != AUTO:  # ring auto: Ulysses first, the ring takes the rest of sp
-        sp_sizes = {u: world_size // dp for u in divisors(_exact(world_size, {"dp": dp}))}
+        sp = _exact(world_size, {"dp": dp})
+        sp_sizes = {u: sp for u in divisors(sp)}
     elif ring != AUTO:  # dp auto: Ulysses first, dp takes the rest of the world
         sp_sizes = {u: u * ring for u in divisors(_exact(world_size, {"ring": ring}))}
     else:  # both auto: sequence parallelism over the whole world
         sp_sizes = {u: world_size for u in divisors(world_size)}
-    best = max(u for u, sp in sp_sizes.items() if _auto_candidate(config, world_size, u, sp))
-    return best
-
-
-def _auto_candidate(config: UspConfig, world_size: int, u: int, sp: int) -> bool:
-    """Heads allow ``u`` and its Ulysses groups stay inside nodes (u=1 always passes)."""
-    if sp % u != 0 or world_size % sp != 0:
-        return False
     model = config.model
-    heads = (model.num_heads, model.num_kv_heads) if model else (None, None)
-    if u not in {pu for pu, _ in valid_degree_pairs(*heads, sp)}:
-        return False
-    fits = fitting_ulysses_degrees(
-        sp, config.cluster.gpus_per_node, config.parallel.placement, world_size
-    )
-    return u in fits
+    fits: dict[int, set[int]] = {}  # sp -> Ulysses degrees whose groups stay inside nodes
+    for u in sorted(sp_sizes, reverse=True):
+        sp = sp_sizes[u]
+        if model is not None and model.num_heads % u != 0:  # num_kv_heads | num_heads: checked
+            continue
+        if sp not in fits:
+            fits[sp] = nodes.fitting_ulysses(sp)
+        if u in fits[sp]:
+            return u
+    return 1  # unreachable: u = 1 always fits
 
 
 # ----------------------------------------------------------------------------- launch
@@ -435,40 +580,57 @@ def build_topology_from_config(
     config_or_path: UspConfig | str | os.PathLike,
     *,
     device_type: str | None = None,
+    emulate_nodes: bool = False,
     **overrides: Any,
 ):
     """:func:`~usp.process_groups.topology.build_topology` from a config, after
     ``init_process_group``; every rank must call it.
 
-    The running world size must equal ``nodes * gpus_per_node`` (the error prints both);
-    ``gpus_per_node`` is the ranks per node.
+    The config's ``[cluster]`` must describe the running launch, which is observed
+    (every rank's node, from torchrun's environment and the host names): a mismatch is a
+    :class:`ConfigError` on every rank naming both shapes (``config says 1 node x 4
+    ranks; torchrun launched 2 nodes x 2 ranks``). ``nodes = "auto"`` and
+    ``gpus_per_node = "auto"`` take the launch's values. ``emulate_nodes=True`` uses the
+    config's nodes as given instead (tests, single-machine emulation of a cluster; also
+    what the ``fake`` backend gets, since it cannot observe anything).
     """
     import torch.distributed as dist
 
-    from usp.process_groups.topology import build_topology
+    from usp.process_groups.launch import can_observe_launch, observe_launch
+    from usp.process_groups.topology import default_device_type, topology_from_rank_map
 
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "build_topology_from_config needs torch.distributed.init_process_group first"
+        )
     if isinstance(config_or_path, UspConfig):
         config = config_or_path.with_overrides(**overrides) if overrides else config_or_path
     else:
         config = load_config(config_or_path, **overrides)
+    device_type = device_type or default_device_type()
     world_size = dist.get_world_size()
-    cluster = config.cluster
-    if cluster.world_size != world_size:
-        raise ConfigError(
-            _located(
-                config.source,
-                f"[cluster] nodes({cluster.nodes}) * gpus_per_node({cluster.gpus_per_node}) = "
-                f"{cluster.world_size} != world_size({world_size}) of the running job",
+    launch = None
+    if emulate_nodes or not can_observe_launch():
+        cluster = config.cluster
+        if cluster.gpus_per_node == AUTO:
+            raise ConfigError(
+                _located(
+                    config.source,
+                    '[cluster] gpus_per_node = "auto" needs an observed launch; with emulated '
+                    "nodes give the emulated node size",
+                )
             )
-        )
-    resolved = config.resolve(world_size)
-    p = resolved.config.parallel
-    return build_topology(
-        p.ulysses,
-        p.ring,
-        dp_degree=p.dp,
-        ranks_per_node=cluster.gpus_per_node,
-        device_type=device_type,
-        placement=p.placement,
-        allow_cross_node_ulysses=p.allow_cross_node_ulysses,
-    )
+        if cluster.nodes != AUTO and cluster.nodes * cluster.gpus_per_node != world_size:
+            raise ConfigError(
+                _located(
+                    config.source,
+                    f"[cluster] config says {cluster.describe()} "
+                    f"({cluster.nodes * cluster.gpus_per_node} ranks); the running job has "
+                    f"{world_size} ranks",
+                )
+            )
+        resolved = config.resolve(world_size)
+    else:
+        launch = observe_launch(device_type)
+        resolved = config.resolve(launch=launch)
+    return topology_from_rank_map(resolved.rank_map, device_type, launch=launch)

@@ -4,11 +4,19 @@ One ``DeviceMesh`` with axes ``("dp", "ring", "ulysses")`` is built from the pur
 :class:`~usp.process_groups.rank_math.RankMap`; every process group comes from that mesh
 (its axes and two flattened axes), so there is exactly one owner and no global state.
 Whatever needs groups (attention, sharding, loss, FSDP) receives the ``Topology``.
+
+Nodes are observed, not assumed: :func:`build_topology` asks every rank where it runs
+(:mod:`usp.process_groups.launch`) before it creates any group, so Ulysses groups are
+checked against the nodes the launcher really started.
+
+Lifecycle: ``with build_topology(...) as topo:`` (or ``topo.destroy()``) tears the groups
+down after a barrier, so no rank closes its connections while another still uses them.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -16,13 +24,33 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from usp.comm.stats import CommStats
-from usp.process_groups.rank_math import ULYSSES_IN_NODE, RankMap, TopologyError, check_degree
+from usp.process_groups.launch import (
+    Launch,
+    can_observe_launch,
+    observe_launch,
+    tensorless_barrier,
+)
+from usp.process_groups.rank_math import (
+    ULYSSES_IN_NODE,
+    RankMap,
+    TopologyError,
+    check_degree,
+    describe_uniform_nodes,
+)
 
 MESH_AXES = ("dp", "ring", "ulysses")
+GROUP_NAMES = ("ulysses", "ring", "dp", "sp", "dp_sp")
 
 
-def default_ranks_per_node(world_size: int, environ: dict[str, str] | None = None) -> int:
-    """torchrun's ``LOCAL_WORLD_SIZE``, or ``world_size`` (one node) when it is not set."""
+class TopologyDestroyedError(RuntimeError):
+    """A topology's groups or meshes were used after :meth:`Topology.destroy`."""
+
+
+def default_ranks_per_node(world_size: int, environ: Mapping[str, str] | None = None) -> int:
+    """torchrun's ``LOCAL_WORLD_SIZE``, or ``world_size`` (one node) when it is not set.
+
+    Only used where the launch cannot be observed (the ``fake`` backend).
+    """
     environ = os.environ if environ is None else environ
     value = environ.get("LOCAL_WORLD_SIZE")
     if value is None:
@@ -58,21 +86,71 @@ class Topology:
     Meshes: ``mesh`` has axes ``("dp", "ring", "ulysses")``; ``sp_mesh`` is
     ``mesh["ring", "ulysses"]`` flattened to ``"sp"`` and ``dp_sp_mesh`` the whole mesh
     flattened to ``"dp_sp"`` (the axis FSDP2 shards parameters over).
+
+    ``node`` and ``local_rank`` are where the launcher really put this rank (``launch``
+    holds what was observed; None when the nodes were emulated).
+
+    Lifecycle: ``destroy()`` (or leaving a ``with topo:`` block) synchronises all ranks,
+    then destroys the groups. Afterwards every group and mesh attribute raises
+    :class:`TopologyDestroyedError`; degrees, coordinates and ``comm_stats`` stay readable.
     """
 
     rank_map: RankMap
     rank: int
     device_type: str
-    mesh: DeviceMesh
-    sp_mesh: DeviceMesh
-    dp_sp_mesh: DeviceMesh
-    ulysses_group: dist.ProcessGroup
-    ring_group: dist.ProcessGroup
-    dp_group: dist.ProcessGroup
-    sp_group: dist.ProcessGroup
-    dp_sp_group: dist.ProcessGroup
+    _mesh: DeviceMesh = field(repr=False)
+    _sp_mesh: DeviceMesh = field(repr=False)
+    _dp_sp_mesh: DeviceMesh = field(repr=False)
+    _groups: dict[str, dist.ProcessGroup] = field(repr=False)
     comm_stats: CommStats = field(default_factory=CommStats)
+    launch: Launch | None = None
     _destroyed: bool = field(default=False, repr=False)
+
+    # ------------------------------------------------------------------ groups and meshes
+    def _live(self, what: str, value):
+        if self._destroyed:
+            raise TopologyDestroyedError(
+                f"{what} of this Topology ({self.rank_map.describe()}) is no longer usable: "
+                "the topology was destroyed (Topology.destroy() or the end of its `with` "
+                "block). Build a new topology to communicate again."
+            )
+        return value
+
+    @property
+    def ulysses_group(self) -> dist.ProcessGroup:
+        return self._live("ulysses_group", self._groups["ulysses"])
+
+    @property
+    def ring_group(self) -> dist.ProcessGroup:
+        return self._live("ring_group", self._groups["ring"])
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self._live("dp_group", self._groups["dp"])
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup:
+        return self._live("sp_group", self._groups["sp"])
+
+    @property
+    def dp_sp_group(self) -> dist.ProcessGroup:
+        return self._live("dp_sp_group", self._groups["dp_sp"])
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self._live("mesh", self._mesh)
+
+    @property
+    def sp_mesh(self) -> DeviceMesh:
+        return self._live("sp_mesh", self._sp_mesh)
+
+    @property
+    def dp_sp_mesh(self) -> DeviceMesh:
+        return self._live("dp_sp_mesh", self._dp_sp_mesh)
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
 
     # ------------------------------------------------------------------ degrees
     @property
@@ -145,29 +223,46 @@ class Topology:
         return self.rank_map.dp_group_of(self.rank)
 
     # ------------------------------------------------------------------ lifecycle
-    def destroy(self) -> None:
-        """Destroy the sub-groups this topology created (best effort; idempotent).
+    def __enter__(self) -> Topology:
+        return self
 
-        The WORLD group is never destroyed, even when an axis spans the whole world and
-        torch reused it for that axis; ranks outside a group have nothing to destroy.
-        After this the groups and meshes must not be used.
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.destroy()
+        else:
+            # Another rank may be blocked in a collective this rank will never join: a
+            # barrier here could hang until the process-group timeout. Stop using the
+            # groups and let the error end the job; the process exit releases them.
+            self._destroyed = True
+
+    def destroy(self) -> None:
+        """Synchronise every rank, then destroy the groups this topology created.
+
+        Collective when the topology is live: every rank must call it (a barrier over the
+        default group comes first, and another after the groups are gone, so no rank
+        closes connections another rank still reads, and a following
+        ``dist.destroy_process_group()`` starts together everywhere). Idempotent. The
+        WORLD group is never destroyed, even when an axis spans the whole world and torch
+        reused it for that axis. Does nothing collective when the default group is
+        already gone (its destruction took every group with it).
         """
         if self._destroyed:
             return
+        self._destroyed = True
+        if not dist.is_initialized():
+            return
+        self._barrier()
         world = dist.group.WORLD
         seen: set[int] = set()
-        for group in (
-            self.ulysses_group,
-            self.ring_group,
-            self.dp_group,
-            self.sp_group,
-            self.dp_sp_group,
-        ):
+        for group in self._groups.values():
             if group is None or group is world or id(group) in seen:
                 continue
             seen.add(id(group))
             dist.destroy_process_group(group)
-        self._destroyed = True
+        self._barrier()
+
+    def _barrier(self) -> None:
+        tensorless_barrier(self.device_type)  # why tensorless: see its docstring
 
     # ------------------------------------------------------------------ text
     def describe(self) -> str:
@@ -175,7 +270,8 @@ class Topology:
             f"rank {self.rank}/{self.world_size} (node {self.node}, local {self.local_rank}): "
             f"dp {self.dp_rank}/{self.dp_degree}, ring {self.ring_rank}/{self.ring_degree}, "
             f"ulysses {self.ulysses_rank}/{self.ulysses_degree}, sp {self.sp_rank}/{self.sp_degree}; "
-            f"{self.placement}, {self.rank_map.ranks_per_node} ranks/node, {self.device_type}"
+            f"{self.placement}, {self.rank_map.describe_nodes()}, {self.device_type}"
+            + (" (destroyed)" if self._destroyed else "")
         )
 
     def __repr__(self) -> str:
@@ -191,6 +287,7 @@ def build_topology(
     device_type: str | None = None,
     placement: str = ULYSSES_IN_NODE,
     allow_cross_node_ulysses: bool = False,
+    emulate_nodes: bool = False,
 ) -> Topology:
     """Create the mesh and every group; call on all ranks after ``init_process_group``.
 
@@ -198,31 +295,64 @@ def build_topology(
         ulysses_degree, ring_degree: sizes of the Ulysses and ring axes.
         dp_degree: data-parallel replicas; ``None`` takes the rest of the world
             (an error when ``ring * ulysses`` does not divide the world size).
-        ranks_per_node: defaults to torchrun's ``LOCAL_WORLD_SIZE`` environment variable,
-            and to the world size (a single node) when that is not set.
+        ranks_per_node: ``None`` (default) takes the nodes the launcher started, observed
+            from every rank's environment and host name. A number is checked against that
+            launch: a mismatch is a :class:`TopologyError` naming both shapes.
         device_type: the DeviceMesh device type; ``None`` picks ``"cpu"`` for gloo or
             without CUDA and ``"cuda"`` otherwise (see :func:`default_device_type`).
-        placement, allow_cross_node_ulysses: see :class:`RankMap`.
+        placement, allow_cross_node_ulysses: see :class:`RankMap`; "nodes" are the
+            observed ones.
+        emulate_nodes: pretend nodes of ``ranks_per_node`` consecutive ranks whatever the
+            launch (tests and single-machine emulation of a cluster). Implied by the
+            ``fake`` backend, which cannot observe anything; there ``ranks_per_node``
+            defaults to ``LOCAL_WORLD_SIZE`` or the world size.
 
-    Group creation is collective: every rank must call this with the same arguments.
+    Collective: every rank must call this with the same arguments. Every error (bad
+    degrees, a launch that contradicts ``ranks_per_node``, Ulysses groups that would cross
+    nodes) is raised on every rank before any group is created.
     """
     if not dist.is_initialized():
         raise RuntimeError("build_topology needs torch.distributed.init_process_group first")
+    device_type = device_type or default_device_type()
     world_size = dist.get_world_size()
-    rank_map = RankMap(
-        world_size=world_size,
-        ranks_per_node=default_ranks_per_node(world_size)
-        if ranks_per_node is None
-        else ranks_per_node,
+    dp = _rest_of_world(world_size, ulysses_degree, ring_degree) if dp_degree is None else dp_degree
+    degrees = dict(
         ulysses_degree=ulysses_degree,
         ring_degree=ring_degree,
-        dp_degree=_rest_of_world(world_size, ulysses_degree, ring_degree)
-        if dp_degree is None
-        else dp_degree,
+        dp_degree=dp,
         placement=placement,
         allow_cross_node_ulysses=allow_cross_node_ulysses,
     )
-    return _topology_from_rank_map(rank_map, device_type or default_device_type())
+    launch = None
+    if emulate_nodes or not can_observe_launch():
+        if emulate_nodes and ranks_per_node is None:
+            raise TopologyError("emulate_nodes=True needs ranks_per_node (the emulated node size)")
+        rpn = default_ranks_per_node(world_size) if ranks_per_node is None else ranks_per_node
+        rank_map = RankMap(world_size=world_size, ranks_per_node=rpn, **degrees)
+    else:
+        launch = observe_launch(device_type)
+        if ranks_per_node is not None:
+            check_launch_matches(ranks_per_node, launch)
+        rank_map = RankMap.from_nodes(launch.node_of_rank, **degrees)
+    return topology_from_rank_map(rank_map, device_type, launch=launch)
+
+
+def check_launch_matches(ranks_per_node: int, launch: Launch) -> None:
+    """A declared node size must be the launch's (uniform) node size."""
+    check_degree("ranks_per_node", ranks_per_node)
+    if launch.uniform and launch.node_sizes[0] == ranks_per_node:
+        return
+    nodes, extra = divmod(launch.world_size, ranks_per_node)
+    declared = (
+        describe_uniform_nodes(nodes, ranks_per_node)
+        if nodes and not extra
+        else f"nodes of {ranks_per_node} ranks, which do not divide {launch.world_size} ranks"
+    )
+    raise TopologyError(
+        f"ranks_per_node={ranks_per_node} says {declared}; {launch.launched()}. Leave "
+        "ranks_per_node unset to use the launch's nodes, or pass emulate_nodes=True to "
+        "pretend other nodes on purpose"
+    )
 
 
 def _rest_of_world(world_size: int, ulysses_degree: int, ring_degree: int) -> int:
@@ -236,22 +366,34 @@ def _rest_of_world(world_size: int, ulysses_degree: int, ring_degree: int) -> in
     return world_size // (u * r)
 
 
-def _topology_from_rank_map(rank_map: RankMap, device_type: str) -> Topology:
+def topology_from_rank_map(
+    rank_map: RankMap, device_type: str, *, launch: Launch | None = None
+) -> Topology:
+    """Create the mesh and groups of a validated rank map (collective)."""
+    if rank_map.world_size != dist.get_world_size():
+        raise TopologyError(
+            f"the rank map has world_size({rank_map.world_size}) but the running job has "
+            f"{dist.get_world_size()} ranks"
+        )
     mesh_tensor = torch.tensor(rank_map.mesh_list(), dtype=torch.int)  # [d, r, u] -> global rank
     mesh = DeviceMesh(device_type, mesh_tensor, mesh_dim_names=MESH_AXES)
     # Flattened axes get torch's sorted member order: sp_group's rank is not sp_rank.
     sp_mesh = mesh["ring", "ulysses"]._flatten("sp")
     dp_sp_mesh = mesh["dp", "ring", "ulysses"]._flatten("dp_sp")
+    groups = {
+        "ulysses": mesh["ulysses"].get_group(),
+        "ring": mesh["ring"].get_group(),
+        "dp": mesh["dp"].get_group(),
+        "sp": sp_mesh.get_group(),
+        "dp_sp": dp_sp_mesh.get_group(),
+    }
     return Topology(
         rank_map=rank_map,
         rank=dist.get_rank(),
         device_type=device_type,
-        mesh=mesh,
-        sp_mesh=sp_mesh,
-        dp_sp_mesh=dp_sp_mesh,
-        ulysses_group=mesh["ulysses"].get_group(),
-        ring_group=mesh["ring"].get_group(),
-        dp_group=mesh["dp"].get_group(),
-        sp_group=sp_mesh.get_group(),
-        dp_sp_group=dp_sp_mesh.get_group(),
+        _mesh=mesh,
+        _sp_mesh=sp_mesh,
+        _dp_sp_mesh=dp_sp_mesh,
+        _groups=groups,
+        launch=launch,
     )

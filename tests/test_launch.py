@@ -1,0 +1,147 @@
+"""Real multi-node launches: two torchrun agents on localhost act as two nodes.
+
+    torchrun --nnodes 2 --node-rank {0,1} --nproc-per-node 2 --master-addr 127.0.0.1 ...
+
+Each launch starts 4 processes that import torch (several seconds on a small machine), so
+there are few of them: the demo three times (nodes observed, clean exit every time) and
+one config that contradicts the launch (a clear error on every rank, fast).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "examples" / "usp_attention_demo.py"
+CPU_DEMO = ROOT / "examples" / "configs" / "cpu_demo.toml"
+LAUNCH_TIMEOUT_S = 150  # per launch; a hang at an exit barrier would take 300 s or more
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_two_nodes(tmp_path: Path, *script_args: str) -> list[subprocess.CompletedProcess]:
+    """Run ``examples/usp_attention_demo.py`` under two torchrun agents (2 ranks each);
+    each agent's output (its ranks' too) goes to a file, so no pipe can fill up."""
+    port = str(_free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    logs = [tmp_path / f"agent{node}-{port}.log" for node in (0, 1)]
+    agents = []
+    for node, log in enumerate(logs):
+        with open(log, "w") as out:
+            agents.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--nnodes",
+                        "2",
+                        "--node-rank",
+                        str(node),
+                        "--nproc-per-node",
+                        "2",
+                        "--master-addr",
+                        "127.0.0.1",
+                        "--master-port",
+                        port,
+                        str(DEMO),
+                        *script_args,
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # a hung agent and its workers die together
+                )  # fmt: skip
+            )
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    try:
+        for agent in agents:
+            agent.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        hung = [agent for agent in agents if agent.poll() is None]
+        for agent in hung:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    outputs = [log.read_text() for log in logs]
+    if hung:
+        pytest.fail(
+            f"a two-node launch did not finish within {LAUNCH_TIMEOUT_S} s:\n"
+            + "\n".join(f"--- agent {i} ---\n{text}" for i, text in enumerate(outputs))
+        )
+    return [
+        subprocess.CompletedProcess(agent.args, agent.returncode, text)
+        for agent, text in zip(agents, outputs)
+    ]
+
+
+def auto_config(tmp_path: Path) -> Path:
+    """cpu_demo.toml with the cluster taken from the launch."""
+    text = CPU_DEMO.read_text()
+    text = re.sub(r"(?m)^nodes = 1 .*$", 'nodes = "auto"', text)
+    text = re.sub(r"(?m)^gpus_per_node = 4 .*$", 'gpus_per_node = "auto"', text)
+    assert 'nodes = "auto"' in text and 'gpus_per_node = "auto"' in text
+    path = tmp_path / "auto.toml"
+    path.write_text(text)
+    return path
+
+
+def explicit_config(tmp_path: Path) -> Path:
+    """cpu_demo.toml saying what the launch is: 2 nodes x 2 ranks."""
+    text = CPU_DEMO.read_text()
+    text = re.sub(r"(?m)^nodes = 1 .*$", "nodes = 2", text)
+    text = re.sub(r"(?m)^gpus_per_node = 4 .*$", "gpus_per_node = 2", text)
+    path = tmp_path / "two_nodes.toml"
+    path.write_text(text)
+    return path
+
+
+def test_two_node_demo_reports_the_real_nodes_and_exits_cleanly(tmp_path):
+    configs = [auto_config(tmp_path), explicit_config(tmp_path), auto_config(tmp_path)]
+    for attempt, config in enumerate(configs):
+        agents = launch_two_nodes(tmp_path, "--config", str(config), "--seq-len", "256")
+        both = "\n".join(a.stdout for a in agents)
+        for node, agent in enumerate(agents):
+            assert agent.returncode == 0, f"launch {attempt}, agent {node}:\n{agent.stdout}"
+        assert "terminate called" not in both and "SIGABRT" not in both
+        for rank in range(4):
+            # the demo prints topo.describe(): the node torchrun put the rank on
+            line = f"rank {rank}/4 (node {rank // 2}, local {rank % 2}):"
+            assert line in agents[rank // 2].stdout, both
+        assert "2 nodes x 2 ranks" in agents[0].stdout
+        assert "OK: USP attention matches single-process attention" in agents[0].stdout
+
+
+def test_config_that_contradicts_the_launch_fails_fast_on_every_rank(tmp_path):
+    start = time.monotonic()
+    agents = launch_two_nodes(tmp_path, "--config", str(CPU_DEMO), "--seq-len", "256")
+    elapsed = time.monotonic() - start
+    message = (
+        "[cluster] config says 1 node x 4 ranks; torchrun launched 2 nodes x 2 ranks. Make "
+        '[cluster] nodes and gpus_per_node match the launch, or set nodes = "auto" and '
+        'gpus_per_node = "auto" to take the launch\'s shape'
+    )
+    for node, agent in enumerate(agents):
+        assert agent.returncode != 0, agent.stdout
+        for local in range(2):
+            rank = 2 * node + local
+            assert f"rank {rank}: error: {CPU_DEMO}: {message}" in agent.stdout, agent.stdout
+        # the demo reports the error itself: no worker traceback, no abort
+        assert re.search(r"\[rank\d\]:\s*Traceback", agent.stdout) is None, agent.stdout
+        assert "terminate called" not in agent.stdout
+    assert elapsed < 60, f"took {elapsed:.0f} s: the error should come right after start-up"
