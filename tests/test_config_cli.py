@@ -244,7 +244,7 @@ def expect_cli_error(capsys, path, *argv) -> str:
         ),
         (
             BASE + '[attention]\nbackend = "fast"\n',
-            '[attention] backend must be one of "auto", "cudnn", "flash", "efficient", "flash_attn", "cpu", "math", got "fast"',
+            '[attention] backend must be one of "auto", "cudnn", "flash_attn", "flash", "efficient", "cpu", "math", got "fast"',
         ),
         (
             BASE + '[attention]\nlayout = "striped"\n',

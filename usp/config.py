@@ -47,6 +47,7 @@ import sys
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
+from usp.options import BACKENDS, LAYOUTS, RING_IMPLS  # one source; imports nothing
 from usp.process_groups.degrees import (
     HeadLayoutError,
     describe_valid_pairs,
@@ -74,10 +75,6 @@ AUTO = "auto"
 # A topology config is a few hundred bytes; refuse to read more than this (a device file,
 # a mistaken path to a dataset) instead of loading it into memory.
 MAX_CONFIG_BYTES = 1 << 20
-LAYOUTS = ("zigzag", "contiguous")
-RING_IMPLS = ("p2p", "allgather")
-# "auto" plus usp.kernels' backend names (kept here so config parsing imports no kernels).
-BACKENDS = ("auto", "cudnn", "flash", "efficient", "flash_attn", "cpu", "math")
 
 
 class ConfigError(ValueError):

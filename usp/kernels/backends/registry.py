@@ -7,8 +7,9 @@ import functools
 import torch
 
 from usp.kernels.backends.base import Backend
+from usp.options import BACKEND_NAMES  # one source for the names
 
-BACKEND_NAMES: tuple[str, ...] = ("cudnn", "flash_attn", "flash", "efficient", "cpu", "math")
+__all__ = ["BACKEND_NAMES", "auto_order", "get"]
 
 # Fastest first. On an H200 (torch 2.11, bf16, causal, head dim 128, fwd+bwd) cuDNN
 # measured ~540 TFLOP/s, torch's FA2 ~325, memory-efficient ~140 (shared/DESIGN.md).
