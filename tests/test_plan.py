@@ -179,11 +179,10 @@ def test_packed_sequence_of_another_plan_is_refused(distributed):
 
 
 def run_from_config(path):
-    plan = usp.Plan.from_config(path)
-    try:
-        return plan.layout, plan.ring_impl, plan.backend, plan.ulysses_degree, plan.ring_degree
-    finally:
-        plan.topology.destroy()
+    with usp.Plan.from_config(path) as plan:
+        result = (plan.layout, plan.ring_impl, plan.backend, plan.ulysses_degree, plan.ring_degree)
+    assert plan.topology.destroyed  # the with block tore the topology down
+    return result
 
 
 def test_plan_from_config_takes_the_attention_section(distributed, tmp_path):

@@ -358,6 +358,15 @@ class Plan:
             fields.append(Field("cu_seqlens", packed.fingerprint, _show_hash))
         agree(group, "Plan.verify_batch", fields)
 
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Plan:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Leaving a ``with`` block tears the topology down as ``with topology:`` does."""
+        if self.topology is not None:
+            self.topology.__exit__(exc_type, exc, tb)
+
     # ------------------------------------------------------------------ text
     def describe(self) -> str:
         grid = "single process" if self.topology is None else self.topology.describe()
