@@ -102,8 +102,9 @@ def test_plan_packed_matches_reference(distributed, ulysses, ring, layout, ring_
         assert error < 1e-5  # float64 inputs on the default (cpu) backend
 
 
-def test_single_process_plan_matches_reference():
-    plan = usp.Plan(None, backend="math")
+@pytest.mark.parametrize("ring_impl", ["p2p", "allgather"])
+def test_single_process_plan_matches_reference(ring_impl):
+    plan = usp.Plan(None, backend="math", ring_impl=ring_impl)
     assert plan.sp_degree == 1 and plan.sequence_multiple == 1
     assert plan.layout == "contiguous"  # one process: natural token order
     inputs = _inputs(12, batch=2)

@@ -42,10 +42,11 @@ def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig):
 
 def _implementation(cfg: RingConfig):
     """(forward, backward) for this call: local, p2p ring or all-gather ring. A ring of
-    one with packed documents still runs the p2p plan (it never sends anything)."""
+    one with packed documents runs the p2p plan whatever ``ring_impl`` says (it never
+    sends anything; there is nothing to gather)."""
     if cfg.size == 1 and not cfg.packed:
         return _local_forward, _local_backward
-    if cfg.ring_impl == "p2p":
+    if cfg.ring_impl == "p2p" or cfg.size == 1:
         return p2p_forward, p2p_backward
     return allgather_forward, allgather_backward
 
