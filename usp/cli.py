@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-from usp.config import AUTO, ConfigError, ResolvedConfig, load_config
+from usp.config import AUTO, ConfigError, ResolvedConfig, UspConfig, config_from_dict, read_toml
 from usp.process_groups.degrees import HeadLayoutError, valid_degree_pairs
 from usp.process_groups.rank_math import (
     PLACEMENTS,
@@ -28,6 +29,8 @@ _MAX_COLUMNS_SHOWN = 16  # more ranks per node: the first 8 and the last 4
 _MAX_GROUPS_SHOWN = 8  # more groups: the first 6 and the last 1
 _ASSUMED_HEAD_DIM = 128
 _BF16_BYTES = 2
+# --json lists every rank and group; above this the text view (abbreviated) is the answer.
+MAX_JSON_RANKS = 65536
 
 
 # ----------------------------------------------------------------------------- parser
@@ -44,9 +47,12 @@ def _int_or_auto(text: str) -> int | str:
 
 
 def _positive_int(text: str) -> int:
-    value = _int_or_auto(text)
-    if value == AUTO:
-        raise argparse.ArgumentTypeError('"auto" is not allowed here')
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return value
 
 
@@ -81,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_topo(subparsers)
+    from usp.train.cli import add_parser as add_train_parser  # torch-free until it runs
+
+    add_train_parser(subparsers)
     return parser
 
 
@@ -92,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 # ----------------------------------------------------------------------------- usp topo
 def run_topo(args: argparse.Namespace) -> int:
     try:
-        config = load_config(
+        config, notes = load_topology_config(
             args.config,
             ulysses=args.ulysses,
             ring=args.ring,
@@ -103,17 +112,53 @@ def run_topo(args: argparse.Namespace) -> int:
             allow_cross_node_ulysses=args.allow_cross_node_ulysses,
         )
         resolved = config.resolve(args.world_size)
+        if args.json and resolved.world_size > MAX_JSON_RANKS:
+            raise ConfigError(
+                f"{config.source}: --json lists every rank and group; {resolved.world_size} "
+                f"ranks is more than {MAX_JSON_RANKS}. Leave out --json for the abbreviated "
+                "text view, or pass a smaller --world-size"
+            )
     except (ConfigError, TopologyError, HeadLayoutError) as e:
         print(f"usp topo: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(topo_json(resolved)))
+        print(json.dumps(topo_json(resolved, notes)))
     else:
-        print(topo_text(resolved))
+        print(topo_text(resolved, notes))
     return 0
 
 
-def topo_json(resolved: ResolvedConfig) -> dict[str, Any]:
+# A training config (usp train) adds these sections to a topology config.
+_TRAINING_SECTIONS = ("data", "train")
+
+
+def load_topology_config(path: str, **overrides: Any) -> tuple[UspConfig, list[str]]:
+    """The topology config in ``path`` (with ``overrides``), and notes for the output.
+
+    A training config (``[data]``/``[train]`` sections, a ``[model]`` that names a preset
+    or a checkpoint directory) is read the way ``usp train`` reads it, with the model's
+    real head counts when its config is at hand; otherwise without head checks, and a
+    note says so.
+    """
+    data = read_toml(path)
+    if not any(section in data for section in _TRAINING_SECTIONS):
+        return config_from_dict(data, source=path, **overrides), []
+    from usp.train.components import model_source  # the trainer's reading of [model]
+    from usp.train.config import train_config_from_dict
+
+    job = train_config_from_dict(data, source=path)
+    try:
+        model = model_source(job).config
+    except ConfigError as e:
+        note = f"head counts not checked: the model's config is not readable here ({e})"
+        return job.topology.with_overrides(**overrides), [note]
+    config = job.topology_with_heads(
+        model.num_attention_heads, model.num_key_value_heads, model.attention_head_dim
+    )
+    return config.with_overrides(**overrides), []
+
+
+def topo_json(resolved: ResolvedConfig, notes: Sequence[str] = ()) -> dict[str, Any]:
     """The rank map as plain JSON types (the ``--json`` output)."""
     m, config = resolved.rank_map, resolved.config
     return {
@@ -143,11 +188,11 @@ def topo_json(resolved: ResolvedConfig) -> dict[str, Any]:
         "attention": config.to_dict()["attention"],
         "model": config.to_dict().get("model"),
         "kv_replication": resolved.kv_replication,
-        "warnings": topo_warnings(resolved),
+        "warnings": [*notes, *topo_warnings(resolved)],
     }
 
 
-def topo_text(resolved: ResolvedConfig) -> str:
+def topo_text(resolved: ResolvedConfig, notes: Sequence[str] = ()) -> str:
     m, config = resolved.rank_map, resolved.config
     a = config.attention
     lines = [
@@ -161,7 +206,7 @@ def topo_text(resolved: ResolvedConfig) -> str:
         lines.append(f"  model     {_model_line(resolved)}")
     lines += ["", "rank grid (cell = dp.ring.ulysses)", *_grid_lines(m), "", "groups"]
     lines += _group_lines(m)
-    warnings = topo_warnings(resolved)
+    warnings = [*notes, *topo_warnings(resolved)]
     lines += ["", "warnings" if warnings else "warnings: none"]
     lines += [f"  - {w}" for w in warnings]
     return "\n".join(lines)
@@ -209,17 +254,16 @@ def _cell(m: RankMap, rank: int) -> str:
 
 
 # ----------------------------------------------------------------------------- groups
-def _format_group(members: list[int]) -> str:
-    """``[0-7]``, ``[0,8,...,56]`` or the full list when short and irregular."""
-    if len(members) >= 3:
-        step = members[1] - members[0]
-        regular = step > 0 and all(
-            b - a == step for a, b in zip(members[:-1], members[1:], strict=True)
-        )
-        if regular and step == 1:
+def _format_group(members: Sequence[int]) -> str:
+    """``[0-7]``, ``[0,8,...,56]`` or the full list when short and irregular.
+
+    Groups come from the rank map's lazy accessors: a ``range`` when they are arithmetic
+    progressions, so nothing proportional to a group's size is built here.
+    """
+    if isinstance(members, range) and len(members) >= 3:
+        if members.step == 1:
             return f"[{members[0]}-{members[-1]}]"
-        if regular:
-            return f"[{members[0]},{members[1]},...,{members[-1]}]"
+        return f"[{members[0]},{members[1]},...,{members[-1]}]"
     if len(members) <= 8:
         return "[" + ",".join(map(str, members)) + "]"
     return "[" + ",".join(map(str, members[:6])) + f",... {len(members)} ranks]"
@@ -227,16 +271,17 @@ def _format_group(members: list[int]) -> str:
 
 def _group_lines(m: RankMap) -> list[str]:
     lines = []
-    for name, groups in (
-        ("ulysses", m.ulysses_groups),
-        ("ring", m.ring_groups),
-        ("sp", m.sp_groups),
-        ("dp", m.dp_groups),
+    u, r, d = m.ulysses_degree, m.ring_degree, m.dp_degree
+    for name, count, group in (
+        ("ulysses", d * r, m.ulysses_group),
+        ("ring", d * u, m.ring_group),
+        ("sp", d, m.sp_group),
+        ("dp", u * r, m.dp_group),
     ):
-        shown = _abbreviate(len(groups), _MAX_GROUPS_SHOWN, 6, 1)
-        text = " ".join("..." if i is None else _format_group(groups[i]) for i in shown)
-        noun = "group" if len(groups) == 1 else "groups"
-        lines.append(f"  {name:<8} {len(groups)} {noun} of {len(groups[0])}: {text}")
+        shown = _abbreviate(count, _MAX_GROUPS_SHOWN, 6, 1)
+        text = " ".join("..." if i is None else _format_group(group(i)) for i in shown)
+        noun = "group" if count == 1 else "groups"
+        lines.append(f"  {name:<8} {count} {noun} of {len(group(0))}: {text}")
     if m.ulysses_degree > 1 and m.ring_degree > 1 and m.placement != ULYSSES_IN_NODE:
         lines.append("  (sp groups are listed in sp_rank order = ring * ulysses_degree + ulysses)")
     return lines
@@ -254,11 +299,11 @@ def topo_warnings(resolved: ResolvedConfig) -> list[str]:
 
 def _cross_node_warning(resolved: ResolvedConfig) -> str | None:
     m = resolved.rank_map
-    crossing = m.cross_node_ulysses_groups()
+    crossing = m.cross_node_ulysses_count()
     if not crossing:
         return None
     text = (
-        f"{len(crossing)} of {len(m.ulysses_groups)} Ulysses groups span nodes: the all-to-all "
+        f"{crossing} of {m.dp_degree * m.ring_degree} Ulysses groups span nodes: the all-to-all "
         "(the most bytes per layer) runs over inter-node links"
     )
     if m.ring_degree > 1 and m.ring_groups_inside_nodes():

@@ -1,0 +1,277 @@
+"""Training configs: the shipped files, every key's checks, overrides, and the command
+line's errors before anything is launched (single process, no process group)."""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stderr
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from usp.config import ConfigError
+from usp.train.cli import build_parser
+from usp.train.components import check_lengths, model_source
+from usp.train.config import (
+    is_train_config,
+    load_train_config,
+    topology_config,
+    train_config_from_dict,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "examples" / "configs"
+
+MINIMAL = """
+[cluster]
+nodes = 1
+gpus_per_node = 4
+
+[parallel]
+ulysses = 2
+ring = 2
+
+[model]
+preset = "tiny"
+
+[data]
+source = "synthetic"
+
+[train]
+steps = 10
+global_batch = 4
+seq_len = 64
+"""
+
+
+def write(tmp_path, text: str, name: str = "job.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def with_line(section: str, line: str) -> str:
+    """MINIMAL with ``line`` in ``[section]``: replacing the key's line, added to the
+    section, or in a new section."""
+    key = line.split("=")[0].strip()
+    lines = MINIMAL.splitlines()
+    start = lines.index(f"[{section}]") if f"[{section}]" in lines else None
+    if start is not None:
+        for i in range(start + 1, len(lines)):
+            if lines[i].startswith("["):
+                break
+            if lines[i].split("=")[0].strip() == key:
+                return "\n".join(lines[:i] + [line] + lines[i + 1 :]) + "\n"
+    if start is not None:
+        return MINIMAL.replace(f"[{section}]\n", f"[{section}]\n{line}\n", 1)
+    return MINIMAL + f"\n[{section}]\n{line}\n"
+
+
+# ----------------------------------------------------------------------------- shipped files
+@pytest.mark.parametrize(
+    "name, launch, world, degrees",
+    [
+        # the main job takes its processes per node from the launch ("auto"): here 4
+        ("cpu_finetune.toml", {"gpus_per_node": 4}, 4, (2, 2, 1)),
+        ("llama3_8b_128k.toml", {}, 16, (8, 2, 1)),
+    ],
+)
+def test_shipped_training_configs_parse_and_resolve(name, launch, world, degrees):
+    job = load_train_config(CONFIGS / name)
+    resolved = job.topology.with_overrides(**launch).resolve()
+    assert resolved.world_size == world
+    assert (resolved.ulysses, resolved.ring, resolved.dp) == degrees
+    assert job.train.seq_len % (resolved.ring * 2 * resolved.ulysses) == 0
+
+
+def test_cpu_finetune_is_the_main_job():
+    job = load_train_config(CONFIGS / "cpu_finetune.toml")
+    assert job.model.preset == "tiny" and job.data.source == "synthetic"
+    assert job.output_dir == Path("runs") / "cpu_finetune"
+    assert job.gradient_accumulation(1) == job.train.global_batch // job.train.micro_batch
+
+
+def test_topology_view_of_a_training_config_has_the_model_heads():
+    config = topology_config(CONFIGS / "cpu_finetune.toml")
+    assert (config.model.num_heads, config.model.num_kv_heads) == (4, 2)
+    assert is_train_config({"train": {}}) and not is_train_config({"cluster": {}})
+
+
+# ----------------------------------------------------------------------------- errors
+BAD = [
+    ("train", "stepz = 3", "[train] unknown key 'stepz'"),
+    ("train", 'lr = "fast"', '[train] lr must be a number > 0, got "fast"'),
+    ("train", "micro_batch = 0", "[train] micro_batch must be an integer >= 1, got 0"),
+    (
+        "train",
+        "activation_checkpointing = 1",
+        "[train] activation_checkpointing must be true or false",
+    ),
+    ("train", 'dtype = "fp8"', '[train] dtype must be one of "auto", "float32", "bfloat16"'),
+    ("train", "adam_betas = [0.9]", "[train] adam_betas must be two numbers in [0, 1)"),
+    ("train", "min_lr_ratio = 2", "[train] min_lr_ratio must be a number in [0, 1], got 2"),
+    ("train", "warmup_steps = -1", "[train] warmup_steps must be an integer >= 0, got -1"),
+    ("train", 'device = "tpu"', '[train] device must be one of "auto", "cpu", "cuda"'),
+    ("train", "peak_tflops = -1", "[train] peak_tflops must be a number > 0"),
+    ("data", 'source = "hub"', '[data] source must be one of "jsonl", "synthetic"'),
+    ("data", "files = [1]", "[data] files must be a path or a list of paths"),
+    ("data", "document_multiple = 0", '[data] document_multiple must be an integer >= 1 or "auto"'),
+    ("data", 'shuffle = "yes"', "[data] shuffle must be true or false"),
+    ("model", 'path = "x"', "[model] needs exactly one of path"),
+    ("optimizer", "lr = 1", "unknown section [optimizer]"),
+]
+
+
+@pytest.mark.parametrize("section, line, message", BAD)
+def test_bad_values_name_the_file_and_key(tmp_path, section, line, message):
+    path = write(tmp_path, with_line(section, line))
+    with pytest.raises(ConfigError) as info:
+        load_train_config(path)
+    assert str(info.value).startswith(f"{path}: "), info.value
+    assert message in str(info.value), info.value
+
+
+def test_missing_sections_and_keys(tmp_path):
+    no_data = MINIMAL.replace('[data]\nsource = "synthetic"\n', "")
+    with pytest.raises(ConfigError, match=r"missing section \[data\]"):
+        load_train_config(write(tmp_path, no_data))
+    no_steps = MINIMAL.replace("steps = 10\n", "")
+    with pytest.raises(ConfigError, match=r"\[train\] missing required key 'steps'"):
+        load_train_config(write(tmp_path, no_steps))
+    jsonl_without_files = MINIMAL.replace('source = "synthetic"', 'source = "jsonl"')
+    with pytest.raises(ConfigError, match=r"\[data\] files is required"):
+        load_train_config(write(tmp_path, jsonl_without_files))
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_train_config(tmp_path / "absent.toml")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_train_config(write(tmp_path, "[train\n"))
+    bad_topology = MINIMAL.replace("ulysses = 2", "ulysses = 0")
+    with pytest.raises(ConfigError, match=r"\[parallel\] ulysses"):
+        load_train_config(write(tmp_path, bad_topology))
+
+
+def test_overrides_replace_file_values(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    job = load_train_config(
+        path, steps=3, output_dir="elsewhere", ulysses=4, ring=1, dp=None, device="cpu"
+    )
+    assert job.train.steps == 3 and job.output_dir == Path("elsewhere")
+    assert (job.topology.parallel.ulysses, job.topology.parallel.ring) == (4, 1)
+    assert job.train.device == "cpu"
+    with pytest.raises(ConfigError, match=r"\[train\] steps must be an integer >= 1"):
+        load_train_config(path, steps=0)
+
+
+def test_batch_arithmetic(tmp_path):
+    job = load_train_config(write(tmp_path, with_line("train", "micro_batch = 2")))
+    assert job.gradient_accumulation(dp=2) == 1
+    with pytest.raises(ConfigError, match=r"global_batch\(4\) is not a multiple of dp\(3\)"):
+        job.gradient_accumulation(dp=3)
+    fixed = load_train_config(write(tmp_path, with_line("train", "gradient_accumulation = 3")))
+    with pytest.raises(ConfigError, match=r"gradient_accumulation\(3\) = 3 != global_batch\(4\)"):
+        fixed.gradient_accumulation(dp=1)
+
+
+def test_model_section_errors(tmp_path):
+    unknown = load_train_config(write(tmp_path, MINIMAL.replace('"tiny"', '"huge"')))
+    with pytest.raises(
+        ConfigError, match=r"\[model\] preset 'huge' is unknown; known presets: tiny"
+    ):
+        model_source(unknown)
+    field = load_train_config(write(tmp_path, with_line("model.overrides", "depth = 3")))
+    with pytest.raises(ConfigError, match=r"\[model.overrides\].*depth"):
+        model_source(field)
+    smaller = load_train_config(
+        write(tmp_path, with_line("model.overrides", "num_hidden_layers = 1"))
+    )
+    assert model_source(smaller).config.num_hidden_layers == 1
+    (tmp_path / "empty_model").mkdir()
+    no_config = load_train_config(
+        write(tmp_path, MINIMAL.replace('preset = "tiny"', 'path = "empty_model"'))
+    )
+    with pytest.raises(ConfigError, match=r"empty_model has no config.json"):
+        model_source(no_config)
+    with pytest.raises(ConfigError, match="overrides only apply to a preset"):
+        train_config_from_dict(
+            {**_dict(), "model": {"path": "m", "overrides": {"num_hidden_layers": 1}}}
+        )
+
+
+def _dict() -> dict:
+    from usp.train.config import tomllib
+
+    return tomllib.loads(MINIMAL)
+
+
+# ----------------------------------------------------------------------------- lengths
+def plan_like(ring: int, ulysses: int, layout: str = "zigzag"):
+    import math
+
+    multiple = ring * (math.lcm(2, ulysses) if layout == "zigzag" else ulysses)
+    return SimpleNamespace(
+        ring_degree=ring, ulysses_degree=ulysses, layout=layout, sequence_multiple=multiple
+    )
+
+
+def test_sequence_length_and_document_multiple(tmp_path):
+    job = load_train_config(write(tmp_path, MINIMAL.replace("seq_len = 64", "seq_len = 100")))
+    with pytest.raises(ConfigError) as info:
+        check_lengths(job, plan_like(4, 2))
+    assert (
+        "seq_len(100) must be a multiple of 8 for the zigzag layout with ring=4, ulysses=2"
+        in str(info.value)
+    )
+    assert "seq_len = 104" in str(info.value)
+    job = load_train_config(write(tmp_path, MINIMAL))
+    assert check_lengths(job, plan_like(2, 2)) == 4  # auto: 2 * ring
+    assert check_lengths(job, plan_like(2, 2, "contiguous")) == 2  # auto: ring
+    fixed = load_train_config(write(tmp_path, with_line("data", "document_multiple = 6")))
+    with pytest.raises(ConfigError, match=r"document_multiple\(6\) must be a multiple of 4"):
+        check_lengths(fixed, plan_like(2, 2))
+    with pytest.raises(
+        ConfigError, match=r"seq_len\(64\) must be a multiple of \[data\] document_multiple\(6\)"
+    ):
+        check_lengths(fixed, plan_like(1, 1))
+
+
+# ----------------------------------------------------------------------------- command line
+def test_parser_flags():
+    args = build_parser().parse_args(
+        ["train", "c.toml", "--steps", "5", "--output", "o", "--ulysses", "auto", "--ring", "2",
+         "--dp", "1", "--resume", "--device", "cpu"]
+    )  # fmt: skip
+    assert (args.steps, args.output, args.ulysses, args.ring, args.dp) == (5, "o", "auto", 2, 1)
+    assert args.resume and args.device == "cpu"
+    with redirect_stderr(io.StringIO()), pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "c.toml", "--steps", "auto"])
+
+
+def test_command_reports_config_errors_with_status_2(tmp_path, capsys):
+    path = write(tmp_path, with_line("train", "stepz = 3"))
+    args = build_parser().parse_args(["train", str(path)])
+    assert args.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usp train: error: ") and "[train] unknown key 'stepz'" in err
+
+
+def test_command_refuses_cuda_without_cuda(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = build_parser().parse_args(["train", str(write(tmp_path, MINIMAL)), "--device", "cuda"])
+    assert args.run(args) == 2
+    assert "CUDA is not available; use --device cpu" in capsys.readouterr().err
+
+
+def test_command_without_torchrun_checks_the_world_size(tmp_path, capsys, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    path = write(tmp_path, MINIMAL)  # 1 node x 4 ranks, run as one process
+    args = build_parser().parse_args(["train", str(path), "--output", str(tmp_path / "out")])
+    assert args.run(args) == 2
+    err = capsys.readouterr().err
+    assert "usp train" in err and "[cluster]" in err and "job.toml" in err, err
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "the world of one is torn down after the error"

@@ -1,0 +1,250 @@
+"""Resumable training checkpoints (``torch.distributed.checkpoint``) and the final HF
+export.
+
+Layout of ``OUTPUT/checkpoints/step_000050/``: DCP's files (every rank writes its own
+shards; multi-node runs need ``OUTPUT`` on a shared file system) and ``usp_meta.json``,
+written by rank 0 after every rank has finished, which marks the checkpoint complete and
+records the step, the world size and the model's shape. What is saved: the model and
+AdamW state through ``get_state_dict`` (sharded, so a checkpoint can be loaded onto
+another number of ranks), the step (which is the whole schedule state), the data
+loader's position and every rank's RNG states. Scalars are stored as tensors, so loading
+unpickles nothing but DCP's own metadata -- still, load checkpoints only from a trusted
+source.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+META_FILE = "usp_meta.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+# The LlamaConfig fields that decide the parameters' shapes.
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "attention_head_dim",
+    "tie_word_embeddings",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from (another model, incomplete, ...)."""
+
+
+def model_shape(config) -> dict[str, int | bool]:
+    return {name: getattr(config, name) for name in SHAPE_FIELDS}
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """What besides model and optimizer a resumed run needs."""
+
+    step: int  # optimizer steps done (the schedule is a function of it)
+    data_position: int  # the loader's next global sequence
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_quietly():
+    """DCP warns on every single-process save/load that it assumes one process: we know."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+class Checkpointer:
+    """Save to and resume from ``directory`` (``OUTPUT/checkpoints``)."""
+
+    def __init__(self, directory: Path, *, model_config, keep: int = 2):
+        self.directory = Path(directory)
+        self.shape = model_shape(model_config)
+        self.keep = keep
+
+    # -------------------------------------------------------------- discovery
+    def complete(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints as ``(step, path)``, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for path in self.directory.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and (path / META_FILE).is_file():
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def newest(self) -> Path | None:
+        found = self.complete()
+        return found[-1][1] if found else None
+
+    # -------------------------------------------------------------- save
+    def save(self, model, optimizer, state: TrainState) -> Path:
+        """A collective: every rank must call it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        path = self.directory / f"step_{state.step:06d}"
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with _single_process_quietly():
+            dcp.save(
+                self._payload(model_sd, optim_sd, state),
+                checkpoint_id=str(path),
+                no_dist=not dist.is_initialized(),
+            )
+        _barrier()  # every rank's shards are on disk before the checkpoint counts as complete
+        if _is_rank0():
+            meta = {
+                "step": state.step,
+                "world_size": _world_size(),
+                "model": self.shape,
+            }
+            tmp = path / f".{META_FILE}.tmp"
+            tmp.write_text(json.dumps(meta, indent=2) + "\n")
+            os.replace(tmp, path / META_FILE)
+            self._prune()
+        _barrier()
+        return path
+
+    def _payload(self, model_sd, optim_sd, state: TrainState) -> dict:
+        return {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "train": {
+                "step": torch.tensor(state.step, dtype=torch.int64),
+                "data_position": torch.tensor(state.data_position, dtype=torch.int64),
+            },
+            # one entry per rank (the keys differ, so DCP keeps every rank's)
+            "rng": {f"rank{_rank()}": _rng_state()},
+        }
+
+    def _prune(self) -> None:
+        for _, old in self.complete()[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # -------------------------------------------------------------- load
+    def read_meta(self, path: Path) -> dict:
+        try:
+            meta = json.loads((path / META_FILE).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise CheckpointError(
+                f"{path} is not a complete checkpoint ({META_FILE}: {err})"
+            ) from None
+        saved = meta.get("model", {})
+        if saved != self.shape:
+            diffs = [
+                f"{k} {saved.get(k)!r} (checkpoint) != {v!r} (this run)"
+                for k, v in self.shape.items()
+                if saved.get(k) != v
+            ]
+            raise CheckpointError(
+                f"checkpoint {path} was written for another model shape: {'; '.join(diffs)}. "
+                "Resume with the [model] that wrote it, or write to another --output directory"
+            )
+        return meta
+
+    def load(self, path: Path, model, optimizer) -> TrainState:
+        """Load ``path`` into ``model`` and ``optimizer`` (a collective) and restore this
+        rank's RNG when the world size matches the one that saved it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        meta = self.read_meta(path)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = TrainState(0, 0)
+        payload = self._payload(model_sd, optim_sd, state)
+        same_world = meta.get("world_size") == _world_size()
+        if not same_world:
+            del payload["rng"]  # another rank count: the saved per-rank states do not map
+        with _single_process_quietly():
+            dcp.load(payload, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=payload["model"],
+            optim_state_dict=payload["optimizer"],
+        )
+        if same_world:
+            rng = payload["rng"][f"rank{_rank()}"]
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        train = payload["train"]
+        return TrainState(int(train["step"]), int(train["data_position"]))
+
+
+def export_hf(
+    model,
+    model_config,
+    directory: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    copy_from: Path | None = None,
+) -> Path | None:
+    """Gather the full weights and write an HF checkpoint (``config.json`` +
+    ``model.safetensors``) into ``directory`` on rank 0 (a collective; returns the
+    directory on rank 0, None elsewhere). ``dtype``: the weights' dtype in the files
+    (default: the master weights'). Tokenizer files of ``copy_from`` (the source model
+    directory) are copied along, so the export is a complete model directory."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from usp.models import Llama
+
+    if dist.is_initialized():
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(model, options=options)
+    else:
+        full = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if not _is_rank0():
+        return None
+    if dtype is not None:
+        full = {k: v.to(dtype) for k, v in full.items()}
+    with torch.device("meta"):
+        plain = Llama(model_config, None)
+    plain.load_state_dict(full, strict=True, assign=True)
+    out = plain.save_pretrained(directory)
+    if copy_from is not None:
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "generation_config.json",
+        ):
+            if (copy_from / name).is_file():
+                shutil.copy2(copy_from / name, out / name)
+    return out

@@ -1,0 +1,242 @@
+"""``usp train CONFIG``: the training command (launched by torchrun, one process per
+device).
+
+    torchrun --nproc-per-node 4 -m usp train examples/configs/cpu_finetune.toml
+
+Flags override the file (``--steps``, ``--output``, ``--ulysses/--ring/--dp``,
+``--device``); ``--resume`` continues from the newest checkpoint in the output directory.
+Without torchrun's environment a single process runs (a world of 1). The process group is
+set up here, the topology built from the config (its shape checked against the launch),
+and everything is torn down through ``Topology.destroy()`` at the end, also after an error.
+Exit status: 0 done, 2 a config/data/checkpoint error (printed once per node), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+AUTO = "auto"
+
+
+def _degree(text: str) -> int | str:
+    if text == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected an integer or "auto", got {text!r}') from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _degree(text)
+    if value == AUTO:
+        raise argparse.ArgumentTypeError('"auto" is not allowed here')
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``train`` on the ``usp`` command line (``set_defaults(run=run)``)."""
+    p = subparsers.add_parser(
+        "train",
+        help="fine-tune a Llama-3-family model under USP (launch with torchrun)",
+        description="Fine-tune a Llama-3-family model with FSDP2 over dp x (ulysses x ring). "
+        "Launch: torchrun --nproc-per-node N -m usp train CONFIG",
+    )
+    p.add_argument(
+        "config",
+        help="training config (TOML: [cluster] [parallel] [attention] [model] [data] [train])",
+    )
+    p.add_argument("--steps", type=_positive, help="optimizer steps (overrides [train] steps)")
+    p.add_argument("--output", help="output directory (overrides [train] output_dir)")
+    p.add_argument("--ulysses", type=_degree, help='Ulysses degree, int or "auto"')
+    p.add_argument("--ring", type=_degree, help='ring degree, int or "auto"')
+    p.add_argument("--dp", type=_degree, help='data-parallel replicas, int or "auto"')
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in the output directory (step 0 if none)",
+    )
+    p.add_argument("--device", choices=["cpu", "cuda"], help="overrides [train] device")
+    p.set_defaults(run=run)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser with only ``train`` (``usp.cli`` registers it next to ``topo``)."""
+    parser = argparse.ArgumentParser(prog="usp")
+    add_parser(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    return parser
+
+
+def _launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _init_process_group(device: str) -> None:
+    """torchrun's env:// rendezvous, or a world of one process without torchrun."""
+    import torch
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        # share the machine's cores among the processes on it
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    backend = "nccl" if device == "cuda" else "gloo"
+    timeout = timedelta(minutes=int(os.environ.get("USP_TIMEOUT_MIN", 30)))
+    if _launched_by_torchrun():
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def _device_of(job, flag: str | None) -> str:
+    import torch
+
+    wanted = flag or job.train.device
+    if wanted == AUTO:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise job.error(
+            "the device is cuda ([train] device or --device) but CUDA is not available; "
+            "use --device cpu"
+        )
+    return wanted
+
+
+def _should_print(error: BaseException, user_errors) -> bool:
+    """User errors are the same on every rank: print them once per node (a missing file
+    may be missing on one node only). Anything else: every rank says what happened."""
+    if not isinstance(error, user_errors):
+        return True
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``usp train`` command; returns the exit status."""
+    from usp.config import ConfigError
+    from usp.train.config import load_train_config
+
+    try:
+        job = load_train_config(
+            args.config,
+            steps=args.steps,
+            output_dir=args.output,
+            ulysses=args.ulysses,
+            ring=args.ring,
+            dp=args.dp,
+            device=args.device,
+        )
+    except ConfigError as err:
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print(f"usp train: error: {err}", file=sys.stderr)
+        return 2
+    from usp.train.trainer import user_errors as user_error_kinds
+
+    user_errors = user_error_kinds()
+    topology, synchronised = None, True
+    try:
+        _init_process_group(_device_of(job, args.device))
+        plan = build_plan(job)
+        topology = plan.topology
+        result = _train(job, plan, args.resume)
+        if topology.rank == 0:
+            print(summary(result), flush=True)
+        return 0
+    except KeyboardInterrupt:
+        synchronised = False  # peers may be anywhere: leave without waiting for them
+        raise
+    except Exception as err:  # noqa: BLE001 - report, then exit with a status
+        # a user error is raised on every rank alike (the set-up agrees on it), so the
+        # ranks can still tear down together; after anything else a peer may be stuck in
+        # a collective, and only exiting lets torchrun stop the job
+        synchronised = isinstance(err, user_errors)
+        if _should_print(err, user_errors):
+            prefix = f"usp train [rank {os.environ.get('RANK', 0)}]: error: "
+            if isinstance(err, user_errors):
+                print(prefix + str(err), file=sys.stderr, flush=True)
+            else:
+                print(
+                    prefix + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True
+                )
+        return 2 if isinstance(err, user_errors) else 1
+    finally:
+        if synchronised:
+            _teardown(topology)
+
+
+def _train(job, plan, resume: bool):
+    from usp.train.trainer import train
+
+    return train(job, plan, resume=resume)
+
+
+def build_plan(job):
+    """The topology from the config (with the model's head counts), as a Plan.
+    A collective: every rank calls it after ``init_process_group``."""
+    from usp.config import build_topology_from_config
+    from usp.plan import Plan
+    from usp.train.components import model_source
+
+    config = model_source(job).config
+    topo_config = job.topology_with_heads(
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.attention_head_dim,
+    )
+    topology = build_topology_from_config(topo_config)
+    a = topo_config.attention
+    # The trainer makes every batch itself, identically on all SP ranks, and Plan.pack
+    # agrees on each batch's documents; per-attention-call agreement would only add a
+    # collective per layer.
+    return Plan(
+        topology, layout=a.layout, ring_impl=a.ring_impl, backend=a.backend, verify_calls=False
+    )
+
+
+def _teardown(topology) -> None:
+    """``Topology.destroy()`` (which synchronises the ranks), then the default group."""
+    import torch.distributed as dist
+
+    if topology is not None:
+        topology.destroy()
+    elif dist.is_initialized():
+        dist.barrier()  # no rank closes connections a peer still reads
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def summary(result) -> str:
+    """The closing lines: what happened and where everything is."""
+    rows = result.metrics
+    lines = []
+    if rows:
+        seconds = sum(r["step_time_s"] for r in rows)
+        lines.append(
+            f"done: steps {result.start_step + 1}-{rows[-1]['step']} in {seconds:.0f} s, "
+            f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}"
+        )
+    else:
+        lines.append("done: nothing to do (the checkpoint is at the last step)")
+    out = result.output_dir
+    lines.append(f"  metrics:    {out / 'metrics.jsonl'}")
+    lines.append(f"  loss plot:  {result.plot}" if result.plot else "  loss plot:  -")
+    if result.checkpoint:
+        lines.append(
+            f"  checkpoint: {result.checkpoint} (--resume continues; with --steps N, further)"
+        )
+    if result.export_dir:
+        lines.append(
+            f"  HF export:  {result.export_dir} (usp.models.Llama.from_pretrained, transformers)"
+        )
+    lines += [f"  note: {n}" for n in result.notes]
+    return "\n".join(lines)

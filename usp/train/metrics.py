@@ -1,0 +1,196 @@
+"""What a run shows while it runs and leaves behind: a progress display on rank 0,
+``metrics.jsonl`` (one JSON object per optimizer step) and ``loss.png``.
+
+tqdm, rich and matplotlib are optional and imported lazily: without them the progress is
+printed as plain lines and the plot is skipped with a note saying how to get it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+# Dense bf16 tensor-core peak per device, for the MFU estimate (vendor figures, TFLOP/s).
+_PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}
+
+
+# ----------------------------------------------------------------------------- FLOPs
+def matmul_params(config) -> int:
+    """Parameters that take part in a matmul per token (decoder layers and the output
+    projection; the embedding lookup is not a matmul)."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    hd = config.attention_head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+    return layers * per_layer + h * config.vocab_size
+
+
+def training_flops(config, document_lengths: list[int]) -> float:
+    """Forward + backward FLOPs of one packed row (backward = 2x forward; activation
+    recomputation is not counted, as usual for MFU).
+
+    Matmuls: ``6 * matmul_params`` per token. Causal attention per document of ``n``
+    tokens and layer: ``QK^T`` and ``PV`` cost ``2 * n^2 * head_dim`` each per head, half
+    of it visible -> forward ``2 * n^2 * H * head_dim``, times 3 for forward + backward.
+    """
+    tokens = sum(document_lengths)
+    square = sum(n * n for n in document_lengths)
+    attention = 6 * config.num_hidden_layers * config.num_attention_heads
+    attention *= config.attention_head_dim * square
+    return 6 * matmul_params(config) * tokens + attention
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """Dense bf16 peak of a known accelerator, else None (no MFU shown)."""
+    for key, value in _PEAK_BF16_TFLOPS.items():
+        if key in device_name:
+            return value
+    return None
+
+
+# ----------------------------------------------------------------------------- jsonl
+class MetricsWriter:
+    """Appends one JSON object per step to ``path`` (rank 0 only; flushed every line so a
+    crashed run keeps what it logged). A resumed run truncates the steps it will redo."""
+
+    def __init__(self, path: Path, *, resume_after_step: int | None = None):
+        self.path = path
+        rows = read_metrics(path) if resume_after_step is not None and path.exists() else []
+        kept = [r for r in rows if r.get("step", 0) <= (resume_after_step or 0)]
+        self._file: TextIO = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        for row in kept:
+            self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------- progress
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def summary(row: dict[str, Any]) -> str:
+    """The short form of one step's metrics shown by the progress display."""
+    parts = [f"loss {row['loss']:.4f}", f"grad_norm {row['grad_norm']:.3g}"]
+    parts.append(f"lr {row['lr']:.2e}")
+    parts.append(f"tok/s/gpu {row['tokens_per_s_per_gpu']:,.0f}")
+    if "mfu" in row:
+        parts.append(f"mfu {100 * row['mfu']:.1f}%")
+    if "peak_memory_gib" in row:
+        parts.append(f"mem {row['peak_memory_gib']:.1f}GiB")
+    return "  ".join(parts)
+
+
+class Progress:
+    """Rank 0's progress: a tqdm bar on a terminal (rich when tqdm is absent), else one
+    printed line every ``log_interval`` steps (and at the last step)."""
+
+    def __init__(self, total: int, start: int, *, log_interval: int, stream: TextIO | None = None):
+        self.total, self.log_interval = total, log_interval
+        self.stream = stream or sys.stderr
+        self._start_time, self._start_step = time.perf_counter(), start
+        self._bar = None
+        self._rich = None
+        if self.stream.isatty():
+            self._bar = _tqdm_bar(total, start, self.stream)
+            if self._bar is None:
+                self._rich = _rich_progress(total, start, self.stream)
+
+    def eta(self, step: int) -> float:
+        done = step - self._start_step
+        if done <= 0:
+            return math.inf
+        per_step = (time.perf_counter() - self._start_time) / done
+        return per_step * (self.total - step)
+
+    def update(self, row: dict[str, Any]) -> None:
+        step = row["step"]
+        if self._bar is not None:
+            self._bar.set_postfix_str(summary(row), refresh=False)
+            self._bar.update(1)
+        elif self._rich is not None:
+            progress, task = self._rich
+            progress.update(task, advance=1, description=summary(row))
+        elif step % self.log_interval == 0 or step == self.total:
+            print(
+                f"step {step}/{self.total}  {summary(row)}  eta {_duration(self.eta(step))}",
+                file=self.stream,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._rich is not None:
+            self._rich[0].stop()
+
+
+def _tqdm_bar(total: int, start: int, stream: TextIO):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=start, file=stream, dynamic_ncols=True, unit="step")
+
+
+def _rich_progress(total: int, start: int, stream: TextIO):
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    except ImportError:
+        return None
+    progress = Progress(
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.description}"),
+        console=Console(file=stream),
+    )
+    task = progress.add_task("", total=total, completed=start)
+    progress.start()
+    return progress, task
+
+
+# ----------------------------------------------------------------------------- plot
+def plot_loss(metrics_path: Path, png_path: Path) -> str | None:
+    """Write the loss curve; returns None on success, else why it was not written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib)"
+    rows = read_metrics(metrics_path)
+    if not rows:
+        return "no steps were logged"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], linewidth=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (mean over label tokens)")
+    ax.set_title(metrics_path.parent.name)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return None

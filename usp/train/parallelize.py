@@ -1,0 +1,77 @@
+"""FSDP2 over the topology's ``dp x sp`` mesh, applied to a model from outside.
+
+Every decoder layer and then the root module are ``fully_shard``-ed over
+``topology.dp_sp_mesh``: parameters are sharded over all ``dp * sp`` ranks of the world,
+gathered layer by layer for compute. The SP ranks of a replica see different tokens of
+the same sequences, so their gradients are parts of one gradient and must be SUMMED;
+the dp replicas see different sequences. The trainer normalises every micro-batch loss
+by the label count of the whole optimizer step (all replicas), so the exact gradient of
+the step's mean loss is the plain sum over the whole mesh. FSDP2 averages over the mesh
+by default; :func:`fully_shard_model` switches it to a sum: a divide factor of 1
+(``set_gradient_divide_factor``) carried out as a SUM reduction with a post-scale
+(``set_force_sum_reduction_for_comms``; the factor alone would need ``PREMUL_SUM``, which
+gloo lacks). On a torch without those calls it returns the factor to scale the loss by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ShardedModel:
+    module: nn.Module
+    #: multiply the loss by this before ``backward`` (1 when FSDP sums gradients itself)
+    loss_scale: float
+
+
+def mixed_precision(compute_dtype: torch.dtype, param_dtype: torch.dtype):
+    """bf16 (or other) compute with float32 gradient reduction; None when compute runs in
+    the parameters' dtype (fp32 on CPU)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if compute_dtype == param_dtype:
+        return None
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def fully_shard_model(
+    model: nn.Module, topology, *, compute_dtype: torch.dtype | None = None
+) -> ShardedModel:
+    """Shard ``model`` (a :class:`usp.models.Llama`) over ``topology.dp_sp_mesh``.
+
+    ``compute_dtype``: None or the parameters' dtype runs in that dtype; another (bf16)
+    adds a :class:`MixedPrecisionPolicy` with float32 reduction. Parameters on the CPU are
+    moved to the mesh's device by ``fully_shard``.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    param_dtype = next(model.parameters()).dtype
+    options = {"mesh": topology.dp_sp_mesh}
+    policy = mixed_precision(compute_dtype or param_dtype, param_dtype)
+    if policy is not None:
+        options["mp_policy"] = policy
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        # the last layer's parameters are needed again right away in backward: keep them
+        fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **options)
+    fully_shard(model, **options)
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if all(hasattr(m, "set_force_sum_reduction_for_comms") for m in fsdp_modules):
+        for m in fsdp_modules:
+            # divide by 1 (a sum), done as a plain SUM reduce-scatter with a post-scale of
+            # 1: without the second call the divide factor would need PREMUL_SUM
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+        return ShardedModel(model, 1.0)
+    return ShardedModel(model, float(topology.dp_sp_mesh.size()))  # undo FSDP's mean
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip the gradient reduce-scatter on all but the last micro-batch of a step (the
+    unsharded gradients accumulate locally; no effect on a model without FSDP)."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
