@@ -530,7 +530,8 @@ def test_auto_cluster_in_usp_topo(tmp_path, capsys):
 def test_training_configs_are_read_the_way_usp_train_reads_them(tmp_path, capsys):
     # `usp topo` on a `usp train` config: the model's real head counts when available ...
     finetune = CONFIGS / "cpu_finetune.toml"
-    code, out, err = run_cli(capsys, finetune, "--json")
+    # its cluster shape is "auto" (taken from the launch): give the ranks per node here
+    code, out, err = run_cli(capsys, finetune, "--json", "--gpus-per-node", "4")
     assert code == 0 and err == "", err
     data = json.loads(out)
     assert data["world_size"] == 4 and data["model"]["num_heads"] > 0
@@ -539,7 +540,7 @@ def test_training_configs_are_read_the_way_usp_train_reads_them(tmp_path, capsys
     text = finetune.read_text()
     text = re.sub(r'(?m)^preset = "tiny".*$', f'path = "{tmp_path / "absent"}"', text)
     path = write(tmp_path, text, "remote_model.toml")
-    code, out, _ = run_cli(capsys, path, "--ulysses", "4", "--ring", "1")
+    code, out, _ = run_cli(capsys, path, "--ulysses", "4", "--ring", "1", "--gpus-per-node", "4")
     assert code == 0
     assert "head counts not checked: the model's config is not readable here" in out
     assert "dp 1 x ring 1 x ulysses 4" in out

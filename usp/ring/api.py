@@ -11,8 +11,8 @@ from usp.comm.stats import CommStats
 from usp.kernels.api import select_backend
 from usp.kernels.spec import (
     AttentionInputError,
-    BackendUnavailableError,
     AttentionSpec,
+    BackendUnavailableError,
     default_scale,
     validate_cu_seqlens,
     validate_inputs,
