@@ -29,17 +29,16 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import usp
 from usp.kernels import BackendUnavailableError
 from usp.process_groups import kv_replication, valid_degree_pairs
+from usp.process_groups.fake import fake_world
 from usp.process_groups.rank_math import RankMap
 
 GB = 1e9  # link bandwidths are quoted in GB/s = 1e9 bytes/s
@@ -345,24 +344,6 @@ def monolithic_reference(cfg: Config, backend: str, opts: Options) -> dict:
         "measured_tokens": measured,
         "note": note,
     }
-
-
-@contextmanager
-def fake_world(world: int, rank: int, device: torch.device) -> Iterator[None]:
-    """A default process group of the ``fake`` backend in which this process is ``rank``."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
-
-    if dist.is_initialized():
-        raise RuntimeError(
-            "emulate needs a process without a default process group (it creates fake ones)"
-        )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def accounted_bytes(cfg: Config) -> dict[str, int]:

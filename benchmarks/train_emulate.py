@@ -29,36 +29,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import usp
 from usp.models import PRESETS, Llama, shift_labels
+from usp.process_groups.fake import fake_world
 from usp.train.metrics import peak_tflops, training_flops
 from usp.train.parallelize import fully_shard_model
 
 GIB = 2**30
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@contextmanager
-def fake_world(world: int, rank: int, device: torch.device) -> Iterator[None]:
-    """This process as ``rank`` of a ``fake`` world of ``world`` ranks."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
-
-    if dist.is_initialized():
-        raise RuntimeError("train_emulate needs a process without a default process group")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:

@@ -34,7 +34,8 @@ MAX_JSON_RANKS = 65536
 
 
 # ----------------------------------------------------------------------------- parser
-def _int_or_auto(text: str) -> int | str:
+def int_or_auto(text: str) -> int | str:
+    """argparse type: an integer >= 1 or "auto" (also used by ``usp train``)."""
     if text == AUTO:
         return AUTO
     try:
@@ -46,7 +47,8 @@ def _int_or_auto(text: str) -> int | str:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -64,13 +66,13 @@ def _add_topo(subparsers: argparse._SubParsersAction) -> None:
         "without launching anything. Options override the config's values.",
     )
     p.add_argument("config", help="path to a TOML topology config")
-    p.add_argument("--world-size", type=_positive_int, help="default: nodes * gpus_per_node")
+    p.add_argument("--world-size", type=positive_int, help="default: nodes * gpus_per_node")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--ulysses", type=_int_or_auto, help='int or "auto"')
-    p.add_argument("--ring", type=_int_or_auto, help='int or "auto"')
-    p.add_argument("--dp", type=_int_or_auto, help='int or "auto"')
-    p.add_argument("--nodes", type=_positive_int)
-    p.add_argument("--gpus-per-node", type=_positive_int)
+    p.add_argument("--ulysses", type=int_or_auto, help='int or "auto"')
+    p.add_argument("--ring", type=int_or_auto, help='int or "auto"')
+    p.add_argument("--dp", type=int_or_auto, help='int or "auto"')
+    p.add_argument("--nodes", type=positive_int)
+    p.add_argument("--gpus-per-node", type=positive_int)
     p.add_argument("--placement", choices=PLACEMENTS)
     p.add_argument(
         "--allow-cross-node-ulysses",

@@ -82,7 +82,7 @@ class ConfigError(ValueError):
 
 
 # ----------------------------------------------------------------------------- value checks
-def _show(value: Any) -> str:
+def toml_repr(value: Any) -> str:
     """A value as the user wrote it in TOML: strings in double quotes, lowercase bools."""
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -91,24 +91,24 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _positive_int(section: str, key: str, value: Any, *, auto: bool = False) -> None:
-    if _is_int(value) and value >= 1:
+    if is_int(value) and value >= 1:
         return
     if auto and value == AUTO:
         return
     expected = 'an integer >= 1 or "auto"' if auto else "an integer >= 1"
-    raise ConfigError(f"[{section}] {key} must be {expected}, got {_show(value)}")
+    raise ConfigError(f"[{section}] {key} must be {expected}, got {toml_repr(value)}")
 
 
 def _one_of(section: str, key: str, value: Any, choices: tuple[str, ...]) -> None:
     if isinstance(value, str) and value in choices:
         return
     options = ", ".join(json.dumps(c) for c in choices)
-    raise ConfigError(f"[{section}] {key} must be one of {options}, got {_show(value)}")
+    raise ConfigError(f"[{section}] {key} must be one of {options}, got {toml_repr(value)}")
 
 
 # ----------------------------------------------------------------------------- sections
@@ -132,8 +132,8 @@ class ClusterConfig:
         """``nodes * gpus_per_node``; a :class:`ConfigError` when either is ``"auto"``."""
         if self.is_auto:
             raise ConfigError(
-                f"[cluster] nodes = {_show(self.nodes)}, gpus_per_node = "
-                f"{_show(self.gpus_per_node)}: the world size comes from the launch"
+                f"[cluster] nodes = {toml_repr(self.nodes)}, gpus_per_node = "
+                f"{toml_repr(self.gpus_per_node)}: the world size comes from the launch"
             )
         return self.nodes * self.gpus_per_node
 
@@ -157,7 +157,7 @@ class ParallelConfig:
         if not isinstance(self.allow_cross_node_ulysses, bool):
             raise ConfigError(
                 "[parallel] allow_cross_node_ulysses must be true or false, "
-                f"got {_show(self.allow_cross_node_ulysses)}"
+                f"got {toml_repr(self.allow_cross_node_ulysses)}"
             )
 
 
@@ -223,7 +223,7 @@ class UspConfig:
 
     @property
     def is_resolved(self) -> bool:
-        return all(_is_int(getattr(self.parallel, k)) for k in ("ulysses", "ring", "dp"))
+        return all(is_int(getattr(self.parallel, k)) for k in ("ulysses", "ring", "dp"))
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The TOML structure (sections -> keys), without ``source``."""
@@ -368,7 +368,7 @@ def _check_structure(data: dict[str, Any]) -> None:
                 f"unknown section [{name}]; expected {', '.join(f'[{s}]' for s in _SECTIONS)}"
             )
         if not isinstance(body, dict):
-            raise ConfigError(f"{name} must be a [{name}] table, got {_show(body)}")
+            raise ConfigError(f"{name} must be a [{name}] table, got {toml_repr(body)}")
         known = _keys_of(name)
         for key in body:
             if key not in known:
@@ -432,7 +432,7 @@ def check_cluster_matches_launch(cluster: ClusterConfig, launch: Launch) -> None
 def _resolve(
     config: UspConfig, world_size: int, node_of_rank: tuple[int, ...] | None
 ) -> ResolvedConfig:
-    if not _is_int(world_size) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
     check_world_size("world_size", world_size)
     if node_of_rank is None:

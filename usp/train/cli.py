@@ -19,26 +19,8 @@ import sys
 import traceback
 from datetime import timedelta
 
-AUTO = "auto"
-
-
-def _degree(text: str) -> int | str:
-    if text == AUTO:
-        return AUTO
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'expected an integer or "auto", got {text!r}') from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = _degree(text)
-    if value == AUTO:
-        raise argparse.ArgumentTypeError('"auto" is not allowed here')
-    return value
+from usp.cli import int_or_auto, positive_int  # one definition of the flag types
+from usp.config import AUTO
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -53,11 +35,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "config",
         help="training config (TOML: [cluster] [parallel] [attention] [model] [data] [train])",
     )
-    p.add_argument("--steps", type=_positive, help="optimizer steps (overrides [train] steps)")
+    p.add_argument("--steps", type=positive_int, help="optimizer steps (overrides [train] steps)")
     p.add_argument("--output", help="output directory (overrides [train] output_dir)")
-    p.add_argument("--ulysses", type=_degree, help='Ulysses degree, int or "auto"')
-    p.add_argument("--ring", type=_degree, help='ring degree, int or "auto"')
-    p.add_argument("--dp", type=_degree, help='data-parallel replicas, int or "auto"')
+    p.add_argument("--ulysses", type=int_or_auto, help='Ulysses degree, int or "auto"')
+    p.add_argument("--ring", type=int_or_auto, help='ring degree, int or "auto"')
+    p.add_argument("--dp", type=int_or_auto, help='data-parallel replicas, int or "auto"')
     p.add_argument(
         "--resume",
         action="store_true",

@@ -40,7 +40,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from usp.config import ConfigError, UspConfig, config_from_dict
+from usp.config import ConfigError, UspConfig, config_from_dict, is_int, toml_repr
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -56,31 +56,18 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 # ----------------------------------------------------------------------------- value checks
-def _show(value: Any) -> str:
-    """A value as written in TOML: strings in double quotes, lowercase bools."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    return repr(value)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 def _fail(section: str, key: str, expected: str, value: Any) -> None:
-    raise ConfigError(f"[{section}] {key} must be {expected}, got {_show(value)}")
+    raise ConfigError(f"[{section}] {key} must be {expected}, got {toml_repr(value)}")
 
 
 def _int(section: str, key: str, value: Any, *, minimum: int, auto: bool = False) -> None:
     if auto and value == AUTO:
         return
-    if not (_is_int(value) and value >= minimum):
+    if not (is_int(value) and value >= minimum):
         _fail(section, key, f"an integer >= {minimum}" + (' or "auto"' if auto else ""), value)
 
 
@@ -357,7 +344,7 @@ def _section(name: str, data: dict[str, Any]):
             f"missing section [{name}] (keys: {', '.join(f.name for f in fields(cls))})"
         )
     if not isinstance(body, dict):
-        raise ConfigError(f"{name} must be a [{name}] table, got {_show(body)}")
+        raise ConfigError(f"{name} must be a [{name}] table, got {toml_repr(body)}")
     known = [f.name for f in fields(cls)]
     for key in body:
         if key not in known:
