@@ -319,13 +319,14 @@ def test_rich_without_tqdm_and_plain_lines_without_either(monkeypatch):
     assert stream.getvalue().startswith("step 2/2  loss 2.0000"), stream.getvalue()
 
 
-def test_plot_or_say_why_not(tmp_path, monkeypatch):
+def test_plot_with_or_without_matplotlib(tmp_path, monkeypatch):
     path = tmp_path / "metrics.jsonl"
+    assert plot_loss(path.with_name("none.jsonl"), tmp_path / "b.png") == "no steps were logged"
     path.write_text("".join(json.dumps(_row(s)) + "\n" for s in (1, 2, 3)))
     with monkeypatch.context() as patch:
         patch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-        assert "matplotlib is not installed" in plot_loss(path, tmp_path / "a.png")
-    assert not (tmp_path / "a.png").exists()
-    pytest.importorskip("matplotlib", reason="the plot needs matplotlib")
+        assert plot_loss(path, tmp_path / "a.png") is None  # the built-in chart
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pytest.importorskip("matplotlib", reason="the matplotlib plot needs matplotlib")
     assert plot_loss(path, tmp_path / "loss.png") is None
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -2,7 +2,8 @@
 ``metrics.jsonl`` (one JSON object per optimizer step) and ``loss.png``.
 
 tqdm, rich and matplotlib are optional and imported lazily: without them the progress is
-printed as plain lines and the plot is skipped with a note saying how to get it.
+printed as plain lines and the plot is drawn by :mod:`usp.train.png_chart` (standard
+library only), so every run leaves a ``loss.png``.
 """
 
 from __future__ import annotations
@@ -173,19 +174,24 @@ def _rich_progress(total: int, start: int, stream: TextIO):
 
 # ----------------------------------------------------------------------------- plot
 def plot_loss(metrics_path: Path, png_path: Path) -> str | None:
-    """Write the loss curve; returns None on success, else why it was not written."""
+    """Write the loss curve (matplotlib when installed, else the built-in PNG chart);
+    returns None on success, else why it was not written."""
+    rows = read_metrics(metrics_path) if metrics_path.exists() else []
+    if not rows:
+        return "no steps were logged"
+    steps, losses = [r["step"] for r in rows], [r["loss"] for r in rows]
     try:
         import matplotlib
 
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install matplotlib)"
-    rows = read_metrics(metrics_path)
-    if not rows:
-        return "no steps were logged"
+        from usp.train.png_chart import write_line_chart
+
+        write_line_chart(png_path, steps, losses)
+        return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], linewidth=1.2)
+    ax.plot(steps, losses, linewidth=1.2)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (mean over label tokens)")
     ax.set_title(metrics_path.parent.name)
