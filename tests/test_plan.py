@@ -171,6 +171,23 @@ def run_foreign_packed():
     return "no error"
 
 
+def run_packed_for_another_ring_impl():
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    plan = usp.Plan(topology(1, 2))
+    packed = plan.pack(cu)  # p2p: no all-gather indices
+    q, k, v = (plan.shard(t, packed=packed) for t in _inputs(8)[:3])
+    try:
+        plan.with_options(ring_impl="allgather").attention(q, k, v, packed=packed)
+    except usp.PlanError as err:
+        return str(err)
+    return "no error"
+
+
+def test_packed_sequence_of_another_ring_impl_is_refused(distributed):
+    for message in distributed.run(run_packed_for_another_ring_impl, world_size=2):
+        assert "packed by a plan with ring_impl='p2p'" in message
+
+
 def test_packed_sequence_of_another_plan_is_refused(distributed):
     for message in distributed.run(run_foreign_packed, world_size=2):
         assert (

@@ -57,6 +57,11 @@ def _check_call(plan: Plan, q, k, v, causal, softmax_scale, packed) -> _CheckedC
                 f"the packed sequence has {packed.seq_len} tokens, but each of the {u * r} SP "
                 f"ranks holds {local_len} ({local_len * u * r} in all)"
             )
+        if plan.ring_impl == "allgather" and r > 1 and not packed.placement.segments:
+            raise PlanError(
+                "this PackedSequence was packed by a plan with ring_impl='p2p', so it holds no "
+                "all-gather indices; pack it with the plan that attends (ring_impl='allgather')"
+            )
         if packed.placement.device != q.device:
             raise ShardingError(
                 f"the PackedSequence was built for {packed.placement.device}, q is on "
