@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from usp.comm.collectives import all_gather_uncounted
 from usp.process_groups.rank_math import TopologyError, describe_node_shape, node_sizes_of
 
 UNSET = -1  # the variable is not in the environment
@@ -35,9 +36,6 @@ _ENV_NAMES = {
     "local_rank": ("LOCAL_RANK",),
     "local_world_size": ("LOCAL_WORLD_SIZE",),
 }
-
-# torch 2.13 renamed the tensor all-gather (the old name warns); older releases lack the new one
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -251,7 +249,7 @@ def observe_launch(device_type: str = "cpu", environ: Mapping[str, str] | None =
     mine = rank_launch_from_env(environ).as_tensor(exchange_device(device_type))
     world_size = dist.get_world_size()
     everyone = torch.empty(world_size * len(_FIELDS), dtype=torch.int64, device=mine.device)
-    _all_gather_single(everyone, mine, group=None)
+    all_gather_uncounted(everyone, mine, None)  # the default group
     rows = everyone.view(world_size, len(_FIELDS)).tolist()
     del mine, everyone
     # The caller may raise and exit right away (a launch that contradicts the config).
