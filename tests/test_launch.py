@@ -9,85 +9,23 @@ one config that contradicts the launch (a clear error on every rank, fast).
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import pytest
+from launch_cases import ROOT, free_port, node_flags, run_agents, torchrun
 
-ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "examples" / "usp_attention_demo.py"
 CPU_DEMO = ROOT / "examples" / "configs" / "cpu_demo.toml"
 LAUNCH_TIMEOUT_S = 150  # per launch; a hang at an exit barrier would take 300 s or more
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_two_nodes(tmp_path: Path, *script_args: str) -> list[subprocess.CompletedProcess]:
-    """Run ``examples/usp_attention_demo.py`` under two torchrun agents (2 ranks each);
-    each agent's output (its ranks' too) goes to a file, so no pipe can fill up."""
-    port = str(_free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    logs = [tmp_path / f"agent{node}-{port}.log" for node in (0, 1)]
-    agents = []
-    for node, log in enumerate(logs):
-        with open(log, "w") as out:
-            agents.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "torch.distributed.run",
-                        "--nnodes",
-                        "2",
-                        "--node-rank",
-                        str(node),
-                        "--nproc-per-node",
-                        "2",
-                        "--master-addr",
-                        "127.0.0.1",
-                        "--master-port",
-                        port,
-                        str(DEMO),
-                        *script_args,
-                    ],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # a hung agent and its workers die together
-                )  # fmt: skip
-            )
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    try:
-        for agent in agents:
-            agent.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        hung = [agent for agent in agents if agent.poll() is None]
-        for agent in hung:
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait()
-    outputs = [log.read_text() for log in logs]
-    if hung:
-        pytest.fail(
-            f"a two-node launch did not finish within {LAUNCH_TIMEOUT_S} s:\n"
-            + "\n".join(f"--- agent {i} ---\n{text}" for i, text in enumerate(outputs))
-        )
-    return [
-        subprocess.CompletedProcess(agent.args, agent.returncode, text)
-        for agent, text in zip(agents, outputs)
-    ]
+    """Run ``examples/usp_attention_demo.py`` under two torchrun agents (2 ranks each)."""
+    port = free_port()
+    commands = [torchrun(*node_flags(node, 2, 2, port), str(DEMO), *script_args) for node in (0, 1)]
+    return run_agents(commands, tmp_path, LAUNCH_TIMEOUT_S)
 
 
 def auto_config(tmp_path: Path) -> Path:

@@ -10,18 +10,12 @@ by ``usp.models.Llama`` and, when installed, by transformers.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from launch_cases import free_port, node_flags, run_agents, torchrun
 
-ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT_S = 240
 
 TRAIN_SECTIONS = """
@@ -48,54 +42,8 @@ log_interval = 1
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(launch: list[str], train_args: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        *launch,
-        "-m",
-        "usp",
-        "train",
-        *train_args,
-    ]
-
-
-def run_agents(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
-    """Start every command (one torchrun agent each), wait for all, kill on timeout."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    agents = [
-        subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # a hung agent and its workers can be killed together
-        )
-        for cmd in commands
-    ]
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    results = []
-    try:
-        for agent in agents:
-            out, _ = agent.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append(subprocess.CompletedProcess(agent.args, agent.returncode, out))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a launch did not finish within {LAUNCH_TIMEOUT_S} s")
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
-    return results
+def _usp_train(launch: list[str], train_args: list[str]) -> list[str]:
+    return torchrun(*launch, "-m", "usp", "train", *train_args)
 
 
 @pytest.fixture(scope="module")
@@ -104,27 +52,13 @@ def two_node_run(tmp_path_factory):
     config = tmp / "two_nodes.toml"
     config.write_text("[cluster]\nnodes = 2\ngpus_per_node = 2\n" + TRAIN_SECTIONS)
     out = tmp / "run"
-    port = str(_free_port())
     flags = ["--steps", "2", "--output", str(out), "--ulysses", "2", "--ring", "2", "--dp", "1"]
+    port = free_port()
     commands = [
-        _torchrun(
-            [
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(node),
-                "--nproc-per-node",
-                "2",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                port,
-            ],
-            [str(config), *flags, "--device", "cpu"],
-        )  # fmt: skip
+        _usp_train(node_flags(node, 2, 2, port), [str(config), *flags, "--device", "cpu"])
         for node in (0, 1)
     ]
-    return tmp, out, run_agents(commands)
+    return tmp, out, run_agents(commands, tmp, LAUNCH_TIMEOUT_S)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -172,11 +106,12 @@ def test_resume_on_one_node_continues_the_two_node_run(two_node_run):
     config = tmp / "one_node.toml"
     config.write_text("[cluster]\nnodes = 1\ngpus_per_node = 4\n" + TRAIN_SECTIONS)
     before = _metrics(out)
-    command = _torchrun(
-        ["--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(_free_port())],
+    port = free_port()
+    command = _usp_train(
+        ["--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(port)],
         [str(config), "--steps", "3", "--output", str(out), "--ulysses", "2", "--ring", "2", "--resume"],
     )  # fmt: skip
-    (result,) = run_agents([command])
+    (result,) = run_agents([command], tmp, LAUNCH_TIMEOUT_S)
     assert result.returncode == 0, result.stdout
     assert "resuming from" in result.stdout and "step_000002" in result.stdout, result.stdout
     rows = _metrics(out)
