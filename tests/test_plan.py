@@ -16,6 +16,7 @@ from reference import document_mask, reference_attention, relative_error
 from usp_cases import topology
 
 import usp
+import usp.models
 from usp import options
 from usp.kernels.backends import registry
 
@@ -148,6 +149,13 @@ def test_plan_rejects_unknown_choices_with_the_valid_ones():
         usp.Plan(None, backend="fast")
     with pytest.raises(usp.PlanError, match="needs a usp.Topology"):
         usp.Plan("examples/configs/cpu_demo.toml")
+    q, k, v, _ = _inputs(4)
+    for call in (
+        lambda: usp.usp_attention(q, k, v, "cpu_demo.toml"),
+        lambda: usp.models.Llama.from_config("tiny", "x"),
+    ):
+        with pytest.raises(TypeError, match="expected a usp.Topology, a usp.Plan or None"):
+            call()
 
 
 def test_one_source_for_the_choices():

@@ -173,7 +173,7 @@ def usp_attention(
     (default: on for gloo, off for NCCL; see :mod:`usp.call_check`).
     Bytes moved are counted in ``topology.comm_stats``. Second derivatives are refused.
     """
-    plan = as_plan(topology).with_options(layout=layout, ring_impl=ring_impl, backend=backend)
+    plan = as_plan(topology, layout=layout, ring_impl=ring_impl, backend=backend)
     return attend(
         plan, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=cu_seqlens, verify=verify
     )
@@ -195,9 +195,7 @@ class UspAttention(nn.Module):
         backend: str | None = None,
     ):
         super().__init__()
-        self.plan = as_plan(topology).with_options(
-            layout=layout, ring_impl=ring_impl, backend=backend
-        )
+        self.plan = as_plan(topology, layout=layout, ring_impl=ring_impl, backend=backend)
         if not isinstance(causal, bool):
             raise AttentionInputError(f"causal must be a bool, got {causal!r}")
         self.causal = causal

@@ -11,7 +11,7 @@ from usp.plan import as_plan
 
 
 def _plan(topology, layout: str | None):
-    return as_plan(topology).with_options(layout=layout)
+    return as_plan(topology, layout=layout)
 
 
 def sequence_multiple(topology, layout: str | None = None) -> int:

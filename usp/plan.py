@@ -399,8 +399,15 @@ def _can_agree(group) -> bool:
     return dist.get_backend(group) != "fake"
 
 
-def as_plan(topology_or_plan) -> Plan:
-    """A :class:`Plan` from a Plan (itself), a Topology (default choices) or None."""
+def as_plan(topology_or_plan, **attention_options) -> Plan:
+    """A :class:`Plan` from a Plan, a Topology (default choices) or None (one process);
+    ``attention_options`` (``layout``, ``ring_impl``, ``backend``; None keeps the plan's)
+    replace the choices."""
     if isinstance(topology_or_plan, Plan):
-        return topology_or_plan
-    return Plan(topology_or_plan)
+        return topology_or_plan.with_options(**attention_options)
+    if topology_or_plan is None or isinstance(topology_or_plan, Topology):
+        return Plan(topology_or_plan).with_options(**attention_options)
+    raise TypeError(
+        "expected a usp.Topology, a usp.Plan or None (single process), "
+        f"got {type(topology_or_plan).__name__}"
+    )

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from usp.models.labels import IGNORE_INDEX, shift_labels
-from usp.models.plans import as_plan
-from usp.plan import PackedSequence
+from usp.plan import PackedSequence, as_plan
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from usp.models.batch import ShardedBatch
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, loss_dtype, sp_cross_entropy, sp_normalise
-from usp.models.plans import as_plan
+from usp.plan import as_plan
 
 #: the keyword of ``model(...)`` that carries a ``usp.PackedSequence`` to the attention
 PACKED_KWARG = "usp_packed"

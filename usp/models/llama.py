@@ -19,8 +19,9 @@ from torch.utils.checkpoint import checkpoint
 from usp.models.config import LlamaConfig
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, check_chunk_tokens, sp_cross_entropy
-from usp.models.plans import as_plan, check_heads, pack_once
+from usp.models.plans import check_heads, pack_once
 from usp.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from usp.plan import as_plan
 
 
 class RMSNorm(nn.Module):

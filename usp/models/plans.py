@@ -1,25 +1,12 @@
-"""How a model turns what a user hands it (a Topology, a Plan, None; cu_seqlens or a
-PackedSequence) into the one :class:`usp.Plan` and, per forward, one PackedSequence."""
+"""How a model checks its heads against the plan and turns cu_seqlens (or a
+PackedSequence) into one PackedSequence per forward (``usp.plan.as_plan`` makes the plan)."""
 
 from __future__ import annotations
 
 import torch
 
 from usp.plan import PackedSequence, Plan
-from usp.process_groups import HeadLayoutError, Topology, describe_valid_pairs, kv_replication
-
-
-def as_plan(topology, **attention_options) -> Plan:
-    """``topology`` (a Topology, a Plan or None) as a Plan; ``attention_options``
-    (``layout``, ``ring_impl``, ``backend``) replace the plan's choices."""
-    if isinstance(topology, Plan):
-        return topology.with_options(**attention_options)
-    if topology is None or isinstance(topology, Topology):
-        return Plan(topology, **attention_options)
-    raise TypeError(
-        f"topology must be a usp.Topology, a usp.Plan or None (single process), "
-        f"got {type(topology).__name__}"
-    )
+from usp.process_groups import HeadLayoutError, describe_valid_pairs, kv_replication
 
 
 def check_heads(plan: Plan, num_heads: int, num_kv_heads: int) -> None:
