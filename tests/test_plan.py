@@ -331,3 +331,18 @@ def test_agreement_cost_is_measured(distributed):
     results = distributed.run(run_agreement_cost, 20, world_size=4)
     for timings in results:
         assert timings[True] > 0 and timings[False] > 0
+
+
+def test_packed_sequence_of_another_length_is_refused():
+    plan = usp.Plan(None)
+    packed = plan.pack(torch.tensor([0, 4, 8], dtype=torch.int32))
+    q, k, v, _ = _inputs(6)
+    expected = "the packed sequence has 8 tokens, but the tensors hold 6 over the 1 SP rank"
+    with pytest.raises(usp.ShardingError, match=expected):
+        plan.attention(q, k, v, packed=packed)
+    with pytest.raises(usp.ShardingError, match=expected):
+        plan.shard(q, packed=packed)
+    with pytest.raises(usp.ShardingError, match=expected):
+        usp.models.Llama.from_config("tiny", plan)(
+            torch.zeros(1, 6, dtype=torch.long), cu_seqlens=packed
+        )

@@ -52,11 +52,6 @@ def _check_call(plan: Plan, q, k, v, causal, softmax_scale, packed) -> _CheckedC
             raise ShardingError(
                 f"packed sequences (cu_seqlens) need batch size 1, got {spec.batch}"
             )
-        if packed.seq_len != local_len * u * r:
-            raise ShardingError(
-                f"the packed sequence has {packed.seq_len} tokens, but each of the {u * r} SP "
-                f"ranks holds {local_len} ({local_len * u * r} in all)"
-            )
         if plan.ring_impl == "allgather" and r > 1 and not packed.placement.segments:
             raise PlanError(
                 "this PackedSequence was packed by a plan with ring_impl='p2p', so it holds no "

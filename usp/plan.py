@@ -258,7 +258,8 @@ class Plan:
     ) -> PackedSequence | None:
         """``packed`` as a :class:`PackedSequence` of this plan: None stays None, a
         cu_seqlens tensor is packed here without a collective (the attention call's own
-        agreement covers it), a PackedSequence is checked to fit this plan."""
+        agreement covers it), a PackedSequence is checked to fit this plan and, when
+        ``seq_len`` is given, the global length of the tensors it goes with."""
         if packed is None:
             return None
         if isinstance(packed, PackedSequence):
@@ -269,18 +270,18 @@ class Plan:
                     f"this PackedSequence was built for (ring, ulysses, layout) = {got}, the plan "
                     f"has {expected}; build it with this plan's pack()"
                 )
+            if seq_len is not None and packed.seq_len != seq_len:
+                raise ShardingError(
+                    f"the packed sequence has {packed.seq_len} tokens, but the tensors hold "
+                    f"{seq_len} over the {self.sp_degree} SP rank(s)"
+                )
             return packed
         return self.pack(packed, device=device, seq_len=seq_len, agree_ranks=False)
 
     # ------------------------------------------------------------------ sharding
     def _documents(self, seq_len: int, packed) -> Documents:
         if isinstance(packed, PackedSequence):
-            self.packed_sequence(packed)
-            if packed.seq_len != seq_len:
-                raise ShardingError(
-                    f"the packed sequence has {packed.seq_len} tokens, the tensor {seq_len}"
-                )
-            return packed.documents
+            return self.packed_sequence(packed, seq_len=seq_len).documents
         return sequence_documents(
             seq_len, self.ring_degree, self.ulysses_degree, self.layout, packed
         )

@@ -38,11 +38,6 @@ def pack_once(plan: Plan, cu_seqlens, input_ids: torch.Tensor) -> PackedSequence
         )
     global_len = input_ids.shape[1] * plan.sp_degree
     if isinstance(cu_seqlens, PackedSequence):
-        if cu_seqlens.seq_len != global_len:
-            raise ValueError(
-                f"the packed sequence has {cu_seqlens.seq_len} tokens, but input_ids hold "
-                f"{input_ids.shape[1]} per rank x {plan.sp_degree} ranks = {global_len}"
-            )
-        return plan.packed_sequence(cu_seqlens)
+        return plan.packed_sequence(cu_seqlens, seq_len=global_len)
     # a collective (the SP ranks agree on the boundaries), once per forward
     return plan.pack(cu_seqlens, device=input_ids.device, seq_len=global_len)
