@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from usp.comm.stats import CommStats
-from usp.options import RING_IMPLS  # noqa: F401  (re-exported: usp.ring.RING_IMPLS)
 from usp.ring.placement import RankPlacement
 
 
