@@ -10,7 +10,8 @@ Typical use, after ``torch.distributed.init_process_group``::
 from usp.attention import UspAttention, usp_attention
 from usp.comm.agreement import RankDisagreementError
 from usp.comm.stats import CommStats
-from usp.config import ConfigError, UspConfig, build_topology_from_config, load_config
+from usp.config import UspConfig, build_topology_from_config, load_config
+from usp.errors import ConfigError, InputError, UspError
 from usp.functional import (
     gather_sequence,
     local_position_ids,
@@ -46,6 +47,7 @@ __all__ = [
     "ConfigError",
     "DocumentPadding",
     "HeadLayoutError",
+    "InputError",
     "PackedSequence",
     "Plan",
     "PlanError",
@@ -56,6 +58,7 @@ __all__ = [
     "TopologyError",
     "UspAttention",
     "UspConfig",
+    "UspError",
     "attention_backward",
     "attention_forward",
     "build_topology",

@@ -47,6 +47,7 @@ import sys
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
+from usp.errors import ConfigError  # noqa: F401 - re-exported here
 from usp.options import BACKENDS, LAYOUTS, RING_IMPLS  # one source; imports nothing
 from usp.process_groups.degrees import (
     HeadLayoutError,
@@ -75,10 +76,6 @@ AUTO = "auto"
 # A topology config is a few hundred bytes; refuse to read more than this (a device file,
 # a mistaken path to a dataset) instead of loading it into memory.
 MAX_CONFIG_BYTES = 1 << 20
-
-
-class ConfigError(ValueError):
-    """A config file (or its overrides) is malformed or does not fit the world."""
 
 
 # ----------------------------------------------------------------------------- value checks

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from usp.comm.agreement import Field, agree, stable_hash
+from usp.errors import InputError
 from usp.options import (
     BACKENDS,
     DEFAULT_BACKEND,
@@ -50,7 +51,7 @@ from usp.sharding import (
 )
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """A plan was built or used with options or inputs it cannot serve."""
 
 

@@ -24,12 +24,9 @@ import torch
 import torch.distributed as dist
 
 from usp.comm.collectives import all_gather_uncounted
+from usp.errors import ShardingError  # noqa: F401 - re-exported here
 from usp.kernels.spec import validate_cu_seqlens
 from usp.ring.documents import Documents, check_layout
-
-
-class ShardingError(ValueError):
-    """A sequence cannot be placed on the ranks as asked."""
 
 
 def required_multiple(ring_size: int, ulysses_size: int, layout: str) -> int:

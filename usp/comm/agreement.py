@@ -21,12 +21,9 @@ import torch
 import torch.distributed as dist
 
 from usp.comm.collectives import all_gather_uncounted
+from usp.errors import RankDisagreementError  # noqa: F401 - re-exported here
 
 _MESSAGE_BYTES = 1024
-
-
-class RankDisagreementError(ValueError):
-    """The ranks of a group called a collective operation with different arguments."""
 
 
 @dataclass(frozen=True)

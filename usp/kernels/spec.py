@@ -26,13 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-class AttentionInputError(ValueError):
-    """The tensors or options of an attention call cannot be served as given."""
-
-
-class BackendUnavailableError(AttentionInputError):
-    """A backend was asked for where it cannot run (device, dtype, option, missing package)."""
+from usp.errors import AttentionInputError, BackendUnavailableError  # noqa: F401 - re-exported here
 
 
 @dataclass(frozen=True)

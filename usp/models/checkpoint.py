@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from usp.errors import CheckpointError  # noqa: F401 - re-exported here
 from usp.models.config import LlamaConfig, ModelConfigError
 
 CONFIG_FILE = "config.json"
@@ -20,10 +21,6 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 #: checkpoint keys that hold no parameter of this model (old HF exports carry them)
 _IGNORED_KEYS = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded as asked."""
 
 
 def _safetensors():

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from usp.errors import ModelConfigError  # noqa: F401 - re-exported here
+
 #: HF ``architectures`` / ``model_type`` values this model computes exactly
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -25,10 +27,6 @@ LLAMA3_ROPE_KEYS = (
     "high_freq_factor",
     "original_max_position_embeddings",
 )
-
-
-class ModelConfigError(ValueError):
-    """A model configuration this package cannot serve, or an inconsistent one."""
 
 
 @dataclass(frozen=True)

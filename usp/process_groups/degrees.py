@@ -16,11 +16,8 @@ from __future__ import annotations
 
 from math import lcm
 
+from usp.errors import HeadLayoutError  # noqa: F401 - re-exported here
 from usp.process_groups.rank_math import TopologyError, check_degree, divisors
-
-
-class HeadLayoutError(ValueError):
-    """The head counts cannot be split over the requested Ulysses degree."""
 
 
 def _check_heads(num_heads: int, num_kv_heads: int) -> None:

@@ -43,6 +43,8 @@ from functools import cached_property
 from math import gcd
 from typing import NamedTuple
 
+from usp.errors import TopologyError  # noqa: F401 - re-exported here
+
 ULYSSES_IN_NODE = "ulysses-in-node"
 RING_IN_NODE = "ring-in-node"
 PLACEMENTS = (ULYSSES_IN_NODE, RING_IN_NODE)
@@ -54,10 +56,6 @@ MAX_WORLD_SIZE = 2**31 - 1
 MAX_LISTED_RANKS = 2**20
 # Groups longer than this are not scanned member by member for error messages.
 _MAX_SCANNED_MEMBERS = 4096
-
-
-class TopologyError(ValueError):
-    """Degrees, world size, node size and placement do not fit together."""
 
 
 class Coords(NamedTuple):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from usp.comm.stats import CommStats
+from usp.errors import TopologyDestroyedError  # noqa: F401 - re-exported here
 from usp.process_groups.launch import (
     Launch,
     can_observe_launch,
@@ -40,10 +41,6 @@ from usp.process_groups.rank_math import (
 
 MESH_AXES = ("dp", "ring", "ulysses")
 GROUP_NAMES = ("ulysses", "ring", "dp", "sp", "dp_sp")
-
-
-class TopologyDestroyedError(RuntimeError):
-    """A topology's groups or meshes were used after :meth:`Topology.destroy`."""
 
 
 def default_ranks_per_node(world_size: int, environ: Mapping[str, str] | None = None) -> int:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from usp.call_check import call_fields, checked_call, needs_grad
 from usp.comm.agreement import stable_hash
 from usp.comm.stats import CommStats
+from usp.errors import InputError
 from usp.kernels.api import select_backend
 from usp.kernels.spec import (
     AttentionInputError,
@@ -27,7 +28,7 @@ from usp.ring.p2p import p2p_backward, p2p_forward
 from usp.ring.placement import RankPlacement, dense_placement, packed_placement
 
 
-class RingInputError(ValueError):
+class RingInputError(InputError):
     """The inputs of a ring-attention call do not fit its group or layout."""
 
 

@@ -21,10 +21,11 @@ from functools import cached_property
 
 import torch
 
+from usp.errors import InputError
 from usp.options import LAYOUTS
 
 
-class DocumentLayoutError(ValueError):
+class DocumentLayoutError(InputError):
     """Document boundaries that the layout cannot place."""
 
 

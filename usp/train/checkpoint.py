@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from usp.errors import CheckpointError  # noqa: F401 - re-exported here
+
 META_FILE = "usp_meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # The LlamaConfig fields that decide the parameters' shapes.
@@ -39,10 +41,6 @@ SHAPE_FIELDS = (
     "attention_head_dim",
     "tie_word_embeddings",
 )
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from (another model, incomplete, ...)."""
 
 
 def model_shape(config) -> dict[str, int | bool]:

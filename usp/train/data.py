@@ -37,11 +37,9 @@ from pathlib import Path
 
 import torch
 
+from usp.errors import DataError  # noqa: F401 - re-exported here
+
 IGNORE_INDEX = -100
-
-
-class DataError(ValueError):
-    """Training data that cannot be read, tokenised or packed as asked."""
 
 
 # ----------------------------------------------------------------------------- tokenizers
