@@ -10,13 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from usp.cli import build_parser
 from usp.config import ConfigError
-from usp.train.cli import build_parser
-from usp.train.components import check_lengths, model_source
+from usp.train.components import check_lengths, model_source, topology_config
 from usp.train.config import (
     is_train_config,
     load_train_config,
-    topology_config,
     train_config_from_dict,
 )
 
@@ -93,7 +92,7 @@ def test_cpu_finetune_is_the_main_job():
 
 
 def test_topology_view_of_a_training_config_has_the_model_heads():
-    config = topology_config(CONFIGS / "cpu_finetune.toml")
+    config = topology_config(load_train_config(CONFIGS / "cpu_finetune.toml"))
     assert (config.model.num_heads, config.model.num_kv_heads) == (4, 2)
     assert is_train_config({"train": {}}) and not is_train_config({"cluster": {}})
 

@@ -2,12 +2,11 @@
 
 import sys
 
-from usp.train.cli import build_parser
+from usp.cli import main as usp_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
-    return args.run(args)
+    return usp_main(["train", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

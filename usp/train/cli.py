@@ -19,42 +19,7 @@ import sys
 import traceback
 from datetime import timedelta
 
-from usp.cli import int_or_auto, positive_int  # one definition of the flag types
 from usp.config import AUTO
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``train`` on the ``usp`` command line (``set_defaults(run=run)``)."""
-    p = subparsers.add_parser(
-        "train",
-        help="fine-tune a Llama-3-family model under USP (launch with torchrun)",
-        description="Fine-tune a Llama-3-family model with FSDP2 over dp x (ulysses x ring). "
-        "Launch: torchrun --nproc-per-node N -m usp train CONFIG",
-    )
-    p.add_argument(
-        "config",
-        help="training config (TOML: [cluster] [parallel] [attention] [model] [data] [train])",
-    )
-    p.add_argument("--steps", type=positive_int, help="optimizer steps (overrides [train] steps)")
-    p.add_argument("--output", help="output directory (overrides [train] output_dir)")
-    p.add_argument("--ulysses", type=int_or_auto, help='Ulysses degree, int or "auto"')
-    p.add_argument("--ring", type=int_or_auto, help='ring degree, int or "auto"')
-    p.add_argument("--dp", type=int_or_auto, help='data-parallel replicas, int or "auto"')
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest checkpoint in the output directory (step 0 if none)",
-    )
-    p.add_argument("--device", choices=["cpu", "cuda"], help="overrides [train] device")
-    p.set_defaults(run=run)
-    return p
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """A parser with only ``train`` (``usp.cli`` registers it next to ``topo``)."""
-    parser = argparse.ArgumentParser(prog="usp")
-    add_parser(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    return parser
 
 
 def _launched_by_torchrun() -> bool:
@@ -167,14 +132,9 @@ def build_plan(job):
     A collective: every rank calls it after ``init_process_group``."""
     from usp.config import build_topology_from_config
     from usp.plan import Plan
-    from usp.train.components import model_source
+    from usp.train.components import topology_config
 
-    config = model_source(job).config
-    topo_config = job.topology_with_heads(
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.attention_head_dim,
-    )
+    topo_config = topology_config(job)
     topology = build_topology_from_config(topo_config)
     a = topo_config.attention
     # The trainer makes every batch itself, identically on all SP ranks, and Plan.pack

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from usp.config import ConfigError
+from usp.config import ConfigError, UspConfig
 from usp.train.config import AUTO, TrainJobConfig
 from usp.train.data import (
     ByteTokenizer,
@@ -58,6 +58,17 @@ def model_source(job: TrainJobConfig) -> ModelSource:
         return ModelSource(LlamaConfig.from_json_file(config_file), directory)
     except ModelConfigError as err:
         raise job.error(f"[model] {err}") from None
+
+
+def topology_config(job: TrainJobConfig) -> UspConfig:
+    """The job's topology config with the model's head counts as its ``[model]``, so
+    ``ulysses = "auto"`` and the head checks see the real model (what ``usp topo`` shows
+    and what ``usp train`` builds its topology from). A :class:`ConfigError` when the
+    model's config cannot be read."""
+    config = model_source(job).config
+    return job.topology_with_heads(
+        config.num_attention_heads, config.num_key_value_heads, config.attention_head_dim
+    )
 
 
 # ----------------------------------------------------------------------------- lengths

@@ -358,15 +358,3 @@ def _section(name: str, data: dict[str, Any]):
 def is_train_config(data: dict[str, Any]) -> bool:
     """Whether a parsed TOML file is a training config (it has ``[train]`` or ``[data]``)."""
     return "train" in data or "data" in data
-
-
-def topology_config(path: str | os.PathLike) -> UspConfig:
-    """The topology part of a training config, with the model's head counts as its
-    ``[model]`` (what ``usp topo`` needs to check and show such a file)."""
-    from usp.train.components import model_source
-
-    job = load_train_config(path)
-    config = model_source(job).config
-    return job.topology_with_heads(
-        config.num_attention_heads, config.num_key_value_heads, config.attention_head_dim
-    )

@@ -1,8 +1,8 @@
-"""The ``usp`` command line (also ``python -m usp``).
+"""``usp topo CONFIG``: print a config's validated rank map without launching anything.
 
-Subcommands register themselves in :func:`build_parser` with ``set_defaults(run=...)``;
-each ``run(args) -> int`` returns the exit status. ``usp topo`` prints a config's
-validated rank map without launching anything.
+Reads a topology config, or the topology part of a training config (with the model's
+head counts when its config is at hand); options override the file's values. Exit
+status: 0 printed, 2 the config is invalid (the reason on stderr).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from usp.config import AUTO, ConfigError, ResolvedConfig, UspConfig, config_from_dict, read_toml
+from usp.cli.args import int_or_auto, positive_int
+from usp.config import ConfigError, ResolvedConfig, UspConfig, config_from_dict, read_toml
 from usp.process_groups.degrees import HeadLayoutError, valid_degree_pairs
 from usp.process_groups.rank_math import (
     PLACEMENTS,
@@ -22,6 +23,8 @@ from usp.process_groups.rank_math import (
     TopologyError,
     fitting_ulysses_degrees,
 )
+from usp.train.components import topology_config  # the trainer's reading of [model]
+from usp.train.config import train_config_from_dict
 
 # How much of a big world the text view shows.
 _MAX_NODES_SHOWN = 8  # more nodes: the first 6 and the last 2
@@ -34,31 +37,8 @@ MAX_JSON_RANKS = 65536
 
 
 # ----------------------------------------------------------------------------- parser
-def int_or_auto(text: str) -> int | str:
-    """argparse type: an integer >= 1 or "auto" (also used by ``usp train``)."""
-    if text == AUTO:
-        return AUTO
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'expected an integer or "auto", got {text!r}') from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _add_topo(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``topo`` on the ``usp`` command line."""
     p = subparsers.add_parser(
         "topo",
         help="print the validated rank map of a topology config",
@@ -81,23 +61,6 @@ def _add_topo(subparsers: argparse._SubParsersAction) -> None:
         help="allow Ulysses groups to span nodes",
     )
     p.set_defaults(run=run_topo)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="usp", description="usp: hybrid sequence parallelism (Ulysses x ring attention)."
-    )
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_topo(subparsers)
-    from usp.train.cli import add_parser as add_train_parser  # torch-free until it runs
-
-    add_train_parser(subparsers)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.run(args)
 
 
 # ----------------------------------------------------------------------------- usp topo
@@ -145,18 +108,12 @@ def load_topology_config(path: str, **overrides: Any) -> tuple[UspConfig, list[s
     data = read_toml(path)
     if not any(section in data for section in _TRAINING_SECTIONS):
         return config_from_dict(data, source=path, **overrides), []
-    from usp.train.components import model_source  # the trainer's reading of [model]
-    from usp.train.config import train_config_from_dict
-
     job = train_config_from_dict(data, source=path)
     try:
-        model = model_source(job).config
+        config = topology_config(job)
     except ConfigError as e:
         note = f"head counts not checked: the model's config is not readable here ({e})"
         return job.topology.with_overrides(**overrides), [note]
-    config = job.topology_with_heads(
-        model.num_attention_heads, model.num_key_value_heads, model.attention_head_dim
-    )
     return config.with_overrides(**overrides), []
 
 

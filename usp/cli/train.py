@@ -1,0 +1,35 @@
+"""``usp train CONFIG``: the flags; the command itself is :func:`usp.train.cli.run`."""
+
+from __future__ import annotations
+
+import argparse
+
+from usp.cli.args import int_or_auto, positive_int
+from usp.train.cli import run
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``train`` on the ``usp`` command line (``set_defaults(run=run)``)."""
+    p = subparsers.add_parser(
+        "train",
+        help="fine-tune a Llama-3-family model under USP (launch with torchrun)",
+        description="Fine-tune a Llama-3-family model with FSDP2 over dp x (ulysses x ring). "
+        "Launch: torchrun --nproc-per-node N -m usp train CONFIG",
+    )
+    p.add_argument(
+        "config",
+        help="training config (TOML: [cluster] [parallel] [attention] [model] [data] [train])",
+    )
+    p.add_argument("--steps", type=positive_int, help="optimizer steps (overrides [train] steps)")
+    p.add_argument("--output", help="output directory (overrides [train] output_dir)")
+    p.add_argument("--ulysses", type=int_or_auto, help='Ulysses degree, int or "auto"')
+    p.add_argument("--ring", type=int_or_auto, help='ring degree, int or "auto"')
+    p.add_argument("--dp", type=int_or_auto, help='data-parallel replicas, int or "auto"')
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in the output directory (step 0 if none)",
+    )
+    p.add_argument("--device", choices=["cpu", "cuda"], help="overrides [train] device")
+    p.set_defaults(run=run)
+    return p
