@@ -198,7 +198,7 @@ def test_model_section_errors(tmp_path):
 
 
 def _dict() -> dict:
-    from usp.train.config import tomllib
+    from usp.config.toml import tomllib
 
     return tomllib.loads(MINIMAL)
 
@@ -274,3 +274,78 @@ def test_command_without_torchrun_checks_the_world_size(tmp_path, capsys, monkey
     import torch.distributed as dist
 
     assert not dist.is_initialized(), "the world of one is torn down after the error"
+
+
+# ----------------------------------------------------------------------------- one config system
+def test_model_section_means_one_thing_per_kind_of_file(tmp_path):
+    # a training config names its model; head counts there are refused with the reason
+    mixed = with_line("model", "num_heads = 32")
+    with pytest.raises(ConfigError, match=r"\[model\] num_heads: a training config takes the head"):
+        load_train_config(write(tmp_path, mixed))
+    # a topology-only config gives head counts; a model to train there is refused
+    from usp.config import load_config
+
+    topo_only = "[cluster]\nnodes = 1\ngpus_per_node = 4\n[parallel]\nulysses = 2\nring = 2\n"
+    path = write(tmp_path, topo_only + '[model]\npreset = "tiny"\n', "topo.toml")
+    with pytest.raises(ConfigError, match=r"topo.toml: \[model\] preset names a model to train"):
+        load_config(path)
+    path = write(tmp_path, topo_only + "[model]\nnum_heads = 8\n", "heads.toml")
+    assert load_config(path).model.num_kv_heads == 8
+
+
+def test_one_reader_for_training_configs(tmp_path):
+    from usp.config import MAX_CONFIG_BYTES
+
+    big = write(tmp_path, MINIMAL + "#" * MAX_CONFIG_BYTES)
+    with pytest.raises(ConfigError, match=f"larger than {MAX_CONFIG_BYTES} bytes"):
+        load_train_config(big)
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe" + MINIMAL.encode())
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_train_config(binary)
+    with pytest.raises(ConfigError, match="is a directory, not a config file"):
+        load_train_config(tmp_path)
+
+
+def test_overrides_come_from_every_sections_fields(tmp_path):
+    from usp.train.config import OVERRIDE_KEYS
+
+    path = write(tmp_path, MINIMAL)
+    job = load_train_config(
+        path, layout="contiguous", synthetic_length=10, gpus_per_node=2, lr=0.5, steps=None
+    )
+    assert job.topology.attention.layout == "contiguous"
+    assert job.topology.cluster.gpus_per_node == 2
+    assert (job.data.synthetic_length, job.train.lr, job.train.steps) == (10, 0.5, 10)
+    again = job.with_overrides(ring=1)  # applied on top of the earlier ones
+    assert (again.topology.parallel.ring, again.topology.attention.layout) == (1, "contiguous")
+    assert OVERRIDE_KEYS["document_multiple"] == "data" and OVERRIDE_KEYS["nodes"] == "cluster"
+    with pytest.raises(ConfigError, match="unknown override 'preset'; known overrides: nodes"):
+        load_train_config(path, preset="tiny")
+    with pytest.raises(
+        ConfigError, match=r"job.toml: \[data\] synthetic_length must be an integer"
+    ):
+        load_train_config(path, synthetic_length=1)
+
+
+def test_a_key_two_sections_share_is_no_flat_override():
+    from dataclasses import dataclass
+
+    from usp.config import apply_overrides, override_keys
+
+    @dataclass
+    class A:
+        size: int = 1
+        name: str = "a"
+
+    @dataclass
+    class B:
+        size: int = 2
+
+    keys = override_keys({"a": A, "b": B})
+    assert keys == {"name": "a"}
+    assert apply_overrides({"a": {"size": 3}}, {"name": "x"}, keys) == {
+        "a": {"size": 3, "name": "x"}
+    }
+    with pytest.raises(ConfigError, match="unknown override 'size'; known overrides: name"):
+        apply_overrides({}, {"size": 3}, keys)

@@ -24,7 +24,7 @@ from usp.process_groups.rank_math import (
     fitting_ulysses_degrees,
 )
 from usp.train.components import topology_config  # the trainer's reading of [model]
-from usp.train.config import train_config_from_dict
+from usp.train.config import is_train_config, train_config_from_dict
 
 # How much of a big world the text view shows.
 _MAX_NODES_SHOWN = 8  # more nodes: the first 6 and the last 2
@@ -93,10 +93,6 @@ def run_topo(args: argparse.Namespace) -> int:
     return 0
 
 
-# A training config (usp train) adds these sections to a topology config.
-_TRAINING_SECTIONS = ("data", "train")
-
-
 def load_topology_config(path: str, **overrides: Any) -> tuple[UspConfig, list[str]]:
     """The topology config in ``path`` (with ``overrides``), and notes for the output.
 
@@ -106,7 +102,7 @@ def load_topology_config(path: str, **overrides: Any) -> tuple[UspConfig, list[s
     note says so.
     """
     data = read_toml(path)
-    if not any(section in data for section in _TRAINING_SECTIONS):
+    if not is_train_config(data):
         return config_from_dict(data, source=path, **overrides), []
     job = train_config_from_dict(data, source=path)
     try:

@@ -26,70 +26,59 @@ A training config is a TOML file::
 
 ``[cluster]``, ``[parallel]`` and ``[attention]`` go to :func:`usp.config.config_from_dict`
 (with the model's head counts as its ``[model]``, so ``ulysses = "auto"`` and the head
-checks see the real model). Every error is a :class:`~usp.config.ConfigError` that names
+checks see the real model: :func:`usp.train.components.topology_config`). Here
+``[model]`` names the model (``path`` or ``preset``); the head counts a topology-only
+config gives there (``num_heads`` ...) are refused in a training config, and ``path`` /
+``preset`` in a topology-only one. The file is read by :func:`usp.config.read_toml`,
+every key checked by the validators of :mod:`usp.config.fields`, and the overrides
+(:data:`OVERRIDE_KEYS`) are derived from the sections' fields. Every error is a :class:`~usp.config.ConfigError` that names
 the file and the ``[section] key``. Paths are resolved relative to the config file.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import sys
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from usp.config import ConfigError, UspConfig, config_from_dict, is_int, toml_repr
+from usp.config import (
+    AUTO,
+    ConfigError,
+    UspConfig,
+    apply_overrides,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_string,
+    config_from_dict,
+    fail,
+    is_number,
+    keys_of,
+    located,
+    override_keys,
+    read_section,
+    read_toml,
+)
+from usp.config.schema import SECTIONS as TOPOLOGY_SCHEMA
+from usp.config.schema import ModelConfig
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
-AUTO = "auto"
 TOPOLOGY_SECTIONS = ("cluster", "parallel", "attention")
 TRAIN_SECTIONS = ("model", "data", "train")
 DATA_SOURCES = ("jsonl", "synthetic")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 
-
-# ----------------------------------------------------------------------------- value checks
-def _is_number(value: Any) -> bool:
-    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def _fail(section: str, key: str, expected: str, value: Any) -> None:
-    raise ConfigError(f"[{section}] {key} must be {expected}, got {toml_repr(value)}")
-
-
-def _int(section: str, key: str, value: Any, *, minimum: int, auto: bool = False) -> None:
-    if auto and value == AUTO:
-        return
-    if not (is_int(value) and value >= minimum):
-        _fail(section, key, f"an integer >= {minimum}" + (' or "auto"' if auto else ""), value)
-
-
-def _number(section: str, key: str, value: Any, *, minimum: float, strict: bool = False) -> None:
-    ok = _is_number(value) and (value > minimum if strict else value >= minimum)
-    if not ok:
-        _fail(section, key, f"a number {'>' if strict else '>='} {minimum}", value)
-
-
-def _bool(section: str, key: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        _fail(section, key, "true or false", value)
-
-
-def _choice(section: str, key: str, value: Any, choices: tuple[str, ...]) -> None:
-    if not (isinstance(value, str) and value in choices):
-        _fail(section, key, "one of " + ", ".join(json.dumps(c) for c in choices), value)
-
-
-def _string(section: str, key: str, value: Any) -> None:
-    if not (isinstance(value, str) and value):
-        _fail(section, key, "a non-empty string", value)
+# The sections below validate with usp.config's field validators (one set for every
+# section), under these short local names.
+_is_number = is_number
+_fail = fail
+_int = check_int
+_number = check_number
+_bool = check_bool
+_choice = check_choice
+_string = check_string
 
 
 # ----------------------------------------------------------------------------- sections
@@ -213,6 +202,15 @@ class TrainSection:
 
 
 _SECTIONS: dict[str, type] = {"model": ModelSection, "data": DataSection, "train": TrainSection}
+# Overrides (command-line flags, keyword arguments): every key of the topology sections,
+# [data] and [train]; the model is named in the file.
+OVERRIDE_KEYS: dict[str, str] = override_keys(
+    {
+        **{name: TOPOLOGY_SCHEMA[name] for name in TOPOLOGY_SECTIONS},
+        "data": DataSection,
+        "train": TrainSection,
+    }
+)
 
 
 # ----------------------------------------------------------------------------- the job
@@ -225,8 +223,8 @@ class TrainJobConfig:
     data: DataSection
     train: TrainSection
     source: str | None = None
-    #: the [cluster]/[parallel]/[attention] tables as written, plus applied overrides
-    topology_data: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: the TOML structure as written, with the applied overrides
+    tables: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def error(self, message: str) -> ConfigError:
         """A :class:`ConfigError` located in this config's file."""
@@ -268,68 +266,40 @@ class TrainJobConfig:
         return t.gradient_accumulation
 
     def with_overrides(self, **overrides: Any) -> TrainJobConfig:
-        """Command-line overrides; ``None`` values are ignored (argparse defaults)."""
-        topo = {k: overrides.pop(k) for k in ("ulysses", "ring", "dp") if k in overrides}
-        train = {k: v for k, v in overrides.items() if v is not None}
-        unknown = set(train) - {f.name for f in fields(TrainSection)}
-        if unknown:
-            raise ConfigError(f"unknown override(s) {sorted(unknown)}")
-        try:
-            section = replace(self.train, **train)
-        except ConfigError as e:
-            raise self.error(str(e)) from None
-        data = {name: dict(body) for name, body in self.topology_data.items()}
-        for key, value in topo.items():
-            if value is not None:
-                data.setdefault("parallel", {})[key] = value
-        topology = config_from_dict(data, source=self.source)
-        return replace(self, topology=topology, train=section, topology_data=data)
+        """The file re-read with ``overrides`` (any key of :data:`OVERRIDE_KEYS`:
+        ``steps=3``, ``ulysses=4``, ...); ``None`` values are ignored (argparse defaults)."""
+        return train_config_from_dict(self.tables, source=self.source, **overrides)
 
     def topology_with_heads(self, num_heads: int, num_kv_heads: int, head_dim: int) -> UspConfig:
         """The topology config with the model's head counts as its ``[model]``, so
         ``ulysses = "auto"`` and the head checks see the real model."""
-        data = dict(self.topology_data)
-        data["model"] = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-        return config_from_dict(data, source=self.source)
+        return self.topology.with_heads(num_heads, num_kv_heads, head_dim)
 
 
 def load_train_config(path: str | os.PathLike, **overrides: Any) -> TrainJobConfig:
     """Parse a training config file; ``overrides`` as in :meth:`TrainJobConfig.with_overrides`."""
     source = os.fspath(path)
-    try:
-        with open(source, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: no such config file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{source}: is a directory, expected a TOML file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{source}: invalid TOML: {e}") from None
-    job = train_config_from_dict(data, source=source)
-    return job.with_overrides(**overrides) if overrides else job
+    return train_config_from_dict(read_toml(source), source=source, **overrides)
 
 
-def train_config_from_dict(data: dict[str, Any], *, source: str | None = None) -> TrainJobConfig:
+def train_config_from_dict(
+    data: dict[str, Any], *, source: str | None = None, **overrides: Any
+) -> TrainJobConfig:
     """Build a :class:`TrainJobConfig` from the TOML structure (a dict of sections)."""
-
-    def located(message: str) -> ConfigError:
-        return ConfigError(f"{source}: {message}" if source else message)
-
-    unknown = [name for name in data if name not in TOPOLOGY_SECTIONS + TRAIN_SECTIONS]
-    if unknown:
-        expected = ", ".join(f"[{s}]" for s in TOPOLOGY_SECTIONS + TRAIN_SECTIONS)
-        raise located(f"unknown section [{unknown[0]}]; expected {expected}")
     try:
+        data = apply_overrides(data, overrides, OVERRIDE_KEYS)
+        unknown = [name for name in data if name not in TOPOLOGY_SECTIONS + TRAIN_SECTIONS]
+        if unknown:
+            expected = ", ".join(f"[{s}]" for s in TOPOLOGY_SECTIONS + TRAIN_SECTIONS)
+            raise ConfigError(f"unknown section [{unknown[0]}]; expected {expected}")
         sections = {name: _section(name, data) for name in TRAIN_SECTIONS}
     except ConfigError as e:
-        raise located(str(e)) from None
-    except TypeError as e:  # a table where a value was expected, or the reverse
-        raise located(str(e)) from None
+        raise ConfigError(located(source, str(e))) from None
+    # The topology's [model] (head counts, checked against the Ulysses degree) comes from
+    # the real model once its config is known (usp.train.components.topology_config).
     topology_data = {name: data[name] for name in TOPOLOGY_SECTIONS if name in data}
-    # The topology config's [model] (head counts, checked against the Ulysses degree) is
-    # filled from the real model once its config is known (topology_with_heads).
     topology = config_from_dict(topology_data, source=source)
-    return TrainJobConfig(topology=topology, source=source, topology_data=topology_data, **sections)
+    return TrainJobConfig(topology=topology, source=source, tables=data, **sections)
 
 
 def _section(name: str, data: dict[str, Any]):
@@ -340,19 +310,21 @@ def _section(name: str, data: dict[str, Any]):
             raise ConfigError(
                 'missing section [data] (source = "jsonl" with files, or "synthetic")'
             )
+        raise ConfigError(f"missing section [{name}] (keys: {', '.join(keys_of(cls))})")
+    if name == "model" and isinstance(body, dict):
+        _refuse_head_counts(body)
+    return read_section(name, cls, body)
+
+
+def _refuse_head_counts(body: dict[str, Any]) -> None:
+    """A training config's ``[model]`` names the model; its head counts come from it."""
+    given = [key for key in keys_of(ModelConfig) if key in body]
+    if given:
         raise ConfigError(
-            f"missing section [{name}] (keys: {', '.join(f.name for f in fields(cls))})"
+            f"[model] {given[0]}: a training config takes the head counts from the model it "
+            "names (path or preset); remove " + ", ".join(given) + " (head counts in [model] "
+            "belong to a topology-only config, without [data] and [train])"
         )
-    if not isinstance(body, dict):
-        raise ConfigError(f"{name} must be a [{name}] table, got {toml_repr(body)}")
-    known = [f.name for f in fields(cls)]
-    for key in body:
-        if key not in known:
-            raise ConfigError(f"[{name}] unknown key {key!r}; expected one of {', '.join(known)}")
-    for f in fields(cls):
-        if f.default is MISSING and f.default_factory is MISSING and f.name not in body:
-            raise ConfigError(f"[{name}] missing required key {f.name!r}")
-    return cls(**body)
 
 
 def is_train_config(data: dict[str, Any]) -> bool:

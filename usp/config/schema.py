@@ -1,0 +1,255 @@
+"""The topology sections of a config file and the :class:`UspConfig` that holds them.
+
+Format (see ``examples/configs/`` for commented files)::
+
+    [cluster]
+    nodes = 2                     # int or "auto" (= what the launcher started)
+    gpus_per_node = 8             # = ranks per node; int or "auto"
+
+    [parallel]
+    ulysses = 8                   # int or "auto"
+    ring = 2                      # int or "auto"
+    dp = 1                        # int or "auto" (= the rest of the world); default "auto"
+    placement = "ulysses-in-node" # or "ring-in-node"
+    allow_cross_node_ulysses = false
+
+    [attention]                   # optional
+    layout = "zigzag"             # or "contiguous"
+    ring_impl = "p2p"             # or "allgather"
+    backend = "auto"              # or cudnn, flash, efficient, flash_attn, cpu, math
+
+    [model]                       # optional: validates / chooses the Ulysses degree
+    num_heads = 32
+    num_kv_heads = 8              # default num_heads
+    head_dim = 128                # optional, only for byte estimates
+
+``[model]`` has one meaning per kind of file: in a topology config (this one) it gives
+head counts; in a training config (``[data]`` and ``[train]`` present,
+:mod:`usp.train.config`) it names the model to train (``path`` or ``preset`` with
+``overrides``), whose own head counts are then used. A file that mixes the two is
+refused with a message saying which keys belong where.
+
+Every error is a :class:`ConfigError` naming the file and the ``[section] key``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from usp.config.fields import (
+    apply_overrides,
+    check_bool,
+    check_choice,
+    check_int,
+    check_table,
+    is_int,
+    keys_of,
+    override_keys,
+    read_section,
+)
+from usp.config.resolve import ResolvedConfig, resolve_config
+from usp.config.toml import AUTO, located, read_toml, toml_repr
+from usp.errors import ConfigError, HeadLayoutError, TopologyError
+from usp.options import BACKENDS, LAYOUTS, RING_IMPLS
+from usp.process_groups.launch import Launch
+from usp.process_groups.rank_math import PLACEMENTS, ULYSSES_IN_NODE, describe_uniform_nodes
+
+
+# ----------------------------------------------------------------------------- sections
+@dataclass(frozen=True)
+class ClusterConfig:
+    """``nodes`` and ``gpus_per_node`` (ranks per node); ``"auto"`` takes the launch's."""
+
+    nodes: int | str
+    gpus_per_node: int | str
+
+    def __post_init__(self) -> None:
+        check_int("cluster", "nodes", self.nodes, auto=True)
+        check_int("cluster", "gpus_per_node", self.gpus_per_node, auto=True)
+
+    @property
+    def is_auto(self) -> bool:
+        return AUTO in (self.nodes, self.gpus_per_node)
+
+    @property
+    def world_size(self) -> int:
+        """``nodes * gpus_per_node``; a :class:`ConfigError` when either is ``"auto"``."""
+        if self.is_auto:
+            raise ConfigError(
+                f"[cluster] nodes = {toml_repr(self.nodes)}, gpus_per_node = "
+                f"{toml_repr(self.gpus_per_node)}: the world size comes from the launch"
+            )
+        return self.nodes * self.gpus_per_node
+
+    def describe(self) -> str:
+        """``"1 node x 4 ranks"`` (``"auto"`` where the launch decides)."""
+        return describe_uniform_nodes(self.nodes, self.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    ulysses: int | str
+    ring: int | str
+    dp: int | str = AUTO
+    placement: str = ULYSSES_IN_NODE
+    allow_cross_node_ulysses: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("ulysses", "ring", "dp"):
+            check_int("parallel", key, getattr(self, key), auto=True)
+        check_choice("parallel", "placement", self.placement, PLACEMENTS)
+        check_bool("parallel", "allow_cross_node_ulysses", self.allow_cross_node_ulysses)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    layout: str = "zigzag"
+    ring_impl: str = "p2p"
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_choice("attention", "layout", self.layout, LAYOUTS)
+        check_choice("attention", "ring_impl", self.ring_impl, RING_IMPLS)
+        check_choice("attention", "backend", self.backend, BACKENDS)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A topology config's ``[model]``: the head counts the Ulysses degree must split."""
+
+    num_heads: int
+    num_kv_heads: int | None = None  # None: same as num_heads (multi-head attention)
+    head_dim: int | None = None  # only used for byte estimates
+
+    def __post_init__(self) -> None:
+        check_int("model", "num_heads", self.num_heads)
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        check_int("model", "num_kv_heads", self.num_kv_heads)
+        if self.head_dim is not None:
+            check_int("model", "head_dim", self.head_dim)
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ConfigError(
+                f"[model] num_heads({self.num_heads}) is not a multiple of "
+                f"num_kv_heads({self.num_kv_heads})"
+            )
+
+
+#: the sections of a topology config, in file order
+SECTIONS: dict[str, type] = {
+    "cluster": ClusterConfig,
+    "parallel": ParallelConfig,
+    "attention": AttentionConfig,
+    "model": ModelConfig,
+}
+REQUIRED_SECTIONS = ("cluster", "parallel")
+#: a training config's ``[model]`` keys (usp.train.config.ModelSection): what a
+#: topology-only ``[model]`` refuses with a pointer to the training config
+TRAINING_MODEL_KEYS = ("path", "preset", "overrides")
+
+# Override name -> section, e.g. load_config(path, ulysses=4, nodes=2).
+OVERRIDE_KEYS: dict[str, str] = override_keys(SECTIONS)
+
+
+# ----------------------------------------------------------------------------- the config
+@dataclass(frozen=True)
+class UspConfig:
+    """One parsed topology config. ``source`` (the path) prefixes every later error."""
+
+    cluster: ClusterConfig
+    parallel: ParallelConfig
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    model: ModelConfig | None = None
+    source: str | None = None
+
+    @property
+    def is_resolved(self) -> bool:
+        return all(is_int(getattr(self.parallel, k)) for k in ("ulysses", "ring", "dp"))
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The TOML structure (sections -> keys), without ``source``."""
+        sections = {name: getattr(self, name) for name in SECTIONS}
+        return {name: asdict(body) for name, body in sections.items() if body is not None}
+
+    def with_overrides(self, **overrides: Any) -> UspConfig:
+        """The same file with ``overrides`` (``ulysses=4``, ...; None: not given)."""
+        return config_from_dict(self.to_dict(), source=self.source, **overrides)
+
+    def with_heads(self, num_heads: int, num_kv_heads: int, head_dim: int | None) -> UspConfig:
+        """This config with a ``[model]`` of these head counts (a model's real ones)."""
+        data = self.to_dict()
+        data["model"] = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        return config_from_dict(data, source=self.source)
+
+    def resolve(
+        self, world_size: int | None = None, *, launch: Launch | None = None
+    ) -> ResolvedConfig:
+        """Turn ``"auto"`` into numbers and validate everything through the rank math
+        (the rules: :mod:`usp.config.resolve`).
+
+        Without ``launch`` (checking a file, ``usp topo``): ``world_size`` defaults to
+        ``nodes * gpus_per_node``; a different world size keeps ``gpus_per_node`` as the
+        ranks per node (so the node count changes). ``gpus_per_node = "auto"`` then
+        needs a number from an override, and ``nodes = "auto"`` a ``world_size``.
+
+        With the running job's ``launch``: the cluster must describe it (``"auto"``
+        values take it), and the rank map uses the nodes observed, including uneven or
+        interleaved ones.
+        """
+        try:
+            return resolve_config(self, world_size, launch)
+        except (TopologyError, HeadLayoutError, ConfigError) as e:
+            raise ConfigError(located(self.source, str(e))) from e
+
+
+# ----------------------------------------------------------------------------- parsing
+def load_config(path: str | os.PathLike, **overrides: Any) -> UspConfig:
+    """Parse a TOML topology config; ``overrides`` (``ulysses=4``, ``nodes=2``, ...)
+    replace keys.
+
+    An override of ``None`` is ignored, so argparse results can be passed straight in.
+    """
+    source = os.fspath(path)
+    return config_from_dict(read_toml(source), source=source, **overrides)
+
+
+def config_from_dict(
+    data: dict[str, Any], *, source: str | None = None, **overrides: Any
+) -> UspConfig:
+    """Build a :class:`UspConfig` from the TOML structure (a dict of sections)."""
+    try:
+        data = apply_overrides(data, overrides, OVERRIDE_KEYS)
+        _check_structure(data)
+        sections = {name: read_section(name, SECTIONS[name], data[name]) for name in data}
+    except ConfigError as e:
+        raise ConfigError(located(source, str(e))) from None
+    return UspConfig(**sections, source=source)
+
+
+def _check_structure(data: dict[str, Any]) -> None:
+    for name, body in data.items():
+        if name not in SECTIONS:
+            raise ConfigError(
+                f"unknown section [{name}]; expected {', '.join(f'[{s}]' for s in SECTIONS)}"
+            )
+        if name == "model" and isinstance(body, dict):
+            _refuse_training_model(body)
+        check_table(name, SECTIONS[name], body)
+    for name in REQUIRED_SECTIONS:
+        if name not in data:
+            raise ConfigError(
+                f"missing section [{name}] (with keys {', '.join(keys_of(SECTIONS[name]))})"
+            )
+
+
+def _refuse_training_model(body: dict[str, Any]) -> None:
+    """A topology config's ``[model]`` gives head counts, not a model to train."""
+    training = [key for key in TRAINING_MODEL_KEYS if key in body]
+    if training:
+        raise ConfigError(
+            f"[model] {training[0]} names a model to train, which only a training config "
+            "(with [data] and [train] sections, run by usp train) reads; a topology config's "
+            f"[model] gives head counts ({', '.join(keys_of(ModelConfig))})"
+        )
