@@ -302,11 +302,13 @@ def monolithic_seconds(cfg: Config, backend: str, seqlen: int, opts: Options) ->
     q, k, v, dout = (t.detach() for t in random_inputs(cfg, seqlen, opts.device))
 
     def forward():
-        return usp.attention_forward(q, k, v, causal=cfg.causal, backend=backend)
+        return usp.kernels.attention_forward(q, k, v, causal=cfg.causal, backend=backend)
 
     def backward(out_lse):
         out, lse = out_lse
-        return usp.attention_backward(dout, q, k, v, out, lse, causal=cfg.causal, backend=backend)
+        return usp.kernels.attention_backward(
+            dout, q, k, v, out, lse, causal=cfg.causal, backend=backend
+        )
 
     times = time_passes(
         forward, backward, warmup=opts.warmup, repeats=opts.repeats, device=opts.device

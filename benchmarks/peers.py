@@ -635,11 +635,13 @@ def monolithic_passes(reference: str, setup: Setup, seqlen: int):
         q, k, v, dout = (t.detach() for t in _bshd_inputs(setup, seqlen))
 
         def forward():
-            return usp.attention_forward(q, k, v, causal=True, backend=kernel)
+            return usp.kernels.attention_forward(q, k, v, causal=True, backend=kernel)
 
         def backward(out_lse):
             out, lse = out_lse
-            return usp.attention_backward(dout, q, k, v, out, lse, causal=True, backend=kernel)
+            return usp.kernels.attention_backward(
+                dout, q, k, v, out, lse, causal=True, backend=kernel
+            )
 
         return forward, backward
     if family == "sdpa":

@@ -52,7 +52,9 @@ def reference(q, k, v, dout, causal):
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def gather_traffic(stats: usp.CommStats, device: torch.device) -> list[dict[str, tuple[int, int]]]:
+def gather_traffic(
+    stats: usp.comm.stats.CommStats, device: torch.device
+) -> list[dict[str, tuple[int, int]]]:
     """Every rank's bytes sent/received per collective kind, with one tensor all-gather
     (object collectives would pickle through numpy on CPU)."""
     mine = torch.tensor(
@@ -95,8 +97,7 @@ def main():
 
 def run(args, config, topo) -> bool:
     """The demo proper; True when an error is above tolerance (on rank 0)."""
-    a = config.attention
-    plan = usp.Plan(topo, layout=a.layout, ring_impl=a.ring_impl, backend=a.backend)
+    plan = usp.Plan.from_config(config, topology=topo)  # the config's [attention] on topo
     model = config.model
     heads, kv_heads = (model.num_heads, model.num_kv_heads) if model else (8, 2)
     head_dim = model.head_dim if model and model.head_dim else 64

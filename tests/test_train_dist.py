@@ -18,7 +18,7 @@ import pytest
 import torch
 from usp_cases import topology
 
-from usp.plan import Plan
+from usp.train.components import build_plan
 from usp.train.config import train_config_from_dict
 from usp.train.trainer import train
 
@@ -67,14 +67,8 @@ def run_single(config: dict, out) -> list[dict]:
 
 def _train_on_ranks(config, ulysses, ring, out, resume=False, stop_after=None, layout=None):
     """Body for every rank: the job on a cached (ulysses, ring) topology."""
-    job = train_config_from_dict(config)
-    a = job.topology.attention
-    plan = Plan(
-        topology(ulysses, ring),
-        layout=layout or a.layout,
-        ring_impl=a.ring_impl,
-        verify_calls=False,  # as usp train does; Plan.pack still agrees on every batch
-    )
+    job = train_config_from_dict(config, layout=layout)  # None: the config's layout
+    plan = build_plan(job, topology(ulysses, ring))  # verify_calls as usp train has it
     result = train(
         job, plan, output_dir=out, resume=resume, stop_after=stop_after, stream=io.StringIO()
     )
@@ -198,8 +192,6 @@ def test_dp2_sp2_replicas_read_different_data(distributed, tmp_path):
 
 
 def _build_plan_error(config):
-    from usp.train.cli import build_plan
-
     try:
         build_plan(train_config_from_dict(config, source="job.toml"))
     except Exception as err:  # noqa: BLE001 - the message is what is tested

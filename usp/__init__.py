@@ -2,79 +2,97 @@
 
 Typical use, after ``torch.distributed.init_process_group``::
 
-    plan = usp.Plan(usp.build_topology(ulysses_degree=4, ring_degree=2))
+    plan = usp.Plan.from_config("examples/configs/cpu_demo.toml")  # or usp.Plan(topology)
     q, k, v = (plan.shard(t) for t in (q_full, k_full, v_full))
     out = plan.attention(q, k, v, causal=True)
+
+The front door holds the plan, USP attention, the sharding helpers, the config loaders
+and the errors. Everything else is imported from its module: topologies and degrees
+from :mod:`usp.process_groups`, local kernels from :mod:`usp.kernels`, the ring alone
+from :mod:`usp.ring`, byte counters from :mod:`usp.comm`, configs from
+:mod:`usp.config`, models from :mod:`usp.models`, training from :mod:`usp.train`.
 """
 
+import importlib as _importlib
+import warnings as _warnings
+
 from usp.attention import UspAttention, usp_attention
-from usp.comm.agreement import RankDisagreementError
-from usp.comm.stats import CommStats
-from usp.config import UspConfig, build_topology_from_config, load_config
-from usp.errors import ConfigError, InputError, UspError
+from usp.config import build_topology_from_config, load_config
+from usp.errors import (
+    BackendUnavailableError,
+    CheckpointError,
+    ConfigError,
+    HeadLayoutError,
+    InputError,
+    RankDisagreementError,
+    ShardingError,
+    TopologyError,
+    UspError,
+)
 from usp.functional import (
     gather_sequence,
     local_position_ids,
-    local_positions,
     local_token_indices,
     sequence_multiple,
     shard_sequence,
 )
-from usp.kernels import attention_backward, attention_forward
-from usp.plan import PackedSequence, Plan, PlanError
-from usp.process_groups import (
-    HeadLayoutError,
-    RankMap,
-    Topology,
-    TopologyError,
-    build_topology,
-    suggest_degrees,
-    valid_degree_pairs,
-)
-from usp.ring import ring_attention
-from usp.sharding import (
-    DocumentPadding,
-    ShardingError,
-    document_position_ids,
-    pad_documents,
-    pad_to_multiple,
-)
+from usp.plan import Plan, PlanError
+from usp.process_groups import build_topology
+from usp.sharding import document_position_ids, pad_documents, pad_to_multiple
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CommStats",
+    "BackendUnavailableError",
+    "CheckpointError",
     "ConfigError",
-    "DocumentPadding",
     "HeadLayoutError",
     "InputError",
-    "PackedSequence",
     "Plan",
     "PlanError",
     "RankDisagreementError",
-    "RankMap",
     "ShardingError",
-    "Topology",
     "TopologyError",
     "UspAttention",
-    "UspConfig",
     "UspError",
-    "attention_backward",
-    "attention_forward",
     "build_topology",
     "build_topology_from_config",
     "document_position_ids",
     "gather_sequence",
     "load_config",
     "local_position_ids",
-    "local_positions",
     "local_token_indices",
     "pad_documents",
     "pad_to_multiple",
-    "ring_attention",
     "sequence_multiple",
     "shard_sequence",
-    "suggest_degrees",
     "usp_attention",
-    "valid_degree_pairs",
 ]
+
+# Names the front door held in 0.1.0 and their modules now: still reachable as
+# ``usp.NAME`` (with a DeprecationWarning saying where they live), not in ``__all__``.
+_MOVED = {
+    "CommStats": "usp.comm.stats",
+    "DocumentPadding": "usp.sharding",
+    "PackedSequence": "usp.plan",
+    "RankMap": "usp.process_groups",
+    "Topology": "usp.process_groups",
+    "UspConfig": "usp.config",
+    "attention_backward": "usp.kernels",
+    "attention_forward": "usp.kernels",
+    "ring_attention": "usp.ring",
+    "suggest_degrees": "usp.process_groups",
+    "valid_degree_pairs": "usp.process_groups",
+}
+
+
+def __getattr__(name: str):
+    if name not in _MOVED:
+        raise AttributeError(f"module 'usp' has no attribute {name!r}")
+    module = _MOVED[name]
+    _warnings.warn(
+        f"usp.{name} moved out of the front door: use {module}.{name}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(_importlib.import_module(module), name)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from usp.comm.agreement import Field, agree, stable_hash
+from usp.config import UspConfig, build_topology_from_config, check_topology_matches, load_config
 from usp.errors import InputError
 from usp.options import (
     BACKENDS,
@@ -129,18 +130,46 @@ class Plan:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_config(cls, config_or_path, *, device_type: str | None = None, **overrides) -> Plan:
-        """Build the topology from a config (collective: every rank calls it) and take the
-        config's ``[attention]`` section as the plan's choices."""
-        from usp.config import UspConfig, build_topology_from_config, load_config
+    def from_config(
+        cls,
+        config_or_path,
+        *,
+        topology: Topology | None | str = "build",
+        verify_calls: bool | None = None,
+        device_type: str | None = None,
+        **overrides,
+    ) -> Plan:
+        """The plan a config describes: its ``[attention]`` choices on its topology. The
+        one way a config becomes a Plan (the CLI, the trainer, the examples and the tests
+        all come here).
 
+        ``config_or_path``: a :class:`~usp.config.UspConfig` or a topology config's path;
+        ``overrides`` replace its keys (``ulysses=4``, ``layout="contiguous"``, ...).
+        ``topology``: ``"build"`` builds it from the config after ``init_process_group``
+        (a collective: every rank calls it); a Topology built already is used once the
+        degrees the config gives as numbers match it; None: the single-process plan.
+        ``verify_calls`` as in :class:`Plan` (None: on for gloo, off for NCCL).
+        """
         if isinstance(config_or_path, UspConfig):
             config = config_or_path.with_overrides(**overrides) if overrides else config_or_path
         else:
             config = load_config(os.fspath(config_or_path), **overrides)
-        topology = build_topology_from_config(config, device_type=device_type)
+        if isinstance(topology, str):
+            if topology != "build":
+                raise PlanError(
+                    f'topology must be "build", a usp.Topology or None, got {topology!r}'
+                )
+            topology = build_topology_from_config(config, device_type=device_type)
+        elif isinstance(topology, Topology):
+            check_topology_matches(config, topology)
         a = config.attention
-        return cls(topology, layout=a.layout, ring_impl=a.ring_impl, backend=a.backend)
+        return cls(
+            topology,
+            layout=a.layout,
+            ring_impl=a.ring_impl,
+            backend=a.backend,
+            verify_calls=verify_calls,
+        )
 
     def with_options(
         self, *, layout: str | None = None, ring_impl: str | None = None, backend: str | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from usp.config import AUTO
+from usp.config.toml import AUTO
 
 
 def int_or_auto(text: str) -> int | str:

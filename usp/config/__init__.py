@@ -4,8 +4,9 @@
   values are shown in messages;
 - :mod:`usp.config.fields`: the field validators and table reader every section uses,
   overrides derived from the sections' fields;
-- :mod:`usp.config.schema`: the topology sections ``[cluster]`` ``[parallel]``
-  ``[attention]`` ``[model]`` (head counts) and :class:`UspConfig` (format there);
+- :mod:`usp.config.sections`: the topology sections ``[cluster]`` ``[parallel]``
+  ``[attention]`` ``[model]`` (head counts);
+- :mod:`usp.config.schema`: :class:`UspConfig`, parsing, the file format;
 - :mod:`usp.config.resolve`: ``"auto"`` degrees against the rank math and the launch;
 - :mod:`usp.config.launch`: :func:`build_topology_from_config` for the running job.
 
@@ -28,14 +29,15 @@ from usp.config.fields import (
     override_keys,
     read_section,
 )
-from usp.config.launch import build_topology_from_config
-from usp.config.resolve import ResolvedConfig, check_cluster_matches_launch
+from usp.config.launch import build_topology_from_config, check_topology_matches
+from usp.config.resolve import check_cluster_matches_launch
 from usp.config.schema import (
     OVERRIDE_KEYS,
     AttentionConfig,
     ClusterConfig,
     ModelConfig,
     ParallelConfig,
+    ResolvedConfig,
     UspConfig,
     config_from_dict,
     load_config,
@@ -64,6 +66,7 @@ __all__ = [
     "check_choice",
     "check_cluster_matches_launch",
     "check_int",
+    "check_topology_matches",
     "check_number",
     "check_string",
     "config_from_dict",

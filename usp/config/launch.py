@@ -67,3 +67,26 @@ def build_topology_from_config(
         launch = observe_launch(device_type)
         resolved = config.resolve(launch=launch)
     return topology_from_rank_map(resolved.rank_map, device_type, launch=launch)
+
+
+def check_topology_matches(config: UspConfig, topology) -> None:
+    """A topology built elsewhere must have the degrees the config gives as numbers
+    (``"auto"`` matches any); else a :class:`ConfigError` naming both (the same on every
+    rank: both are the same everywhere)."""
+    degrees = {
+        "ulysses": topology.ulysses_degree,
+        "ring": topology.ring_degree,
+        "dp": topology.dp_degree,
+    }
+    wanted = {key: getattr(config.parallel, key) for key in degrees}
+    wrong = [key for key, value in wanted.items() if value != AUTO and value != degrees[key]]
+    if wrong:
+        says = ", ".join(f"{key} = {wanted[key]}" for key in wrong)
+        has = " x ".join(f"{key} {value}" for key, value in degrees.items())
+        raise ConfigError(
+            located(
+                config.source,
+                f"[parallel] says {says}; the topology given has {has}. Make [parallel] "
+                'match it (or set the key to "auto")',
+            )
+        )

@@ -16,9 +16,10 @@ that disagrees with it is an error naming both shapes; ``nodes = "auto"`` /
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from usp.config.fields import is_int
+from usp.config.sections import ClusterConfig, ModelConfig, ParallelConfig
 from usp.config.toml import AUTO
 from usp.errors import ConfigError, HeadLayoutError, TopologyError
 from usp.process_groups.degrees import describe_valid_pairs, kv_replication
@@ -31,37 +32,22 @@ from usp.process_groups.rank_math import (
     node_sizes_of,
 )
 
-if TYPE_CHECKING:  # the sections are defined on top of this module (usp.config.schema)
-    from usp.config.schema import ClusterConfig, ModelConfig, UspConfig
 
+class _Sections(Protocol):
+    """What resolution reads of a :class:`~usp.config.schema.UspConfig` (a dataclass)."""
 
-@dataclass(frozen=True)
-class ResolvedConfig:
-    """A config with numeric degrees, its world size, rank map and KV replication."""
-
-    config: UspConfig
-    world_size: int
-    rank_map: RankMap
-    kv_replication: int | None  # None without a [model] section
-
-    @property
-    def ulysses(self) -> int:
-        return self.rank_map.ulysses_degree
-
-    @property
-    def ring(self) -> int:
-        return self.rank_map.ring_degree
-
-    @property
-    def dp(self) -> int:
-        return self.rank_map.dp_degree
+    cluster: ClusterConfig
+    parallel: ParallelConfig
+    model: ModelConfig | None
 
 
 def resolve_config(
-    config: UspConfig, world_size: int | None, launch: Launch | None
-) -> ResolvedConfig:
+    config: _Sections, world_size: int | None, launch: Launch | None
+) -> tuple[_Sections, int, RankMap, int | None]:
     """:meth:`UspConfig.resolve`: with the running job's ``launch``, or for a planned
-    world size (default ``nodes * gpus_per_node``)."""
+    world size (default ``nodes * gpus_per_node``). Returns the config with numeric
+    degrees (``dataclasses.replace``), the world size, the rank map and the KV
+    replication (None without a ``[model]``)."""
     if launch is not None:
         if world_size is not None and world_size != launch.world_size:
             raise ConfigError(
@@ -113,8 +99,8 @@ def check_cluster_matches_launch(cluster: ClusterConfig, launch: Launch) -> None
 
 
 def _resolve(
-    config: UspConfig, world_size: int, node_of_rank: tuple[int, ...] | None
-) -> ResolvedConfig:
+    config: _Sections, world_size: int, node_of_rank: tuple[int, ...] | None
+) -> tuple[_Sections, int, RankMap, int | None]:
     if not is_int(world_size) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
     check_world_size("world_size", world_size)
@@ -155,7 +141,7 @@ def _resolve(
         ),
         parallel=replace(p, ulysses=u, ring=r, dp=d),
     )
-    return ResolvedConfig(resolved, world_size, rank_map, kv)
+    return resolved, world_size, rank_map, kv
 
 
 @dataclass(frozen=True)
@@ -211,7 +197,7 @@ def _exact(world_size: int, factors: dict[str, int]) -> int:
 
 
 def _resolve_degrees(
-    config: UspConfig, world_size: int, nodes: _NodeLayout
+    config: _Sections, world_size: int, nodes: _NodeLayout
 ) -> tuple[int, int, int]:
     """``(ulysses, ring, dp)`` with every ``"auto"`` replaced (rules in the module doc)."""
     p = config.parallel
@@ -226,7 +212,7 @@ def _resolve_degrees(
 
 
 def _auto_ulysses(
-    config: UspConfig, world_size: int, nodes: _NodeLayout, *, ring: int | str, dp: int | str
+    config: _Sections, world_size: int, nodes: _NodeLayout, *, ring: int | str, dp: int | str
 ) -> int:
     """The largest Ulysses degree the heads allow whose groups stay inside nodes.
 

@@ -40,102 +40,18 @@ from typing import Any
 
 from usp.config.fields import (
     apply_overrides,
-    check_bool,
-    check_choice,
-    check_int,
     check_table,
     is_int,
     keys_of,
     override_keys,
     read_section,
 )
-from usp.config.resolve import ResolvedConfig, resolve_config
-from usp.config.toml import AUTO, located, read_toml, toml_repr
+from usp.config.resolve import resolve_config
+from usp.config.sections import AttentionConfig, ClusterConfig, ModelConfig, ParallelConfig
+from usp.config.toml import located, read_toml
 from usp.errors import ConfigError, HeadLayoutError, TopologyError
-from usp.options import BACKENDS, LAYOUTS, RING_IMPLS
 from usp.process_groups.launch import Launch
-from usp.process_groups.rank_math import PLACEMENTS, ULYSSES_IN_NODE, describe_uniform_nodes
-
-
-# ----------------------------------------------------------------------------- sections
-@dataclass(frozen=True)
-class ClusterConfig:
-    """``nodes`` and ``gpus_per_node`` (ranks per node); ``"auto"`` takes the launch's."""
-
-    nodes: int | str
-    gpus_per_node: int | str
-
-    def __post_init__(self) -> None:
-        check_int("cluster", "nodes", self.nodes, auto=True)
-        check_int("cluster", "gpus_per_node", self.gpus_per_node, auto=True)
-
-    @property
-    def is_auto(self) -> bool:
-        return AUTO in (self.nodes, self.gpus_per_node)
-
-    @property
-    def world_size(self) -> int:
-        """``nodes * gpus_per_node``; a :class:`ConfigError` when either is ``"auto"``."""
-        if self.is_auto:
-            raise ConfigError(
-                f"[cluster] nodes = {toml_repr(self.nodes)}, gpus_per_node = "
-                f"{toml_repr(self.gpus_per_node)}: the world size comes from the launch"
-            )
-        return self.nodes * self.gpus_per_node
-
-    def describe(self) -> str:
-        """``"1 node x 4 ranks"`` (``"auto"`` where the launch decides)."""
-        return describe_uniform_nodes(self.nodes, self.gpus_per_node)
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    ulysses: int | str
-    ring: int | str
-    dp: int | str = AUTO
-    placement: str = ULYSSES_IN_NODE
-    allow_cross_node_ulysses: bool = False
-
-    def __post_init__(self) -> None:
-        for key in ("ulysses", "ring", "dp"):
-            check_int("parallel", key, getattr(self, key), auto=True)
-        check_choice("parallel", "placement", self.placement, PLACEMENTS)
-        check_bool("parallel", "allow_cross_node_ulysses", self.allow_cross_node_ulysses)
-
-
-@dataclass(frozen=True)
-class AttentionConfig:
-    layout: str = "zigzag"
-    ring_impl: str = "p2p"
-    backend: str = "auto"
-
-    def __post_init__(self) -> None:
-        check_choice("attention", "layout", self.layout, LAYOUTS)
-        check_choice("attention", "ring_impl", self.ring_impl, RING_IMPLS)
-        check_choice("attention", "backend", self.backend, BACKENDS)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """A topology config's ``[model]``: the head counts the Ulysses degree must split."""
-
-    num_heads: int
-    num_kv_heads: int | None = None  # None: same as num_heads (multi-head attention)
-    head_dim: int | None = None  # only used for byte estimates
-
-    def __post_init__(self) -> None:
-        check_int("model", "num_heads", self.num_heads)
-        if self.num_kv_heads is None:
-            object.__setattr__(self, "num_kv_heads", self.num_heads)
-        check_int("model", "num_kv_heads", self.num_kv_heads)
-        if self.head_dim is not None:
-            check_int("model", "head_dim", self.head_dim)
-        if self.num_heads % self.num_kv_heads != 0:
-            raise ConfigError(
-                f"[model] num_heads({self.num_heads}) is not a multiple of "
-                f"num_kv_heads({self.num_kv_heads})"
-            )
-
+from usp.process_groups.rank_math import RankMap
 
 #: the sections of a topology config, in file order
 SECTIONS: dict[str, type] = {
@@ -199,9 +115,31 @@ class UspConfig:
         interleaved ones.
         """
         try:
-            return resolve_config(self, world_size, launch)
+            return ResolvedConfig(*resolve_config(self, world_size, launch))
         except (TopologyError, HeadLayoutError, ConfigError) as e:
             raise ConfigError(located(self.source, str(e))) from e
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A config with numeric degrees, its world size, rank map and KV replication."""
+
+    config: UspConfig
+    world_size: int
+    rank_map: RankMap
+    kv_replication: int | None  # None without a [model] section
+
+    @property
+    def ulysses(self) -> int:
+        return self.rank_map.ulysses_degree
+
+    @property
+    def ring(self) -> int:
+        return self.rank_map.ring_degree
+
+    @property
+    def dp(self) -> int:
+        return self.rank_map.dp_degree
 
 
 # ----------------------------------------------------------------------------- parsing

@@ -20,6 +20,7 @@ import traceback
 from datetime import timedelta
 
 from usp.config import AUTO
+from usp.train.components import build_plan  # the one way a job becomes a Plan
 
 
 def _launched_by_torchrun() -> bool:
@@ -125,24 +126,6 @@ def _train(job, plan, resume: bool):
     from usp.train.trainer import train
 
     return train(job, plan, resume=resume)
-
-
-def build_plan(job):
-    """The topology from the config (with the model's head counts), as a Plan.
-    A collective: every rank calls it after ``init_process_group``."""
-    from usp.config import build_topology_from_config
-    from usp.plan import Plan
-    from usp.train.components import topology_config
-
-    topo_config = topology_config(job)
-    topology = build_topology_from_config(topo_config)
-    a = topo_config.attention
-    # The trainer makes every batch itself, identically on all SP ranks, and Plan.pack
-    # agrees on each batch's documents; per-attention-call agreement would only add a
-    # collective per layer.
-    return Plan(
-        topology, layout=a.layout, ring_impl=a.ring_impl, backend=a.backend, verify_calls=False
-    )
 
 
 def _teardown(topology) -> None:

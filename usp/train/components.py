@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from usp.config import ConfigError, UspConfig
+from usp.plan import Plan
+from usp.process_groups import Topology
 from usp.train.config import AUTO, TrainJobConfig
 from usp.train.data import (
     ByteTokenizer,
@@ -69,6 +71,23 @@ def topology_config(job: TrainJobConfig) -> UspConfig:
     return job.topology_with_heads(
         config.num_attention_heads, config.num_key_value_heads, config.attention_head_dim
     )
+
+
+#: The trainer's ``verify_calls`` (usp train and :func:`usp.train.trainer.train` alike):
+#: off, because the trainer makes every batch itself, identically on all SP ranks, and
+#: ``Plan.pack`` agrees on each batch's documents; agreeing per attention call as well
+#: would only add a collective per layer.
+TRAIN_VERIFY_CALLS = False
+
+
+def build_plan(job: TrainJobConfig, topology: Topology | None | str = "build") -> Plan:
+    """The Plan a training job runs on (:meth:`Plan.from_config` with
+    :data:`TRAIN_VERIFY_CALLS`). ``"build"``: the topology from the config, with the
+    model's head counts checked (a collective: every rank calls it after
+    ``init_process_group``); a Topology: that one, whose degrees must match the
+    config's; None: one process."""
+    config = topology_config(job) if isinstance(topology, str) else job.topology
+    return Plan.from_config(config, topology=topology, verify_calls=TRAIN_VERIFY_CALLS)
 
 
 # ----------------------------------------------------------------------------- lengths

@@ -28,6 +28,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
+from usp.plan import Plan
 from usp.train import components
 from usp.train.checkpoint import Checkpointer, CheckpointError, TrainState, export_hf
 from usp.train.config import AUTO, TrainJobConfig
@@ -59,14 +60,9 @@ class TrainResult:
 
 
 def _plan_of(job: TrainJobConfig, plan_or_topology):
-    from usp.plan import Plan
-
     if isinstance(plan_or_topology, Plan):
         return plan_or_topology
-    a = job.topology.attention
-    if plan_or_topology is None:  # one process: no ring, so no ring implementation
-        return Plan(None, layout=a.layout, backend=a.backend)
-    return Plan(plan_or_topology, layout=a.layout, ring_impl=a.ring_impl, backend=a.backend)
+    return components.build_plan(job, plan_or_topology)  # a Topology, or None: one process
 
 
 def _rank0(plan) -> bool:
