@@ -142,7 +142,10 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan):
     broadcasts, so a node holds one copy of the weights, not one per rank)."""
     from usp.models import Llama
 
-    options = {"activation_checkpointing": job.train.activation_checkpointing}
+    options = {
+        "activation_checkpointing": job.train.activation_checkpointing,
+        "mlp_tile_tokens": job.train.mlp_tile_tokens,
+    }
     if source.directory is None:
         torch.manual_seed(job.train.seed)
         return Llama(source.config, plan, **options)

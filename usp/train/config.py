@@ -172,7 +172,7 @@ class TrainSection:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     seed: int = 0
     dtype: str = AUTO  # compute dtype; "auto": bfloat16 on CUDA, float32 on CPU
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # true, false or "offload" (host memory)
     checkpoint_interval: int = 0  # optimizer steps; 0: only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept in output_dir/checkpoints
     log_interval: int = 1  # steps between progress lines when no progress bar is shown
@@ -180,6 +180,7 @@ class TrainSection:
     output_dir: str = AUTO  # "auto": runs/<config file name>
     device: str = AUTO  # "auto": cuda when available, else cpu
     peak_tflops: float | str = AUTO  # per device, for MFU; "auto": from the device name
+    mlp_tile_tokens: int = 0  # 0: off; N: each MLP runs over tiles of N local tokens
 
     def __post_init__(self) -> None:
         s = "train"
@@ -205,7 +206,10 @@ class TrainSection:
         object.__setattr__(self, "adam_betas", tuple(float(b) for b in betas))
         _choice(s, "dtype", self.dtype, DTYPES)
         _choice(s, "device", self.device, DEVICES)
-        _bool(s, "activation_checkpointing", self.activation_checkpointing)
+        checkpointing = self.activation_checkpointing
+        if not (isinstance(checkpointing, bool) or checkpointing == "offload"):
+            _fail(s, "activation_checkpointing", 'true, false or "offload"', checkpointing)
+        _int(s, "mlp_tile_tokens", self.mlp_tile_tokens, minimum=0)
         _bool(s, "export", self.export)
         _string(s, "output_dir", self.output_dir)
         if self.peak_tflops != AUTO:
