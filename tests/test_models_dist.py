@@ -167,6 +167,48 @@ def test_native_packed_sft_contiguous_allgather_4_ranks(distributed, checkpoints
     _check(results, expected)
 
 
+#: (activation_checkpointing, mlp_tile_tokens) run by levers_case; 16 local tokens
+LEVERS = [(False, 0), (True, 0), ("offload", 0), (False, 5), (True, 5), ("offload", 5)]
+
+
+def levers_case(ckpt, ids, labels, grid):
+    """One model, each memory lever in turn: logits, losses and summed gradients."""
+    u, r = grid
+    plan = Plan(topology(u, r))
+    model = Llama.from_pretrained(ckpt, plan, dtype=torch.float32)
+    results = {}
+    for ac, tile in LEVERS:
+        model.activation_checkpointing, model.mlp_tile_tokens = ac, tile
+        results[(ac, tile)] = _run_model(model, plan, ids, labels, None)
+    return results if dist.get_rank() == 0 else None
+
+
+def test_memory_levers_4_ranks(distributed, checkpoints):
+    """ulysses=2 x ring=2: activation checkpointing off / on / offloaded to host memory,
+    each untiled and with a tiled MLP (tiles that do not divide the 16 local tokens):
+    every combination matches HF float64; offload equals on-device checkpointing
+    bit for bit; tiled equals untiled within float32 rounding."""
+    ids = global_batch(2, 32, seed=14)
+    labels = sft_labels(ids, [3])
+    expected = hf_reference(checkpoints["tied-llama3"], ids, labels)
+    results = distributed.run(
+        levers_case, str(checkpoints["tied-llama3"]), ids, labels, (2, 2),
+        world_size=4, timeout=240,
+    )[0]  # fmt: skip
+    plain = results[(False, 0)]
+    for key, result in results.items():
+        _check([result], expected)
+        grads = {n: relative_error(g, plain["grads"][n]) for n, g in result["grads"].items()}
+        assert max(grads.values()) <= 1e-5, (key, grads)
+        assert relative_error(result["logits"], plain["logits"]) <= 1e-5, key
+    for tile in (0, 5):  # offload against on-device checkpointing: the same numbers
+        on_device, offloaded = results[(True, tile)], results[("offload", tile)]
+        assert offloaded["loss"] == on_device["loss"]
+        assert torch.equal(offloaded["logits"], on_device["logits"])
+        assert all(torch.equal(g, on_device["grads"][n]) for n, g in offloaded["grads"].items())
+    assert results[("offload", 0)]["loss"] == plain["loss"]
+
+
 def exactness_case(ckpt, ids, labels, cu, grid):
     """float64, math backend: SP against the same model in one process (no HF in between)."""
     u, r = grid

@@ -106,8 +106,15 @@ BAD = [
     (
         "train",
         "activation_checkpointing = 1",
-        "[train] activation_checkpointing must be true or false",
+        '[train] activation_checkpointing must be true, false or "offload", got 1',
     ),
+    (
+        "train",
+        'activation_checkpointing = "cpu"',
+        '[train] activation_checkpointing must be true, false or "offload", got "cpu"',
+    ),
+    ("train", "mlp_tile_tokens = -4", "[train] mlp_tile_tokens must be an integer >= 0, got -4"),
+    ("train", "mlp_tile_tokens = 1.5", "[train] mlp_tile_tokens must be an integer >= 0"),
     ("train", 'dtype = "fp8"', '[train] dtype must be one of "auto", "float32", "bfloat16"'),
     ("train", "adam_betas = [0.9]", "[train] adam_betas must be two numbers in [0, 1)"),
     ("train", "min_lr_ratio = 2", "[train] min_lr_ratio must be a number in [0, 1], got 2"),
@@ -171,6 +178,21 @@ def test_batch_arithmetic(tmp_path):
     fixed = load_train_config(write(tmp_path, with_line("train", "gradient_accumulation = 3")))
     with pytest.raises(ConfigError, match=r"gradient_accumulation\(3\) = 3 != global_batch\(4\)"):
         fixed.gradient_accumulation(dp=1)
+
+
+def test_memory_levers_reach_the_model(tmp_path):
+    from usp.plan import Plan
+    from usp.train.components import build_model
+
+    text = with_line("train", 'activation_checkpointing = "offload"')
+    job = load_train_config(
+        write(tmp_path, text.replace("[train]\n", "[train]\nmlp_tile_tokens = 96\n"))
+    )
+    assert (job.train.activation_checkpointing, job.train.mlp_tile_tokens) == ("offload", 96)
+    model = build_model(job, model_source(job), Plan(None))
+    assert (model.activation_checkpointing, model.mlp_tile_tokens) == ("offload", 96)
+    plain = load_train_config(write(tmp_path, MINIMAL))
+    assert (plain.train.activation_checkpointing, plain.train.mlp_tile_tokens) == (False, 0)
 
 
 def test_model_section_errors(tmp_path):

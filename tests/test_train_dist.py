@@ -390,3 +390,26 @@ def test_loss_is_finite_and_falls(sp_run):
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]
     assert torch.tensor(losses).isfinite().all()
+
+
+@pytest.mark.parametrize(
+    "checkpointing, tile, tol",
+    [("offload", 0, 1e-6), (True, 12, 1e-5)],  # 12 does not divide 2 x 16 local tokens
+)
+def test_memory_levers_train_like_the_plain_path(sp_run, distributed, tmp_path, checkpointing,
+                                                 tile, tol):  # fmt: skip
+    """FSDP2 on 4 ranks: activation checkpoint offload (exact) and the tiled MLP with
+    on-device checkpointing (float32 rounding) give the plain run's losses and norms."""
+    config, results, _ = sp_run
+    config = dict(
+        config,
+        train=dict(config["train"], activation_checkpointing=checkpointing, mlp_tile_tokens=tile),
+    )
+    rows = distributed.run(
+        _train_on_ranks, config, 2, 2, str(tmp_path), world_size=4, timeout=TIMEOUT
+    )
+    assert all(r == rows[0] for r in rows)
+    for (step, loss, norm), (_, plain_loss, plain_norm) in zip(rows[0], results[0]):
+        assert _relative(loss, plain_loss) <= tol, (step, loss, plain_loss)
+        assert _relative(norm, plain_norm) <= tol, (step, norm, plain_norm)
+    assert len(rows[0]) == len(results[0]) == STEPS
