@@ -21,7 +21,7 @@ from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, check_chunk_tokens, sp_cross_entropy
 from usp.models.offload import HostOffloader, check_activation_checkpointing
 from usp.models.plans import check_heads, pack_once
-from usp.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from usp.models.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
 from usp.plan import as_plan
 
 
@@ -139,8 +139,9 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if position_ids.dim() == 1:
             position_ids = position_ids[None]  # [1, S/P]: the same positions in every row
+        inv_freq = inverse_frequencies(self.config, device=x.device)
         cos, sin = rope_cos_sin(
-            position_ids, inverse_frequencies(self.config, device=x.device), x.dtype
+            position_ids, inv_freq, x.dtype, attention_factor(self.config)
         )  # [B or 1, S/P, head_dim], once for all layers
         mode = self.activation_checkpointing if torch.is_grad_enabled() else False
         for layer in self.layers:
@@ -245,7 +246,10 @@ class Llama(nn.Module):
         sharded ``model.safetensors.index.json``); never downloads. The model is built on
         the meta device and the tensors are placed into it one by one (no second copy).
         ``dtype=None`` keeps the checkpoint's dtype; ``device`` defaults to CPU.
-        ``kwargs`` go to the constructor (``activation_checkpointing``, attention options)."""
+        ``config``: the checkpoint's :class:`LlamaConfig` with other position settings
+        (``LlamaConfig.with_positions``: context extension); anything else that differs
+        from its ``config.json`` is an error. ``kwargs`` go to the constructor
+        (``activation_checkpointing``, ``mlp_tile_tokens``, attention options)."""
         from usp.models.checkpoint import load_pretrained
 
         return load_pretrained(cls, path, topology, dtype=dtype, device=device, **kwargs)

@@ -100,6 +100,10 @@ class ModelSection:
     path: str | None = None
     preset: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
+    # position settings (context extension), for a checkpoint or a preset; None: as is
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None  # {rope_type = "yarn", factor = 4.0, ...}
+    max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.preset is None):
@@ -116,8 +120,34 @@ class ModelSection:
         if self.overrides and self.path is not None:
             raise ConfigError(
                 "[model] overrides only apply to a preset; a checkpoint's shape comes from "
-                "its config.json"
+                "its config.json (its position settings may change: [model] rope_theta, "
+                "rope_scaling, max_position_embeddings)"
             )
+        if self.rope_theta is not None:
+            _number("model", "rope_theta", self.rope_theta, minimum=0, strict=True)
+        if self.rope_scaling is not None and not (
+            isinstance(self.rope_scaling, dict)
+            and isinstance(self.rope_scaling.get("rope_type"), str)
+        ):
+            _fail(
+                "model",
+                "rope_scaling",
+                'a table with a rope_type ("default", "linear", "llama3", "yarn")',
+                self.rope_scaling,
+            )
+        if self.max_position_embeddings is not None:
+            _int("model", "max_position_embeddings", self.max_position_embeddings, minimum=1)
+        twice = [k for k in self.position_settings if k in self.overrides]
+        if twice:
+            raise ConfigError(
+                f"[model] {twice[0]} is given twice, in [model] and [model.overrides]; keep one"
+            )
+
+    @property
+    def position_settings(self) -> dict[str, Any]:
+        """The position settings given (rope_theta, rope_scaling, max_position_embeddings)."""
+        names = ("rope_theta", "rope_scaling", "max_position_embeddings")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
 @dataclass(frozen=True)
