@@ -21,6 +21,7 @@ from model_cases import (
     IGNORE,
     LLAMA3_ROPE,
     TINY,
+    YARN_ROPE,
     cu_of,
     global_batch,
     grad_errors,
@@ -122,6 +123,7 @@ def checkpoints(tmp_path_factory):
         "tied-llama3": write_hf_checkpoint(
             root / "tied", tied=True, rope_scaling=LLAMA3_ROPE, seed=2
         ),
+        "yarn": write_hf_checkpoint(root / "yarn", rope_scaling=YARN_ROPE, seed=4),
     }
 
 
@@ -207,6 +209,23 @@ def test_memory_levers_4_ranks(distributed, checkpoints):
         assert torch.equal(offloaded["logits"], on_device["logits"])
         assert all(torch.equal(g, on_device["grads"][n]) for n, g in offloaded["grads"].items())
     assert results[("offload", 0)]["loss"] == plain["loss"]
+
+
+def test_yarn_checkpoint_float64_4_ranks(distributed, checkpoints):
+    """A checkpoint whose config.json (written by transformers) has YaRN scaling with
+    mscale attention scaling: float64 on ulysses=2 x ring=2, packed, against HF float64
+    with the same rope_scaling (1e-10: exact up to summation order)."""
+    cu = cu_of([24, 40])  # 64 tokens, multiples of 2r = 4; positions past the original 64
+    ids = global_batch(1, 64, seed=15)
+    labels = sft_labels(ids, [2, 5], cu)
+    expected = hf_reference(checkpoints["yarn"], ids, labels, cu)
+    options = {"plan": {"backend": "math"}, "model": {"loss_chunk_tokens": 9}}
+    results = distributed.run(
+        native_case, str(checkpoints["yarn"]), ids, labels, cu, (2, 2), options,
+        dtype="float64", world_size=4, timeout=240,
+    )  # fmt: skip
+    errors = _check(results, expected, tol_logits=1e-10, tol_loss=1e-10, tol_grad=1e-10)
+    assert max(errors.values()) <= 1e-10, errors
 
 
 def exactness_case(ckpt, ids, labels, cu, grid):
