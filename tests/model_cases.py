@@ -33,14 +33,26 @@ LLAMA3_ROPE = {
     # short, so that the tiny sequences reach the scaled band of frequencies
     "original_max_position_embeddings": 16,
 }
+#: YaRN with every optional key that changes the result (attention scaling from mscale)
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 16.0,
+    "beta_slow": 2.0,
+    "mscale": 1.2,
+    "mscale_all_dim": 0.6,
+}
 IGNORE = -100
 
 
 def hf_config(*, tied=False, rope_scaling=None, **changes):
     import transformers
 
+    # a copy: transformers writes rope_theta into the dict it is given
+    scaling = None if rope_scaling is None else dict(rope_scaling)
     return transformers.LlamaConfig(
-        **{**TINY, **changes}, tie_word_embeddings=tied, rope_scaling=rope_scaling
+        **{**TINY, **changes}, tie_word_embeddings=tied, rope_scaling=scaling
     )
 
 

@@ -91,7 +91,7 @@ DROP = object()  # a key removed from the config
         ({"attention_bias": True}, "attention_bias=true is not supported"),
         ({"mlp_bias": True}, "mlp_bias=true is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
         ({"num_key_value_heads": 3}, "multiple of num_key_value_heads(3)"),
         ({"vocab_size": DROP}, "missing required key(s) vocab_size"),
     ],

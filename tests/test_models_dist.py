@@ -21,6 +21,7 @@ from model_cases import (
     IGNORE,
     LLAMA3_ROPE,
     TINY,
+    YARN_ROPE,
     cu_of,
     global_batch,
     grad_errors,
@@ -122,6 +123,7 @@ def checkpoints(tmp_path_factory):
         "tied-llama3": write_hf_checkpoint(
             root / "tied", tied=True, rope_scaling=LLAMA3_ROPE, seed=2
         ),
+        "yarn": write_hf_checkpoint(root / "yarn", rope_scaling=YARN_ROPE, seed=4),
     }
 
 
@@ -165,6 +167,65 @@ def test_native_packed_sft_contiguous_allgather_4_ranks(distributed, checkpoints
         "the case should leave a rank without labels"
     )
     _check(results, expected)
+
+
+#: (activation_checkpointing, mlp_tile_tokens) run by levers_case; 16 local tokens
+LEVERS = [(False, 0), (True, 0), ("offload", 0), (False, 5), (True, 5), ("offload", 5)]
+
+
+def levers_case(ckpt, ids, labels, grid):
+    """One model, each memory lever in turn: logits, losses and summed gradients."""
+    u, r = grid
+    plan = Plan(topology(u, r))
+    model = Llama.from_pretrained(ckpt, plan, dtype=torch.float32)
+    results = {}
+    for ac, tile in LEVERS:
+        model.activation_checkpointing, model.mlp_tile_tokens = ac, tile
+        results[(ac, tile)] = _run_model(model, plan, ids, labels, None)
+    return results if dist.get_rank() == 0 else None
+
+
+def test_memory_levers_4_ranks(distributed, checkpoints):
+    """ulysses=2 x ring=2: activation checkpointing off / on / offloaded to host memory,
+    each untiled and with a tiled MLP (tiles that do not divide the 16 local tokens):
+    every combination matches HF float64; offload equals on-device checkpointing
+    bit for bit; tiled equals untiled within float32 rounding."""
+    ids = global_batch(2, 32, seed=14)
+    labels = sft_labels(ids, [3])
+    expected = hf_reference(checkpoints["tied-llama3"], ids, labels)
+    results = distributed.run(
+        levers_case, str(checkpoints["tied-llama3"]), ids, labels, (2, 2),
+        world_size=4, timeout=240,
+    )[0]  # fmt: skip
+    plain = results[(False, 0)]
+    for key, result in results.items():
+        _check([result], expected)
+        grads = {n: relative_error(g, plain["grads"][n]) for n, g in result["grads"].items()}
+        assert max(grads.values()) <= 1e-5, (key, grads)
+        assert relative_error(result["logits"], plain["logits"]) <= 1e-5, key
+    for tile in (0, 5):  # offload against on-device checkpointing: the same numbers
+        on_device, offloaded = results[(True, tile)], results[("offload", tile)]
+        assert offloaded["loss"] == on_device["loss"]
+        assert torch.equal(offloaded["logits"], on_device["logits"])
+        assert all(torch.equal(g, on_device["grads"][n]) for n, g in offloaded["grads"].items())
+    assert results[("offload", 0)]["loss"] == plain["loss"]
+
+
+def test_yarn_checkpoint_float64_4_ranks(distributed, checkpoints):
+    """A checkpoint whose config.json (written by transformers) has YaRN scaling with
+    mscale attention scaling: float64 on ulysses=2 x ring=2, packed, against HF float64
+    with the same rope_scaling (1e-10: exact up to summation order)."""
+    cu = cu_of([24, 40])  # 64 tokens, multiples of 2r = 4; positions past the original 64
+    ids = global_batch(1, 64, seed=15)
+    labels = sft_labels(ids, [2, 5], cu)
+    expected = hf_reference(checkpoints["yarn"], ids, labels, cu)
+    options = {"plan": {"backend": "math"}, "model": {"loss_chunk_tokens": 9}}
+    results = distributed.run(
+        native_case, str(checkpoints["yarn"]), ids, labels, cu, (2, 2), options,
+        dtype="float64", world_size=4, timeout=240,
+    )  # fmt: skip
+    errors = _check(results, expected, tol_logits=1e-10, tol_loss=1e-10, tol_grad=1e-10)
+    assert max(errors.values()) <= 1e-10, errors
 
 
 def exactness_case(ckpt, ids, labels, cu, grid):

@@ -105,8 +105,15 @@ BAD = [
     (
         "train",
         "activation_checkpointing = 1",
-        "[train] activation_checkpointing must be true or false",
+        '[train] activation_checkpointing must be true, false or "offload", got 1',
     ),
+    (
+        "train",
+        'activation_checkpointing = "cpu"',
+        '[train] activation_checkpointing must be true, false or "offload", got "cpu"',
+    ),
+    ("train", "mlp_tile_tokens = -4", "[train] mlp_tile_tokens must be an integer >= 0, got -4"),
+    ("train", "mlp_tile_tokens = 1.5", "[train] mlp_tile_tokens must be an integer >= 0"),
     ("train", 'dtype = "fp8"', '[train] dtype must be one of "auto", "float32", "bfloat16"'),
     ("train", "adam_betas = [0.9]", "[train] adam_betas must be two numbers in [0, 1)"),
     ("train", "min_lr_ratio = 2", "[train] min_lr_ratio must be a number in [0, 1], got 2"),
@@ -118,6 +125,10 @@ BAD = [
     ("data", "document_multiple = 0", '[data] document_multiple must be an integer >= 1 or "auto"'),
     ("data", 'shuffle = "yes"', "[data] shuffle must be true or false"),
     ("model", 'path = "x"', "[model] needs exactly one of path"),
+    ("model", "rope_theta = 0", "[model] rope_theta must be a number > 0, got 0"),
+    ("model", "rope_scaling = 8.0", "[model] rope_scaling must be a table with a rope_type"),
+    ("model", "rope_scaling = {factor = 8.0}", "[model] rope_scaling must be a table with a"),
+    ("model", "max_position_embeddings = 0", "[model] max_position_embeddings must be an integer"),
     ("optimizer", "lr = 1", "unknown section [optimizer]"),
 ]
 
@@ -170,6 +181,55 @@ def test_batch_arithmetic(tmp_path):
     fixed = load_train_config(write(tmp_path, with_line("train", "gradient_accumulation = 3")))
     with pytest.raises(ConfigError, match=r"gradient_accumulation\(3\) = 3 != global_batch\(4\)"):
         fixed.gradient_accumulation(dp=1)
+
+
+def test_position_settings_for_presets_and_checkpoints(tmp_path):
+    from usp.models import PRESETS
+
+    text = MINIMAL.replace(
+        'preset = "tiny"',
+        'preset = "tiny"\nrope_theta = 1e6\nmax_position_embeddings = 131072\n'
+        'rope_scaling = {rope_type = "yarn", factor = 2.0}',
+    )
+    source = model_source(load_train_config(write(tmp_path, text)))
+    assert source.config.rope_theta == 1e6 and source.config.max_position_embeddings == 131072
+    original = PRESETS["tiny"].max_position_embeddings  # yarn measured against the preset's
+    assert source.config.rope_scaling == {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": original,
+    }
+    assert source.changes[0] == "rope_theta: 10000.0 -> 1000000.0"
+    assert len(source.changes) == 3
+    assert model_source(load_train_config(write(tmp_path, MINIMAL))).changes == ()
+    twice = with_line("model.overrides", "rope_theta = 2e6").replace(
+        'preset = "tiny"', 'preset = "tiny"\nrope_theta = 1e6'
+    )
+    with pytest.raises(ConfigError, match="rope_theta is given twice"):
+        load_train_config(write(tmp_path, twice))
+    unknown = MINIMAL.replace(
+        'preset = "tiny"', 'preset = "tiny"\nrope_scaling = {rope_type = "dynamic", factor = 2.0}'
+    )
+    path = write(tmp_path, unknown)
+    with pytest.raises(ConfigError) as err:
+        model_source(load_train_config(path))
+    assert str(err.value).startswith(f"{path}: [model] rope_scaling rope_type 'dynamic' is not "
+                                     "supported; supported: default, linear, llama3, yarn")  # fmt: skip
+
+
+def test_memory_levers_reach_the_model(tmp_path):
+    from usp.plan import Plan
+    from usp.train.components import build_model
+
+    text = with_line("train", 'activation_checkpointing = "offload"')
+    job = load_train_config(
+        write(tmp_path, text.replace("[train]\n", "[train]\nmlp_tile_tokens = 96\n"))
+    )
+    assert (job.train.activation_checkpointing, job.train.mlp_tile_tokens) == ("offload", 96)
+    model = build_model(job, model_source(job), Plan(None))
+    assert (model.activation_checkpointing, model.mlp_tile_tokens) == ("offload", 96)
+    plain = load_train_config(write(tmp_path, MINIMAL))
+    assert (plain.train.activation_checkpointing, plain.train.mlp_tile_tokens) == (False, 0)
 
 
 def test_model_section_errors(tmp_path):

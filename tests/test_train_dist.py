@@ -382,3 +382,65 @@ def test_loss_is_finite_and_falls(sp_run):
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]
     assert torch.tensor(losses).isfinite().all()
+
+
+@pytest.mark.parametrize(
+    "checkpointing, tile, tol",
+    [("offload", 0, 1e-6), (True, 12, 1e-5)],  # 12 does not divide 2 x 16 local tokens
+)
+def test_memory_levers_train_like_the_plain_path(sp_run, distributed, tmp_path, checkpointing,
+                                                 tile, tol):  # fmt: skip
+    """FSDP2 on 4 ranks: activation checkpoint offload (exact) and the tiled MLP with
+    on-device checkpointing (float32 rounding) give the plain run's losses and norms."""
+    config, results, _ = sp_run
+    config = dict(
+        config,
+        train=dict(config["train"], activation_checkpointing=checkpointing, mlp_tile_tokens=tile),
+    )
+    rows = distributed.run(
+        _train_on_ranks, config, 2, 2, str(tmp_path), world_size=4, timeout=TIMEOUT
+    )
+    assert all(r == rows[0] for r in rows)
+    for (step, loss, norm), (_, plain_loss, plain_norm) in zip(rows[0], results[0]):
+        assert _relative(loss, plain_loss) <= tol, (step, loss, plain_loss)
+        assert _relative(norm, plain_norm) <= tol, (step, norm, plain_norm)
+    assert len(rows[0]) == len(results[0]) == STEPS
+
+
+def test_extend_a_checkpoints_context_and_export(distributed, tmp_path):
+    """[model] rope_theta + YaRN rope_scaling + max_position_embeddings on a checkpoint:
+    printed at start-up, applied alike on 4 ranks (meta device + broadcast weights) and
+    in one process (from_pretrained), written into the exported config.json."""
+    from usp.models import PRESETS, Llama
+
+    config = checkpoint_job(tmp_path)
+    torch.manual_seed(8)  # weights far from uniform attention, so that RoPE matters
+    Llama(PRESETS["tiny"].replace(initializer_range=0.3)).save_pretrained(tmp_path / "model")
+    positions = {
+        "rope_theta": 40000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        "max_position_embeddings": 262144,
+    }
+    config["model"] = {**config["model"], **positions}
+    rows = distributed.run(
+        _train_on_ranks, config, 2, 2, str(tmp_path / "sp"), world_size=4, timeout=TIMEOUT
+    )[0]
+    stream = io.StringIO()
+    single = train(train_config_from_dict(config), None, output_dir=tmp_path / "one", stream=stream)
+    assert_matches_single(rows, single.metrics)
+    header = stream.getvalue()
+    assert "rope:  rope_theta: 10000.0 -> 40000.0 ([model] setting)" in header, header
+    assert "rope:  max_position_embeddings: 65536 -> 262144" in header, header
+    assert "rope:  rope_scaling: None -> {'rope_type': 'yarn', 'factor': 4.0" in header, header
+    plain = dict(config, model={"path": config["model"]["path"]})
+    unextended = run_single(plain, tmp_path / "plain")
+    assert _relative(unextended[0]["loss"], single.metrics[0]["loss"]) > 1e-3, "RoPE changed"
+    for out in ("sp", "one"):
+        exported = json.loads((tmp_path / out / "hf" / "config.json").read_text())
+        assert exported["rope_theta"] == 40000.0
+        assert exported["max_position_embeddings"] == 262144
+        assert exported["rope_scaling"] == positions["rope_scaling"]

@@ -93,11 +93,18 @@ def _few(names, limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def load_pretrained(cls, path, topology=None, *, dtype=None, device=None, **kwargs):
+def load_pretrained(cls, path, topology=None, *, dtype=None, device=None, config=None, **kwargs):
     """``cls.from_pretrained``: see :meth:`usp.models.Llama.from_pretrained`."""
     safe_open, _ = _safetensors()
     directory = checkpoint_dir(path)
-    config = LlamaConfig.from_json_file(directory / CONFIG_FILE)
+    file_config = LlamaConfig.from_json_file(directory / CONFIG_FILE)
+    if config is None:
+        config = file_config
+    else:  # new position settings only (context extension); the architecture is the file's
+        try:
+            file_config.position_changes(config)
+        except ModelConfigError as err:
+            raise ModelConfigError(f"{directory / CONFIG_FILE}: {err}") from None
     files = weight_files(directory)
     device = torch.device("cpu" if device is None else device)
     dtype = dtype or _config_dtype(config)

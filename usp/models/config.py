@@ -19,14 +19,25 @@ from usp.errors import ModelConfigError  # noqa: F401 - re-exported here
 #: HF ``architectures`` / ``model_type`` values this model computes exactly
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("llama",)
-#: RoPE variants: plain RoPE, and Llama 3.1+'s frequency-dependent scaling
-ROPE_TYPES = ("default", "llama3")
-LLAMA3_ROPE_KEYS = (
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-)
+#: RoPE variants computed exactly as transformers computes them (usp.models.rope)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+#: per RoPE type: (required keys, optional keys) of ``rope_scaling`` besides rope_type
+ROPE_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # linear does not use original_max_position_embeddings; it is accepted and kept
+    "linear": (("factor",), ("original_max_position_embeddings",)),
+    "llama3": (
+        ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        (),
+    ),
+    "yarn": (
+        ("factor", "original_max_position_embeddings"),
+        ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    ),
+}
+#: the RoPE types that measure wavelengths against the pre-training context
+NEEDS_ORIGINAL_CONTEXT = ("llama3", "yarn")
+#: the fields a checkpoint's config may change (context extension); nothing else may
+POSITION_FIELDS = ("rope_theta", "rope_scaling", "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -34,8 +45,10 @@ class LlamaConfig:
     """Llama-3-family hyper-parameters (HF ``config.json`` names).
 
     ``head_dim=None`` means ``hidden_size // num_attention_heads``. ``rope_scaling`` is
-    ``None`` (plain RoPE) or ``{"rope_type": "llama3", "factor": ..., "low_freq_factor":
-    ..., "high_freq_factor": ..., "original_max_position_embeddings": ...}``.
+    ``None`` (plain RoPE) or a dict with ``rope_type`` one of ``linear``, ``llama3`` or
+    ``yarn`` and that type's keys (:data:`ROPE_KEYS`; e.g. ``{"rope_type": "llama3",
+    "factor": ..., "low_freq_factor": ..., "high_freq_factor": ...,
+    "original_max_position_embeddings": ...}``), as in HF's ``config.json``.
     """
 
     vocab_size: int
@@ -100,6 +113,50 @@ class LlamaConfig:
 
     def replace(self, **changes) -> LlamaConfig:
         return dataclasses.replace(self, **changes)
+
+    def with_positions(
+        self,
+        *,
+        rope_theta: float | None = None,
+        rope_scaling: dict[str, Any] | None = None,
+        max_position_embeddings: int | None = None,
+    ) -> LlamaConfig:
+        """This config with new position settings (context extension); ``None`` keeps a
+        setting. ``rope_scaling = {"rope_type": "default"}`` removes the scaling. A
+        ``llama3``/``yarn`` scaling without ``original_max_position_embeddings`` is
+        measured against this config's ``max_position_embeddings`` (the context the
+        weights were trained at)."""
+        changes: dict[str, Any] = {}
+        if rope_theta is not None:
+            changes["rope_theta"] = rope_theta
+        if max_position_embeddings is not None:
+            changes["max_position_embeddings"] = max_position_embeddings
+        if rope_scaling is not None:
+            if not isinstance(rope_scaling, dict):
+                raise ModelConfigError(
+                    f"rope_scaling must be a table with a rope_type, got {rope_scaling!r}"
+                )
+            scaling = dict(rope_scaling)
+            if scaling.get("rope_type", scaling.get("type")) in NEEDS_ORIGINAL_CONTEXT:
+                scaling.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+            changes["rope_scaling"] = scaling
+        return self.replace(**changes)
+
+    def position_changes(self, other: LlamaConfig) -> list[str]:
+        """``"name: old -> new"`` for each position setting ``other`` changes; a
+        ModelConfigError if it changes anything else (the architecture)."""
+        differ = [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.compare and getattr(self, f.name) != getattr(other, f.name)
+        ]
+        fixed = [name for name in differ if name not in POSITION_FIELDS]
+        if fixed:
+            raise ModelConfigError(
+                f"only {', '.join(POSITION_FIELDS)} may differ from the checkpoint's "
+                f"config.json; {', '.join(fixed)} differ"
+            )
+        return [f"{name}: {getattr(self, name)} -> {getattr(other, name)}" for name in differ]
 
     # ------------------------------------------------------------------ HF format
     @classmethod
@@ -228,34 +285,66 @@ def _rope_from_hf(config: dict[str, Any], source: str) -> tuple[float, dict | No
         raise ModelConfigError(f"{source}: per-layer rope_parameters are not supported")
     scaling = dict(params or config.get("rope_scaling") or {})
     theta = scaling.pop("rope_theta", None) or config.get("rope_theta") or 500000.0
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
         return float(theta), None
-    scaling.setdefault(
-        "original_max_position_embeddings", config.get("max_position_embeddings", 8192)
-    )
+    if rope_type in NEEDS_ORIGINAL_CONTEXT:  # as transformers reads these files
+        scaling.setdefault(
+            "original_max_position_embeddings", config.get("max_position_embeddings", 8192)
+        )
     return float(theta), scaling
 
 
 def _normalise_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``None`` for plain RoPE, else ``{"rope_type": ..., **its keys}``, every key known
+    and every value checked (an unknown key would be an input silently dropped)."""
     if not scaling:
         return None
+    if not isinstance(scaling, dict):
+        raise ModelConfigError(f"rope_scaling must be a dict with a rope_type, got {scaling!r}")
     scaling = dict(scaling)
     rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
     scaling.pop("type", None)
-    if rope_type == "default":
-        return None
     if rope_type not in ROPE_TYPES:
         raise ModelConfigError(
             f"rope_scaling rope_type {rope_type!r} is not supported; supported: "
             f"{', '.join(ROPE_TYPES)}"
         )
-    missing = [k for k in LLAMA3_ROPE_KEYS if k not in scaling]
+    required, optional = ROPE_KEYS.get(rope_type, ((), ()))  # default: no keys
+    missing = [k for k in required if k not in scaling]
     if missing:
-        raise ModelConfigError(f"llama3 rope_scaling is missing {', '.join(missing)}")
-    values = {k: scaling[k] for k in LLAMA3_ROPE_KEYS}
-    if values["high_freq_factor"] <= values["low_freq_factor"]:
+        raise ModelConfigError(f"{rope_type} rope_scaling is missing {', '.join(missing)}")
+    unknown = sorted(set(scaling) - set(required) - set(optional))
+    if unknown:
+        raise ModelConfigError(
+            f"{rope_type} rope_scaling has unknown key(s) {', '.join(unknown)}; it takes "
+            + (", ".join((*required, *optional)) or "no other key")
+        )
+    if rope_type == "default":
+        return None
+    for key, value in scaling.items():
+        _check_rope_value(rope_type, key, value)
+    if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ModelConfigError(
             "llama3 rope_scaling needs high_freq_factor > low_freq_factor, got "
-            f"{values['high_freq_factor']} and {values['low_freq_factor']}"
+            f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}"
         )
-    return {"rope_type": "llama3", **values}
+    return {
+        "rope_type": rope_type,
+        **{k: scaling[k] for k in (*required, *optional) if k in scaling},
+    }
+
+
+def _check_rope_value(rope_type: str, key: str, value: Any) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if key == "truncate":
+        ok, expected = isinstance(value, bool), "true or false"
+    elif key == "original_max_position_embeddings":
+        ok = number and float(value).is_integer() and value >= 1
+        expected = "a positive integer"
+    elif key in ("mscale", "mscale_all_dim"):
+        ok, expected = number and value >= 0, "a number >= 0"
+    else:  # factor, low/high_freq_factor, attention_factor, beta_fast, beta_slow
+        ok, expected = number and value > 0, "a number > 0"
+    if not ok:
+        raise ModelConfigError(f"{rope_type} rope_scaling {key} must be {expected}, got {value!r}")

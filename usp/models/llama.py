@@ -19,8 +19,9 @@ from torch.utils.checkpoint import checkpoint
 from usp.models.config import LlamaConfig
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, check_chunk_tokens, sp_cross_entropy
+from usp.models.offload import HostOffloader, check_activation_checkpointing
 from usp.models.plans import check_heads, pack_once
-from usp.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from usp.models.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
 from usp.plan import as_plan
 
 
@@ -71,7 +72,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)).
+
+    ``tile_tokens`` (0: off): run over tiles of that many local tokens (the batch and
+    sequence dims flattened), each tile checkpointed, so that only one tile's
+    ``[tokens, intermediate]`` activations exist at a time, in forward and in backward
+    (each tile is recomputed just before its own backward). The result equals the
+    untiled MLP up to float rounding (the weight gradients are summed over tiles).
+    """
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -79,9 +87,23 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.tile_tokens = 0
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        tokens = x.shape[:-1].numel()
+        if not self.tile_tokens or tokens <= self.tile_tokens:
+            return self.swiglu(x)
+        flat = x.reshape(tokens, x.shape[-1])  # [B, S/P, dim] -> [B * S/P, dim]
+        tiles = flat.split(self.tile_tokens)  # [tile_tokens, dim] each (the last shorter)
+        if torch.is_grad_enabled():  # keep each tile's input only; recompute it in backward
+            out = [checkpoint(self.swiglu, t, use_reentrant=False, preserve_rng_state=False)
+                   for t in tiles]  # fmt: skip
+        else:
+            out = [self.swiglu(t) for t in tiles]
+        return torch.cat(out).view(x.shape)  # [B * S/P, dim] -> [B, S/P, dim]
 
 
 class DecoderLayer(nn.Module):
@@ -109,19 +131,24 @@ class LlamaModel(nn.Module):
             DecoderLayer(config, plan) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.activation_checkpointing = False
+        self.activation_checkpointing: bool | str = False  # see usp.models.offload
+        self.offloader = HostOffloader()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed=None):
         """input_ids [B, S/P], position_ids [S/P] or [B, S/P] -> hidden [B, S/P, dim]."""
         x = self.embed_tokens(input_ids)
         if position_ids.dim() == 1:
             position_ids = position_ids[None]  # [1, S/P]: the same positions in every row
+        inv_freq = inverse_frequencies(self.config, device=x.device)
         cos, sin = rope_cos_sin(
-            position_ids, inverse_frequencies(self.config, device=x.device), x.dtype
+            position_ids, inv_freq, x.dtype, attention_factor(self.config)
         )  # [B or 1, S/P, head_dim], once for all layers
-        recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        mode = self.activation_checkpointing if torch.is_grad_enabled() else False
         for layer in self.layers:
-            if recompute:  # keep only the layer's input; backward re-runs it (and its collectives)
+            if mode == "offload":  # as below, the kept input living in host memory
+                with self.offloader.hold(x):
+                    x = checkpoint(layer, x, cos, sin, packed, use_reentrant=False)
+            elif mode:  # keep only the layer's input; backward re-runs it (and its collectives)
                 x = checkpoint(layer, x, cos, sin, packed, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, packed)
@@ -133,7 +160,11 @@ class Llama(nn.Module):
 
     ``topology``: a :class:`usp.Topology` (wrapped in ``usp.Plan(topology,
     **attention_options)``), a :class:`usp.Plan`, or ``None`` (single process).
-    ``activation_checkpointing``: recompute each decoder layer in backward (non-reentrant).
+    ``activation_checkpointing``: ``True`` recomputes each decoder layer in backward
+    (non-reentrant), keeping only its input; ``"offload"`` keeps that input in host memory
+    (pinned, copied on a side stream on CUDA; :mod:`usp.models.offload`).
+    ``mlp_tile_tokens``: 0 (off) or N: each MLP runs over tiles of N local tokens, each
+    recomputed in backward, so only one tile's ``[N, intermediate]`` activations exist.
     ``loss_chunk_tokens``: tokens per chunk of the output projection in the loss (``None``:
     one unchunked pass). Weights are initialised as HF does (normal(0,
     ``initializer_range``), norms 1) unless built on the meta device.
@@ -162,7 +193,8 @@ class Llama(nn.Module):
         config: LlamaConfig,
         topology=None,
         *,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | str = False,
+        mlp_tile_tokens: int = 0,
         loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
         **attention_options,
     ):
@@ -182,6 +214,7 @@ class Llama(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.activation_checkpointing = activation_checkpointing
+        self.mlp_tile_tokens = mlp_tile_tokens
         self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
         if self.model.embed_tokens.weight.device.type != "meta":
             self.init_weights()
@@ -213,7 +246,10 @@ class Llama(nn.Module):
         sharded ``model.safetensors.index.json``); never downloads. The model is built on
         the meta device and the tensors are placed into it one by one (no second copy).
         ``dtype=None`` keeps the checkpoint's dtype; ``device`` defaults to CPU.
-        ``kwargs`` go to the constructor (``activation_checkpointing``, attention options)."""
+        ``config``: the checkpoint's :class:`LlamaConfig` with other position settings
+        (``LlamaConfig.with_positions``: context extension); anything else that differs
+        from its ``config.json`` is an error. ``kwargs`` go to the constructor
+        (``activation_checkpointing``, ``mlp_tile_tokens``, attention options)."""
         from usp.models.checkpoint import load_pretrained
 
         return load_pretrained(cls, path, topology, dtype=dtype, device=device, **kwargs)
@@ -238,12 +274,28 @@ class Llama(nn.Module):
 
     # ------------------------------------------------------------------ forward
     @property
-    def activation_checkpointing(self) -> bool:
+    def activation_checkpointing(self) -> bool | str:
+        """False, True or "offload" (see the class docstring)."""
         return self.model.activation_checkpointing
 
     @activation_checkpointing.setter
-    def activation_checkpointing(self, value: bool) -> None:
-        self.model.activation_checkpointing = bool(value)
+    def activation_checkpointing(self, value: bool | str) -> None:
+        self.model.activation_checkpointing = check_activation_checkpointing(value)
+
+    @property
+    def mlp_tile_tokens(self) -> int:
+        """0 (untiled) or the local tokens per MLP tile, the same in every layer."""
+        return self.model.layers[0].mlp.tile_tokens if len(self.model.layers) else 0
+
+    @mlp_tile_tokens.setter
+    def mlp_tile_tokens(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(
+                f"mlp_tile_tokens must be an integer >= 0 (0: untiled; N: tiles of N local "
+                f"tokens), got {value!r}"
+            )
+        for layer in self.model.layers:
+            layer.mlp.tile_tokens = value
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -285,7 +337,8 @@ class Llama(nn.Module):
         return (
             f"layers={c.num_hidden_layers}, dim={c.hidden_size}, heads={c.num_attention_heads}/"
             f"{c.num_key_value_heads}, vocab={c.vocab_size}, tied={c.tie_word_embeddings}, "
-            f"sp={self.plan.sp_degree}, activation_checkpointing={self.activation_checkpointing}"
+            f"sp={self.plan.sp_degree}, activation_checkpointing={self.activation_checkpointing}, "
+            f"mlp_tile_tokens={self.mlp_tile_tokens}"
         )
 
 

@@ -30,6 +30,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class ModelSource:
     config: object  # usp.models.LlamaConfig
     directory: Path | None  # the HF checkpoint directory, None for a preset
+    #: "name: old -> new" for each [model] position setting that changed the config
+    changes: tuple[str, ...] = ()
 
 
 def model_source(job: TrainJobConfig) -> ModelSource:
@@ -49,7 +51,7 @@ def model_source(job: TrainJobConfig) -> ModelSource:
             raise job.error(f"[model.overrides] {err}") from None
         except ModelConfigError as err:
             raise job.error(f"[model.overrides] {err}") from None
-        return ModelSource(config, None)
+        return _with_positions(job, ModelSource(config, None))
     directory = job.path(m.path)
     config_file = directory / "config.json"
     if not directory.is_dir():
@@ -57,9 +59,24 @@ def model_source(job: TrainJobConfig) -> ModelSource:
     if not config_file.is_file():
         raise job.error(f"[model] path {directory} has no config.json (not an HF checkpoint)")
     try:
-        return ModelSource(LlamaConfig.from_json_file(config_file), directory)
+        source = ModelSource(LlamaConfig.from_json_file(config_file), directory)
     except ModelConfigError as err:
         raise job.error(f"[model] {err}") from None
+    return _with_positions(job, source)
+
+
+def _with_positions(job: TrainJobConfig, source: ModelSource) -> ModelSource:
+    """``source`` with the ``[model]`` position settings applied (context extension)."""
+    from usp.models import ModelConfigError
+
+    if not job.model.position_settings:
+        return source
+    try:
+        config = source.config.with_positions(**job.model.position_settings)
+    except ModelConfigError as err:
+        raise job.error(f"[model] {err}") from None
+    changes = tuple(source.config.position_changes(config))
+    return ModelSource(config, source.directory, changes)
 
 
 def topology_config(job: TrainJobConfig) -> UspConfig:
@@ -172,12 +189,17 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan):
     broadcasts, so a node holds one copy of the weights, not one per rank)."""
     from usp.models import Llama
 
-    options = {"activation_checkpointing": job.train.activation_checkpointing}
+    options = {
+        "activation_checkpointing": job.train.activation_checkpointing,
+        "mlp_tile_tokens": job.train.mlp_tile_tokens,
+    }
     if source.directory is None:
         torch.manual_seed(job.train.seed)
         return Llama(source.config, plan, **options)
     if plan.topology is None:
-        return Llama.from_pretrained(source.directory, plan, dtype=torch.float32, **options)
+        return Llama.from_pretrained(
+            source.directory, plan, dtype=torch.float32, config=source.config, **options
+        )
     with torch.device("meta"):
         return Llama(source.config, plan, **options)
 

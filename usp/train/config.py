@@ -89,6 +89,10 @@ class ModelSection:
     path: str | None = None
     preset: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
+    # position settings (context extension), for a checkpoint or a preset; None: as is
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None  # {rope_type = "yarn", factor = 4.0, ...}
+    max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.preset is None):
@@ -105,8 +109,34 @@ class ModelSection:
         if self.overrides and self.path is not None:
             raise ConfigError(
                 "[model] overrides only apply to a preset; a checkpoint's shape comes from "
-                "its config.json"
+                "its config.json (its position settings may change: [model] rope_theta, "
+                "rope_scaling, max_position_embeddings)"
             )
+        if self.rope_theta is not None:
+            _number("model", "rope_theta", self.rope_theta, minimum=0, strict=True)
+        if self.rope_scaling is not None and not (
+            isinstance(self.rope_scaling, dict)
+            and isinstance(self.rope_scaling.get("rope_type"), str)
+        ):
+            _fail(
+                "model",
+                "rope_scaling",
+                'a table with a rope_type ("default", "linear", "llama3", "yarn")',
+                self.rope_scaling,
+            )
+        if self.max_position_embeddings is not None:
+            _int("model", "max_position_embeddings", self.max_position_embeddings, minimum=1)
+        twice = [k for k in self.position_settings if k in self.overrides]
+        if twice:
+            raise ConfigError(
+                f"[model] {twice[0]} is given twice, in [model] and [model.overrides]; keep one"
+            )
+
+    @property
+    def position_settings(self) -> dict[str, Any]:
+        """The position settings given (rope_theta, rope_scaling, max_position_embeddings)."""
+        names = ("rope_theta", "rope_scaling", "max_position_embeddings")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
 @dataclass(frozen=True)
@@ -161,7 +191,7 @@ class TrainSection:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     seed: int = 0
     dtype: str = AUTO  # compute dtype; "auto": bfloat16 on CUDA, float32 on CPU
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # true, false or "offload" (host memory)
     checkpoint_interval: int = 0  # optimizer steps; 0: only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept in output_dir/checkpoints
     log_interval: int = 1  # steps between progress lines when no progress bar is shown
@@ -169,6 +199,7 @@ class TrainSection:
     output_dir: str = AUTO  # "auto": runs/<config file name>
     device: str = AUTO  # "auto": cuda when available, else cpu
     peak_tflops: float | str = AUTO  # per device, for MFU; "auto": from the device name
+    mlp_tile_tokens: int = 0  # 0: off; N: each MLP runs over tiles of N local tokens
 
     def __post_init__(self) -> None:
         s = "train"
@@ -194,7 +225,10 @@ class TrainSection:
         object.__setattr__(self, "adam_betas", tuple(float(b) for b in betas))
         _choice(s, "dtype", self.dtype, DTYPES)
         _choice(s, "device", self.device, DEVICES)
-        _bool(s, "activation_checkpointing", self.activation_checkpointing)
+        checkpointing = self.activation_checkpointing
+        if not (isinstance(checkpointing, bool) or checkpointing == "offload"):
+            _fail(s, "activation_checkpointing", 'true, false or "offload"', checkpointing)
+        _int(s, "mlp_tile_tokens", self.mlp_tile_tokens, minimum=0)
         _bool(s, "export", self.export)
         _string(s, "output_dir", self.output_dir)
         if self.peak_tflops != AUTO:

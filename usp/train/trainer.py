@@ -359,6 +359,7 @@ def _print_header(job, plan, source, dataset, model, state, newest, stream) -> N
         f"  batch: {t.global_batch} sequences/step = dp {dp} x micro_batch {t.micro_batch} x "
         f"accumulation {accumulation}",
     ]
+    lines += [f"  rope:  {change} ([model] setting)" for change in source.changes]
     if newest is not None:
         lines.append(f"  resuming from {newest} (step {state.step})")
     print("\n".join(lines), file=stream, flush=True)
