@@ -102,8 +102,8 @@ def read_section(name: str, cls: type, body: Any):
 def override_keys(sections: dict[str, type]) -> dict[str, str]:
     """Override name -> section, from the sections' fields (``ulysses`` -> ``parallel``).
 
-    A key that two sections share is left out of the flat names (:func:`apply_overrides`
-    then says which sections have it).
+    A key that two sections share is left out of the flat names (an override of it is
+    unknown: the name alone does not say which section it is for).
     """
     owners: dict[str, list[str]] = {}
     for section, cls in sections.items():

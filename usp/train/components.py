@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from usp.config import ConfigError, UspConfig
+from usp.models import PRESETS, LlamaConfig, ModelConfigError
 from usp.plan import Plan
 from usp.process_groups import Topology
 from usp.train.config import AUTO, TrainJobConfig
@@ -37,8 +38,6 @@ class ModelSource:
 def model_source(job: TrainJobConfig) -> ModelSource:
     """The model's :class:`LlamaConfig` from ``[model]`` (a preset, or the directory's
     ``config.json``), without loading weights."""
-    from usp.models import PRESETS, LlamaConfig, ModelConfigError
-
     m = job.model
     if m.preset is not None:
         if m.preset not in PRESETS:

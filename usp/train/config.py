@@ -61,8 +61,8 @@ from usp.config import (
     read_section,
     read_toml,
 )
+from usp.config import ModelConfig as HeadCounts  # a topology-only file's [model]
 from usp.config.schema import SECTIONS as TOPOLOGY_SCHEMA
-from usp.config.schema import ModelConfig
 
 TOPOLOGY_SECTIONS = ("cluster", "parallel", "attention")
 TRAIN_SECTIONS = ("model", "data", "train")
@@ -71,7 +71,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 
 # The sections below validate with usp.config's field validators (one set for every
-# section), under these short local names.
+# section), under the short local names their checks were written with.
 _is_number = is_number
 _fail = fail
 _int = check_int
@@ -352,7 +352,7 @@ def _section(name: str, data: dict[str, Any]):
 
 def _refuse_head_counts(body: dict[str, Any]) -> None:
     """A training config's ``[model]`` names the model; its head counts come from it."""
-    given = [key for key in keys_of(ModelConfig) if key in body]
+    given = [key for key in keys_of(HeadCounts) if key in body]
     if given:
         raise ConfigError(
             f"[model] {given[0]}: a training config takes the head counts from the model it "
