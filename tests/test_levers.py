@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import gc
 import itertools
-import sys
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
 from model_cases import TINY, relative_error
+from usp_cases import load_benchmark
 
 from usp.models import Llama, LlamaConfig, shift_labels
 from usp.models.llama import MLP
 from usp.models.offload import ACTIVATION_CHECKPOINTING
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from levers_memory import profiled_peak  # noqa: E402
+#: the benchmark's measurement (torch.profiler memory events), tested here too
+profiled_peak = load_benchmark("levers_memory").profiled_peak
 
 
 def _step(config, state, ids, dtype, **options) -> dict:

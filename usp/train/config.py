@@ -9,6 +9,8 @@ A training config is a TOML file::
     [model]
     preset = "tiny"               # a usp.models.PRESETS name, randomly initialised; or
     # path = "/models/Llama-3.1-8B"  a local HF checkpoint directory (config.json, safetensors)
+    # rope_theta, rope_scaling, max_position_embeddings: optional position settings
+    # (context extension), for a checkpoint too; the architecture stays the config.json's
     [model.overrides]             # optional, presets only: LlamaConfig fields
     num_hidden_layers = 2
 
