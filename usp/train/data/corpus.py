@@ -95,6 +95,7 @@ class CorpusBuilder:
                 _little_endian(data).tofile(f)
         (tmp / "target.u8").write_bytes(self.target)
         meta = {**meta, "documents": len(self), "tokens": len(self.tokens)}
+        meta["built_by"] = {"host": socket.gethostname(), "pid": os.getpid()}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
         try:
             os.rename(tmp, directory)

@@ -319,7 +319,8 @@ def iter_documents(paths: Sequence[Path], tokenizer, report: LengthReport) -> It
     chat = None
     for path in paths:
         for record, where in jsonl_records(path):
-            if chat is None and isinstance(record, dict) and "messages" in record:
+            is_chat = isinstance(record, dict) and record_format(record, where) == "messages"
+            if chat is None and is_chat:
                 from usp.train.data.chat import ChatRenderer
 
                 try:
