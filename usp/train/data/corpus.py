@@ -68,33 +68,43 @@ class Corpus:
 
 
 class CorpusBuilder:
-    """Documents appended one by one into flat arrays (no per-document tensors kept)."""
+    """Documents appended one by one, concatenated into flat arrays at the end."""
 
     def __init__(self):
-        self.tokens = array.array("i")
-        self.target = bytearray()
-        self.offsets = array.array("q", [0])
+        self._tokens: list[torch.Tensor] = []
+        self._target: list[torch.Tensor] = []
+        self._lengths: list[int] = []
 
     def add(self, doc: Document) -> None:
-        self.tokens.extend(doc.tokens.tolist())
-        self.target.extend(bytes(doc.target.to(torch.uint8).tolist()))
-        self.offsets.append(len(self.tokens))
+        self._tokens.append(doc.tokens.to(torch.int32))
+        self._target.append(doc.target)
+        self._lengths.append(len(doc))
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return len(self._lengths)
+
+    def corpus(self) -> Corpus:
+        if not self._lengths:
+            return Corpus.from_documents([])
+        lengths = torch.tensor(self._lengths, dtype=torch.int64)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        return Corpus(torch.cat(self._tokens), torch.cat(self._target), offsets)
 
     def write(self, directory: Path, meta: dict) -> None:
         """The three arrays and ``meta.json`` into ``directory`` (which must not exist),
         through a temporary sibling renamed into place."""
+        corpus = self.corpus()
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = directory.with_name(f".{directory.name}.{socket.gethostname()}.{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        for name, data in (("tokens.i32", self.tokens), ("offsets.i64", self.offsets)):
-            with open(tmp / name, "wb") as f:
-                _little_endian(data).tofile(f)
-        (tmp / "target.u8").write_bytes(self.target)
-        meta = {**meta, "documents": len(self), "tokens": len(self.tokens)}
+        for name, tensor in (
+            ("tokens.i32", corpus.tokens),
+            ("target.u8", corpus.target),
+            ("offsets.i64", corpus.offsets),
+        ):
+            _write_raw(tmp / name, tensor)
+        meta = {**meta, "documents": len(corpus), "tokens": corpus.num_tokens}
         meta["built_by"] = {"host": socket.gethostname(), "pid": os.getpid()}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
         try:
@@ -104,22 +114,24 @@ class CorpusBuilder:
             if not (directory / "meta.json").is_file():
                 raise
 
-    def corpus(self) -> Corpus:
-        tokens = torch.tensor(self.tokens, dtype=torch.int32)
-        target = (
-            torch.frombuffer(bytearray(self.target), dtype=torch.bool)
-            if self.target
-            else (torch.zeros(0, dtype=torch.bool))
+
+def _write_raw(path: Path, tensor: torch.Tensor) -> None:
+    """A tensor's elements as raw little-endian bytes (numpy when importable, else the
+    standard library's ``array``)."""
+    try:
+        data = tensor.numpy()
+        if sys.byteorder != "little":
+            data = data.byteswap()
+    except RuntimeError:  # torch without numpy
+        codes = {torch.int32: "i", torch.int64: "q", torch.bool: "B"}
+        data = array.array(
+            codes[tensor.dtype],
+            tensor.to(torch.uint8).tolist() if tensor.dtype == torch.bool else tensor.tolist(),
         )
-        return Corpus(tokens, target, torch.tensor(self.offsets, dtype=torch.int64))
-
-
-def _little_endian(data: array.array) -> array.array:
-    if sys.byteorder == "little":
-        return data
-    swapped = array.array(data.typecode, data)
-    swapped.byteswap()
-    return swapped
+        if sys.byteorder != "little":
+            data.byteswap()
+    with open(path, "wb") as f:
+        data.tofile(f)
 
 
 # ----------------------------------------------------------------------------- the cache
