@@ -55,9 +55,19 @@ def runs_of(ids, flags):
     return runs + ([current] if current else [])
 
 
-@pytest.mark.parametrize("template_in", ["jinja", "tokenizer_config"])
+@pytest.mark.parametrize("template_in", ["jinja", "tokenizer_config", "generation_tags"])
 def test_assistant_turns_only_are_trained(tmp_path, template_in):
-    tok, ids = chat_tokenizer(tmp_path, template_in)
+    tok, ids = chat_tokenizer(
+        tmp_path, "jinja" if template_in == "generation_tags" else template_in
+    )
+    if template_in == "generation_tags":  # transformers' assistant-mask markup renders as is
+        template = LLAMA3_TEMPLATE.replace(
+            "{{ content }}", "{% generation %}{{ content }}{% endgeneration %}"
+        )
+        (tmp_path / "model" / "chat_template.jinja").write_text(template)
+        config = PRESETS["tiny"].replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id)
+        tok = build_tokenizer("model", model_dir=None, model_config=config, config_dir=tmp_path)
+        assert "{% generation %}" in tok.chat_template
     assert tok.eos_id == ids[EOT], "tokenizer_config's eos_token, not the config list's first"
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))

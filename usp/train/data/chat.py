@@ -23,6 +23,7 @@ from usp.errors import DataError
 def _environment():
     try:
         import jinja2
+        import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise DataError(
@@ -41,8 +42,18 @@ def _environment():
             sort_keys=sort_keys,
         )
 
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` (templates written for
+        transformers' assistant masks) renders its body; turns are found by prefixes."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", Generation]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
