@@ -195,3 +195,35 @@ def test_missing_tokenizer_is_no_such_file_before_any_install_hint(tmp_path, mon
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(DataError, match="needs the tokenizers library: pip install tokenizers"):
         build_tokenizer(str(tmp_path), model_dir=None, model_config=config, config_dir=tmp_path)
+
+
+# ----------------------------------------------------------------------------- usp train
+def test_a_run_on_long_prompts_trains_every_answer_and_says_what_was_cut(tmp_path):
+    """The issue's case: prompts much longer than seq_len with short answers. Each is
+    truncated to exactly seq_len tokens (one per sequence), keeping the answer."""
+    import io
+
+    from usp.train.config import train_config_from_dict
+    from usp.train.trainer import train
+
+    answers = [f" answer {i}" for i in range(8)]
+    records = [{"prompt": "p" * (200 + 10 * i), "completion": a} for i, a in enumerate(answers)]
+    write_jsonl(tmp_path / "long.jsonl", records)
+    config = {
+        "cluster": {"nodes": 1, "gpus_per_node": 1},
+        "parallel": {"ulysses": 1, "ring": 1, "dp": 1},
+        "model": {"preset": "tiny"},
+        "data": {"files": ["long.jsonl"], "tokenizer": "byte", "shuffle": False},
+        "train": {"steps": 2, "global_batch": 4, "seq_len": 64, "export": False},
+    }
+    job = train_config_from_dict(config, source=str(tmp_path / "job.toml"))
+    stream = io.StringIO()
+    result = train(job, None, output_dir=tmp_path / "out", stream=stream)
+    per_answer = [len(a) + 1 for a in answers]  # the completion's bytes and the EOS
+    assert [r["label_tokens"] for r in result.metrics] == [sum(per_answer[:4]), sum(per_answer[4:])]
+    header = stream.getvalue()
+    assert (
+        "8 documents longer than seq_len(64) (longest 281 tokens): truncated to 64 tokens "
+        "(the prompt's start cut for 8, the end cut for 0)"
+    ) in header, header
+    assert "8 sequences per epoch; the run's 8 sequences cover 1.00 epochs" in header, header

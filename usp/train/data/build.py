@@ -30,7 +30,7 @@ from usp.train.data.corpus import (
     load_cache,
     tokenise,
 )
-from usp.train.data.records import LengthReport, synthetic_documents
+from usp.train.data.records import LengthReport, fit_document, synthetic_documents
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,6 @@ def build_corpus(inputs: DataInputs, *, topology=None, cache_root: Path | None =
     tokenised once into ``cache_root`` and mapped (every rank of ``topology`` must call)."""
     report = LengthReport(inputs.long_documents, inputs.seq_len)
     if inputs.synthetic is not None:
-        from usp.train.data.records import fit_document
-
         count, length, seed = inputs.synthetic
         docs = synthetic_documents(count, length=length, seed=seed)
         kept = [d for doc in docs for d in fit_document(doc, report, where="synthetic")]

@@ -115,12 +115,12 @@ def _is_int(value) -> bool:
 
 def _ids_document(record: dict, vocab: int, where: str) -> Document:
     ids = record["input_ids"]
-    if not (isinstance(ids, list) and all(_is_int(i) and 0 <= i < vocab for i in ids)):
-        bad = (
-            next((i for i in ids if not (_is_int(i) and 0 <= i < vocab)), ids)
-            if isinstance(ids, list)
-            else ids
+    if not isinstance(ids, list):
+        raise DataError(
+            f'{where}: "input_ids" must be a list of integers, got {type(ids).__name__}'
         )
+    bad = next((i for i in ids if not (_is_int(i) and 0 <= i < vocab)), None)
+    if bad is not None:
         raise DataError(
             f'{where}: "input_ids" must be a list of integers in [0, {vocab}), found {bad!r}'
         )
