@@ -227,3 +227,23 @@ def test_a_run_on_long_prompts_trains_every_answer_and_says_what_was_cut(tmp_pat
         "(the prompt's start cut for 8, the end cut for 0)"
     ) in header, header
     assert "8 sequences per epoch; the run's 8 sequences cover 1.00 epochs" in header, header
+
+
+def test_batched_tokenising_keeps_order_and_reports_the_first_bad_line(tmp_path, monkeypatch):
+    import usp.train.data.records as records
+
+    monkeypatch.setattr(records, "BATCH_RECORDS", 3)
+    texts = [f"record {i} " * (i + 1) for i in range(8)]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
+    documents, _ = read_jsonl([path], TOK)
+    assert [TOK.decode(d.tokens[1:-1].tolist()) for d in documents] == texts
+    lines = path.read_text().splitlines()
+    lines[4] = '{"text": 3}'  # line 5: a bad value ...
+    lines[5] = "{oops"  # ... before a line that is not JSON, in the same batch
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=rf"{path}:5: \"text\" must be a string"):
+        read_jsonl([path], TOK)
+    lines[4] = '{"text": "fine"}'
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=rf"{path}:6: invalid JSON"):
+        read_jsonl([path], TOK)

@@ -313,22 +313,71 @@ def fit_document(doc: Document, report: LengthReport, *, where: str) -> list[Doc
 
 
 # ----------------------------------------------------------------------------- sources
+BATCH_RECORDS = 512  # records whose strings are tokenised in one call (spread over threads)
+_TEXT_KEYS = ("text", "prompt", "completion")
+
+
+class _Encoded:
+    """``tokenizer`` with a batch of records' strings already encoded (one
+    ``encode_batch`` call, which the ``tokenizers`` library runs on several threads)."""
+
+    def __init__(self, tokenizer, texts: list[str]):
+        self._tokenizer = tokenizer
+        unique = list(dict.fromkeys(texts))
+        self._ids = dict(zip(unique, tokenizer.encode_batch(unique), strict=True))
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._ids.get(text)
+        return ids if ids is not None else self._tokenizer.encode(text)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def _batches(records: Iterator) -> Iterator[tuple[list, DataError | None]]:
+    """Records in lists of :data:`BATCH_RECORDS`; a file error ends the last list, and is
+    raised after it, so the first bad line is the one reported."""
+    batch = []
+    try:
+        for item in records:
+            batch.append(item)
+            if len(batch) == BATCH_RECORDS:
+                yield batch, None
+                batch = []
+    except DataError as err:
+        yield batch, err
+        return
+    if batch:
+        yield batch, None
+
+
 def iter_documents(paths: Sequence[Path], tokenizer, report: LengthReport) -> Iterator[Document]:
     """Every record of every file, tokenised, with ``report``'s ``long_documents`` policy
     applied (and counted in ``report``). Documents under 2 tokens are skipped."""
     chat = None
     for path in paths:
-        for record, where in jsonl_records(path):
-            is_chat = isinstance(record, dict) and record_format(record, where) == "messages"
-            if chat is None and is_chat:
-                from usp.train.data.chat import ChatRenderer
+        for batch, error in _batches(jsonl_records(path)):
+            texts = [
+                r[k]
+                for r, _ in batch
+                if isinstance(r, dict)
+                for k in _TEXT_KEYS
+                if isinstance(r.get(k), str)
+            ]
+            encoder = _Encoded(tokenizer, texts) if texts else tokenizer
+            for record, where in batch:
+                is_chat = isinstance(record, dict) and record_format(record, where) == "messages"
+                if chat is None and is_chat:
+                    from usp.train.data.chat import ChatRenderer
 
-                try:
-                    chat = ChatRenderer(tokenizer)
-                except DataError as err:
-                    raise DataError(f"{where}: {err}") from None
-            doc = document_from_record(record, tokenizer, where=where, chat=chat)
-            yield from fit_document(doc, report, where=where)
+                    try:
+                        chat = ChatRenderer(tokenizer)
+                    except DataError as err:
+                        raise DataError(f"{where}: {err}") from None
+                doc = document_from_record(record, encoder, where=where, chat=chat)
+                yield from fit_document(doc, report, where=where)
+            if error is not None:
+                raise error
 
 
 def read_jsonl(
