@@ -240,3 +240,25 @@ def test_chat_fine_tune_on_four_ranks_trains_assistant_tokens_only(distributed, 
         ).read_text(), "the export keeps the chat template"
         assert (exported / "tokenizer_config.json").is_file()
     assert load_file(tmp_path / "sp" / "hf" / "model.safetensors").keys()
+
+
+def run_node_local_files(root, data):
+    """Node-local storage where node 1's copy of the data file differs from node 0's."""
+    torch.set_num_threads(1)
+    topo = topology(2, 2, ranks_per_node=2)
+    path = Path(data) / f"node{topo.node}.jsonl"
+    try:
+        build_corpus(inputs([path]), topology=topo, cache_root=Path(root) / f"node{topo.node}")
+    except DataError as err:
+        return str(err)
+    return None
+
+
+def test_nodes_whose_files_differ_are_refused_on_every_rank(distributed, tmp_path):
+    data_file(tmp_path / "node0.jsonl", count=10)
+    data_file(tmp_path / "node1.jsonl", count=11)
+    messages = distributed.run(
+        run_node_local_files, str(tmp_path / "local"), str(tmp_path), world_size=4, timeout=TIMEOUT
+    )
+    assert all(m == messages[0] for m in messages), messages
+    assert "the data files or tokenizer on node 1 differ from rank 0's" in messages[0], messages[0]
