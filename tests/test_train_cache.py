@@ -88,6 +88,22 @@ def test_a_damaged_cache_is_reported(tmp_path):
     assert built.key is not None
 
 
+def test_the_cache_is_written_without_numpy_too(tmp_path, monkeypatch):
+    path = data_file(tmp_path / "d.jsonl")
+    with_numpy = build_corpus(inputs([path]), cache_root=tmp_path / "a")
+
+    def unavailable(self, *args, **kwargs):
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", unavailable)
+    without = build_corpus(inputs([path]), cache_root=tmp_path / "b")
+    assert without.notes[-1].startswith("tokenised into")
+    assert same_corpus(with_numpy.corpus, without.corpus)
+    (a,), (b,) = (tmp_path / "a").iterdir(), (tmp_path / "b").iterdir()
+    for name in ("tokens.i32", "target.u8", "offsets.i64"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
 # ----------------------------------------------------------------------------- 4 ranks
 def run_cached_corpus(files, root, per_node=False, ranks_per_node=None):
     torch.set_num_threads(1)
