@@ -112,7 +112,10 @@ def run_cached_corpus(files, root, per_node=False, ranks_per_node=None):
     built = build_corpus(inputs(files), topology=topo, cache_root=Path(where))
     meta = json.loads((next(p for p in Path(where).iterdir()) / "meta.json").read_text())
     c = built.corpus
+    again = build_corpus(inputs(files), topology=topo, cache_root=Path(where))  # a resume
     return {
+        "notes": (built.notes[-1], again.notes[-1]),
+        "same_again": same_corpus(again.corpus, c),
         "rank": topo.rank,
         "node": topo.node,
         "pid": os.getpid(),
@@ -138,6 +141,9 @@ def test_four_ranks_map_the_corpus_rank_0_tokenised(distributed, tmp_path):
         assert r["offsets"] == reference.offsets.tolist() and r["key"] == rank0["key"]
         assert r["built_by"]["pid"] == rank0["pid"], "rank 0 tokenised, the others mapped"
         assert len(r["entries"]) == 1, f"one cache directory, no temporaries: {r['entries']}"
+        first, again = r["notes"]
+        assert first.startswith("tokenised into ") and again.startswith("tokenised data reused")
+        assert r["same_again"]
 
 
 def test_nodes_without_shared_storage_each_tokenise_once(distributed, tmp_path):
