@@ -124,6 +124,11 @@ BAD = [
     ("data", "files = [1]", "[data] files must be a path or a list of paths"),
     ("data", "document_multiple = 0", '[data] document_multiple must be an integer >= 1 or "auto"'),
     ("data", 'shuffle = "yes"', "[data] shuffle must be true or false"),
+    (
+        "data",
+        'long_documents = "cut"',
+        '[data] long_documents must be one of "truncate", "split", "drop", "error", got "cut"',
+    ),
     ("model", 'path = "x"', "[model] needs exactly one of path"),
     ("model", "rope_theta = 0", "[model] rope_theta must be a number > 0, got 0"),
     ("model", "rope_scaling = 8.0", "[model] rope_scaling must be a table with a rope_type"),
@@ -409,3 +414,24 @@ def test_a_key_two_sections_share_is_no_flat_override():
     }
     with pytest.raises(ConfigError, match="unknown override 'size'; known overrides: name"):
         apply_overrides({}, {"size": 3}, keys)
+# ----------------------------------------------------------------------------- usp topo
+def test_usp_topo_runs_the_train_and_data_checks(tmp_path, capsys):
+    from usp.cli import main
+
+    assert main(["topo", str(write(tmp_path, MINIMAL))]) == 0
+    bad_length = write(tmp_path, MINIMAL.replace("seq_len = 64", "seq_len = 62"), "len.toml")
+    assert main(["topo", str(bad_length)]) == 2
+    err = capsys.readouterr().err
+    assert f"usp topo: error: {bad_length}: [train] seq_len(62) must be a multiple of 4" in err, err
+    batch = write(tmp_path, MINIMAL.replace("global_batch = 4", "global_batch = 3"), "b.toml")
+    assert main(["topo", str(batch), "--ulysses", "2", "--ring", "1", "--dp", "2"]) == 2
+    assert "[train] global_batch(3) is not a multiple of dp(2) * micro_batch(1)" in (
+        capsys.readouterr().err
+    )
+    files = MINIMAL.replace('source = "synthetic"', 'source = "jsonl"\nfiles = ["d/*.jsonl"]')
+    glob_job = write(tmp_path, files, "files.toml")
+    assert main(["topo", str(glob_job)]) == 2
+    assert "[data] files pattern 'd/*.jsonl' matches no file" in capsys.readouterr().err
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.jsonl").write_text('{"text": "hi"}\n')
+    assert main(["topo", str(glob_job)]) == 0, capsys.readouterr().err

@@ -19,8 +19,10 @@ from usp.train.data import (
     DataError,
     DataLoader,
     Document,
+    LengthReport,
     PackedDataset,
     build_tokenizer,
+    fit_document,
     micro_batch_of,
     read_jsonl,
     synthetic_documents,
@@ -52,7 +54,7 @@ def test_jsonl_formats(tmp_path):
     ]
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
     tok = ByteTokenizer()
-    text, ids, pair = read_jsonl([path], tok)
+    (text, ids, pair), _ = read_jsonl([path], tok)
     assert text.tokens.tolist() == [tok.bos_id, ord("h"), ord("i"), tok.eos_id]
     assert text.target.all()
     assert ids.tokens.tolist() == [7, 8, 9] and ids.target.all()
@@ -64,9 +66,12 @@ def test_jsonl_formats(tmp_path):
     "line, message",
     [
         ("{not json", "invalid JSON"),
-        ('{"title": "x"}', 'a record needs "text", "input_ids", or "prompt" and "completion"'),
+        ('{"title": "x"}', 'a record needs "text", "input_ids", "prompt" and "completion", or'),
         ('{"text": 3}', '"text" must be a string'),
-        ('{"input_ids": [1, 999]}', '"input_ids" must be a list of integers in [0, 256)'),
+        (
+            '{"input_ids": [1, 999]}',
+            '"input_ids" must be a list of integers in [0, 256), found 999',
+        ),
         ("[1, 2]", "expected a JSON object"),
     ],
 )
@@ -96,7 +101,7 @@ def test_tokenizer_json_from_the_model_directory(tmp_path):
     auto = build_tokenizer("auto", model_dir=tmp_path, model_config=config, config_dir=tmp_path)
     assert (auto.vocab_size, auto.bos_id, auto.eos_id, auto.pad_id) == (5, 1, 2, 2)
     (tmp_path / "d.jsonl").write_text('{"text": "hello world hello"}\n')
-    (document,) = read_jsonl([tmp_path / "d.jsonl"], auto)
+    (document,), _ = read_jsonl([tmp_path / "d.jsonl"], auto)
     assert document.tokens.tolist() == [1, 3, 4, 3, 2]
     by_path = build_tokenizer(
         "tokenizer.json", model_dir=None, model_config=config, config_dir=tmp_path
@@ -140,7 +145,11 @@ def _documents(lengths, seed=0):
 
 def test_packing_fills_sequences_with_padded_documents():
     docs = _documents([5, 17, 3, 40, 9, 31, 2, 12])
-    ds = PackedDataset(docs, seq_len=32, document_multiple=4, pad_id=0, seed=0, shuffle=False)
+    report = LengthReport("split", 32)
+    pieces = [p for i, d in enumerate(docs) for p in fit_document(d, report, where=f"doc {i}")]
+    assert [len(p) for p in pieces] == [5, 17, 3, 32, 8, 9, 31, 2, 12]
+    assert report.describe().startswith("1 document longer than seq_len(32) (longest 40 tokens)")
+    ds = PackedDataset(pieces, seq_len=32, document_multiple=4, pad_id=0, seed=0, shuffle=False)
     seen = []
     for g in range(6):
         s = ds.sequence(g)
@@ -159,7 +168,9 @@ def test_packing_fills_sequences_with_padded_documents():
     with pytest.raises(
         DataError, match=r"seq_len\(30\) is not a multiple of document_multiple\(4\)"
     ):
-        PackedDataset(docs, seq_len=30, document_multiple=4, pad_id=0, seed=0)
+        PackedDataset(pieces, seq_len=30, document_multiple=4, pad_id=0, seed=0)
+    with pytest.raises(DataError, match=r"a document of 40 tokens is longer than seq_len\(32\)"):
+        PackedDataset(docs, seq_len=32, document_multiple=4, pad_id=0, seed=0)
 
 
 def test_packing_is_deterministic_and_seeded():

@@ -77,6 +77,9 @@ def run_topo(args: argparse.Namespace) -> int:
             allow_cross_node_ulysses=args.allow_cross_node_ulysses,
         )
         resolved = config.resolve(args.world_size)
+        from usp.train.preflight import check_training_config  # [train]/[data], as usp train
+
+        notes = [*notes, *check_training_config(args.config, resolved)]
         if args.json and resolved.world_size > MAX_JSON_RANKS:
             raise ConfigError(
                 f"{config.source}: --json lists every rank and group; {resolved.world_size} "

@@ -242,6 +242,12 @@ def export_hf(
             "tokenizer_config.json",
             "special_tokens_map.json",
             "generation_config.json",
+            "chat_template.jinja",
+            "chat_template.json",
+            "added_tokens.json",
+            "tokenizer.model",
+            "vocab.json",
+            "merges.txt",
         ):
             if (copy_from / name).is_file():
                 shutil.copy2(copy_from / name, out / name)

@@ -19,9 +19,9 @@ from usp.train.data import (
     DataError,
     PackedDataset,
     build_tokenizer,
-    read_jsonl,
-    synthetic_documents,
+    resolve_files,
 )
+from usp.train.data.build import DataInputs, build_corpus, describe_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -141,8 +141,9 @@ def check_lengths(job: TrainJobConfig, plan) -> int:
 
 
 # ----------------------------------------------------------------------------- data
-def build_dataset(job: TrainJobConfig, source: ModelSource, document_multiple: int):
-    """The tokenizer and the packed dataset (every rank builds the same)."""
+def prepare_data(job: TrainJobConfig, source: ModelSource, document_multiple: int) -> DataInputs:
+    """``[data]`` checked without tokenising anything: the tokenizer loads, the files (globs
+    expanded) exist. Every rank can run it alone (no collective)."""
     d, t = job.data, job.train
     try:
         tokenizer = build_tokenizer(
@@ -156,27 +157,64 @@ def build_dataset(job: TrainJobConfig, source: ModelSource, document_multiple: i
                 f"[data] tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
                 f"vocab_size({source.config.vocab_size})"
             )
+        synthetic, files = None, ()
         if d.source == "synthetic":
             if not isinstance(tokenizer, ByteTokenizer):
                 raise DataError(
                     '[data] source = "synthetic" needs tokenizer = "byte" (or "auto" with a preset)'
                 )
-            documents = synthetic_documents(
-                d.synthetic_documents, length=d.synthetic_length, seed=t.seed
-            )
+            synthetic = (d.synthetic_documents, d.synthetic_length, t.seed)
         else:
-            documents = read_jsonl([job.path(f) for f in d.files], tokenizer)
+            files = tuple(resolve_files(d.files, job.config_dir))
+    except DataError as err:
+        raise job.error(str(err)) from None
+    return DataInputs(
+        tokenizer,
+        files,
+        seq_len=t.seq_len,
+        long_documents=d.long_documents,
+        document_multiple=document_multiple,
+        seed=t.seed,
+        shuffle=d.shuffle,
+        synthetic=synthetic,
+    )
+
+
+def load_dataset(
+    job: TrainJobConfig, inputs: DataInputs, *, topology=None, cache_root: Path | None = None
+) -> PackedDataset:
+    """The packed dataset: the files tokenised once into ``cache_root`` (every rank of
+    ``topology`` calls this; see :mod:`usp.train.data.build`), or in memory without one.
+    ``dataset.notes`` says what was read and done; ``dataset.fingerprint`` is the cache key."""
+    try:
+        built = build_corpus(inputs, topology=topology, cache_root=cache_root)
         dataset = PackedDataset(
-            documents,
-            seq_len=t.seq_len,
-            document_multiple=document_multiple,
-            pad_id=tokenizer.pad_id,
-            seed=t.seed,
-            shuffle=d.shuffle,
+            built.corpus,
+            seq_len=inputs.seq_len,
+            document_multiple=inputs.document_multiple,
+            pad_id=inputs.tokenizer.pad_id,
+            seed=inputs.seed,
+            shuffle=inputs.shuffle,
         )
     except DataError as err:
         raise job.error(str(err)) from None
-    return tokenizer, dataset
+    where = describe_files(inputs.files) if inputs.files else "synthetic"
+    dataset.notes = [f"from {where}; tokenizer {inputs.tokenizer.describe()}", *built.notes]
+    dataset.fingerprint = built.key
+    return dataset
+
+
+def build_dataset(
+    job: TrainJobConfig,
+    source: ModelSource,
+    document_multiple: int,
+    *,
+    topology=None,
+    cache_root: Path | None = None,
+):
+    """The tokenizer and the packed dataset: :func:`prepare_data` then :func:`load_dataset`."""
+    inputs = prepare_data(job, source, document_multiple)
+    return inputs.tokenizer, load_dataset(job, inputs, topology=topology, cache_root=cache_root)
 
 
 # ----------------------------------------------------------------------------- model

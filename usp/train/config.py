@@ -71,6 +71,7 @@ TRAIN_SECTIONS = ("model", "data", "train")
 DATA_SOURCES = ("jsonl", "synthetic")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+LONG_DOCUMENTS = ("truncate", "split", "drop", "error")
 
 # The sections below validate with usp.config's field validators (one set for every
 # section), under the short local names their checks were written with.
@@ -155,6 +156,10 @@ class DataSection:
     document_multiple: int | str = AUTO
     synthetic_documents: int = 2048  # size of the generated data set
     synthetic_length: int = 40  # longest prompt of a generated document, in tokens
+    # Documents longer than [train] seq_len: "truncate" (keep the first token and the
+    # end when every trained token fits, so a prompt's start is cut and its completion
+    # kept; else cut the end), "split" (pieces of seq_len), "drop", or "error".
+    long_documents: str = "truncate"
 
     def __post_init__(self) -> None:
         _choice("data", "source", self.source, DATA_SOURCES)
@@ -173,6 +178,7 @@ class DataSection:
         _int("data", "document_multiple", self.document_multiple, minimum=1, auto=True)
         _int("data", "synthetic_documents", self.synthetic_documents, minimum=1)
         _int("data", "synthetic_length", self.synthetic_length, minimum=2)
+        _choice("data", "long_documents", self.long_documents, LONG_DOCUMENTS)
 
 
 @dataclass(frozen=True)

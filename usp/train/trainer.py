@@ -101,6 +101,7 @@ def train(
         error = err
     _agree_on_setup(plan, error)
     device, source, dataset, checkpointer, newest = setup
+    dataset = components.load_dataset(job, dataset, topology=topology, cache_root=out / "cache")
 
     model = components.build_model(job, source, plan)
     if topology is not None:
@@ -225,7 +226,7 @@ def _setup(job: TrainJobConfig, plan, out: Path, resume: bool):
     document_multiple = components.check_lengths(job, plan)
     dp = 1 if plan.topology is None else plan.topology.dp_degree
     job.gradient_accumulation(dp)  # checks the batch arithmetic
-    _, dataset = components.build_dataset(job, source, document_multiple)
+    dataset = components.prepare_data(job, source, document_multiple)  # tokenised in run
     checkpointer = Checkpointer(
         out / "checkpoints", model_config=source.config, keep=job.train.keep_checkpoints
     )
@@ -354,8 +355,7 @@ def _print_header(job, plan, source, dataset, model, state, newest, stream) -> N
         f"usp train: {job.source or 'config'}",
         f"  plan:  {plan.describe()}",
         f"  model: {what}, {params / 1e6:.2f}M parameters, {source.config.num_hidden_layers} layers",
-        f"  data:  {len(dataset.documents)} documents ({job.data.source}), packed into "
-        f"sequences of {t.seq_len} tokens",
+        *(f"  data:  {line}" for line in dataset.summary(t.steps * t.global_batch)),
         f"  batch: {t.global_batch} sequences/step = dp {dp} x micro_batch {t.micro_batch} x "
         f"accumulation {accumulation}",
     ]
