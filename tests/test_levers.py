@@ -26,6 +26,15 @@ from usp.models.offload import ACTIVATION_CHECKPOINTING
 profiled_peak = load_benchmark("levers_memory").profiled_peak
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only cost time (much of it on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _step(config, state, ids, dtype, **options) -> dict:
     model = Llama(config, loss_chunk_tokens=7, **options).to(dtype)
     model.load_state_dict(state)
@@ -42,20 +51,20 @@ def _step(config, state, ids, dtype, **options) -> dict:
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_every_lever_combination_equals_the_plain_model(dtype, tol):
-    """activation_checkpointing x mlp_tile_tokens (tiles that divide the tokens, that do
-    not, and one tile larger than the batch): logits, loss and every gradient."""
+    """activation_checkpointing x mlp_tile_tokens (tiles that do not divide the 48 local
+    tokens, and that do): logits, loss and every gradient."""
     torch.manual_seed(0)
     config = LlamaConfig(**TINY)
     state = {k: v.to(dtype) for k, v in Llama(config).state_dict().items()}
     ids = torch.randint(0, TINY["vocab_size"], (2, 24))  # 48 local tokens
     plain = _step(config, state, ids, dtype)
-    for ac, tile in itertools.product(ACTIVATION_CHECKPOINTING, (0, 5, 16, 100)):
+    for ac, tile in itertools.product(ACTIVATION_CHECKPOINTING, (0, 5, 16)):
         got = _step(config, state, ids, dtype, activation_checkpointing=ac, mlp_tile_tokens=tile)
         errors = [relative_error(got["logits"], plain["logits"])]
         errors.append(relative_error(got["loss"], plain["loss"]))
         errors += [relative_error(g, plain["grads"][n]) for n, g in got["grads"].items()]
         assert max(errors) <= tol, (ac, tile, max(errors))
-        if tile in (0, 100):  # one untiled pass: the same arithmetic exactly
+        if tile == 0:  # untiled: the same arithmetic exactly
             assert torch.equal(got["loss"], plain["loss"]), (ac, tile)
             assert all(torch.equal(g, plain["grads"][n]) for n, g in got["grads"].items())
 
@@ -99,6 +108,9 @@ def test_tiled_mlp_holds_one_tile_of_intermediate_activations():
             mlp(x).square().sum().backward()
 
         peaks[tile] = profiled_peak(step)
+    mlp.tile_tokens = 4096  # one tile holds every token: the untiled pass itself
+    with torch.no_grad():
+        assert torch.equal(mlp(x), mlp.swiglu(x))
     one_intermediate = 2048 * 512 * 4  # bytes of one [tokens, intermediate] float32 tensor
     assert peaks[0] >= 3 * one_intermediate, peaks  # gate, up, silu(gate) * up at least
     assert peaks[256] <= peaks[0] / 3, peaks
