@@ -290,3 +290,23 @@ def test_torch_ring_stand_in_computes_attention(distributed, rotate):
     results = distributed.run(run_torch_ring_core, rotate, world_size=4, timeout=60)
     for rank, errors in enumerate(results):
         assert max(errors.values()) < 1e-5, (rank, errors)
+
+
+@pytest.mark.parametrize("form", ["path", "module"])
+def test_the_script_runs_by_path_and_as_a_module(tmp_path, form):
+    """``python benchmarks/peers.py`` (from any directory) and ``python -m
+    benchmarks.peers`` (from the repository root) both find the benchmarks package."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if form == "path":
+        argv, cwd = [sys.executable, str(root / "benchmarks" / "peers.py"), "--help"], tmp_path
+    else:
+        argv, cwd = [sys.executable, "-m", "benchmarks.peers", "--help"], root
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no help from outside
+    result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: ") and "--grids" in result.stdout
