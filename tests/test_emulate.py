@@ -15,9 +15,8 @@ import math
 
 import pytest
 import torch.distributed as dist
-from usp_cases import load_benchmark
 
-emulate = load_benchmark("emulate")
+from benchmarks import emulate
 
 GRIDS = [(8, 1), (4, 2), (2, 4), (1, 8)]
 TINY = ["--preset", "tiny", "--seqlen", "256", "--world", "8", "--backends", "cpu"]

@@ -21,13 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 from test_kernels import require
-from usp_cases import load_benchmark
 
+from benchmarks import kernel_bench
 from usp.kernels import AttentionSpec, api
 from usp.kernels.backends import selfcheck
 from usp.kernels.backends.cpu import CpuBackend
 
-kernel_bench = load_benchmark("kernel_bench")
 ROOT = Path(__file__).resolve().parents[1]
 
 

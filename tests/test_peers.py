@@ -19,10 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from reference import relative_error
-from usp_cases import global_inputs, load_benchmark, reference_with_grads
+from usp_cases import global_inputs, reference_with_grads
 
-peers = load_benchmark("peers")
-emulate = load_benchmark("emulate")
+from benchmarks import emulate, peers
+from benchmarks.collectives import CollectiveCounter
+from benchmarks.peer_cases import Peer, Setup, expand_kv, torch_ring_attention, torch_ring_options
+from benchmarks.peer_results import run_peer
 
 SP = 4
 TINY = ["--preset", "tiny", "--seqlen", "128", "--sp", str(SP), "--usp-backend", "cpu"]
@@ -190,7 +192,7 @@ def test_every_option_changes_what_runs(tmp_path):
 
 
 def _setup(seqlen, sp):
-    return peers.Setup(
+    return Setup(
         preset="tiny",
         seqlen=seqlen,
         sp=sp,
@@ -207,7 +209,7 @@ def _setup(seqlen, sp):
 
 def test_a_peer_that_raises_is_a_failed_row_with_the_error():
     setup = _setup(seqlen=64, sp=2)
-    row = peers.run_peer(peers.Peer("usp", 1, 2, "p2p", "no-such-backend"), setup, {})
+    row = run_peer(Peer("usp", 1, 2, "p2p", "no-such-backend"), setup, {})
     assert row["status"] == "failed" and "no-such-backend" in row["reason"]
     assert not dist.is_initialized()
 
@@ -232,7 +234,7 @@ def test_counter_sizes_each_collective_like_comm_stats():
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         gather_functional = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
         x = torch.zeros(8, 3)  # 96 bytes, rows of 12
-        with peers.CollectiveCounter() as counter:
+        with CollectiveCounter() as counter:
             dist.all_to_all_single(torch.empty_like(x), x)  # keeps 1/4
             dist.all_to_all_single(torch.empty(5, 3), x, [5, 0, 0, 0], [1, 0, 3, 4])
             gather(torch.empty(32, 3), x)
@@ -274,11 +276,9 @@ def run_torch_ring_core(rotate):
 
     local = [head_tail(t).transpose(1, 2).float().contiguous() for t in (q, k, v, dout)]
     ql, kl, vl = (t.requires_grad_() for t in local[:3])
-    with peers.torch_ring_options(rotate):
+    with torch_ring_options(rotate):
         group = heads // kv_heads
-        out = peers.torch_ring_attention(
-            ql, peers._expand_kv(kl, group), peers._expand_kv(vl, group), dist.group.WORLD
-        )
+        out = torch_ring_attention(ql, expand_kv(kl, group), expand_kv(vl, group), dist.group.WORLD)
         out.backward(local[3])
     actual = [t.transpose(1, 2) for t in (out.detach(), ql.grad, kl.grad, vl.grad)]
     names = ("out", "dq", "dk", "dv")
@@ -290,3 +290,23 @@ def test_torch_ring_stand_in_computes_attention(distributed, rotate):
     results = distributed.run(run_torch_ring_core, rotate, world_size=4, timeout=60)
     for rank, errors in enumerate(results):
         assert max(errors.values()) < 1e-5, (rank, errors)
+
+
+@pytest.mark.parametrize("form", ["path", "module"])
+def test_the_script_runs_by_path_and_as_a_module(tmp_path, form):
+    """``python benchmarks/peers.py`` (from any directory) and ``python -m
+    benchmarks.peers`` (from the repository root) both find the benchmarks package."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if form == "path":
+        argv, cwd = [sys.executable, str(root / "benchmarks" / "peers.py"), "--help"], tmp_path
+    else:
+        argv, cwd = [sys.executable, "-m", "benchmarks.peers", "--help"], root
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no help from outside
+    result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: ") and "--grids" in result.stdout

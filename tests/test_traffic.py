@@ -16,11 +16,10 @@ import itertools
 
 import pytest
 import torch
-from usp_cases import global_inputs, load_benchmark, topology
+from usp_cases import global_inputs, topology
 
 import usp
-
-emulate = load_benchmark("emulate")
+from benchmarks import emulate
 
 # name -> (heads, kv heads); "gqa-replicated" needs KV replication whenever u > 2
 HEADS = {"mha": (8, 8), "gqa": (8, 4), "gqa-replicated": (8, 2)}

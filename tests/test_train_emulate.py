@@ -8,9 +8,8 @@ import json
 
 import pytest
 import torch.distributed as dist
-from usp_cases import load_benchmark
 
-train_emulate = load_benchmark("train_emulate")
+from benchmarks import train_emulate
 
 
 def test_one_rank_of_a_dp2_sp4_job_with_fewer_layers(tmp_path, capsys):

@@ -1,11 +1,9 @@
 """Shared helpers for USP tests: bodies run on every rank by the harness, inputs, and
-loading the benchmark scripts."""
+importing the benchmarks."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+import importlib
 
 import torch
 from dist_harness import worker_cached
@@ -66,12 +64,6 @@ def usp_errors(topo, inputs, expected, *, dtype, layout, causal, ring_impl, extr
 
 
 def load_benchmark(name: str):
-    """``benchmarks/<name>.py`` is a script, not a package module: load it by path."""
-    module_name = f"usp_benchmarks_{name}"
-    if module_name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # dataclasses look their module up here
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
+    """``benchmarks.<name>`` (the benchmarks are a package; tests run from the repository
+    root). Prefer ``from benchmarks import <name>``."""
+    return importlib.import_module(f"benchmarks.{name}")
