@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +29,25 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
+from usp.errors import ConfigError
 from usp.train import components
-from usp.train.checkpoint import Checkpointer, CheckpointError, TrainState, export_hf
+from usp.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointShapeError,
+    TrainState,
+    export_hf,
+)
 from usp.train.config import AUTO, TrainJobConfig
 from usp.train.data import DataLoader, StepBatch
+from usp.train.guard import (
+    StopSignal,
+    TrainingDivergedError,
+    agree_on_step,
+    collective_phase,
+    parameters_finite,
+)
+from usp.train.lock import OutputLock
 from usp.train.metrics import (
     MetricsWriter,
     Progress,
@@ -40,6 +56,7 @@ from usp.train.metrics import (
     training_flops,
 )
 from usp.train.parallelize import fully_shard_model, set_gradient_sync
+from usp.train.resume import agree_on_checkpoints, check_resume, load_with_fallback, run_record
 from usp.train.schedule import WarmupCosine
 
 GIB = 2**30
@@ -56,6 +73,8 @@ class TrainResult:
     export_dir: Path | None = None
     plot: Path | None = None
     notes: list[str] = field(default_factory=list)
+    stopped_by: str | None = None  # the signal that stopped the run (a checkpoint was saved)
+    stopped_at: int | None = None  # ... at this step
 
 
 def _plan_of(job: TrainJobConfig, plan_or_topology):
@@ -79,32 +98,66 @@ def train(
     *,
     output_dir: str | Path | None = None,
     resume: bool = False,
+    resume_changed: bool = False,
     stop_after: int | None = None,
     stream: TextIO | None = None,
 ) -> TrainResult:
     """Run ``job`` on ``plan_or_topology`` (a :class:`usp.Plan`, a Topology, or None for
     one process). Outputs go to ``output_dir`` (default: the config's). ``resume``
-    continues from the newest complete checkpoint there (from step 0 if there is none).
-    ``stop_after``: leave after that step without a final checkpoint or export (what a
-    preemption looks like; tests use it). Progress goes to ``stream`` (stderr) on rank 0.
-    The caller owns the plan's topology (nothing is destroyed here)."""
+    continues from the newest complete checkpoint there that loads (from step 0 if there
+    is none); ``resume_changed`` accepts a run that differs from the checkpoint's in what a
+    step sees (:mod:`usp.train.resume`). ``stop_after``: leave after that step without a
+    final checkpoint or export (tests use it). Progress goes to ``stream`` (stderr) on
+    rank 0. The caller owns the plan's topology (nothing is destroyed here).
+
+    Faults (:mod:`usp.train.guard`): another job holding ``output_dir`` is an
+    ``OutputLockedError``; a non-finite loss or gradient norm skips the step's update and,
+    beyond ``[train] max_skipped_steps``, raises ``TrainingDivergedError`` (nothing
+    non-finite is saved); a failed collective raises ``CollectiveFailedError`` naming the
+    step; a SIGTERM/SIGINT (handlers installed while this runs in the main thread) stops
+    the run after the step in flight with a checkpoint (``result.stopped_by``)."""
     plan = _plan_of(job, plan_or_topology)
-    topology = plan.topology
     out = Path(output_dir) if output_dir is not None else job.output_dir
     stream = stream or sys.stderr
-    rank0 = _rank0(plan)
-
-    # ---------------------------------------------------------------- checks, then build
-    # Every check that can fail on the config or the files runs first; the ranks then agree
-    # on the outcome, so an error on one rank (a file missing on one node) stops every
-    # rank with the same message instead of leaving the others in a collective.
-    error, setup = None, None
+    lock = None
     try:
-        setup = _setup(job, plan, out, resume)
-    except user_errors() as err:
-        error = err
-    _agree_on_setup(plan, error)
-    device, source, dataset, checkpointer, newest = setup
+        # Every check that can fail on the config or the files runs first; the ranks then
+        # agree on the outcome, so an error on one rank (a file missing on one node) stops
+        # every rank with the same message instead of leaving the others in a collective.
+        error, setup = None, None
+        try:
+            check_output_dir(out)
+            if _rank0(plan):  # one job per output directory, before anything is written
+                lock = OutputLock.acquire(out)
+            setup = _setup(job, plan, out, resume, resume_changed)
+        except user_errors() as err:
+            error = err
+        _agree_on_setup(plan, error)
+        with StopSignal() as stop:
+            return _run(job, plan, out, setup, stream, stop, stop_after, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def check_output_dir(out: Path) -> None:
+    """The output directory can be created and written (a start-up check)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"the output directory {out} is not writable ({err.strerror or err}); choose "
+            "another with --output or [train] output_dir"
+        ) from None
+
+
+def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
+    topology = plan.topology
+    rank0 = _rank0(plan)
+    distributed = topology is not None and dist.is_initialized()
+    device, source, dataset, checkpointer, candidates, resume_note = setup
 
     model = components.build_model(job, source, plan)
     if topology is not None:
@@ -127,17 +180,25 @@ def train(
         dp_rank=0 if topology is None else topology.dp_rank,
     )
 
-    state = TrainState(0, 0)
-    if newest is not None:
-        state = checkpointer.load(newest, model, optimizer)
+    state, newest = TrainState(0, 0), None
+    timeout = job.train.collective_timeout_s
+    if candidates:
+        with collective_phase("resuming", timeout):
+            newest, state = load_with_fallback(
+                checkpointer, candidates, model, optimizer, rank0=rank0, stream=stream
+            )
         loader.load_state_dict({"position": state.data_position})
     result = TrainResult(out, start_step=state.step)
     if rank0:
-        out.mkdir(parents=True, exist_ok=True)
         _print_header(job, plan, source, dataset, model, state, newest, stream)
+        for note in [lock.note if lock else None, resume_note]:
+            if note:
+                print(f"  note: {note}", file=stream, flush=True)
 
     # ---------------------------------------------------------------- the loop
     writer = MetricsWriter(out / "metrics.jsonl", resume_after_step=state.step) if rank0 else None
+    for note in writer.notes if writer else []:
+        print(f"usp train: warning: {note}", file=stream, flush=True)
     progress = (
         Progress(job.train.steps, state.step, log_interval=job.train.log_interval, stream=stream)
         if rank0
@@ -145,39 +206,65 @@ def train(
     )
     peak = _peak_tflops(job, device)
     world = 1 if topology is None else topology.world_size
-    step = state.step
+    step, skipped = state.step, []
+
+    def save(at: int) -> Path:
+        with collective_phase(f"saving the checkpoint of step {at}", timeout):
+            if not parameters_finite(model, device, distributed):
+                raise TrainingDivergedError(
+                    f"step {at}: the weights are not finite after the optimizer step (an "
+                    f"overflow: lr {job.train.lr:g} is far too high?); nothing was saved. "
+                    f"{_newest_note(checkpointer)}"
+                )
+            return checkpointer.save(model, optimizer, TrainState(at, loader.position))
+
     try:
         while step < job.train.steps and (stop_after is None or step < stop_after):
             started = time.perf_counter()
             lr = schedule.apply(optimizer, step)
             batch = loader.next_step()
-            loss, grad_norm = _train_step(model, optimizer, plan, batch, loss_scale, job, device)
+            with collective_phase(f"step {step + 1}", timeout):
+                loss, grad_norm, applied, stop_now = _train_step(
+                    model, optimizer, plan, batch, loss_scale, job, device, stop, distributed
+                )
             _synchronize(device)
             seconds = time.perf_counter() - started
             step += 1
             row = _row(
                 step, loss, grad_norm, lr, batch, seconds, job, source.config, world, device, peak
             )
+            if not applied:
+                row["skipped"] = True
+                skipped.append(step)
             result.metrics.append(row)
             if writer is not None:
                 writer.write(row)
                 progress.update(row)
+            if len(skipped) > job.train.max_skipped_steps:
+                raise TrainingDivergedError(
+                    _diverged(job, step, loss, grad_norm, skipped, checkpointer)
+                )
+            if stop_now:
+                result.checkpoint = save(step)
+                result.stopped_by = stop.name or "a signal on another rank"
+                result.stopped_at = step
+                return result
             interval = job.train.checkpoint_interval
             if interval and step % interval == 0 and step < job.train.steps:
-                result.checkpoint = checkpointer.save(
-                    model, optimizer, TrainState(step, loader.position)
-                )
+                result.checkpoint = save(step)
     finally:
         if progress is not None:
             progress.close()
         if writer is not None:
             writer.close()
+    if skipped:
+        result.notes.append(f"skipped steps (non-finite, not applied): {skipped}")
     if step < job.train.steps:
         return result  # stopped early (stop_after): no final checkpoint, export or plot
 
     # ---------------------------------------------------------------- the end
     if step > state.step:  # (interval checkpoints never fall on the last step)
-        result.checkpoint = checkpointer.save(model, optimizer, TrainState(step, loader.position))
+        result.checkpoint = save(step)
     else:  # resumed a finished run: its last checkpoint stands
         result.checkpoint = newest
     if job.train.export and not _has_safetensors():
@@ -198,6 +285,24 @@ def train(
         else:
             result.notes.append(f"no loss.png: {note}")
     return result
+
+
+def _newest_note(checkpointer) -> str:
+    newest = checkpointer.newest()
+    if newest is None:
+        return "No checkpoint was written yet"
+    return f"The newest checkpoint is {newest.name} (--resume continues from it)"
+
+
+def _diverged(job, step, loss, grad_norm, skipped, checkpointer) -> str:
+    allowed = job.train.max_skipped_steps
+    return (
+        f"step {step}: the loss is {loss:.4g} and the gradient norm {grad_norm:.4g}; the "
+        f"update was not applied. {len(skipped)} non-finite step(s) (steps {skipped}) exceed "
+        f"[train] max_skipped_steps = {allowed}, so the run stopped. "
+        f"{_newest_note(checkpointer)}. Lower [train] lr (now {job.train.lr:g}), check the "
+        "data, or raise max_skipped_steps to skip rare bad batches"
+    )
 
 
 def _has_safetensors() -> bool:
@@ -222,7 +327,7 @@ def _check_numpy_for_checkpoints() -> None:
         ) from None
 
 
-def _setup(job: TrainJobConfig, plan, out: Path, resume: bool):
+def _setup(job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed: bool):
     _check_numpy_for_checkpoints()
     device = components.resolve_device(job, plan)
     source = components.model_source(job)
@@ -230,17 +335,32 @@ def _setup(job: TrainJobConfig, plan, out: Path, resume: bool):
     dp = 1 if plan.topology is None else plan.topology.dp_degree
     job.gradient_accumulation(dp)  # checks the batch arithmetic
     _, dataset = components.build_dataset(job, source, document_multiple)
+    rank0 = _rank0(plan)
+    record = run_record(job, source.config, document_multiple) if rank0 else None
     checkpointer = Checkpointer(
-        out / "checkpoints", model_config=source.config, keep=job.train.keep_checkpoints
+        out / "checkpoints",
+        model_config=source.config,
+        keep=job.train.keep_checkpoints,
+        run=record,
     )
-    newest = checkpointer.newest()
-    if newest is not None and not resume:
+    candidates = checkpointer.complete()
+    agree_on_checkpoints([step for step, _ in candidates])
+    if candidates and not resume:
         raise CheckpointError(
-            f"{out} already holds checkpoints (newest: {newest.name}); pass --resume to continue "
-            "that run, or choose another --output directory"
+            f"{out} already holds checkpoints (newest: {candidates[-1][1].name}); pass --resume "
+            "to continue that run, or choose another --output directory"
         )
-    if newest is not None:
-        checkpointer.read_meta(newest)  # another model shape fails here, before any loading
+    note = None
+    for _, path in reversed(candidates):  # the newest readable one decides (before loading)
+        try:
+            meta = checkpointer.read_meta(path)  # another model shape fails here
+        except CheckpointShapeError:
+            raise
+        except CheckpointError:
+            continue  # damaged: the load falls back past it and says so
+        if rank0:
+            note = check_resume(meta, record, path=path, accept_changes=resume_changed)
+        break
     if source.directory is not None and not _has_safetensors():
         raise job.error(
             f"[model] path {source.directory}: reading an HF checkpoint needs the safetensors "
@@ -251,7 +371,7 @@ def _setup(job: TrainJobConfig, plan, out: Path, resume: bool):
             f"[train] dtype = {job.train.dtype!r}: a single process without a topology runs in "
             "float32; launch with torchrun for mixed precision"
         )
-    return device, source, dataset, checkpointer, newest
+    return device, source, dataset, checkpointer, candidates, note
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -286,9 +406,13 @@ def _agree_on_setup(plan, error: BaseException | None) -> None:
     agree(dist.group.WORLD, "usp train set-up", [], error, user_errors())
 
 
-def _train_step(model, optimizer, plan, batch: StepBatch, loss_scale, job, device):
-    """Forward/backward over the micro-batches, clip, AdamW; returns the step's global
-    mean loss and the gradient's global norm before clipping (Python floats)."""
+def _train_step(
+    model, optimizer, plan, batch: StepBatch, loss_scale, job, device, stop, distributed
+):
+    """Forward/backward over the micro-batches, clip, AdamW. Returns the step's global
+    mean loss and the gradient's global norm before clipping (Python floats), whether the
+    update was applied (not when the loss or the norm is non-finite on any rank) and
+    whether any rank got a stop signal (one agreement all-reduce, before the update)."""
     total = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no sync
     last = len(batch.micro_batches) - 1
     for i, micro in enumerate(batch.micro_batches):
@@ -305,13 +429,16 @@ def _train_step(model, optimizer, plan, batch: StepBatch, loss_scale, job, devic
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
         grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     topology = plan.topology
     if topology is not None and topology.dp_degree > 1:
         # every SP rank holds its replica's loss; the replicas' losses add up
         dist.all_reduce(total, group=topology.dp_group)
-    return float(total), float(grad_norm)
+    loss_value, norm_value = float(total), float(grad_norm)
+    non_finite, stop_now = agree_on_step(loss_value, norm_value, stop.name, device, distributed)
+    if not non_finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_value, norm_value, not non_finite, stop_now
 
 
 def _synchronize(device: torch.device) -> None:
