@@ -5,7 +5,7 @@
   same checkpoint and leave together. A second signal (more than
   :data:`REPEAT_AFTER_S` after the first: a launcher forwarding the same Ctrl-C to its
   workers is one event) exits at once.
-- :func:`agree_on_step`: one small all-reduce per step over every rank, before the
+- :func:`agree_on_step`: one small all-gather per step over every rank, before the
   optimizer steps: is the step's loss or gradient norm non-finite anywhere, and did any
   rank get a signal.
 - :class:`TrainingDivergedError`, :class:`CollectiveFailedError`: the errors of a
@@ -92,15 +92,22 @@ class StopSignal:
 
 # ----------------------------------------------------------------------------- per step
 def agree_on_step(loss: float, grad_norm: float, signal_name: str | None, device, distributed):
-    """``(non_finite, stop)`` as every rank sees them: one all-reduce (MAX) of two flags
-    over the default group when ``distributed``."""
-    bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
+    """``(loss, grad_norm, non_finite, stop)`` as every rank sees them: one all-gather of
+    three numbers per rank over the default group when ``distributed``. When any rank's
+    loss or norm is non-finite, every rank returns that (first such) rank's values."""
+    mine = [loss, grad_norm, float(signal_name is not None)]
     if not distributed:
-        return bad, signal_name is not None
-    flags = torch.tensor([int(bad), int(signal_name is not None)], device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    bad_any, stop_any = flags.tolist()
-    return bool(bad_any), bool(stop_any)
+        rows = [mine]
+    else:
+        local = torch.tensor([mine], dtype=torch.float64, device=device)
+        every = torch.empty((dist.get_world_size(), 3), dtype=torch.float64, device=device)
+        dist.all_gather_into_tensor(every, local)
+        rows = every.tolist()
+    bad = [row for row in rows if not (math.isfinite(row[0]) and math.isfinite(row[1]))]
+    stop = any(row[2] for row in rows)
+    if bad:
+        return bad[0][0], bad[0][1], True, stop
+    return loss, grad_norm, False, stop
 
 
 def parameters_finite(model, device, distributed) -> bool:

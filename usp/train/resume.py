@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from usp.errors import CheckpointError, RankDisagreementError
 from usp.train.checkpoint import CheckpointShapeError
@@ -119,6 +120,18 @@ def _show_step(step: int) -> str:
     return "none" if step < 0 else f"step_{step:06d}"
 
 
+def _first_failure(err: BaseException) -> str:
+    """One line about a failed load (DCP's exception holds every rank's traceback)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        err = next(iter(failures.values()))
+        if isinstance(err, tuple):  # (exception, traceback) per rank
+            err = err[0]
+    lines = [line for line in str(err).strip().splitlines() if line.strip()]
+    text = lines[-1] if lines else ""
+    return f"{type(err).__name__}: {text[:300]}"
+
+
 def load_with_fallback(checkpointer, candidates, model, optimizer, *, rank0: bool, stream: TextIO):
     """Load the newest of ``candidates`` (``(step, path)``, oldest first) that loads on
     every rank; returns ``(path, TrainState)``. A failed load is reported once (rank 0)
@@ -133,8 +146,8 @@ def load_with_fallback(checkpointer, candidates, model, optimizer, *, rank0: boo
             state = checkpointer.load(path, model, optimizer)
         except CheckpointShapeError:
             raise  # another model shape (read before any collective): no fallback can help
-        except Exception as err:  # noqa: BLE001 - any damage: try the previous one
-            error = CheckpointError(f"{type(err).__name__}: {str(err).strip()[:300]}")
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - any damage
+            error = CheckpointError(_first_failure(err))
         if dist.is_initialized() and dist.get_world_size() > 1:
             try:
                 agree(dist.group.WORLD, f"loading {path.name}", [], error, (CheckpointError,))

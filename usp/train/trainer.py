@@ -47,7 +47,7 @@ from usp.train.guard import (
     collective_phase,
     parameters_finite,
 )
-from usp.train.lock import OutputLock
+from usp.train.lock import OutputLock, OutputLockedError
 from usp.train.metrics import (
     MetricsWriter,
     Progress,
@@ -182,6 +182,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
 
     state, newest = TrainState(0, 0), None
     timeout = job.train.collective_timeout_s
+    agree_on_checkpoints([step for step, _ in candidates])  # e.g. node-local storage
     if candidates:
         with collective_phase("resuming", timeout):
             newest, state = load_with_fallback(
@@ -343,8 +344,7 @@ def _setup(job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed: b
         keep=job.train.keep_checkpoints,
         run=record,
     )
-    candidates = checkpointer.complete()
-    agree_on_checkpoints([step for step, _ in candidates])
+    candidates = checkpointer.complete()  # the ranks agree on them once set-up agreed
     if candidates and not resume:
         raise CheckpointError(
             f"{out} already holds checkpoints (newest: {candidates[-1][1].name}); pass --resume "
@@ -392,6 +392,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
         ShardingError,
         ModelCheckpointError,
         ModelConfigError,
+        OutputLockedError,
+        TrainingDivergedError,
+        CheckpointShapeError,
     )
 
 
@@ -433,10 +436,19 @@ def _train_step(
     if topology is not None and topology.dp_degree > 1:
         # every SP rank holds its replica's loss; the replicas' losses add up
         dist.all_reduce(total, group=topology.dp_group)
-    loss_value, norm_value = float(total), float(grad_norm)
-    non_finite, stop_now = agree_on_step(loss_value, norm_value, stop.name, device, distributed)
+    loss_value, norm_value, non_finite, stop_now = agree_on_step(
+        float(total), float(grad_norm), stop.name, device, distributed
+    )
     if not non_finite:
-        optimizer.step()
+        try:
+            optimizer.step()
+        except RuntimeError as err:  # AdamW's step size itself overflows (lr ~1e38)
+            if "overflow" not in str(err):
+                raise
+            raise TrainingDivergedError(
+                f"the optimizer step overflowed ({err}) at lr {optimizer.param_groups[0]['lr']:g}:"
+                f" [train] lr (now {job.train.lr:g}) is far too high; nothing was saved"
+            ) from None
     optimizer.zero_grad(set_to_none=True)
     return loss_value, norm_value, not non_finite, stop_now
 
