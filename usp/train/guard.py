@@ -150,3 +150,22 @@ def collective_phase(what: str, timeout_s: float):
             f"died; [train] collective_timeout_s = {timeout_s:g} is how long a rank waits for "
             "its peers. --resume continues from the newest checkpoint"
         ) from err
+
+
+# ----------------------------------------------------------------------------- messages
+def newest_note(checkpointer) -> str:
+    newest = checkpointer.newest()
+    if newest is None:
+        return "No checkpoint was written yet"
+    return f"The newest checkpoint is {newest.name} (--resume continues from it)"
+
+
+def diverged_message(job, step, loss, grad_norm, skipped, checkpointer) -> str:
+    allowed = job.train.max_skipped_steps
+    return (
+        f"step {step}: the loss is {loss:.4g} and the gradient norm {grad_norm:.4g}; the "
+        f"update was not applied. {len(skipped)} non-finite step(s) (steps {skipped}) exceed "
+        f"[train] max_skipped_steps = {allowed}, so the run stopped. "
+        f"{newest_note(checkpointer)}. Lower [train] lr (now {job.train.lr:g}), check the "
+        "data, or raise max_skipped_steps to skip rare bad batches"
+    )

@@ -23,6 +23,7 @@ import fcntl
 import json
 import os
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,3 +114,16 @@ def _describe(holder: dict | None) -> str:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
+
+
+def check_output_dir(out: Path) -> None:
+    """The output directory can be created and written (a start-up check)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"the output directory {out} is not writable ({err.strerror or err}); choose "
+            "another with --output or [train] output_dir"
+        ) from None

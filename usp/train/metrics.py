@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
+
 # Dense bf16 tensor-core peak per device, for the MFU estimate (vendor figures, TFLOP/s).
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}
 
@@ -259,3 +261,56 @@ def plot_loss(metrics_path: Path, png_path: Path) -> str | None:
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
     return None
+
+
+# ----------------------------------------------------------------------------- rows
+GIB = 2**30
+
+
+def device_peak_tflops(job, device) -> float | None:
+    if job.train.peak_tflops != "auto":
+        return float(job.train.peak_tflops)
+    if device.type != "cuda":
+        return None
+    return peak_tflops(torch.cuda.get_device_name(device))
+
+
+def step_row(step, loss, grad_norm, lr, batch, seconds, job, config, world, device, peak) -> dict:
+    tokens = job.train.global_batch * job.train.seq_len
+    row = {
+        "step": step,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "tokens": tokens,
+        "label_tokens": batch.num_labels,
+        "tokens_per_s": tokens / seconds,
+        "tokens_per_s_per_gpu": tokens / seconds / world,
+        "step_time_s": seconds,
+    }
+    if peak is not None:
+        flops = training_flops(config, batch.document_lengths)
+        row["mfu"] = flops / seconds / world / (peak * 1e12)
+    if device.type == "cuda":
+        row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+    return row
+
+
+def print_header(job, plan, source, dataset, model, state, newest, stream) -> None:
+    params = sum(p.numel() for p in model.parameters())
+    t = job.train
+    dp = 1 if plan.topology is None else plan.topology.dp_degree
+    accumulation = job.gradient_accumulation(dp)
+    what = source.directory or f'preset "{job.model.preset}"'
+    lines = [
+        f"usp train: {job.source or 'config'}",
+        f"  plan:  {plan.describe()}",
+        f"  model: {what}, {params / 1e6:.2f}M parameters, {source.config.num_hidden_layers} layers",
+        f"  data:  {len(dataset.documents)} documents ({job.data.source}), packed into "
+        f"sequences of {t.seq_len} tokens",
+        f"  batch: {t.global_batch} sequences/step = dp {dp} x micro_batch {t.micro_batch} x "
+        f"accumulation {accumulation}",
+    ]
+    if newest is not None:
+        lines.append(f"  resuming from {newest} (step {state.step})")
+    print("\n".join(lines), file=stream, flush=True)

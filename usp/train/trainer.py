@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,6 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from usp.errors import ConfigError
 from usp.train import components
 from usp.train.checkpoint import (
     Checkpointer,
@@ -45,21 +43,22 @@ from usp.train.guard import (
     TrainingDivergedError,
     agree_on_step,
     collective_phase,
+    diverged_message,
+    newest_note,
     parameters_finite,
 )
-from usp.train.lock import OutputLock, OutputLockedError
+from usp.train.lock import OutputLock, OutputLockedError, check_output_dir
 from usp.train.metrics import (
     MetricsWriter,
     Progress,
-    peak_tflops,
+    device_peak_tflops,
     plot_loss,
-    training_flops,
+    print_header,
+    step_row,
 )
 from usp.train.parallelize import fully_shard_model, set_gradient_sync
 from usp.train.resume import agree_on_checkpoints, check_resume, load_with_fallback, run_record
 from usp.train.schedule import WarmupCosine
-
-GIB = 2**30
 
 
 @dataclass
@@ -140,19 +139,6 @@ def train(
             lock.release()
 
 
-def check_output_dir(out: Path) -> None:
-    """The output directory can be created and written (a start-up check)."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as err:
-        raise ConfigError(
-            f"the output directory {out} is not writable ({err.strerror or err}); choose "
-            "another with --output or [train] output_dir"
-        ) from None
-
-
 def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
     topology = plan.topology
     rank0 = _rank0(plan)
@@ -191,7 +177,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
         loader.load_state_dict({"position": state.data_position})
     result = TrainResult(out, start_step=state.step)
     if rank0:
-        _print_header(job, plan, source, dataset, model, state, newest, stream)
+        print_header(job, plan, source, dataset, model, state, newest, stream)
         for note in [lock.note if lock else None, resume_note]:
             if note:
                 print(f"  note: {note}", file=stream, flush=True)
@@ -205,7 +191,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
         if rank0
         else None
     )
-    peak = _peak_tflops(job, device)
+    peak = device_peak_tflops(job, device)
     world = 1 if topology is None else topology.world_size
     step, skipped = state.step, []
 
@@ -215,7 +201,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
                 raise TrainingDivergedError(
                     f"step {at}: the weights are not finite after the optimizer step (an "
                     f"overflow: lr {job.train.lr:g} is far too high?); nothing was saved. "
-                    f"{_newest_note(checkpointer)}"
+                    f"{newest_note(checkpointer)}"
                 )
             return checkpointer.save(model, optimizer, TrainState(at, loader.position))
 
@@ -231,7 +217,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
             _synchronize(device)
             seconds = time.perf_counter() - started
             step += 1
-            row = _row(
+            row = step_row(
                 step, loss, grad_norm, lr, batch, seconds, job, source.config, world, device, peak
             )
             if not applied:
@@ -243,7 +229,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
                 progress.update(row)
             if len(skipped) > job.train.max_skipped_steps:
                 raise TrainingDivergedError(
-                    _diverged(job, step, loss, grad_norm, skipped, checkpointer)
+                    diverged_message(job, step, loss, grad_norm, skipped, checkpointer)
                 )
             if stop_now:
                 result.checkpoint = save(step)
@@ -286,24 +272,6 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
         else:
             result.notes.append(f"no loss.png: {note}")
     return result
-
-
-def _newest_note(checkpointer) -> str:
-    newest = checkpointer.newest()
-    if newest is None:
-        return "No checkpoint was written yet"
-    return f"The newest checkpoint is {newest.name} (--resume continues from it)"
-
-
-def _diverged(job, step, loss, grad_norm, skipped, checkpointer) -> str:
-    allowed = job.train.max_skipped_steps
-    return (
-        f"step {step}: the loss is {loss:.4g} and the gradient norm {grad_norm:.4g}; the "
-        f"update was not applied. {len(skipped)} non-finite step(s) (steps {skipped}) exceed "
-        f"[train] max_skipped_steps = {allowed}, so the run stopped. "
-        f"{_newest_note(checkpointer)}. Lower [train] lr (now {job.train.lr:g}), check the "
-        "data, or raise max_skipped_steps to skip rare bad batches"
-    )
 
 
 def _has_safetensors() -> bool:
@@ -456,52 +424,3 @@ def _train_step(
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _peak_tflops(job: TrainJobConfig, device: torch.device) -> float | None:
-    if job.train.peak_tflops != AUTO:
-        return float(job.train.peak_tflops)
-    if device.type != "cuda":
-        return None
-    return peak_tflops(torch.cuda.get_device_name(device))
-
-
-def _row(step, loss, grad_norm, lr, batch, seconds, job, config, world, device, peak) -> dict:
-    tokens = job.train.global_batch * job.train.seq_len
-    row = {
-        "step": step,
-        "loss": loss,
-        "grad_norm": grad_norm,
-        "lr": lr,
-        "tokens": tokens,
-        "label_tokens": batch.num_labels,
-        "tokens_per_s": tokens / seconds,
-        "tokens_per_s_per_gpu": tokens / seconds / world,
-        "step_time_s": seconds,
-    }
-    if peak is not None:
-        flops = training_flops(config, batch.document_lengths)
-        row["mfu"] = flops / seconds / world / (peak * 1e12)
-    if device.type == "cuda":
-        row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-    return row
-
-
-def _print_header(job, plan, source, dataset, model, state, newest, stream) -> None:
-    params = sum(p.numel() for p in model.parameters())
-    t = job.train
-    dp = 1 if plan.topology is None else plan.topology.dp_degree
-    accumulation = job.gradient_accumulation(dp)
-    what = source.directory or f'preset "{job.model.preset}"'
-    lines = [
-        f"usp train: {job.source or 'config'}",
-        f"  plan:  {plan.describe()}",
-        f"  model: {what}, {params / 1e6:.2f}M parameters, {source.config.num_hidden_layers} layers",
-        f"  data:  {len(dataset.documents)} documents ({job.data.source}), packed into "
-        f"sequences of {t.seq_len} tokens",
-        f"  batch: {t.global_batch} sequences/step = dp {dp} x micro_batch {t.micro_batch} x "
-        f"accumulation {accumulation}",
-    ]
-    if newest is not None:
-        lines.append(f"  resuming from {newest} (step {state.step})")
-    print("\n".join(lines), file=stream, flush=True)
