@@ -67,13 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+RENDEZVOUS_TIMEOUT_S = 600.0
+
+
 def _launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _init_process_group(device: str, timeout_s: float) -> None:
-    """torchrun's env:// rendezvous, or a world of one process without torchrun; every
-    collective waits at most ``timeout_s`` for a peer (the topology's groups inherit it)."""
+    """torchrun's env:// rendezvous, or a world of one process without torchrun. The
+    rendezvous waits up to ``max(timeout_s, RENDEZVOUS_TIMEOUT_S)`` for every rank to start
+    (imports take long on a loaded machine); after it, every collective waits at most
+    ``timeout_s`` for a peer (the topology's groups inherit the default group's)."""
     import torch
     import torch.distributed as dist
 
@@ -84,12 +89,13 @@ def _init_process_group(device: str, timeout_s: float) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     backend = "nccl" if device == "cuda" else "gloo"
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S))
     if _launched_by_torchrun():
         dist.init_process_group(backend, timeout=timeout)
     else:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    dist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
 
 
 def _device_of(job, flag: str | None) -> str:
@@ -156,9 +162,12 @@ def run(args: argparse.Namespace) -> int:
             print(summary(result), flush=True)
         return EXIT_STATUS["done"]
     except CollectiveFailedError as err:
-        synchronised = False  # a peer is stalled or gone: leave without waiting for it
+        # a peer is stalled or gone: leave at once, without waiting for it (not even in
+        # the process group's destructor at interpreter exit, which can wait for it again)
         print(f"usp train [rank {os.environ.get('RANK', 0)}]: error: {err}", file=sys.stderr)
-        return EXIT_STATUS["collective"]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STATUS["collective"])
     except KeyboardInterrupt:
         synchronised = False  # peers may be anywhere: leave without waiting for them
         raise

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from usp.comm.collectives import all_gather_uncounted
 from usp.errors import ConfigError, RankDisagreementError
 
 REPEAT_AFTER_S = 2.0
@@ -101,7 +102,7 @@ def agree_on_step(loss: float, grad_norm: float, signal_name: str | None, device
     else:
         local = torch.tensor([mine], dtype=torch.float64, device=device)
         every = torch.empty((dist.get_world_size(), 3), dtype=torch.float64, device=device)
-        dist.all_gather_into_tensor(every, local)
+        all_gather_uncounted(every, local, dist.group.WORLD)
         rows = every.tolist()
     bad = [row for row in rows if not (math.isfinite(row[0]) and math.isfinite(row[1]))]
     stop = any(row[2] for row in rows)
