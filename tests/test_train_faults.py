@@ -391,3 +391,41 @@ def test_resume_changed_accepts_it_knowingly(distributed, tmp_path, sp_faults_ru
     )
     assert [r[0] for r in results[0][0]] == [5]
     assert "accepted with --resume-changed: seed 3 -> 5" in results[0][1], results[0][1]
+
+
+# ------------------------------------------------------------------ 4. timeouts on every group
+def run_topology_timeouts(timeout):
+    from datetime import timedelta
+
+    from usp.process_groups.topology import build_topology
+
+    cpu = torch.device("cpu")
+    topo = build_topology(2, 2, ranks_per_node=4, emulate_nodes=True, timeout=timeout)
+    try:
+        waits = {
+            name: group._get_backend(cpu).options._timeout.total_seconds()
+            for name, group in topo._groups.items()
+        }
+        default = torch.distributed.group.WORLD._get_backend(cpu).options._timeout
+        bad = _error_of(build_topology, 2, 2, ranks_per_node=4, emulate_nodes=True, timeout=0)
+    finally:
+        topo.destroy()
+        torch.distributed.group.WORLD.set_timeout(timedelta(seconds=600))  # the harness's
+    return waits, default.total_seconds(), bad
+
+
+def test_build_topology_sets_the_timeout_on_every_group(distributed):
+    from datetime import timedelta
+
+    results = distributed.run(run_topology_timeouts, 7.5, world_size=4, timeout=120)
+    for waits, _, bad in results:
+        assert set(waits) == {"ulysses", "ring", "dp", "sp", "dp_sp"}
+        assert set(waits.values()) == {7.5}, waits
+        assert bad == "TopologyError: timeout must be positive, got 0", bad
+    results = distributed.run(
+        run_topology_timeouts, timedelta(minutes=2), world_size=4, timeout=120
+    )
+    assert all(set(r[0].values()) == {120.0} for r in results), results
+    inherited = distributed.run(run_topology_timeouts, None, world_size=4, timeout=120)
+    for waits, default, _ in inherited:
+        assert set(waits.values()) == {default}, "None: the default group's timeout"

@@ -309,7 +309,9 @@ def build_topology(
             and the flattened ``sp``/``dp_sp`` groups, so FSDP's too) may wait for a peer
             before it fails (a ``timedelta`` or seconds); ``None`` takes the default
             group's timeout, as given to ``init_process_group`` (torch would otherwise give
-            new groups its own default: 30 min on gloo, 10 min on NCCL).
+            new groups its own default: 30 min on gloo, 10 min on NCCL). An axis that
+            spans the whole world is torch's default group itself, whose timeout then
+            becomes ``timeout`` too.
 
     Collective: every rank must call this with the same arguments. Every error (bad
     degrees, a launch that contradicts ``ranks_per_node``, Ulysses groups that would cross
