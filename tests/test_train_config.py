@@ -414,6 +414,8 @@ def test_a_key_two_sections_share_is_no_flat_override():
     }
     with pytest.raises(ConfigError, match="unknown override 'size'; known overrides: name"):
         apply_overrides({}, {"size": 3}, keys)
+
+
 # ----------------------------------------------------------------------------- usp topo
 def test_usp_topo_runs_the_train_and_data_checks(tmp_path, capsys):
     from usp.cli import main

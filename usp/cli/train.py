@@ -30,6 +30,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="continue from the newest checkpoint in the output directory (step 0 if none)",
     )
+    p.add_argument(
+        "--resume-changed",
+        action="store_true",
+        help="with --resume: accept a run whose seed, data, seq_len, global_batch or RoPE "
+        "differ from the checkpoint's",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], help="overrides [train] device")
     p.set_defaults(run=run)
     return p

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -285,6 +286,7 @@ def build_topology(
     placement: str = ULYSSES_IN_NODE,
     allow_cross_node_ulysses: bool = False,
     emulate_nodes: bool = False,
+    timeout: timedelta | float | None = None,
 ) -> Topology:
     """Create the mesh and every group; call on all ranks after ``init_process_group``.
 
@@ -303,6 +305,13 @@ def build_topology(
             launch (tests and single-machine emulation of a cluster). Implied by the
             ``fake`` backend, which cannot observe anything; there ``ranks_per_node``
             defaults to ``LOCAL_WORLD_SIZE`` or the world size.
+        timeout: how long any collective of the topology's groups (the DeviceMesh axes
+            and the flattened ``sp``/``dp_sp`` groups, so FSDP's too) may wait for a peer
+            before it fails (a ``timedelta`` or seconds); ``None`` takes the default
+            group's timeout, as given to ``init_process_group`` (torch would otherwise give
+            new groups its own default: 30 min on gloo, 10 min on NCCL). An axis that
+            spans the whole world is torch's default group itself, whose timeout then
+            becomes ``timeout`` too.
 
     Collective: every rank must call this with the same arguments. Every error (bad
     degrees, a launch that contradicts ``ranks_per_node``, Ulysses groups that would cross
@@ -331,7 +340,7 @@ def build_topology(
         if ranks_per_node is not None:
             check_launch_matches(ranks_per_node, launch)
         rank_map = RankMap.from_nodes(launch.node_of_rank, **degrees)
-    return topology_from_rank_map(rank_map, device_type, launch=launch)
+    return topology_from_rank_map(rank_map, device_type, launch=launch, timeout=timeout)
 
 
 def check_launch_matches(ranks_per_node: int, launch: Launch) -> None:
@@ -364,14 +373,20 @@ def _rest_of_world(world_size: int, ulysses_degree: int, ring_degree: int) -> in
 
 
 def topology_from_rank_map(
-    rank_map: RankMap, device_type: str, *, launch: Launch | None = None
+    rank_map: RankMap,
+    device_type: str,
+    *,
+    launch: Launch | None = None,
+    timeout: timedelta | float | None = None,
 ) -> Topology:
-    """Create the mesh and groups of a validated rank map (collective)."""
+    """Create the mesh and groups of a validated rank map (collective); ``timeout`` as
+    in :func:`build_topology`."""
     if rank_map.world_size != dist.get_world_size():
         raise TopologyError(
             f"the rank map has world_size({rank_map.world_size}) but the running job has "
             f"{dist.get_world_size()} ranks"
         )
+    wait = _collective_timeout(timeout, device_type)
     mesh_tensor = torch.tensor(rank_map.mesh_list(), dtype=torch.int)  # [d, r, u] -> global rank
     mesh = DeviceMesh(device_type, mesh_tensor, mesh_dim_names=MESH_AXES)
     # Flattened axes get torch's sorted member order: sp_group's rank is not sp_rank.
@@ -384,6 +399,9 @@ def topology_from_rank_map(
         "sp": sp_mesh.get_group(),
         "dp_sp": dp_sp_mesh.get_group(),
     }
+    if wait is not None:
+        for group in groups.values():
+            group.set_timeout(wait)
     return Topology(
         rank_map=rank_map,
         rank=dist.get_rank(),
@@ -394,3 +412,20 @@ def topology_from_rank_map(
         _groups=groups,
         launch=launch,
     )
+
+
+def _collective_timeout(timeout: timedelta | float | None, device_type: str) -> timedelta | None:
+    """``timeout`` as a timedelta; for ``None`` the default group's own timeout (None when
+    the backend does not say, e.g. the ``fake`` backend)."""
+    if timeout is not None:
+        wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        if wait.total_seconds() <= 0:
+            raise TopologyError(f"timeout must be positive, got {timeout!r}")
+        return wait
+    if dist.get_backend() not in ("gloo", "nccl"):
+        return None
+    try:
+        default = dist.distributed_c10d._get_default_group()
+        return default._get_backend(torch.device(device_type)).options._timeout
+    except (AttributeError, RuntimeError):  # torch keeps it private; without it: torch's default
+        return None

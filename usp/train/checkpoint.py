@@ -43,6 +43,10 @@ SHAPE_FIELDS = (
 )
 
 
+class CheckpointShapeError(CheckpointError):
+    """A checkpoint written for another model shape (no other checkpoint can help)."""
+
+
 def model_shape(config) -> dict[str, int | bool]:
     return {name: getattr(config, name) for name in SHAPE_FIELDS}
 
@@ -90,10 +94,11 @@ def _world_size() -> int:
 class Checkpointer:
     """Save to and resume from ``directory`` (``OUTPUT/checkpoints``)."""
 
-    def __init__(self, directory: Path, *, model_config, keep: int = 2):
+    def __init__(self, directory: Path, *, model_config, keep: int = 2, run: dict | None = None):
         self.directory = Path(directory)
         self.shape = model_shape(model_config)
         self.keep = keep
+        self.run = run  # what usp_meta.json records about the run (usp.train.resume)
 
     # -------------------------------------------------------------- discovery
     def complete(self) -> list[tuple[int, Path]]:
@@ -132,6 +137,8 @@ class Checkpointer:
                 "world_size": _world_size(),
                 "model": self.shape,
             }
+            if self.run is not None:
+                meta["run"] = self.run
             tmp = path / f".{META_FILE}.tmp"
             tmp.write_text(json.dumps(meta, indent=2) + "\n")
             os.replace(tmp, path / META_FILE)
@@ -152,17 +159,25 @@ class Checkpointer:
         }
 
     def _prune(self) -> None:
+        """Delete all but the newest ``keep`` complete checkpoints. The completeness
+        marker goes first, so a kill half-way leaves an incomplete (ignored) directory,
+        never a "complete" one without its shards."""
         for _, old in self.complete()[: -self.keep]:
+            (old / META_FILE).unlink(missing_ok=True)
             shutil.rmtree(old, ignore_errors=True)
 
     # -------------------------------------------------------------- load
     def read_meta(self, path: Path) -> dict:
         try:
             meta = json.loads((path / META_FILE).read_text())
-        except (OSError, json.JSONDecodeError) as err:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise CheckpointError(
                 f"{path} is not a complete checkpoint ({META_FILE}: {err})"
             ) from None
+        if not isinstance(meta, dict):
+            raise CheckpointError(
+                f"{path} is not a complete checkpoint ({META_FILE}: not an object)"
+            )
         saved = meta.get("model", {})
         if saved != self.shape:
             diffs = [
@@ -170,7 +185,7 @@ class Checkpointer:
                 for k, v in self.shape.items()
                 if saved.get(k) != v
             ]
-            raise CheckpointError(
+            raise CheckpointShapeError(
                 f"checkpoint {path} was written for another model shape: {'; '.join(diffs)}. "
                 "Resume with the [model] that wrote it, or write to another --output directory"
             )

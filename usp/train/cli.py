@@ -8,7 +8,11 @@ Flags override the file (``--steps``, ``--output``, ``--ulysses/--ring/--dp``,
 Without torchrun's environment a single process runs (a world of 1). The process group is
 set up here, the topology built from the config (its shape checked against the launch),
 and everything is torn down through ``Topology.destroy()`` at the end, also after an error.
-Exit status: 0 done, 2 a config/data/checkpoint error (printed once per node), 1 otherwise.
+Exit status (``usp.train.guard.EXIT_STATUS``): 0 done; 2 a config, data or checkpoint
+error or an output directory in use (printed once per node); 3 the run diverged
+(non-finite loss, gradient norm or weights); 4 a collective failed or timed out (a peer
+stalled or died); 5 stopped by SIGTERM/SIGINT after saving a checkpoint; 128+N a second
+signal N, exited at once; 1 anything else (with its traceback).
 """
 
 from __future__ import annotations
@@ -22,13 +26,18 @@ from datetime import timedelta
 from usp.config import AUTO
 from usp.train.components import build_plan  # the one way a job becomes a Plan
 
+RENDEZVOUS_TIMEOUT_S = 600.0
+
 
 def _launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _init_process_group(device: str) -> None:
-    """torchrun's env:// rendezvous, or a world of one process without torchrun."""
+def _init_process_group(device: str, timeout_s: float) -> None:
+    """torchrun's env:// rendezvous, or a world of one process without torchrun. The
+    rendezvous waits up to ``max(timeout_s, RENDEZVOUS_TIMEOUT_S)`` for every rank to start
+    (imports take long on a loaded machine); after it, every collective waits at most
+    ``timeout_s`` for a peer (the topology's groups inherit the default group's)."""
     import torch
     import torch.distributed as dist
 
@@ -39,12 +48,13 @@ def _init_process_group(device: str) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     backend = "nccl" if device == "cuda" else "gloo"
-    timeout = timedelta(minutes=int(os.environ.get("USP_TIMEOUT_MIN", 30)))
+    timeout = timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S))
     if _launched_by_torchrun():
         dist.init_process_group(backend, timeout=timeout)
     else:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    dist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
 
 
 def _device_of(job, flag: str | None) -> str:
@@ -88,18 +98,35 @@ def run(args: argparse.Namespace) -> int:
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"usp train: error: {err}", file=sys.stderr)
         return 2
+    from usp.train.guard import EXIT_STATUS, CollectiveFailedError, TrainingDivergedError
     from usp.train.trainer import user_errors as user_error_kinds
 
     user_errors = user_error_kinds()
     topology, synchronised = None, True
     try:
-        _init_process_group(_device_of(job, args.device))
+        _init_process_group(_device_of(job, args.device), job.train.collective_timeout_s)
         plan = build_plan(job)
         topology = plan.topology
-        result = _train(job, plan, args.resume)
+        result = _train(job, plan, args.resume, getattr(args, "resume_changed", False))
+        if result.stopped_by is not None:
+            if topology.rank == 0:
+                print(
+                    f"usp train: stopped by {result.stopped_by} at step {result.stopped_at}; "
+                    f"checkpoint {result.checkpoint.name}; --resume continues",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return EXIT_STATUS["signal"]
         if topology.rank == 0:
             print(summary(result), flush=True)
-        return 0
+        return EXIT_STATUS["done"]
+    except CollectiveFailedError as err:
+        # a peer is stalled or gone: leave at once, without waiting for it (not even in
+        # the process group's destructor at interpreter exit, which can wait for it again)
+        print(f"usp train [rank {os.environ.get('RANK', 0)}]: error: {err}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STATUS["collective"])
     except KeyboardInterrupt:
         synchronised = False  # peers may be anywhere: leave without waiting for them
         raise
@@ -116,16 +143,18 @@ def run(args: argparse.Namespace) -> int:
                 print(
                     prefix + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True
                 )
-        return 2 if isinstance(err, user_errors) else 1
+        if isinstance(err, TrainingDivergedError):
+            return EXIT_STATUS["diverged"]
+        return EXIT_STATUS["user"] if isinstance(err, user_errors) else EXIT_STATUS["internal"]
     finally:
         if synchronised:
             _teardown(topology)
 
 
-def _train(job, plan, resume: bool):
+def _train(job, plan, resume: bool, resume_changed: bool = False):
     from usp.train.trainer import train
 
-    return train(job, plan, resume=resume)
+    return train(job, plan, resume=resume, resume_changed=resume_changed)
 
 
 def _teardown(topology) -> None:

@@ -208,6 +208,8 @@ class TrainSection:
     device: str = AUTO  # "auto": cuda when available, else cpu
     peak_tflops: float | str = AUTO  # per device, for MFU; "auto": from the device name
     mlp_tile_tokens: int = 0  # 0: off; N: each MLP runs over tiles of N local tokens
+    max_skipped_steps: int = 0  # steps with a non-finite loss/grad norm skipped before stopping
+    collective_timeout_s: float = 600.0  # any collective waiting longer for a peer fails
 
     def __post_init__(self) -> None:
         s = "train"
@@ -241,6 +243,8 @@ class TrainSection:
         _string(s, "output_dir", self.output_dir)
         if self.peak_tflops != AUTO:
             _number(s, "peak_tflops", self.peak_tflops, minimum=0, strict=True)
+        _int(s, "max_skipped_steps", self.max_skipped_steps, minimum=0)
+        _number(s, "collective_timeout_s", self.collective_timeout_s, minimum=0, strict=True)
 
 
 _SECTIONS: dict[str, type] = {"model": ModelSection, "data": DataSection, "train": TrainSection}

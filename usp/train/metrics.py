@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+import torch
 
 # Dense bf16 tensor-core peak per device, for the MFU estimate (vendor figures, TFLOP/s).
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}
@@ -55,29 +58,82 @@ def peak_tflops(device_name: str) -> float | None:
 
 # ----------------------------------------------------------------------------- jsonl
 class MetricsWriter:
-    """Appends one JSON object per step to ``path`` (rank 0 only; flushed every line so a
-    crashed run keeps what it logged). A resumed run truncates the steps it will redo."""
+    """Appends one JSON object per step to ``path`` (rank 0 only).
+
+    Each row is one line written with a single ``write`` on an ``O_APPEND`` descriptor
+    and flushed to the OS, so a crash leaves whole lines (at most the line in flight is
+    cut). Non-finite numbers are written as ``null`` (JSON has no NaN; see
+    :func:`finite_or_none`). A resumed run keeps the rows up to ``resume_after_step`` and
+    drops the steps it will redo; lines that cannot be parsed (a row cut by a crash) are
+    dropped too, each with a note in :attr:`notes`.
+    """
 
     def __init__(self, path: Path, *, resume_after_step: int | None = None):
         self.path = path
-        rows = read_metrics(path) if resume_after_step is not None and path.exists() else []
-        kept = [r for r in rows if r.get("step", 0) <= (resume_after_step or 0)]
-        self._file: TextIO = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        for row in kept:
-            self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        self.notes: list[str] = []
+        kept: list[dict[str, Any]] = []
+        if resume_after_step is not None and path.exists():
+            rows, self.notes = read_metrics_tolerant(path)
+            kept = [r for r in rows if _step_of(r) <= resume_after_step]
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+        self._fd = os.open(path, flags, 0o644)
+        if kept:
+            os.write(self._fd, "".join(_line(r) for r in kept).encode("utf-8"))
 
     def write(self, row: dict[str, Any]) -> None:
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        os.write(self._fd, _line(row).encode("utf-8"))  # one write per row
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def finite_or_none(value: Any) -> Any:
+    """A float that is NaN or infinite becomes ``None`` (``null`` in the file)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _line(row: dict[str, Any]) -> str:
+    clean = {k: finite_or_none(v) for k, v in row.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
+
+
+def _step_of(row: dict[str, Any]) -> int:
+    step = row.get("step", 0)
+    return step if isinstance(step, int) else 0
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a ``metrics.jsonl`` (lines that do not parse are skipped)."""
+    return read_metrics_tolerant(path)[0]
+
+
+def read_metrics_tolerant(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """``(rows, notes)``: every line that parses as a JSON object, and one note per line
+    that does not (a row cut by a crash, a stray write), naming the line."""
+    rows, notes = [], []
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            last = number == len(lines) or all(not r.strip() for r in lines[number:])
+            what = "the last line" if last else f"line {number}"
+            notes.append(
+                f"{path}: dropped {what}, which is not a JSON object (a row cut off by a "
+                f"crash?): {raw[:80].decode('utf-8', 'replace')!r}"
+            )
+    return rows, notes
 
 
 # ----------------------------------------------------------------------------- progress
@@ -93,6 +149,8 @@ def _duration(seconds: float) -> str:
 def summary(row: dict[str, Any]) -> str:
     """The short form of one step's metrics shown by the progress display."""
     parts = [f"loss {row['loss']:.4f}", f"grad_norm {row['grad_norm']:.3g}"]
+    if row.get("skipped"):
+        parts.append("SKIPPED (non-finite: the update was not applied)")
     parts.append(f"lr {row['lr']:.2e}")
     parts.append(f"tok/s/gpu {row['tokens_per_s_per_gpu']:,.0f}")
     if "mfu" in row:
@@ -179,6 +237,9 @@ def plot_loss(metrics_path: Path, png_path: Path) -> str | None:
     rows = read_metrics(metrics_path) if metrics_path.exists() else []
     if not rows:
         return "no steps were logged"
+    rows = [r for r in rows if isinstance(r.get("loss"), (int, float))]  # null: non-finite
+    if not rows:
+        return "no finite loss was logged"
     steps, losses = [r["step"] for r in rows], [r["loss"] for r in rows]
     try:
         import matplotlib
@@ -200,3 +261,56 @@ def plot_loss(metrics_path: Path, png_path: Path) -> str | None:
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
     return None
+
+
+# ----------------------------------------------------------------------------- rows
+GIB = 2**30
+
+
+def device_peak_tflops(job, device) -> float | None:
+    if job.train.peak_tflops != "auto":
+        return float(job.train.peak_tflops)
+    if device.type != "cuda":
+        return None
+    return peak_tflops(torch.cuda.get_device_name(device))
+
+
+def step_row(step, loss, grad_norm, lr, batch, seconds, job, config, world, device, peak) -> dict:
+    tokens = job.train.global_batch * job.train.seq_len
+    row = {
+        "step": step,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "tokens": tokens,
+        "label_tokens": batch.num_labels,
+        "tokens_per_s": tokens / seconds,
+        "tokens_per_s_per_gpu": tokens / seconds / world,
+        "step_time_s": seconds,
+    }
+    if peak is not None:
+        flops = training_flops(config, batch.document_lengths)
+        row["mfu"] = flops / seconds / world / (peak * 1e12)
+    if device.type == "cuda":
+        row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+    return row
+
+
+def print_header(job, plan, source, dataset, model, state, newest, stream) -> None:
+    params = sum(p.numel() for p in model.parameters())
+    t = job.train
+    dp = 1 if plan.topology is None else plan.topology.dp_degree
+    accumulation = job.gradient_accumulation(dp)
+    what = source.directory or f'preset "{job.model.preset}"'
+    lines = [
+        f"usp train: {job.source or 'config'}",
+        f"  plan:  {plan.describe()}",
+        f"  model: {what}, {params / 1e6:.2f}M parameters, {source.config.num_hidden_layers} layers",
+        *(f"  data:  {line}" for line in dataset.summary(t.steps * t.global_batch)),
+        f"  batch: {t.global_batch} sequences/step = dp {dp} x micro_batch {t.micro_batch} x "
+        f"accumulation {accumulation}",
+    ]
+    lines += [f"  rope:  {change} ([model] setting)" for change in source.changes]
+    if newest is not None:
+        lines.append(f"  resuming from {newest} (step {state.step})")
+    print("\n".join(lines), file=stream, flush=True)

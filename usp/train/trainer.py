@@ -30,20 +30,36 @@ import torch.distributed as dist
 
 from usp.plan import Plan
 from usp.train import components
-from usp.train.checkpoint import Checkpointer, CheckpointError, TrainState, export_hf
+from usp.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointShapeError,
+    TrainState,
+    export_hf,
+)
 from usp.train.config import AUTO, TrainJobConfig
 from usp.train.data import DataLoader, StepBatch
+from usp.train.guard import (
+    StopSignal,
+    TrainingDivergedError,
+    agree_on_step,
+    collective_phase,
+    diverged_message,
+    newest_note,
+    parameters_finite,
+)
+from usp.train.lock import OutputLock, OutputLockedError, check_output_dir
 from usp.train.metrics import (
     MetricsWriter,
     Progress,
-    peak_tflops,
+    device_peak_tflops,
     plot_loss,
-    training_flops,
+    print_header,
+    step_row,
 )
 from usp.train.parallelize import fully_shard_model, set_gradient_sync
+from usp.train.resume import agree_on_checkpoints, check_resume, load_with_fallback, run_record
 from usp.train.schedule import WarmupCosine
-
-GIB = 2**30
 
 
 @dataclass
@@ -57,6 +73,8 @@ class TrainResult:
     export_dir: Path | None = None
     plot: Path | None = None
     notes: list[str] = field(default_factory=list)
+    stopped_by: str | None = None  # the signal that stopped the run (a checkpoint was saved)
+    stopped_at: int | None = None  # ... at this step
 
 
 def _plan_of(job: TrainJobConfig, plan_or_topology):
@@ -75,32 +93,53 @@ def train(
     *,
     output_dir: str | Path | None = None,
     resume: bool = False,
+    resume_changed: bool = False,
     stop_after: int | None = None,
     stream: TextIO | None = None,
 ) -> TrainResult:
     """Run ``job`` on ``plan_or_topology`` (a :class:`usp.Plan`, a Topology, or None for
     one process). Outputs go to ``output_dir`` (default: the config's). ``resume``
-    continues from the newest complete checkpoint there (from step 0 if there is none).
-    ``stop_after``: leave after that step without a final checkpoint or export (what a
-    preemption looks like; tests use it). Progress goes to ``stream`` (stderr) on rank 0.
-    The caller owns the plan's topology (nothing is destroyed here)."""
+    continues from the newest complete checkpoint there that loads (from step 0 if there
+    is none); ``resume_changed`` accepts a run that differs from the checkpoint's in what a
+    step sees (:mod:`usp.train.resume`). ``stop_after``: leave after that step without a
+    final checkpoint or export (tests use it). Progress goes to ``stream`` (stderr) on
+    rank 0. The caller owns the plan's topology (nothing is destroyed here).
+
+    Faults (:mod:`usp.train.guard`): another job holding ``output_dir`` is an
+    ``OutputLockedError``; a non-finite loss or gradient norm skips the step's update and,
+    beyond ``[train] max_skipped_steps``, raises ``TrainingDivergedError`` (nothing
+    non-finite is saved); a failed collective raises ``CollectiveFailedError`` naming the
+    step; a SIGTERM/SIGINT (handlers installed while this runs in the main thread) stops
+    the run after the step in flight with a checkpoint (``result.stopped_by``)."""
     plan = _plan_of(job, plan_or_topology)
-    topology = plan.topology
     out = Path(output_dir) if output_dir is not None else job.output_dir
     stream = stream or sys.stderr
-    rank0 = _rank0(plan)
-
-    # ---------------------------------------------------------------- checks, then build
-    # Every check that can fail on the config or the files runs first; the ranks then agree
-    # on the outcome, so an error on one rank (a file missing on one node) stops every
-    # rank with the same message instead of leaving the others in a collective.
-    error, setup = None, None
+    lock = None
     try:
-        setup = _setup(job, plan, out, resume)
-    except user_errors() as err:
-        error = err
-    _agree_on_setup(plan, error)
-    device, source, dataset, checkpointer, newest = setup
+        # Every check that can fail on the config or the files runs first; the ranks then
+        # agree on the outcome, so an error on one rank (a file missing on one node) stops
+        # every rank with the same message instead of leaving the others in a collective.
+        error, setup = None, None
+        try:
+            check_output_dir(out)
+            if _rank0(plan):  # one job per output directory, before anything is written
+                lock = OutputLock.acquire(out)
+            setup = _setup(job, plan, out, resume, resume_changed)
+        except user_errors() as err:
+            error = err
+        _agree_on_setup(plan, error)
+        with StopSignal() as stop:
+            return _run(job, plan, out, setup, stream, stop, stop_after, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
+    topology = plan.topology
+    rank0 = _rank0(plan)
+    distributed = topology is not None and dist.is_initialized()
+    device, source, dataset, checkpointer, candidates, resume_note = setup
     dataset = components.load_dataset(job, dataset, topology=topology, cache_root=out / "cache")
 
     model = components.build_model(job, source, plan)
@@ -124,57 +163,92 @@ def train(
         dp_rank=0 if topology is None else topology.dp_rank,
     )
 
-    state = TrainState(0, 0)
-    if newest is not None:
-        state = checkpointer.load(newest, model, optimizer)
+    state, newest = TrainState(0, 0), None
+    timeout = job.train.collective_timeout_s
+    agree_on_checkpoints([step for step, _ in candidates])  # e.g. node-local storage
+    if candidates:
+        with collective_phase("resuming", timeout):
+            newest, state = load_with_fallback(
+                checkpointer, candidates, model, optimizer, rank0=rank0, stream=stream
+            )
         loader.load_state_dict({"position": state.data_position})
     result = TrainResult(out, start_step=state.step)
     if rank0:
-        out.mkdir(parents=True, exist_ok=True)
-        _print_header(job, plan, source, dataset, model, state, newest, stream)
+        print_header(job, plan, source, dataset, model, state, newest, stream)
+        for note in [lock.note if lock else None, resume_note]:
+            if note:
+                print(f"  note: {note}", file=stream, flush=True)
 
     # ---------------------------------------------------------------- the loop
     writer = MetricsWriter(out / "metrics.jsonl", resume_after_step=state.step) if rank0 else None
+    for note in writer.notes if writer else []:
+        print(f"usp train: warning: {note}", file=stream, flush=True)
     progress = (
         Progress(job.train.steps, state.step, log_interval=job.train.log_interval, stream=stream)
         if rank0
         else None
     )
-    peak = _peak_tflops(job, device)
+    peak = device_peak_tflops(job, device)
     world = 1 if topology is None else topology.world_size
-    step = state.step
+    step, skipped = state.step, []
+
+    def save(at: int) -> Path:
+        with collective_phase(f"saving the checkpoint of step {at}", timeout):
+            if not parameters_finite(model, device, distributed):
+                raise TrainingDivergedError(
+                    f"step {at}: the weights are not finite after the optimizer step (an "
+                    f"overflow: lr {job.train.lr:g} is far too high?); nothing was saved. "
+                    f"{newest_note(checkpointer)}"
+                )
+            return checkpointer.save(model, optimizer, TrainState(at, loader.position))
+
     try:
         while step < job.train.steps and (stop_after is None or step < stop_after):
             started = time.perf_counter()
             lr = schedule.apply(optimizer, step)
             batch = loader.next_step()
-            loss, grad_norm = _train_step(model, optimizer, plan, batch, loss_scale, job, device)
+            with collective_phase(f"step {step + 1}", timeout):
+                loss, grad_norm, applied, stop_now = _train_step(
+                    model, optimizer, plan, batch, loss_scale, job, device, stop, distributed
+                )
             _synchronize(device)
             seconds = time.perf_counter() - started
             step += 1
-            row = _row(
+            row = step_row(
                 step, loss, grad_norm, lr, batch, seconds, job, source.config, world, device, peak
             )
+            if not applied:
+                row["skipped"] = True
+                skipped.append(step)
             result.metrics.append(row)
             if writer is not None:
                 writer.write(row)
                 progress.update(row)
+            if len(skipped) > job.train.max_skipped_steps:
+                raise TrainingDivergedError(
+                    diverged_message(job, step, loss, grad_norm, skipped, checkpointer)
+                )
+            if stop_now:
+                result.checkpoint = save(step)
+                result.stopped_by = stop.name or "a signal on another rank"
+                result.stopped_at = step
+                return result
             interval = job.train.checkpoint_interval
             if interval and step % interval == 0 and step < job.train.steps:
-                result.checkpoint = checkpointer.save(
-                    model, optimizer, TrainState(step, loader.position)
-                )
+                result.checkpoint = save(step)
     finally:
         if progress is not None:
             progress.close()
         if writer is not None:
             writer.close()
+    if skipped:
+        result.notes.append(f"skipped steps (non-finite, not applied): {skipped}")
     if step < job.train.steps:
         return result  # stopped early (stop_after): no final checkpoint, export or plot
 
     # ---------------------------------------------------------------- the end
     if step > state.step:  # (interval checkpoints never fall on the last step)
-        result.checkpoint = checkpointer.save(model, optimizer, TrainState(step, loader.position))
+        result.checkpoint = save(step)
     else:  # resumed a finished run: its last checkpoint stands
         result.checkpoint = newest
     if job.train.export and not _has_safetensors():
@@ -219,25 +293,39 @@ def _check_numpy_for_checkpoints() -> None:
         ) from None
 
 
-def _setup(job: TrainJobConfig, plan, out: Path, resume: bool):
+def _setup(job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed: bool):
     _check_numpy_for_checkpoints()
     device = components.resolve_device(job, plan)
     source = components.model_source(job)
     document_multiple = components.check_lengths(job, plan)
     dp = 1 if plan.topology is None else plan.topology.dp_degree
     job.gradient_accumulation(dp)  # checks the batch arithmetic
-    dataset = components.prepare_data(job, source, document_multiple)  # tokenised in run
+    dataset = components.prepare_data(job, source, document_multiple)  # tokenised in _run
+    rank0 = _rank0(plan)
+    record = run_record(job, source.config, document_multiple, dataset.files) if rank0 else None
     checkpointer = Checkpointer(
-        out / "checkpoints", model_config=source.config, keep=job.train.keep_checkpoints
+        out / "checkpoints",
+        model_config=source.config,
+        keep=job.train.keep_checkpoints,
+        run=record,
     )
-    newest = checkpointer.newest()
-    if newest is not None and not resume:
+    candidates = checkpointer.complete()  # the ranks agree on them once set-up agreed
+    if candidates and not resume:
         raise CheckpointError(
-            f"{out} already holds checkpoints (newest: {newest.name}); pass --resume to continue "
-            "that run, or choose another --output directory"
+            f"{out} already holds checkpoints (newest: {candidates[-1][1].name}); pass --resume "
+            "to continue that run, or choose another --output directory"
         )
-    if newest is not None:
-        checkpointer.read_meta(newest)  # another model shape fails here, before any loading
+    note = None
+    for _, path in reversed(candidates):  # the newest readable one decides (before loading)
+        try:
+            meta = checkpointer.read_meta(path)  # another model shape fails here
+        except CheckpointShapeError:
+            raise
+        except CheckpointError:
+            continue  # damaged: the load falls back past it and says so
+        if rank0:
+            note = check_resume(meta, record, path=path, accept_changes=resume_changed)
+        break
     if source.directory is not None and not _has_safetensors():
         raise job.error(
             f"[model] path {source.directory}: reading an HF checkpoint needs the safetensors "
@@ -248,7 +336,7 @@ def _setup(job: TrainJobConfig, plan, out: Path, resume: bool):
             f"[train] dtype = {job.train.dtype!r}: a single process without a topology runs in "
             "float32; launch with torchrun for mixed precision"
         )
-    return device, source, dataset, checkpointer, newest
+    return device, source, dataset, checkpointer, candidates, note
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -269,6 +357,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
         ShardingError,
         ModelCheckpointError,
         ModelConfigError,
+        OutputLockedError,
+        TrainingDivergedError,
+        CheckpointShapeError,
     )
 
 
@@ -283,9 +374,13 @@ def _agree_on_setup(plan, error: BaseException | None) -> None:
     agree(dist.group.WORLD, "usp train set-up", [], error, user_errors())
 
 
-def _train_step(model, optimizer, plan, batch: StepBatch, loss_scale, job, device):
-    """Forward/backward over the micro-batches, clip, AdamW; returns the step's global
-    mean loss and the gradient's global norm before clipping (Python floats)."""
+def _train_step(
+    model, optimizer, plan, batch: StepBatch, loss_scale, job, device, stop, distributed
+):
+    """Forward/backward over the micro-batches, clip, AdamW. Returns the step's global
+    mean loss and the gradient's global norm before clipping (Python floats), whether the
+    update was applied (not when the loss or the norm is non-finite on any rank) and
+    whether any rank got a stop signal (one agreement all-reduce, before the update)."""
     total = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no sync
     last = len(batch.micro_batches) - 1
     for i, micro in enumerate(batch.micro_batches):
@@ -302,64 +397,27 @@ def _train_step(model, optimizer, plan, batch: StepBatch, loss_scale, job, devic
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
         grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     topology = plan.topology
     if topology is not None and topology.dp_degree > 1:
         # every SP rank holds its replica's loss; the replicas' losses add up
         dist.all_reduce(total, group=topology.dp_group)
-    return float(total), float(grad_norm)
+    loss_value, norm_value, non_finite, stop_now = agree_on_step(
+        float(total), float(grad_norm), stop.name, device, distributed
+    )
+    if not non_finite:
+        try:
+            optimizer.step()
+        except RuntimeError as err:  # AdamW's step size itself overflows (lr ~1e38)
+            if "overflow" not in str(err):
+                raise
+            raise TrainingDivergedError(
+                f"the optimizer step overflowed ({err}) at lr {optimizer.param_groups[0]['lr']:g}:"
+                f" [train] lr (now {job.train.lr:g}) is far too high; nothing was saved"
+            ) from None
+    optimizer.zero_grad(set_to_none=True)
+    return loss_value, norm_value, not non_finite, stop_now
 
 
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _peak_tflops(job: TrainJobConfig, device: torch.device) -> float | None:
-    if job.train.peak_tflops != AUTO:
-        return float(job.train.peak_tflops)
-    if device.type != "cuda":
-        return None
-    return peak_tflops(torch.cuda.get_device_name(device))
-
-
-def _row(step, loss, grad_norm, lr, batch, seconds, job, config, world, device, peak) -> dict:
-    tokens = job.train.global_batch * job.train.seq_len
-    row = {
-        "step": step,
-        "loss": loss,
-        "grad_norm": grad_norm,
-        "lr": lr,
-        "tokens": tokens,
-        "label_tokens": batch.num_labels,
-        "tokens_per_s": tokens / seconds,
-        "tokens_per_s_per_gpu": tokens / seconds / world,
-        "step_time_s": seconds,
-    }
-    if peak is not None:
-        flops = training_flops(config, batch.document_lengths)
-        row["mfu"] = flops / seconds / world / (peak * 1e12)
-    if device.type == "cuda":
-        row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-    return row
-
-
-def _print_header(job, plan, source, dataset, model, state, newest, stream) -> None:
-    params = sum(p.numel() for p in model.parameters())
-    t = job.train
-    dp = 1 if plan.topology is None else plan.topology.dp_degree
-    accumulation = job.gradient_accumulation(dp)
-    what = source.directory or f'preset "{job.model.preset}"'
-    lines = [
-        f"usp train: {job.source or 'config'}",
-        f"  plan:  {plan.describe()}",
-        f"  model: {what}, {params / 1e6:.2f}M parameters, {source.config.num_hidden_layers} layers",
-        *(f"  data:  {line}" for line in dataset.summary(t.steps * t.global_batch)),
-        f"  batch: {t.global_batch} sequences/step = dp {dp} x micro_batch {t.micro_batch} x "
-        f"accumulation {accumulation}",
-    ]
-    lines += [f"  rope:  {change} ([model] setting)" for change in source.changes]
-    if newest is not None:
-        lines.append(f"  resuming from {newest} (step {state.step})")
-    print("\n".join(lines), file=stream, flush=True)
