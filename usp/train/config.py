@@ -180,6 +180,7 @@ class TrainSection:
     output_dir: str = AUTO  # "auto": runs/<config file name>
     device: str = AUTO  # "auto": cuda when available, else cpu
     peak_tflops: float | str = AUTO  # per device, for MFU; "auto": from the device name
+    compile: bool = False  # torch.compile each decoder layer (usp.train.parallelize)
 
     def __post_init__(self) -> None:
         s = "train"
@@ -210,6 +211,7 @@ class TrainSection:
         _string(s, "output_dir", self.output_dir)
         if self.peak_tflops != AUTO:
             _number(s, "peak_tflops", self.peak_tflops, minimum=0, strict=True)
+        _bool(s, "compile", self.compile)
 
 
 _SECTIONS: dict[str, type] = {"model": ModelSection, "data": DataSection, "train": TrainSection}
