@@ -56,7 +56,9 @@ def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
     runs = {}
     data = whole_sequence_documents(tmp_path / "docs.jsonl")
     for compile in (False, True):
-        config = base_config(steps=STEPS, checkpoint_interval=0, compile=compile)
+        config = base_config(
+            steps=STEPS, checkpoint_interval=0, compile=compile, global_batch=2, micro_batch=2
+        )
         config["data"] = data
         out = tmp_path / f"compile_{compile}"
         runs[compile] = distributed.run(

@@ -23,7 +23,9 @@ mask is checked by a mask function registered with the name (zeros at the end of
 rows of a causal model in one process are exact; other padding is refused); HF's
 padding-free packing (``cu_seq_lens_q/k``, or in one process ``position_ids`` that
 restart per document) becomes usp's packed documents; ``is_causal`` (the module's, the
-config's or a keyword) is respected.
+config's or a keyword) is respected. :func:`shard_flattened` turns a
+``DataCollatorWithFlattening`` batch into this rank's part (documents padded to the
+layout, labels shifted per document, ``usp_packed``).
 """
 
 from __future__ import annotations
