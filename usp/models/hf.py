@@ -64,7 +64,12 @@ def register(topology, *, name: str = "usp", **attention_options) -> str:
     return the name (give it as ``attn_implementation=``; register before building the
     model). ``topology``: a Topology, a Plan or None; ``attention_options`` (``layout``,
     ``ring_impl``, ``backend``) go into the plan. Registering a name again replaces it
-    (transformers keeps one global table): use one name per plan."""
+    (transformers keeps one global table): use one name per plan.
+
+    Also registers a usp mask function under ``name`` in transformers'
+    ``AttentionMaskInterface`` (:func:`usp.models.hf_inputs.padding_mask_function`): it
+    checks 2-D padding masks and builds no mask. A name that already has someone else's
+    mask function is refused."""
     transformers = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
 
