@@ -161,6 +161,8 @@ def test_config_and_module_is_causal_false_equal_sdpa(ckpt):
                 module.is_causal = False  # what an encoder's attention module says
     assert_same(forward_backward(model, input_ids=ids), bidirectional)
     assert_same(forward_backward(sdpa, input_ids=ids), bidirectional)
+    with pytest.raises(HFInputError, match="LlamaAttention attends bidirectionally"):
+        model(ids, attention_mask=mask, use_cache=False)  # right padding, bidirectional layers
     # the keyword of model(...)
     sdpa, model = models(ckpt, spy.name)
     assert_same(forward_backward(model, input_ids=ids, is_causal=False), bidirectional)

@@ -39,6 +39,7 @@ from usp.models.hf_inputs import (
     PACKED_KWARG,  # noqa: F401 - re-exported: usp.models.hf.PACKED_KWARG
     HFInputError,
     PackedInputs,
+    PaddingSeen,
     padding_mask_function,
 )
 from usp.models.labels import IGNORE_INDEX
@@ -86,12 +87,13 @@ def register(topology, *, name: str = "usp", **attention_options) -> str:
             f"name {name!r} has a mask function in transformers; choose a name without one"
         )
     # the mask function sees the 2-D padding mask (once per forward) and returns None
-    AttentionMaskInterface.register(name, padding_mask_function(plan, name))
-    transformers.AttentionInterface.register(name, _attention_function(plan, name))
+    seen = PaddingSeen()
+    AttentionMaskInterface.register(name, padding_mask_function(plan, name, seen))
+    transformers.AttentionInterface.register(name, _attention_function(plan, name, seen))
     return name
 
 
-def _attention_function(plan, name: str):
+def _attention_function(plan, name: str, seen: PaddingSeen):
     packed_inputs = PackedInputs(plan, name)  # one PackedSequence per forward
 
     def usp_attention_forward(
@@ -129,13 +131,21 @@ def _attention_function(plan, name: str):
                 f"USP attention got {query.shape[2]} query tokens but {key.shape[2]} key "
                 "tokens: call the model with use_cache=False (no KV cache under SP)"
             )
+        causal = _is_causal(module, is_causal)
+        if seen.padded and not causal:
+            raise HFInputError(
+                f"attn_implementation={name!r} (USP attention): this forward's attention_mask "
+                f"has padding and {type(module).__name__} attends bidirectionally "
+                "(is_causal=False): every real token would attend to the pads; give rows "
+                "without padding, or pack them (DataCollatorWithFlattening, usp_packed)"
+            )
         batch, _, local_len, _ = query.shape
         packed = packed_inputs(batch, local_len, query.device, kwargs)
         out = plan.attention(
             query.transpose(1, 2),  # [B, H, S/P, D] -> [B, S/P, H, D]
             key.transpose(1, 2),
             value.transpose(1, 2),
-            causal=_is_causal(module, is_causal),
+            causal=causal,
             softmax_scale=scaling,
             packed=packed,
         )

@@ -83,16 +83,30 @@ def padding_problem(plan, attention_mask: torch.Tensor, *, causal: bool) -> str 
     return None
 
 
-def padding_mask_function(plan, name: str):
+class PaddingSeen:
+    """Whether the current forward's 2-D mask had (right) padding, set by the mask
+    function before the layers run; the attention function refuses it for a layer
+    that turns out to be bidirectional (``module.is_causal=False``)."""
+
+    def __init__(self):
+        self.padded = False
+
+
+def padding_mask_function(plan, name: str, seen: PaddingSeen):
     """The mask function registered with attention ``name``: checks the 2-D padding mask
     (once per forward) and returns None, so the layers get no mask. Under SP the ranks
-    agree on the verdict, so a refusal is raised on every rank."""
+    agree on the verdict, so a refusal is raised on every rank. A mask built with
+    transformers' bidirectional mask function counts as non-causal whatever the config."""
+    from transformers.masking_utils import bidirectional_mask_function
 
-    def usp_padding_mask(*args, attention_mask=None, config=None, **kwargs):
+    def usp_padding_mask(*args, attention_mask=None, config=None, mask_function=None, **kwargs):
         problem = None
+        seen.padded = False
         if attention_mask is not None:
             causal = bool(getattr(config, "is_causal", True))
+            causal = causal and mask_function is not bidirectional_mask_function
             problem = padding_problem(plan, attention_mask, causal=causal)
+            seen.padded = problem is None and not bool(attention_mask.bool().all())
         group = plan.sp_group  # None in one process (sp_degree 1)
         if attention_mask is not None and plan.sp_degree > 1 and _can_agree(group):
             error = None if problem is None else HFInputError(_padding_message(name, problem))
