@@ -420,7 +420,7 @@ def test_hf_plugin_errors(checkpoints):
     module = torch.nn.Module()
     q = torch.randn(1, 4, 6, 8)  # [B, H, S, D]
     kv = torch.randn(1, 2, 6, 8)
-    with pytest.raises(ValueError, match="does not support attention_mask"):
+    with pytest.raises(ValueError, match="does not support a 4-D attention_mask"):
         fn(module, q, kv, kv, torch.zeros(1, 1, 6, 6))
     with pytest.raises(ValueError, match="dropout=0.1"):
         fn(module, q, kv, kv, None, dropout=0.1)

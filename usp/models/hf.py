@@ -14,10 +14,18 @@ Every model that calls attention through ``AttentionInterface`` (Llama, Qwen2/3,
 Mistral without sliding window, ...) runs this way. What the model must be given:
 this rank's ``input_ids`` shard, the tokens' global ``position_ids`` (HF would otherwise
 number the shard 0..S/P-1), ``use_cache=False``, and for packed documents
-``usp_packed=plan.pack(cu_seqlens)`` (forwarded to every attention call). Do not pass
-``labels=`` to the HF model: its loss shifts inside the shard and averages per rank.
-No attention mask is used: a 2-D padding mask is ignored by transformers for a custom
-attention name, so pad at the end with ignored labels (causal models never look ahead).
+``usp_packed=plan.pack(cu_seqlens)`` or the global ``cu_seq_lens_q/k`` (forwarded to
+every attention call). Do not pass ``labels=`` to the HF model under SP: its loss shifts
+inside the shard and averages per rank.
+
+Inputs are computed exactly or refused (:mod:`usp.models.hf_inputs`): a 2-D padding
+mask is checked by a mask function registered with the name (zeros at the end of the
+rows of a causal model in one process are exact; other padding is refused); HF's
+padding-free packing (``cu_seq_lens_q/k``, or in one process ``position_ids`` that
+restart per document) becomes usp's packed documents; ``is_causal`` (the module's, the
+config's or a keyword) is respected. :func:`shard_flattened` turns a
+``DataCollatorWithFlattening`` batch into this rank's part (documents padded to the
+layout, labels shifted per document, ``usp_packed``).
 """
 
 from __future__ import annotations
@@ -25,13 +33,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from usp.models.batch import ShardedBatch
+from usp.models.batch import ShardedBatch, shard_batch
+from usp.models.hf_inputs import (
+    CU_KWARGS,
+    PACKED_KWARG,  # noqa: F401 - re-exported: usp.models.hf.PACKED_KWARG
+    HFInputError,
+    PackedInputs,
+    PaddingSeen,
+    padding_mask_function,
+)
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, loss_dtype, sp_cross_entropy, sp_normalise
 from usp.plan import as_plan
+from usp.sharding import pad_documents
 
-#: the keyword of ``model(...)`` that carries a ``usp.PackedSequence`` to the attention
-PACKED_KWARG = "usp_packed"
 _BUILTIN_PREFIXES = ("eager", "sdpa", "flash_attention", "flex_attention", "paged")
 
 
@@ -50,12 +65,14 @@ def register(topology, *, name: str = "usp", **attention_options) -> str:
     return the name (give it as ``attn_implementation=``; register before building the
     model). ``topology``: a Topology, a Plan or None; ``attention_options`` (``layout``,
     ``ring_impl``, ``backend``) go into the plan. Registering a name again replaces it
-    (transformers keeps one global table): use one name per plan."""
+    (transformers keeps one global table): use one name per plan.
+
+    Also registers a usp mask function under ``name`` in transformers'
+    ``AttentionMaskInterface`` (:func:`usp.models.hf_inputs.padding_mask_function`): it
+    checks 2-D padding masks and builds no mask. A name that already has someone else's
+    mask function is refused."""
     transformers = _transformers()
-    try:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    except ImportError:  # transformers before the mask-function table: no masks to collide
-        ALL_MASK_ATTENTION_FUNCTIONS = {}
+    from transformers.masking_utils import AttentionMaskInterface
 
     plan = as_plan(topology, **attention_options)
     if not isinstance(name, str) or not name or name.startswith(_BUILTIN_PREFIXES):
@@ -63,16 +80,22 @@ def register(topology, *, name: str = "usp", **attention_options) -> str:
             f"name {name!r} would shadow one of transformers' own attention implementations "
             f"({', '.join(_BUILTIN_PREFIXES)}...); choose another, e.g. 'usp'"
         )
-    if name in ALL_MASK_ATTENTION_FUNCTIONS:
-        # a mask function would read zigzag position_ids as document starts: wrong masks
+    existing = AttentionMaskInterface._global_mapping.get(name)
+    if existing is not None and getattr(existing, "usp_mask_for", None) != name:
+        # someone else's mask function would build masks usp does not apply
         raise ValueError(
             f"name {name!r} has a mask function in transformers; choose a name without one"
         )
-    transformers.AttentionInterface.register(name, _attention_function(plan, name))
+    # the mask function sees the 2-D padding mask (once per forward) and returns None
+    seen = PaddingSeen()
+    AttentionMaskInterface.register(name, padding_mask_function(plan, name, seen))
+    transformers.AttentionInterface.register(name, _attention_function(plan, name, seen))
     return name
 
 
-def _attention_function(plan, name: str):
+def _attention_function(plan, name: str, seen: PaddingSeen):
+    packed_inputs = PackedInputs(plan, name)  # one PackedSequence per forward
+
     def usp_attention_forward(
         module,
         query: torch.Tensor,
@@ -83,12 +106,13 @@ def _attention_function(plan, name: str):
         scaling: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        is_causal: bool | None = None,
         **kwargs,
     ):
         """query [B, H, S/P, D], key/value [B, Hkv, S/P, D] (after RoPE) ->
         (out [B, S/P, H, D], None)."""
         unsupported = {
-            "attention_mask": attention_mask is not None,
+            "a 4-D attention_mask (or another prepared mask)": attention_mask is not None,
             f"dropout={dropout}": bool(dropout),
             f"sliding_window={sliding_window}": sliding_window is not None,
             f"softcap={softcap}": softcap is not None,
@@ -96,27 +120,97 @@ def _attention_function(plan, name: str):
         }
         problems = [what for what, bad in unsupported.items() if bad]
         if problems:
-            raise ValueError(
+            raise HFInputError(
                 f"attn_implementation={name!r} (USP attention) does not support "
                 f"{', '.join(problems)} in {type(module).__name__}: it computes exact "
-                "causal or full attention (packed documents via usp_packed=plan.pack(...))"
+                "causal or full attention, with packed documents from usp_packed=plan.pack(cu) "
+                "or cu_seq_lens_q/k, and checks 2-D padding masks itself"
             )
         if key.shape[2] != query.shape[2]:
-            raise ValueError(
+            raise HFInputError(
                 f"USP attention got {query.shape[2]} query tokens but {key.shape[2]} key "
                 "tokens: call the model with use_cache=False (no KV cache under SP)"
             )
+        causal = _is_causal(module, is_causal)
+        if seen.padded and not causal:
+            raise HFInputError(
+                f"attn_implementation={name!r} (USP attention): this forward's attention_mask "
+                f"has padding and {type(module).__name__} attends bidirectionally "
+                "(is_causal=False): every real token would attend to the pads; give rows "
+                "without padding, or pack them (DataCollatorWithFlattening, usp_packed)"
+            )
+        batch, _, local_len, _ = query.shape
+        packed = packed_inputs(batch, local_len, query.device, kwargs)
         out = plan.attention(
             query.transpose(1, 2),  # [B, H, S/P, D] -> [B, S/P, H, D]
             key.transpose(1, 2),
             value.transpose(1, 2),
-            causal=bool(getattr(module, "is_causal", True)),
+            causal=causal,
             softmax_scale=scaling,
-            packed=kwargs.get(PACKED_KWARG),  # a PackedSequence (or global cu_seqlens)
+            packed=packed,
         )
         return out, None
 
     return usp_attention_forward
+
+
+def _is_causal(module, is_causal: bool | None) -> bool:
+    """As sdpa decides it: the keyword, else ``module.is_causal``; a config with
+    ``is_causal=False`` makes the model bidirectional whatever the module says."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    config = getattr(module, "config", None)
+    return bool(causal) and bool(getattr(config, "is_causal", True))
+
+
+def shard_flattened(
+    plan, batch: dict, *, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX
+) -> ShardedBatch:
+    """This rank's part of an HF padding-free batch (``DataCollatorWithFlattening`` /
+    TRL ``padding_free=True``: ``input_ids`` [1, S], optional ``labels``, and the
+    documents as ``cu_seq_lens_q/k`` or ``position_ids`` that restart per document).
+
+    Every document is padded at its end to what the plan's layout needs
+    (:func:`usp.pad_documents`; pads get ``pad_token_id`` and ignored labels), the labels
+    are shifted per document on the global sequence and everything is sharded as
+    :func:`usp.models.shard_batch` does; ``.hf_kwargs()`` then carries the packed
+    documents as ``usp_packed``. Collective (``plan.pack``): every SP rank calls it with
+    the same batch."""
+    plan = as_plan(plan)
+    input_ids = batch["input_ids"]
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise HFInputError(
+            f"a padding-free batch has input_ids [1, S], got {tuple(input_ids.shape)}; "
+            "flatten it with transformers.DataCollatorWithFlattening"
+        )
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool(mask.bool().all()):
+        raise HFInputError("a padding-free batch has no padding, but its attention_mask has zeros")
+    cu = _flattened_boundaries(batch, input_ids.shape[1])
+    padding = pad_documents(cu, plan)
+    ids = padding.apply(input_ids, pad_token_id)
+    labels = batch.get("labels")
+    labels = padding.apply(input_ids if labels is None else labels, ignore_index)
+    return shard_batch(
+        plan, ids, labels=labels, cu_seqlens=padding.cu_seqlens, ignore_index=ignore_index
+    )
+
+
+def _flattened_boundaries(batch: dict, total: int) -> torch.Tensor:
+    """The global int32 boundaries of a padding-free batch."""
+    given = [batch.get(k) for k in CU_KWARGS if batch.get(k) is not None]
+    if given:
+        cu = given[0].to("cpu", torch.int32)
+        if any(not torch.equal(cu, other.to("cpu", torch.int32)) for other in given[1:]):
+            raise HFInputError("cu_seq_lens_q and cu_seq_lens_k of a padding-free batch differ")
+        return cu
+    positions = batch.get("position_ids")
+    if positions is None:
+        raise HFInputError(
+            "a padding-free batch needs its documents: cu_seq_lens_q/k or position_ids that "
+            "restart per document (DataCollatorWithFlattening gives both)"
+        )
+    starts = (torch.diff(positions.reshape(-1)) != 1).nonzero().flatten() + 1
+    return torch.tensor([0, *starts.tolist(), total], dtype=torch.int32)
 
 
 def sp_loss(

@@ -22,6 +22,7 @@ from usp.train.data import (
     resolve_files,
 )
 from usp.train.data.build import DataInputs, build_corpus, describe_files
+from usp.train.parallelize import compile_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -223,7 +224,8 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan):
     ``[train] seed`` identically on every rank. A checkpoint in one process: loaded on the
     CPU. A checkpoint in a distributed run: built on the meta device (no memory), to be
     sharded first and filled by :func:`load_weights` (rank 0 reads the files once and
-    broadcasts, so a node holds one copy of the weights, not one per rank)."""
+    broadcasts, so a node holds one copy of the weights, not one per rank). With
+    ``[train] compile`` each decoder layer is compiled (:func:`compile_layers`)."""
     from usp.models import Llama
 
     options = {
@@ -232,13 +234,17 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan):
     }
     if source.directory is None:
         torch.manual_seed(job.train.seed)
-        return Llama(source.config, plan, **options)
-    if plan.topology is None:
-        return Llama.from_pretrained(
+        model = Llama(source.config, plan, **options)
+    elif plan.topology is None:
+        model = Llama.from_pretrained(
             source.directory, plan, dtype=torch.float32, config=source.config, **options
         )
-    with torch.device("meta"):
-        return Llama(source.config, plan, **options)
+    else:
+        with torch.device("meta"):
+            model = Llama(source.config, plan, **options)
+    if job.train.compile:  # [train] compile: each decoder layer, from outside the model
+        compile_layers(model)
+    return model
 
 
 def load_weights(model, source: ModelSource, device: torch.device) -> None:

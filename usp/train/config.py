@@ -210,6 +210,7 @@ class TrainSection:
     mlp_tile_tokens: int = 0  # 0: off; N: each MLP runs over tiles of N local tokens
     max_skipped_steps: int = 0  # steps with a non-finite loss/grad norm skipped before stopping
     collective_timeout_s: float = 600.0  # any collective waiting longer for a peer fails
+    compile: bool = False  # torch.compile each decoder layer (usp.train.parallelize)
 
     def __post_init__(self) -> None:
         s = "train"
@@ -245,6 +246,7 @@ class TrainSection:
             _number(s, "peak_tflops", self.peak_tflops, minimum=0, strict=True)
         _int(s, "max_skipped_steps", self.max_skipped_steps, minimum=0)
         _number(s, "collective_timeout_s", self.collective_timeout_s, minimum=0, strict=True)
+        _bool(s, "compile", self.compile)
 
 
 _SECTIONS: dict[str, type] = {"model": ModelSection, "data": DataSection, "train": TrainSection}

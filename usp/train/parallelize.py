@@ -11,6 +11,9 @@ by default; :func:`fully_shard_model` switches it to a sum: a divide factor of 1
 (``set_gradient_divide_factor``) carried out as a SUM reduction with a post-scale
 (``set_force_sum_reduction_for_comms``; the factor alone would need ``PREMUL_SUM``, which
 gloo lacks). On a torch without those calls it returns the factor to scale the loss by.
+
+:func:`compile_layers` (``[train] compile = true``) compiles each decoder layer's forward,
+as torchtitan compiles per block, before the layers are sharded.
 """
 
 from __future__ import annotations
@@ -75,3 +78,15 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     unsharded gradients accumulate locally; no effect on a model without FSDP)."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(enabled)
+
+
+def compile_layers(model: nn.Module) -> int:
+    """``torch.compile`` each decoder layer of ``model`` (a :class:`usp.models.Llama`) in
+    place; returns how many. Only the layer's ``forward`` is compiled (default options:
+    a graph break where a collective or a host-side check needs one), so parameter names,
+    checkpoints and the hooks around a layer (FSDP's gathers, activation checkpointing)
+    stay as they are. Apply before or after :func:`fully_shard_model`."""
+    layers = model.model.layers
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+    return len(layers)
