@@ -11,18 +11,13 @@ Distributed callers validate a call before their first collective with
 running a kernel.
 """
 
-from usp.kernels.api import (
-    MATH_AUTO_MAX_SCORES,
-    attention_backward,
-    attention_forward,
-    dense_backward,
-    dense_forward,
-    prepare_call,
-    select_backend,
-)
+from usp.kernels.api import attention_backward, attention_forward, prepare_call
 from usp.kernels.backends.base import BackendFailure
 from usp.kernels.backends.registry import BACKEND_NAMES
+from usp.kernels.dispatch import dense_backward, dense_forward, docs_backward, docs_forward
+from usp.kernels.docs import PackedDocs
 from usp.kernels.merge import merge_into, merge_pair
+from usp.kernels.selection import MATH_AUTO_MAX_SCORES, select_backend, unsupported_reason
 from usp.kernels.spec import (
     AttentionInputError,
     AttentionSpec,
@@ -31,7 +26,6 @@ from usp.kernels.spec import (
     validate_inputs,
 )
 from usp.kernels.varlen import (
-    PackedDocs,
     attention_varlen_backward,
     attention_varlen_forward,
     packed_backward,
@@ -53,11 +47,14 @@ __all__ = [
     "default_scale",
     "dense_backward",
     "dense_forward",
+    "docs_backward",
+    "docs_forward",
     "merge_into",
     "merge_pair",
     "packed_backward",
     "packed_forward",
     "prepare_call",
     "select_backend",
+    "unsupported_reason",
     "validate_inputs",
 ]

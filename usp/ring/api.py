@@ -9,7 +9,6 @@ from usp.call_check import call_fields, checked_call, needs_grad
 from usp.comm.agreement import stable_hash
 from usp.comm.stats import CommStats
 from usp.errors import InputError
-from usp.kernels.api import select_backend
 from usp.kernels.spec import (
     AttentionInputError,
     AttentionSpec,
@@ -20,7 +19,7 @@ from usp.kernels.spec import (
 )
 from usp.options import BACKENDS, LAYOUTS, RING_IMPLS, check_choice
 from usp.ring.allgather import allgather_backward, allgather_forward, head_chunks
-from usp.ring.calls import calls_for
+from usp.ring.calls import BlockKernels, calls_for
 from usp.ring.config import RingConfig
 from usp.ring.documents import DocumentLayoutError, Documents
 from usp.ring.layout import required_local_multiple
@@ -224,19 +223,15 @@ def prepare_ring(
             head_chunks(spec.num_kv_heads, kv_head_chunks)
         except ValueError as err:
             raise RingInputError(str(err)) from None
-    scale = default_scale(spec.head_dim, softmax_scale)
+    kernels = BlockKernels(spec, backend, default_scale(spec.head_dim, softmax_scale))
     size = 1 if group is None else dist.get_world_size(group)
     # the largest local kernel call this ring makes must have a backend that runs it
     widest = spec.seqlen_k * (size if ring_impl == "allgather" else 1)
-    select_backend(
-        AttentionSpec(
-            spec.batch, spec.seqlen_q, widest, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-            spec.dtype, spec.device, causal, None, varlen=placement.packed,
-        ),
-        backend,
-    )  # fmt: skip
+    kernels.resolve(
+        spec.seqlen_q, widest, spec.num_heads, spec.num_kv_heads, causal, placement.packed
+    )
     return RingConfig(
-        group, causal, scale, layout, ring_impl, backend, placement, comm_stats, kv_head_chunks
+        group, causal, layout, ring_impl, kernels, placement, comm_stats, kv_head_chunks
     )
 
 
