@@ -18,7 +18,12 @@ What is reported per layer call (median over ``--repeats`` calls, ``perf_counter
   per layer on top of its kernels, whose launches are asynchronous there;
 - ``best_overhead_ms``: the smallest overhead of any single repeat (less sensitive to
   other processes sharing the CPU than the median);
-- ``kernel_calls``: how many kernel calls one layer call makes.
+- ``kernel_calls``: how many kernel calls one layer call makes;
+- ``aten_ops``: how many aten ops one layer call dispatches outside its kernel calls,
+  forward and backward (counted once, with a ``TorchDispatchMode``): host work that
+  does not depend on the machine's load (what the kernels do inside is left out: the
+  ``cpu`` backend sends calls with non-finite inputs to ``math``, and the fake
+  collectives leave garbage, sometimes NaN, in received buffers).
 
 Tiny shapes make the kernels cheap, so the overhead dominates and is what this
 measures; it is not a throughput benchmark (see ``emulate.py``).
@@ -32,6 +37,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import usp
 from usp.kernels.backends import registry
@@ -49,6 +55,7 @@ class KernelTimer:
     def __init__(self):
         self.seconds = 0.0
         self.calls = 0
+        self.inside = False  # in a kernel call (what OpCounter leaves out)
 
     def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
@@ -61,12 +68,13 @@ class KernelTimer:
 
         def timed(original):
             def wrapper(*args, **kwargs):
-                start = time.perf_counter()
+                start, self.inside = time.perf_counter(), True
                 try:
                     return original(*args, **kwargs)
                 finally:
                     self.seconds += time.perf_counter() - start
                     self.calls += 1
+                    self.inside = False
 
             return wrapper
 
@@ -77,6 +85,20 @@ class KernelTimer:
         finally:
             for name, original in originals.items():
                 setattr(cls, name, original)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while active (forward and backward): a measure of
+    host work that, unlike time, does not depend on what else runs on the machine."""
+
+    def __init__(self, timer: KernelTimer):
+        super().__init__()
+        self.ops = 0
+        self.timer = timer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not self.timer.inside
+        return func(*args, **(kwargs or {}))
 
 
 def _document_bounds(seq_len: int, multiple: int) -> torch.Tensor:
@@ -90,7 +112,7 @@ def _document_bounds(seq_len: int, multiple: int) -> torch.Tensor:
 
 def measure(ulysses: int, ring: int, packed: bool, repeats: int, warmup: int, backend: str):
     """One grid, per layer call: median total seconds, median kernel seconds, the smallest
-    overhead (total - kernel) of any repeat, and the number of kernel calls."""
+    overhead (total - kernel) of any repeat, the number of kernel calls and of aten ops."""
     timer = KernelTimer()
     with fake_world(WORLD, 0, torch.device("cpu")):
         topo = usp.build_topology(ulysses, ring, ranks_per_node=WORLD)
@@ -117,10 +139,14 @@ def measure(ulysses: int, ring: int, packed: bool, repeats: int, warmup: int, ba
                         totals.append(elapsed)
                         kernels.append(timer.seconds)
                         calls = timer.calls
+            counter = OpCounter(timer)
+            with timer.installed(backend), counter:
+                out = plan.attention(q, k, v, causal=True, packed=documents)
+                torch.autograd.grad(out, (q, k, v), dout)
         finally:
             topo.destroy()
     overheads = [t - k for t, k in zip(totals, kernels)]
-    return statistics.median(totals), statistics.median(kernels), min(overheads), calls
+    return statistics.median(totals), statistics.median(kernels), min(overheads), calls, counter.ops
 
 
 def parse_grid(text: str) -> tuple[int, int]:
@@ -146,11 +172,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     print(
         f"{'case':<10} {'total ms':>9} {'kernel ms':>10} {'overhead ms':>12} "
-        f"{'best ovh ms':>12} {'calls':>6}"
+        f"{'best ovh ms':>12} {'calls':>6} {'aten ops':>9}"
     )
     for packed in (False, True):
         for u, r in args.grids:
-            total, kernel, best, calls = measure(
+            total, kernel, best, calls, ops = measure(
                 u, r, packed, args.repeats, args.warmup, args.backend
             )
             row = {
@@ -162,12 +188,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "overhead_ms": (total - kernel) * 1e3,
                 "best_overhead_ms": best * 1e3,
                 "kernel_calls": calls,
+                "aten_ops": ops,
             }
             rows.append(row)
             case = f"u{u}xr{r}" + (" pk" if packed else "")
             print(
                 f"{case:<10} {row['total_ms']:>9.3f} {row['kernel_ms']:>10.3f} "
-                f"{row['overhead_ms']:>12.3f} {row['best_overhead_ms']:>12.3f} {calls:>6}"
+                f"{row['overhead_ms']:>12.3f} {row['best_overhead_ms']:>12.3f} {calls:>6} {ops:>9}"
             )
     return rows
 

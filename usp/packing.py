@@ -8,8 +8,7 @@ without importing the plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +37,10 @@ class PackedSequence:
     documents: Documents
     ulysses_degree: int
     placement: RankPlacement
+    #: equal on two ranks exactly when their boundaries are equal
+    fingerprint: int = field(init=False)
+    #: every token's position inside its document, global sequence (int64 [S])
+    position_ids: torch.Tensor = field(init=False)
 
     @property
     def seq_len(self) -> int:
@@ -51,12 +54,9 @@ class PackedSequence:
     def ring_degree(self) -> int:
         return self.documents.ring_size
 
-    @cached_property
-    def fingerprint(self) -> int:
-        """Equal on two ranks exactly when their boundaries are equal."""
-        return stable_hash(self.bounds)
-
-    @cached_property
-    def position_ids(self) -> torch.Tensor:
-        """Every token's position inside its document, for the global sequence (int64)."""
-        return document_position_ids(self.cu_seqlens)
+    def __post_init__(self):
+        # computed once here, not cached lazily (lazy caches take a lock torch.compile
+        # cannot trace): equal on two ranks exactly when their boundaries are equal
+        object.__setattr__(self, "fingerprint", stable_hash(self.bounds))
+        # every token's position inside its document, for the global sequence (int64)
+        object.__setattr__(self, "position_ids", document_position_ids(self.cu_seqlens))

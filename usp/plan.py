@@ -249,6 +249,8 @@ class Plan:
     def token_indices(self, seq_len: int, *, packed=None, device=None) -> torch.Tensor:
         """Indices into the global sequence of the tokens this rank holds, in local order
         (int64 [S/P])."""
+        if self.topology is None and packed is None:  # one process, dense: natural order
+            return torch.arange(seq_len, device=device)
         documents = self._documents(seq_len, packed)
         return rank_token_indices(
             documents, self.ring_rank, self.ulysses_degree, self.ulysses_rank

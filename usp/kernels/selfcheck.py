@@ -66,6 +66,9 @@ def clear_cache() -> None:
     _verdicts.clear()
 
 
+# Under torch.compile the check runs eagerly while the graph is traced and its verdict
+# is a constant of the graph (it is a property of the device, dtype and head dim).
+@torch._dynamo.assume_constant_result
 def self_check(
     impl: Backend, device: torch.device, dtype: torch.dtype, head_dim: int, *, varlen: bool = False
 ) -> str | None:

@@ -24,7 +24,12 @@ from usp.ring.config import RingConfig
 from usp.ring.documents import DocumentLayoutError, Documents
 from usp.ring.layout import required_local_multiple
 from usp.ring.p2p import p2p_backward, p2p_forward
-from usp.ring.placement import RankPlacement, dense_placement, packed_placement
+from usp.ring.placement import (
+    RankPlacement,
+    dense_placement,
+    packed_placement,
+    single_rank_placement,
+)
 
 
 class RingInputError(InputError):
@@ -184,6 +189,8 @@ def ring_placement(spec, group, layout, ring_impl, bounds) -> RankPlacement:
                 f"{multiple} (global length a multiple of {multiple * size} on a ring of "
                 f"{size}), got {spec.seqlen_q}"
             )
+        if size == 1:  # one rank: nothing to index (and nothing cached, for torch.compile)
+            return single_rank_placement(spec.seqlen_q, spec.device)
         return dense_placement(
             spec.seqlen_q * size, size, layout, spec.causal, rank, spec.device, allgather
         )

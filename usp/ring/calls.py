@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
+from usp.kernels import ops
 from usp.kernels.backends.base import Backend
 from usp.kernels.dispatch import dense_backward, dense_forward, docs_backward, docs_forward
 from usp.kernels.docs import PackedDocs
@@ -65,12 +68,18 @@ class DenseCalls:
         impl, spec = self.kernels.resolve(
             q.shape[1], k.shape[1], q.shape[2], k.shape[2], causal, False
         )
+        if torch.compiler.is_compiling():  # one opaque op of the graph
+            return ops.dense_forward_op(q, k, v, impl.name, causal, self.kernels.scale)
         return dense_forward(impl, q, k, v, spec, self.kernels.scale)
 
     def backward(self, dout, q, k, v, out, lse, causal):
         impl, spec = self.kernels.resolve(
             q.shape[1], k.shape[1], q.shape[2], k.shape[2], causal, False
         )
+        if torch.compiler.is_compiling():
+            return ops.dense_backward_op(
+                dout, q, k, v, out, lse, impl.name, causal, self.kernels.scale
+            )
         return dense_backward(impl, dout, q, k, v, out, lse, spec, self.kernels.scale)
 
 
@@ -85,16 +94,31 @@ class PackedCalls:
         impl, spec = self.kernels.resolve(
             q.shape[1], k.shape[1], q.shape[2], k.shape[2], causal, True
         )
-        out, lse = docs_forward(impl, q[0], k[0], v[0], self.docs, spec, self.kernels.scale)
+        if torch.compiler.is_compiling():
+            d = self.docs
+            out, lse = ops.docs_forward_op(
+                q[0], k[0], v[0], d.cu_q, d.cu_k, list(d.bounds_q), list(d.bounds_k), impl.name,
+                causal, self.kernels.scale,
+            )  # fmt: skip
+        else:
+            out, lse = docs_forward(impl, q[0], k[0], v[0], self.docs, spec, self.kernels.scale)
         return out[None], lse[None]
 
     def backward(self, dout, q, k, v, out, lse, causal):
         impl, spec = self.kernels.resolve(
             q.shape[1], k.shape[1], q.shape[2], k.shape[2], causal, True
         )
-        grads = docs_backward(
-            impl, dout[0], q[0], k[0], v[0], out[0], lse[0], self.docs, spec, self.kernels.scale
-        )
+        if torch.compiler.is_compiling():
+            d = self.docs
+            grads = ops.docs_backward_op(
+                dout[0], q[0], k[0], v[0], out[0], lse[0], d.cu_q, d.cu_k, list(d.bounds_q),
+                list(d.bounds_k), impl.name, causal, self.kernels.scale,
+            )  # fmt: skip
+        else:
+            grads = docs_backward(
+                impl, dout[0], q[0], k[0], v[0], out[0], lse[0], self.docs, spec,
+                self.kernels.scale,
+            )  # fmt: skip
         return tuple(g[None] for g in grads)
 
 

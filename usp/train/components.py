@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from usp import options
 from usp.config import ConfigError
 from usp.train.config import AUTO, TrainJobConfig
 from usp.train.data import (
@@ -63,7 +64,7 @@ def model_source(job: TrainJobConfig) -> ModelSource:
 # ----------------------------------------------------------------------------- lengths
 def layout_chunks(plan) -> int:
     """Every document must be a multiple of this in the plan's layout (2r or r)."""
-    return 2 * plan.ring_degree if plan.layout == "zigzag" else plan.ring_degree
+    return options.layout_chunks(plan.layout, plan.ring_degree)
 
 
 def check_lengths(job: TrainJobConfig, plan) -> int:
