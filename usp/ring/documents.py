@@ -33,9 +33,9 @@ def check_layout(layout: str) -> None:
     check_choice("sequence layout", layout, LAYOUTS, DocumentLayoutError)
 
 
-def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n), without a Python loop."""
-    total = int(lengths.sum())
+def ranges(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """Concatenation of ``arange(s, s + n)`` for each (s, n), without a Python loop;
+    ``total`` = sum of the lengths, known on the host (no read-back of ``lengths``)."""
     offsets = torch.cumsum(lengths, 0) - lengths
     return torch.arange(total) + torch.repeat_interleave(
         starts - offsets, lengths, output_size=total
@@ -115,7 +115,8 @@ class Documents:
         parts = []
         for piece in range(self.pieces):
             chunk = self.chunk_of(ring_rank, piece)
-            parts.append(ranges(self._doc_starts + chunk * self.chunk_lengths, self.chunk_lengths))
+            starts = self._doc_starts + chunk * self.chunk_lengths
+            parts.append(ranges(starts, self.chunk_lengths, self.piece_len))
         return torch.cat(parts)
 
     def gathered_rows(self, num_chunks: int) -> tuple[torch.Tensor, list[int]]:
@@ -130,7 +131,8 @@ class Documents:
         starts = doc_offset[:, None] + chunk_offset[None, :]  # [N, C], document-major
         lengths = self.chunk_lengths[:, None].expand(-1, num_chunks)
         bounds = [0, *torch.cumsum(self.chunk_lengths * num_chunks, 0).tolist()]
-        return ranges(starts.reshape(-1), lengths.reshape(-1)), bounds
+        total = self.piece_len * num_chunks
+        return ranges(starts.reshape(-1), lengths.reshape(-1), total), bounds
 
     def visible_rows(
         self, ring_rank: int, piece: int, causal: bool
