@@ -118,7 +118,11 @@ def _backward_rows_that_see_keys(
 
 # ------------------------------------------------------------------ packed documents
 def _doc_spec(spec: AttentionSpec, len_q: int, len_k: int) -> AttentionSpec:
-    return dataclasses.replace(spec, batch=1, seqlen_q=len_q, seqlen_k=len_k, varlen=False)
+    # built directly: dataclasses.replace costs several times more, once per document
+    return AttentionSpec(
+        1, len_q, len_k, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.dtype,
+        spec.device, spec.causal, spec.window,
+    )  # fmt: skip
 
 
 def docs_forward(impl: Backend, q, k, v, docs: PackedDocs, spec: AttentionSpec, scale: float):
