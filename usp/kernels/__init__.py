@@ -8,7 +8,15 @@ skipped. See ``usp/kernels/spec.py`` for shapes, masking and NaN semantics.
 Distributed callers validate a call before their first collective with
 :func:`validate_inputs`, :func:`select_backend` and :func:`default_scale` (or
 :func:`prepare_call`, all three), which raise the errors a kernel call would, without
-running a kernel.
+running a kernel, and then run it with :func:`dense_forward`/:func:`docs_forward` (the
+dispatcher: no validation, no selection).
+
+Modules, each importing only modules listed before it: ``spec`` (validation),
+``masks``, ``merge``, ``docs`` (packed boundaries), ``backends/base`` (the interface),
+``backends/math``, ``backends/cpu``, ``backends/cuda_common``, ``backends/sdpa_cuda``,
+``dispatch``, ``selfcheck``, ``backends/flash_attn`` (vets each FA generation),
+``backends/registry``, ``selection``, ``api`` and ``varlen`` (the public entry points),
+``ops`` (custom ops for ``torch.compile``).
 """
 
 from usp.kernels.api import attention_backward, attention_forward, prepare_call
