@@ -29,6 +29,7 @@ import torch
 from usp.kernels import AttentionSpec, attention_backward, attention_forward, select_backend
 from usp.kernels.backends import registry
 from usp.kernels.backends.flash_attn import is_installed as flash_attn_installed
+from usp.kernels.selection import unsupported_reason
 
 
 def causal_flops(batch: int, seqlen: int, heads: int, head_dim: int) -> float:
@@ -69,7 +70,7 @@ def bench_backend(
     row = {"backend": backend, "seqlen": seqlen}
     spec = AttentionSpec(1, seqlen, seqlen, heads, kv_heads, head_dim, dtype, device, True, None)
     impl = registry.get(backend)
-    reason = impl.unsupported_reason(spec)
+    reason = unsupported_reason(impl, spec)
     if reason is not None:
         status, note = _unavailable(backend, reason, device)
         return {**row, "status": status, "note": note}

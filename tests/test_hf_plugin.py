@@ -341,12 +341,6 @@ def test_plugin_code_compiles_fullgraph_around_a_stand_in_attention(ckpt):
         compiled(ids[:1], position_ids=restart, use_cache=False)
 
 
-@pytest.mark.xfail(
-    raises=torch._dynamo.exc.Unsupported,
-    strict=False,
-    reason="usp's attention path (usp/ring: a lock in ring_placement) does not trace yet; "
-    "helper attn fixes it (issue 21)",
-)
 def test_fullgraph_compile_at_plan_none_equals_eager(ckpt):
     torch._dynamo.reset()
     name = usp_hf.register(None, name="usp-plugin-compile")

@@ -39,6 +39,7 @@ from usp.kernels import (
 )
 from usp.kernels.backends import registry
 from usp.kernels.backends.base import BackendFailure
+from usp.kernels.selection import unsupported_reason
 
 TOLERANCE = {  # (device type, dtype): (out, lse, grads)
     ("cpu", torch.float32): (5e-6, 5e-6, 1e-5),
@@ -65,7 +66,7 @@ CUDA_BACKENDS = [b for d, b in BACKENDS if d == "cuda"]
 def require(backend: str, spec: AttentionSpec) -> None:
     """Skip for a limit the backend states; fail when it should run this call but does
     not (a self-check failure, a kernel missing from the build)."""
-    reason = registry.get(backend).unsupported_reason(spec)
+    reason = unsupported_reason(registry.get(backend), spec)
     if isinstance(reason, BackendFailure):
         pytest.fail(f"backend {backend!r} must run {spec} but it {reason}")
     if reason is not None:
@@ -75,7 +76,7 @@ def require(backend: str, spec: AttentionSpec) -> None:
 def work_dtype(device: str, backend: str) -> torch.dtype:
     """float32 where the backend runs it, else bfloat16 (cuDNN and the FA kernels)."""
     spec = AttentionSpec(1, 8, 8, 2, 2, 64, torch.float32, torch.device(device), True, None)
-    reason = registry.get(backend).unsupported_reason(spec)
+    reason = unsupported_reason(registry.get(backend), spec)
     return torch.bfloat16 if reason is not None and "float32" in reason else torch.float32
 
 
@@ -362,7 +363,7 @@ def test_every_backend_the_build_has_passes_its_self_check(device, backend, dtyp
     spec = AttentionSpec(1, 64, 64, 4, 2, head_dim, dtype, torch.device(device), True, None)
     require(backend, spec)
     require(backend, dataclasses.replace(spec, varlen=True))
-    assert registry.get(backend).unsupported_reason(spec) is None
+    assert unsupported_reason(registry.get(backend), spec) is None
 
 
 def test_auto_picks_the_first_supported_backend_in_preference_order():
@@ -498,8 +499,8 @@ def test_merge_of_blocks_that_see_nothing_stays_finite():
 def test_backends_without_windows_say_so(backend):
     # a CUDA spec is only inspected here, so this runs without a GPU
     spec = AttentionSpec(1, 64, 64, 4, 2, 64, torch.bfloat16, torch.device("cuda"), True, 16)
-    assert registry.get(backend).unsupported_reason(spec) == "has no sliding-window support"
-    assert registry.get("math").unsupported_reason(spec) is None
+    assert unsupported_reason(registry.get(backend), spec) == "has no sliding-window support"
+    assert unsupported_reason(registry.get("math"), spec) is None
 
 
 # ------------------------------------------------------------------ CUDA plumbing without a GPU

@@ -23,8 +23,7 @@ import torch
 from test_kernels import require
 
 from benchmarks import kernel_bench
-from usp.kernels import AttentionSpec, api
-from usp.kernels.backends import selfcheck
+from usp.kernels import AttentionSpec, selection, selfcheck
 from usp.kernels.backends.cpu import CpuBackend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +39,7 @@ def broken_cpu_backend(monkeypatch):
         lambda self, q, k, v, spec, scale: real_forward(self, q, k, v, spec, spec.head_dim**-0.5),
     )
     monkeypatch.setattr(selfcheck, "_verdicts", {})
-    monkeypatch.setattr(api, "_reported_skips", set())
+    monkeypatch.setattr(selection, "_reported_skips", set())
 
 
 BENCH = ["--device", "cpu", "--seqlens", "64", "--head-dim", "32", "--repeats", "1"]

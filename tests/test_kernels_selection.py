@@ -13,7 +13,8 @@ import logging
 import pytest
 import torch
 
-from usp.kernels import AttentionSpec, BackendUnavailableError, api, select_backend
+from usp.kernels import AttentionSpec, BackendUnavailableError, select_backend, selection
+from usp.kernels import spec as kernel_spec
 from usp.kernels.backends import registry
 from usp.kernels.backends.base import Backend, BackendFailure
 
@@ -55,7 +56,7 @@ def fakes(monkeypatch):
     }
     real_get = registry.get
     monkeypatch.setattr(registry, "get", lambda name: backends.get(name) or real_get(name))
-    monkeypatch.setattr(api, "_reported_skips", set())
+    monkeypatch.setattr(selection, "_reported_skips", set())
     return backends
 
 
@@ -92,7 +93,7 @@ def test_auto_warns_once_per_failed_backend_and_logs_every_skip(fakes, caplog):
 
 def test_auto_falls_back_to_math_on_cuda_only_for_small_calls(fakes):
     fakes["efficient"].reason = BackendFailure("failed its self-check on cuda:0 (dq off by 1)")
-    limit = api.MATH_AUTO_MAX_SCORES
+    limit = selection.MATH_AUTO_MAX_SCORES
     small = _spec(batch=1, seqlen=1024, heads=16)  # 1 * 16 * 1024 * 1024 = 2**24 scores
     assert small.batch * small.num_heads * small.seqlen_q * small.seqlen_k == limit
     with pytest.warns(RuntimeWarning):
@@ -144,4 +145,4 @@ def test_selection_and_scale_validation_run_no_kernel(fakes):
     assert select_backend(_spec(), "efficient").name == "efficient"
     with pytest.raises(BackendUnavailableError):
         select_backend(_spec(), "flash")
-    assert api.default_scale(128, None) == 128**-0.5
+    assert kernel_spec.default_scale(128, None) == 128**-0.5

@@ -15,8 +15,14 @@ import logging
 import pytest
 import torch
 
-from usp.kernels import AttentionSpec, BackendUnavailableError, api, attention_forward
-from usp.kernels.backends import flash_attn, registry, selfcheck
+from usp.kernels import (
+    AttentionSpec,
+    BackendUnavailableError,
+    attention_forward,
+    selection,
+    selfcheck,
+)
+from usp.kernels.backends import flash_attn, registry
 from usp.kernels.backends.base import Backend, BackendFailure
 from usp.kernels.backends.cpu import CpuBackend
 from usp.kernels.backends.flash_attn import FlashAttnApi, choose_variant
@@ -28,7 +34,7 @@ CPU = torch.device("cpu")
 def fresh_verdicts(monkeypatch):
     """Each test starts with no cached verdicts and no remembered auto reports."""
     monkeypatch.setattr(selfcheck, "_verdicts", {})
-    monkeypatch.setattr(api, "_reported_skips", set())
+    monkeypatch.setattr(selection, "_reported_skips", set())
 
 
 def _drop_the_scale(monkeypatch):
@@ -450,7 +456,7 @@ def test_flash_attn_backend_uses_the_generation_that_passed(monkeypatch):
     impl = flash_attn.FlashAttnBackend()
     spec = _spec()
     with pytest.warns(RuntimeWarning, match="flash_attn runs FA2"):
-        assert impl.self_check_reason(spec) is None
+        assert impl.vet(spec, selfcheck.spec_verdict) is None
     assert impl.label(spec) == "flash_attn (FA2)"
     q, k = torch.randn(1, 64, 4, 64), torch.randn(1, 64, 2, 64)
     out, lse = impl.forward(q, k, k, spec, 0.125)

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from usp.train.data import IGNORE_INDEX, Document, PackedDataset, micro_batch_of
+from usp.train.data import (
+    IGNORE_INDEX,
+    Document,
+    LengthReport,
+    PackedDataset,
+    fit_document,
+    micro_batch_of,
+)
 
 
 def documents(lengths) -> list[Document]:
@@ -22,8 +29,11 @@ def documents(lengths) -> list[Document]:
 
 
 def pack(lengths, *, seq_len=32, multiple=4, count=None):
+    # documents longer than seq_len are cut first, as [data] long_documents = "split" does
+    report = LengthReport("split", seq_len)
+    split = [p for d in documents(lengths) for p in fit_document(d, report, where="test")]
     ds = PackedDataset(
-        documents(lengths),
+        split,
         seq_len=seq_len,
         document_multiple=multiple,
         pad_id=0,

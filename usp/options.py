@@ -20,6 +20,13 @@ DEFAULT_RING_IMPL = "p2p"
 DEFAULT_BACKEND = AUTO_BACKEND
 
 
+def layout_chunks(layout: str, ring_size: int) -> int:
+    """How many equal chunks ``layout`` cuts a sequence (every document of a packed one)
+    into on a ring of ``ring_size``: 2r for zigzag (rank i holds chunks i and 2r-1-i), r
+    for contiguous. The one home of this rule: every length multiple derives from it."""
+    return 2 * ring_size if layout == "zigzag" else ring_size
+
+
 def check_choice(what: str, value, choices: tuple[str, ...], error: type[Exception]) -> str:
     """``value`` if it is one of ``choices``, else ``error`` naming the valid ones."""
     if isinstance(value, str) and value in choices:

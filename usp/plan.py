@@ -20,15 +20,13 @@ their natural order (the layout is always ``contiguous`` there).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 import torch.distributed as dist
 
+from usp.attend import attend
 from usp.comm.agreement import Field, agree, stable_hash
 from usp.config import UspConfig, build_topology_from_config, check_topology_matches, load_config
-from usp.errors import InputError
 from usp.options import (
     BACKENDS,
     DEFAULT_BACKEND,
@@ -38,13 +36,13 @@ from usp.options import (
     RING_IMPLS,
     check_choice,
 )
+from usp.packing import PackedSequence, PlanError
 from usp.process_groups import Topology
 from usp.ring.documents import Documents
-from usp.ring.placement import RankPlacement, packed_placement
+from usp.ring.placement import packed_placement
 from usp.sharding import (
     ShardingError,
     check_boundary_tensor,
-    document_position_ids,
     gather_by_documents,
     rank_token_indices,
     required_multiple,
@@ -52,50 +50,11 @@ from usp.sharding import (
 )
 
 
-class PlanError(InputError):
-    """A plan was built or used with options or inputs it cannot serve."""
-
-
-@dataclass(frozen=True, eq=False)
-class PackedSequence:
-    """A packed global sequence (batch 1) placed on one plan's ranks; build it with
-    :meth:`Plan.pack`, once per batch, and pass it wherever ``cu_seqlens`` is accepted.
-
-    ``cu_seqlens`` are the global int32 boundaries (on the CPU); ``placement`` holds the
-    device tensors this rank's ring kernels use.
-    """
-
-    cu_seqlens: torch.Tensor
-    bounds: tuple[int, ...]
-    documents: Documents
-    ulysses_degree: int
-    placement: RankPlacement
-
-    @property
-    def seq_len(self) -> int:
-        return self.bounds[-1]
-
-    @property
-    def layout(self) -> str:
-        return self.documents.layout
-
-    @property
-    def ring_degree(self) -> int:
-        return self.documents.ring_size
-
-    @cached_property
-    def fingerprint(self) -> int:
-        """Equal on two ranks exactly when their boundaries are equal."""
-        return stable_hash(self.bounds)
-
-    @cached_property
-    def position_ids(self) -> torch.Tensor:
-        """Every token's position inside its document, for the global sequence (int64)."""
-        return document_position_ids(self.cu_seqlens)
-
-
 def _validated_choice(what: str, value, choices) -> str:
     return check_choice(what, value, choices, PlanError)
+
+
+__all__ = ["PackedSequence", "Plan", "PlanError", "as_plan"]
 
 
 class Plan:
@@ -319,6 +278,8 @@ class Plan:
     def token_indices(self, seq_len: int, *, packed=None, device=None) -> torch.Tensor:
         """Indices into the global sequence of the tokens this rank holds, in local order
         (int64 [S/P])."""
+        if self.topology is None and packed is None:  # one process, dense: natural order
+            return torch.arange(seq_len, device=device)
         documents = self._documents(seq_len, packed)
         return rank_token_indices(
             documents, self.ring_rank, self.ulysses_degree, self.ulysses_rank
@@ -366,8 +327,6 @@ class Plan:
         [B, S/P, Hkv, D] (this rank's shard, after RoPE) -> [B, S/P, H, D], in q's dtype.
         ``packed``: a :class:`PackedSequence` (or global cu_seqlens) for block-diagonal
         attention by document. See :func:`usp.usp_attention`."""
-        from usp.attention import attend
-
         return attend(
             self, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=packed,
             verify=self.verify_calls if verify is None else verify,

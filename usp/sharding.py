@@ -26,15 +26,15 @@ import torch.distributed as dist
 from usp.comm.collectives import all_gather_uncounted
 from usp.errors import ShardingError  # noqa: F401 - re-exported here
 from usp.kernels.spec import validate_cu_seqlens
-from usp.ring.documents import Documents, check_layout
+from usp.options import LAYOUTS, check_choice, layout_chunks
+from usp.ring.documents import Documents
 
 
 def required_multiple(ring_size: int, ulysses_size: int, layout: str) -> int:
     """The global length of a dense sequence must be a multiple of this."""
     _check_layout(layout)
-    if layout == "zigzag":
-        return ring_size * math.lcm(2, ulysses_size)  # 2r chunks, and u | S/r
-    return ring_size * ulysses_size
+    # whole chunks, and u | S/r
+    return math.lcm(layout_chunks(layout, ring_size), ring_size * ulysses_size)
 
 
 def check_sequence_length(seq_len: int, ring_size: int, ulysses_size: int, layout: str) -> None:
@@ -137,10 +137,7 @@ def gather_by_documents(x_local: torch.Tensor, topology, docs: Documents, dim: i
 
 
 def _check_layout(layout: str) -> None:
-    try:
-        check_layout(layout)
-    except ValueError as err:
-        raise ShardingError(str(err)) from None
+    check_choice("sequence layout", layout, LAYOUTS, ShardingError)
 
 
 def pad_to_multiple(x: torch.Tensor, multiple: int, *, dim: int = 1, value=0) -> torch.Tensor:
@@ -217,7 +214,7 @@ def pad_documents(
     _check_layout(layout)
     r, u = topology.ring_degree, topology.ulysses_degree
     bounds = _bounds(cu_seqlens)
-    chunks = 2 * r if layout == "zigzag" else r
+    chunks = layout_chunks(layout, r)
     old_starts = torch.tensor(bounds[:-1], dtype=torch.int64)
     lengths = torch.tensor(bounds[1:], dtype=torch.int64) - old_starts
     padded = -(-lengths // chunks) * chunks

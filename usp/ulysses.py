@@ -12,7 +12,7 @@ import torch
 
 from usp.comm.all_to_all import AllToAllPlan, differentiable_all_to_all
 from usp.comm.stats import CommStats
-from usp.process_groups import HeadLayoutError, describe_valid_pairs, kv_replication
+from usp.process_groups import HeadLayoutError, degrees
 
 
 class UlyssesHeadError(HeadLayoutError):
@@ -28,14 +28,9 @@ def kv_replication_for(
     ranks_per_node: int | None = None,
 ) -> int:
     """``kv_replication`` with an error message that lists the valid degree pairs."""
-    try:
-        return kv_replication(num_heads, num_kv_heads, ulysses_degree)
-    except HeadLayoutError as err:
-        raise UlyssesHeadError(
-            f"cannot split {num_heads} query heads / {num_kv_heads} KV heads over "
-            f"ulysses={ulysses_degree}: {err}. "
-            f"{describe_valid_pairs(num_heads, num_kv_heads, sp_degree, ranks_per_node)}"
-        ) from None
+    return degrees.kv_replication_for(
+        num_heads, num_kv_heads, ulysses_degree, sp_degree, ranks_per_node, error=UlyssesHeadError
+    )
 
 
 def replicate_kv_heads(

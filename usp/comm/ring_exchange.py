@@ -44,6 +44,12 @@ class RingExchange:
         self.rank = dist.get_rank(group)
         self._next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self._prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self._coalesced: bool | None = None  # known at the first exchange (per device)
+
+    def _coalescing(self, device: torch.device) -> bool:
+        if self._coalesced is None:
+            self._coalesced = self.group._get_backend(device).supports_coalescing
+        return self._coalesced
 
     def start(self, send: torch.Tensor, recv_into: torch.Tensor | None = None) -> PendingExchange:
         """Post ``send`` -> next rank and a receive from the previous rank into ``recv_into``
@@ -51,11 +57,22 @@ class RingExchange:
         if self.size == 1:
             raise RuntimeError("RingExchange.start called on a ring of size 1")
         recv = torch.empty_like(send) if recv_into is None else recv_into
-        ops = [
-            dist.P2POp(dist.isend, send, self._next, self.group),
-            dist.P2POp(dist.irecv, recv, self._prev, self.group),
-        ]
-        requests = dist.batch_isend_irecv(ops)
+        # NCCL: one coalesced batch (separate calls could deadlock); under torch.compile
+        # too (Dynamo breaks the graph cleanly there, not at the group's internals)
+        if torch.compiler.is_compiling() or self._coalescing(send.device):
+            ops = [
+                dist.P2POp(dist.isend, send, self._next, self.group),
+                dist.P2POp(dist.irecv, recv, self._prev, self.group),
+            ]
+            requests = dist.batch_isend_irecv(ops)
+        else:
+            # gloo (and the fake backend): what batch_isend_irecv does for a backend
+            # without coalescing, posted on the group directly, without its per-call
+            # argument checks (a third of a ring step's host time on CPU)
+            requests = [
+                self.group.send([send], (self.rank + 1) % self.size, 0),
+                self.group.recv([recv], (self.rank - 1) % self.size, 0),
+            ]
         if self.stats is not None:
             self.stats.record("p2p", sent=_bytes(send), received=_bytes(recv))
         return PendingExchange(recv, requests)

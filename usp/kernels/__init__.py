@@ -8,21 +8,24 @@ skipped. See ``usp/kernels/spec.py`` for shapes, masking and NaN semantics.
 Distributed callers validate a call before their first collective with
 :func:`validate_inputs`, :func:`select_backend` and :func:`default_scale` (or
 :func:`prepare_call`, all three), which raise the errors a kernel call would, without
-running a kernel.
+running a kernel, and then run it with :func:`dense_forward`/:func:`docs_forward` (the
+dispatcher: no validation, no selection).
+
+Modules, each importing only modules listed before it: ``spec`` (validation),
+``masks``, ``merge``, ``docs`` (packed boundaries), ``backends/base`` (the interface),
+``backends/math``, ``backends/cpu``, ``backends/cuda_common``, ``backends/sdpa_cuda``,
+``dispatch``, ``selfcheck``, ``backends/flash_attn`` (vets each FA generation),
+``backends/registry``, ``selection``, ``api`` and ``varlen`` (the public entry points),
+``ops`` (custom ops for ``torch.compile``).
 """
 
-from usp.kernels.api import (
-    MATH_AUTO_MAX_SCORES,
-    attention_backward,
-    attention_forward,
-    dense_backward,
-    dense_forward,
-    prepare_call,
-    select_backend,
-)
+from usp.kernels.api import attention_backward, attention_forward, prepare_call
 from usp.kernels.backends.base import BackendFailure
 from usp.kernels.backends.registry import BACKEND_NAMES
+from usp.kernels.dispatch import dense_backward, dense_forward, docs_backward, docs_forward
+from usp.kernels.docs import PackedDocs
 from usp.kernels.merge import merge_into, merge_pair
+from usp.kernels.selection import MATH_AUTO_MAX_SCORES, select_backend, unsupported_reason
 from usp.kernels.spec import (
     AttentionInputError,
     AttentionSpec,
@@ -31,7 +34,6 @@ from usp.kernels.spec import (
     validate_inputs,
 )
 from usp.kernels.varlen import (
-    PackedDocs,
     attention_varlen_backward,
     attention_varlen_forward,
     packed_backward,
@@ -53,11 +55,14 @@ __all__ = [
     "default_scale",
     "dense_backward",
     "dense_forward",
+    "docs_backward",
+    "docs_forward",
     "merge_into",
     "merge_pair",
     "packed_backward",
     "packed_forward",
     "prepare_call",
     "select_backend",
+    "unsupported_reason",
     "validate_inputs",
 ]

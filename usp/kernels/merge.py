@@ -7,6 +7,8 @@ key (lse1 = lse2 = -inf) stay out = 0, lse = -inf instead of becoming NaN.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -20,10 +22,12 @@ def merge_into(
     The accumulators may be views (e.g. one zigzag half) of larger tensors.
     """
     new_lse = torch.logaddexp(acc_lse, block_lse)
-    finite = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
+    # -inf (no key on either side) -> 0, so the weights below are exp(-inf) = 0, not NaN;
+    # NaN and +inf stay as they are (IEEE semantics, see spec.py)
+    finite = torch.nan_to_num(new_lse, nan=math.nan, posinf=math.inf, neginf=0.0)
     acc_weight = torch.exp(acc_lse - finite).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
     block_weight = torch.exp(block_lse - finite).transpose(1, 2).unsqueeze(-1)
-    acc_out.mul_(acc_weight).add_(block_out.to(acc_out.dtype) * block_weight)
+    acc_out.mul_(acc_weight).addcmul_(block_out, block_weight)
     acc_lse.copy_(new_lse)
 
 

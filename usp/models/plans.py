@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from usp.plan import PackedSequence, Plan
-from usp.process_groups import HeadLayoutError, describe_valid_pairs, kv_replication
+from usp.process_groups.degrees import kv_replication_for
 
 
 def check_heads(plan: Plan, num_heads: int, num_kv_heads: int) -> None:
@@ -14,16 +14,12 @@ def check_heads(plan: Plan, num_heads: int, num_kv_heads: int) -> None:
     cannot split the heads; the error lists the (ulysses, ring) pairs that can."""
     if plan.topology is None:
         return
-    try:
-        kv_replication(num_heads, num_kv_heads, plan.ulysses_degree)
-    except HeadLayoutError as err:
-        pairs = describe_valid_pairs(
-            num_heads, num_kv_heads, plan.sp_degree, plan.topology.rank_map.ranks_per_node
-        )
-        raise HeadLayoutError(
-            f"this model's {num_heads} query heads / {num_kv_heads} KV heads cannot be split "
-            f"over ulysses={plan.ulysses_degree}: {err}. {pairs}"
-        ) from None
+    kv_replication_for(
+        num_heads, num_kv_heads, plan.ulysses_degree, plan.sp_degree,
+        plan.topology.rank_map.ranks_per_node,
+        subject=f"this model's {num_heads} query heads / {num_kv_heads} KV heads cannot be "
+        f"split over ulysses={plan.ulysses_degree}",
+    )  # fmt: skip
 
 
 def pack_once(plan: Plan, cu_seqlens, input_ids: torch.Tensor) -> PackedSequence | None:

@@ -134,3 +134,29 @@ def describe_valid_pairs(
         f"valid (ulysses, ring) pairs for "
         f"{_context(num_heads, num_kv_heads, sp_size, ranks_per_node)}: {format_pairs(pairs)}"
     )
+
+
+def kv_replication_for(
+    num_heads: int,
+    num_kv_heads: int,
+    ulysses_degree: int,
+    sp_size: int,
+    ranks_per_node: int | None = None,
+    *,
+    subject: str | None = None,
+    error: type[HeadLayoutError] = HeadLayoutError,
+) -> int:
+    """:func:`kv_replication`, or ``error`` saying why the heads do not split and listing
+    the (ulysses, ring) pairs that work: the one check of a head split over Ulysses.
+    ``subject`` starts the message (default: "cannot split H query heads / Hkv KV heads
+    over ulysses=u")."""
+    try:
+        return kv_replication(num_heads, num_kv_heads, ulysses_degree)
+    except HeadLayoutError as err:
+        if subject is None:
+            subject = (
+                f"cannot split {num_heads} query heads / {num_kv_heads} KV heads over "
+                f"ulysses={ulysses_degree}"
+            )
+        pairs = describe_valid_pairs(num_heads, num_kv_heads, sp_size, ranks_per_node)
+        raise error(f"{subject}: {err}. {pairs}") from None

@@ -9,7 +9,6 @@ from usp.call_check import call_fields, checked_call, needs_grad
 from usp.comm.agreement import stable_hash
 from usp.comm.stats import CommStats
 from usp.errors import InputError
-from usp.kernels.api import select_backend
 from usp.kernels.spec import (
     AttentionInputError,
     AttentionSpec,
@@ -20,12 +19,17 @@ from usp.kernels.spec import (
 )
 from usp.options import BACKENDS, LAYOUTS, RING_IMPLS, check_choice
 from usp.ring.allgather import allgather_backward, allgather_forward, head_chunks
-from usp.ring.calls import calls_for
+from usp.ring.calls import BlockKernels, calls_for
 from usp.ring.config import RingConfig
 from usp.ring.documents import DocumentLayoutError, Documents
 from usp.ring.layout import required_local_multiple
 from usp.ring.p2p import p2p_backward, p2p_forward
-from usp.ring.placement import RankPlacement, dense_placement, packed_placement
+from usp.ring.placement import (
+    RankPlacement,
+    dense_placement,
+    packed_placement,
+    single_rank_placement,
+)
 
 
 class RingInputError(InputError):
@@ -185,6 +189,8 @@ def ring_placement(spec, group, layout, ring_impl, bounds) -> RankPlacement:
                 f"{multiple} (global length a multiple of {multiple * size} on a ring of "
                 f"{size}), got {spec.seqlen_q}"
             )
+        if size == 1:  # one rank: nothing to index (and nothing cached, for torch.compile)
+            return single_rank_placement(spec.seqlen_q, spec.device)
         return dense_placement(
             spec.seqlen_q * size, size, layout, spec.causal, rank, spec.device, allgather
         )
@@ -224,19 +230,15 @@ def prepare_ring(
             head_chunks(spec.num_kv_heads, kv_head_chunks)
         except ValueError as err:
             raise RingInputError(str(err)) from None
-    scale = default_scale(spec.head_dim, softmax_scale)
+    kernels = BlockKernels(spec, backend, default_scale(spec.head_dim, softmax_scale))
     size = 1 if group is None else dist.get_world_size(group)
     # the largest local kernel call this ring makes must have a backend that runs it
     widest = spec.seqlen_k * (size if ring_impl == "allgather" else 1)
-    select_backend(
-        AttentionSpec(
-            spec.batch, spec.seqlen_q, widest, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-            spec.dtype, spec.device, causal, None, varlen=placement.packed,
-        ),
-        backend,
-    )  # fmt: skip
+    kernels.resolve(
+        spec.seqlen_q, widest, spec.num_heads, spec.num_kv_heads, causal, placement.packed
+    )
     return RingConfig(
-        group, causal, scale, layout, ring_impl, backend, placement, comm_stats, kv_head_chunks
+        group, causal, layout, ring_impl, kernels, placement, comm_stats, kv_head_chunks
     )
 
 

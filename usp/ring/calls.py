@@ -1,48 +1,129 @@
 """The local kernel calls a ring step makes: dense blocks, or packed documents.
 
-Both expose ``forward(q, k, v, causal) -> (out, lse)`` and
-``backward(dout, q, k, v, out, lse, causal) -> (dq, dk, dv)`` on [B, n, h, D] tensors, so
-the ring loops do not care whether the sequence is packed. Packed calls take boundaries
-already on the device (:class:`~usp.kernels.varlen.PackedDocs`, built once per batch).
+A ring call is validated once (``prepare_ring``); its :class:`BlockKernels` holds what
+that resolved for the kernels: the softmax scale and, per block shape, the backend that
+runs it and the block's spec. The ring steps then go straight to the dispatcher
+(``usp.kernels.dispatch``): no validation, no backend selection, no scale default per
+block, layer or step.
+
+:class:`DenseCalls` and :class:`PackedCalls` expose ``forward(q, k, v, causal) ->
+(out, lse)`` and ``backward(dout, q, k, v, out, lse, causal) -> (dq, dk, dv)`` on
+[B, n, h, D] tensors, so the ring loops do not care whether the sequence is packed.
+Packed calls take boundaries already on the device (:class:`PackedDocs`, built once per
+batch).
 """
 
 from __future__ import annotations
 
-from usp.kernels import attention_backward, attention_forward
-from usp.kernels.varlen import PackedDocs, packed_backward, packed_forward
+import dataclasses
+
+import torch
+
+from usp.kernels import ops
+from usp.kernels.backends.base import Backend
+from usp.kernels.dispatch import dense_backward, dense_forward, docs_backward, docs_forward
+from usp.kernels.docs import PackedDocs
+from usp.kernels.selection import select_backend
+from usp.kernels.spec import AttentionSpec
+
+
+class BlockKernels:
+    """The kernel side of one validated ring call.
+
+    ``template``: the call's spec (batch, heads, head dim, dtype, device); ``backend``:
+    the requested name (``auto`` or a backend); ``scale``: the resolved softmax scale.
+    :meth:`resolve` picks the backend of a block shape once and remembers it.
+    """
+
+    __slots__ = ("backend", "scale", "_template", "_resolved")
+
+    def __init__(self, template: AttentionSpec, backend: str, scale: float):
+        self.backend = backend
+        self.scale = scale
+        self._template = template
+        self._resolved: dict[tuple, tuple[Backend, AttentionSpec]] = {}
+
+    def resolve(
+        self, seqlen_q: int, seqlen_k: int, heads: int, kv_heads: int, causal: bool, varlen: bool
+    ) -> tuple[Backend, AttentionSpec]:
+        """(backend, spec) of a block; raises what ``select_backend`` raises."""
+        key = (seqlen_q, seqlen_k, heads, kv_heads, causal, varlen)
+        hit = self._resolved.get(key)
+        if hit is None:
+            spec = dataclasses.replace(
+                self._template, batch=1 if varlen else self._template.batch, seqlen_q=seqlen_q,
+                seqlen_k=seqlen_k, num_heads=heads, num_kv_heads=kv_heads, causal=causal,
+                window=None, varlen=varlen,
+            )  # fmt: skip
+            hit = (select_backend(spec, self.backend), spec)
+            self._resolved[key] = hit
+        return hit
 
 
 class DenseCalls:
-    def __init__(self, softmax_scale, backend):
-        self.options = {"softmax_scale": softmax_scale, "backend": backend}
+    def __init__(self, kernels: BlockKernels):
+        self.kernels = kernels
 
     def forward(self, q, k, v, causal):
-        return attention_forward(q, k, v, causal=causal, **self.options)
+        impl, spec = self.kernels.resolve(
+            q.shape[1], k.shape[1], q.shape[2], k.shape[2], causal, False
+        )
+        if torch.compiler.is_compiling():  # one opaque op of the graph
+            return ops.dense_forward_op(q, k, v, impl.name, causal, self.kernels.scale)
+        return dense_forward(impl, q, k, v, spec, self.kernels.scale)
 
     def backward(self, dout, q, k, v, out, lse, causal):
-        return attention_backward(dout, q, k, v, out, lse, causal=causal, **self.options)
+        impl, spec = self.kernels.resolve(
+            q.shape[1], k.shape[1], q.shape[2], k.shape[2], causal, False
+        )
+        if torch.compiler.is_compiling():
+            return ops.dense_backward_op(
+                dout, q, k, v, out, lse, impl.name, causal, self.kernels.scale
+            )
+        return dense_backward(impl, dout, q, k, v, out, lse, spec, self.kernels.scale)
 
 
 class PackedCalls:
     """Varlen calls with fixed document boundaries for q rows and k rows (batch 1)."""
 
-    def __init__(self, softmax_scale, backend, docs: PackedDocs):
-        self.options = {"softmax_scale": softmax_scale, "backend": backend}
+    def __init__(self, kernels: BlockKernels, docs: PackedDocs):
+        self.kernels = kernels
         self.docs = docs
 
     def forward(self, q, k, v, causal):
-        out, lse = packed_forward(q[0], k[0], v[0], self.docs, causal=causal, **self.options)
+        impl, spec = self.kernels.resolve(
+            q.shape[1], k.shape[1], q.shape[2], k.shape[2], causal, True
+        )
+        if torch.compiler.is_compiling():
+            d = self.docs
+            out, lse = ops.docs_forward_op(
+                q[0], k[0], v[0], d.cu_q, d.cu_k, list(d.bounds_q), list(d.bounds_k), impl.name,
+                causal, self.kernels.scale,
+            )  # fmt: skip
+        else:
+            out, lse = docs_forward(impl, q[0], k[0], v[0], self.docs, spec, self.kernels.scale)
         return out[None], lse[None]
 
     def backward(self, dout, q, k, v, out, lse, causal):
-        grads = packed_backward(
-            dout[0], q[0], k[0], v[0], out[0], lse[0], self.docs, causal=causal, **self.options
+        impl, spec = self.kernels.resolve(
+            q.shape[1], k.shape[1], q.shape[2], k.shape[2], causal, True
         )
+        if torch.compiler.is_compiling():
+            d = self.docs
+            grads = ops.docs_backward_op(
+                dout[0], q[0], k[0], v[0], out[0], lse[0], d.cu_q, d.cu_k, list(d.bounds_q),
+                list(d.bounds_k), impl.name, causal, self.kernels.scale,
+            )  # fmt: skip
+        else:
+            grads = docs_backward(
+                impl, dout[0], q[0], k[0], v[0], out[0], lse[0], self.docs, spec,
+                self.kernels.scale,
+            )  # fmt: skip
         return tuple(g[None] for g in grads)
 
 
 def calls_for(cfg, docs: PackedDocs | None):
-    """Dense calls, or packed calls over ``docs``, with the call's scale and backend."""
+    """Dense calls, or packed calls over ``docs``, with the call's resolved kernels."""
     if docs is None:
-        return DenseCalls(cfg.softmax_scale, cfg.backend)
-    return PackedCalls(cfg.softmax_scale, cfg.backend, docs)
+        return DenseCalls(cfg.kernels)
+    return PackedCalls(cfg.kernels, docs)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from usp.comm.stats import CommStats
+from usp.ring.calls import BlockKernels
 from usp.ring.placement import RankPlacement
 
 
@@ -17,14 +18,23 @@ class RingConfig:
 
     group: dist.ProcessGroup | None
     causal: bool
-    softmax_scale: float
     layout: str
     ring_impl: str
-    backend: str
+    #: the resolved softmax scale and, per block shape, the backend (see ``calls.py``)
+    kernels: BlockKernels
     placement: RankPlacement
     stats: CommStats | None = None
     #: allgather only: gather K/V in this many chunks of KV heads to bound memory
     kv_head_chunks: int = 1
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.kernels.scale
+
+    @property
+    def backend(self) -> str:
+        """The backend name asked for (``auto`` or a name); ``kernels`` holds the resolved ones."""
+        return self.kernels.backend
 
     @property
     def size(self) -> int:

@@ -16,13 +16,13 @@ holds chunks i and 2r-1-i of the sequence.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
 from usp.errors import InputError
-from usp.options import LAYOUTS
+from usp.options import LAYOUTS, check_choice, layout_chunks
 
 
 class DocumentLayoutError(InputError):
@@ -30,15 +30,12 @@ class DocumentLayoutError(InputError):
 
 
 def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise DocumentLayoutError(
-            f"unknown sequence layout {layout!r}; valid layouts: {', '.join(LAYOUTS)}"
-        )
+    check_choice("sequence layout", layout, LAYOUTS, DocumentLayoutError)
 
 
-def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n), without a Python loop."""
-    total = int(lengths.sum())
+def ranges(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """Concatenation of ``arange(s, s + n)`` for each (s, n), without a Python loop;
+    ``total`` = sum of the lengths, known on the host (no read-back of ``lengths``)."""
     offsets = torch.cumsum(lengths, 0) - lengths
     return torch.arange(total) + torch.repeat_interleave(
         starts - offsets, lengths, output_size=total
@@ -75,28 +72,30 @@ class Documents:
     # ------------------------------------------------------------------ sizes
     @property
     def chunks_per_doc(self) -> int:
-        return 2 * self.ring_size if self.layout == "zigzag" else self.ring_size
+        return layout_chunks(self.layout, self.ring_size)
 
     @property
     def pieces(self) -> int:
-        return 2 if self.layout == "zigzag" else 1
+        return layout_chunks(self.layout, 1)
 
-    @cached_property
+    # Sizes are plain Python arithmetic on ``lengths`` (no tensors, no host syncs, no
+    # caches with locks), so ``torch.compile`` traces them as constants.
+    @property
     def chunk_lengths(self) -> torch.Tensor:
         return torch.tensor(self.lengths, dtype=torch.int64) // self.chunks_per_doc
 
-    @cached_property
+    @property
     def piece_len(self) -> int:
-        return int(self.chunk_lengths.sum())
+        return sum(self.lengths) // self.chunks_per_doc
 
-    @cached_property
+    @property
     def local_len(self) -> int:
         return self.piece_len * self.pieces
 
-    @cached_property
+    @property
     def piece_bounds(self) -> list[int]:
         """Cumulative document boundaries inside one piece (the same on every rank)."""
-        return [0, *torch.cumsum(self.chunk_lengths, 0).tolist()]
+        return [0, *itertools.accumulate(n // self.chunks_per_doc for n in self.lengths)]
 
     def piece_rows(self, piece: int) -> slice:
         return slice(piece * self.piece_len, (piece + 1) * self.piece_len)
@@ -106,7 +105,7 @@ class Documents:
         return ring_rank if piece == 0 else 2 * self.ring_size - 1 - ring_rank
 
     # ------------------------------------------------------------------ positions
-    @cached_property
+    @property
     def _doc_starts(self) -> torch.Tensor:
         lengths = torch.tensor(self.lengths, dtype=torch.int64)
         return torch.cumsum(lengths, 0) - lengths
@@ -116,7 +115,8 @@ class Documents:
         parts = []
         for piece in range(self.pieces):
             chunk = self.chunk_of(ring_rank, piece)
-            parts.append(ranges(self._doc_starts + chunk * self.chunk_lengths, self.chunk_lengths))
+            starts = self._doc_starts + chunk * self.chunk_lengths
+            parts.append(ranges(starts, self.chunk_lengths, self.piece_len))
         return torch.cat(parts)
 
     def gathered_rows(self, num_chunks: int) -> tuple[torch.Tensor, list[int]]:
@@ -131,7 +131,8 @@ class Documents:
         starts = doc_offset[:, None] + chunk_offset[None, :]  # [N, C], document-major
         lengths = self.chunk_lengths[:, None].expand(-1, num_chunks)
         bounds = [0, *torch.cumsum(self.chunk_lengths * num_chunks, 0).tolist()]
-        return ranges(starts.reshape(-1), lengths.reshape(-1)), bounds
+        total = self.piece_len * num_chunks
+        return ranges(starts.reshape(-1), lengths.reshape(-1), total), bounds
 
     def visible_rows(
         self, ring_rank: int, piece: int, causal: bool

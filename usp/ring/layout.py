@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from usp.options import layout_chunks
+
 ALL = slice(None)
 
 
@@ -65,7 +67,8 @@ def packed_step_blocks(
 
 def required_local_multiple(layout: str, causal: bool) -> int:
     """The local (per ring rank) sequence length must be a multiple of this."""
-    return 2 if layout == "zigzag" and causal else 1
+    # without a causal mask key order does not matter: the sequence is one contiguous piece
+    return layout_chunks(layout if causal else "contiguous", 1)
 
 
 def attention_pairs(documents, causal: bool, ring_rank: int) -> int:

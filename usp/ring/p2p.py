@@ -19,7 +19,7 @@ from usp.kernels import merge_into
 from usp.kernels.masks import accumulation_dtype
 from usp.ring.calls import calls_for
 from usp.ring.config import RingConfig
-from usp.ring.layout import packed_step_blocks, step_blocks
+from usp.ring.layout import ALL, packed_step_blocks, step_blocks
 
 
 def _kv_rank(ring: RingExchange, step: int) -> int:
@@ -40,23 +40,38 @@ def _plan(cfg: RingConfig, local_len: int):
 def p2p_forward(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, L, H, D], k/v [B, L, Hkv, D] (local) -> out [B, L, H, D], lse [B, H, L]."""
     ring = RingExchange(cfg.group, cfg.stats)
-    batch, local_len, heads, _ = q.shape
     acc = accumulation_dtype(q.dtype)
-    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)
-    lse = torch.full((batch, heads, local_len), float("-inf"), dtype=acc, device=q.device)
     kv = torch.stack([k, v])  # [2, B, L, Hkv, D]: one message per step
     spare = torch.empty_like(kv)
-    blocks, calls = _plan(cfg, local_len)
+    blocks, calls = _plan(cfg, q.shape[1])
+    out = lse = None  # float32 accumulators [B, L, H, D] and [B, H, L]
     for step in range(ring.size):
         pending = ring.start(kv, spare) if step + 1 < ring.size else None
         for block in blocks(ring.rank, _kv_rank(ring, step)):
             block_out, block_lse = calls.forward(
-                q[:, block.q_rows], kv[0][:, block.kv_rows], kv[1][:, block.kv_rows], block.causal
-            )
+                _rows(q, block.q_rows), _rows(kv[0], block.kv_rows), _rows(kv[1], block.kv_rows),
+                block.causal,
+            )  # fmt: skip
+            if out is None and block.q_rows == ALL:  # the first block sees every row: start there
+                out, lse = block_out.to(acc, copy=True), block_lse.to(acc, copy=True)
+                continue
+            if out is None:
+                out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)
+                lse = torch.full(lse_shape(q), float("-inf"), dtype=acc, device=q.device)
             merge_into(out[:, block.q_rows], lse[:, :, block.q_rows], block_out, block_lse)
         if pending is not None:
             spare, kv = kv, pending.wait()  # our send finished too: reuse its buffer
     return out.to(q.dtype), lse
+
+
+def lse_shape(q: torch.Tensor) -> tuple[int, int, int]:
+    """[B, L, H, D] -> the LSE's [B, H, L]."""
+    return (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """``x[:, rows]`` without making a view for all rows."""
+    return x if rows == ALL else x[:, rows]
 
 
 def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
@@ -78,17 +93,12 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
         kv_pending = ring.start(kv, kv_spare) if step + 1 < ring.size else None
         block_grads = []
         for block in blocks(ring.rank, _kv_rank(ring, step)):
-            rows = block.q_rows
+            rows, kv_rows = block.q_rows, block.kv_rows
             dq_block, dk_block, dv_block = calls.backward(
-                dout[:, rows],
-                q[:, rows],
-                kv[0][:, block.kv_rows],
-                kv[1][:, block.kv_rows],
-                out[:, rows],
-                lse[:, :, rows],
-                block.causal,
-            )
-            dq[:, rows] += dq_block
+                _rows(dout, rows), _rows(q, rows), _rows(kv[0], kv_rows), _rows(kv[1], kv_rows),
+                _rows(out, rows), lse if rows == ALL else lse[:, :, rows], block.causal,
+            )  # fmt: skip
+            _rows(dq, rows).add_(dq_block)
             block_grads.append((block.kv_rows, dk_block, dv_block))
         if step == 0:
             dkv = own
@@ -98,8 +108,8 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
             dkv_pending.wait()  # this block's accumulator arrived in travelling[current]
             dkv = travelling[current]
         for kv_rows, dk_block, dv_block in block_grads:
-            dkv[0][:, kv_rows] += dk_block
-            dkv[1][:, kv_rows] += dv_block
+            _rows(dkv[0], kv_rows).add_(dk_block)
+            _rows(dkv[1], kv_rows).add_(dv_block)
         if step > 0:
             dkv_pending = ring.start(dkv, travelling[1 - current])
             current = 1 - current

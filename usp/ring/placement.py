@@ -70,6 +70,13 @@ def packed_placement(
     )
 
 
+def single_rank_placement(seq_len: int, device) -> RankPlacement:
+    """A dense sequence on a ring of one: one contiguous piece, no index tensors."""
+    return RankPlacement(
+        Documents.single(seq_len, 1, "contiguous"), 0, torch.device(device), False, None, {}
+    )
+
+
 @functools.lru_cache(maxsize=64)
 def dense_placement(
     seq_len: int,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from usp import options
 from usp.config import ConfigError, UspConfig
 from usp.models import PRESETS, LlamaConfig, ModelConfigError
 from usp.plan import Plan
@@ -110,7 +111,7 @@ def build_plan(job: TrainJobConfig, topology: Topology | None | str = "build") -
 # ----------------------------------------------------------------------------- lengths
 def layout_chunks(plan) -> int:
     """Every document must be a multiple of this in the plan's layout (2r or r)."""
-    return 2 * plan.ring_degree if plan.layout == "zigzag" else plan.ring_degree
+    return options.layout_chunks(plan.layout, plan.ring_degree)
 
 
 def check_lengths(job: TrainJobConfig, plan) -> int:

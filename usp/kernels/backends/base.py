@@ -1,7 +1,9 @@
-"""The interface every local attention backend implements.
+"""The interface every local attention backend implements (an interface only: selection
+is ``usp.kernels.selection``, the self-check ``usp.kernels.selfcheck``, the dispatcher
+that calls backends ``usp.kernels.dispatch``).
 
 A backend is called only for calls it said it supports (``unsupported_reason`` returned
-None). Dense calls see the layout of ``spec.py``. The dispatcher (``api.py``) never gives
+None). Dense calls see the layout of ``spec.py``. The dispatcher (``dispatch.py``) never gives
 a backend a row that sees no key: causal calls with Sq > Sk have their leading rows cut
 off first. A backend with ``bottom_right_causal = False`` is in addition only given causal
 calls with Sq == Sk (the dispatcher splits Sq < Sk into a full block and a square causal
@@ -10,6 +12,7 @@ block), and a call with fewer than ``min_seqlen_k`` keys goes to ``math`` instea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -17,6 +20,8 @@ import torch
 from usp.kernels.spec import AttentionSpec
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+#: (backend, spec) -> None or the reason it failed its self-check for the spec
+SelfCheck = Callable[["Backend", AttentionSpec], "str | None"]
 
 
 class BackendFailure(str):
@@ -51,34 +56,27 @@ class Backend:
     #: block of a split causal call) run on ``math``, whose cost is tiny there
     min_seqlen_k: ClassVar[int] = 1
     #: vetted against ``math`` by a run-time self-check before its first call for a
-    #: (device, dtype, head_dim), see ``selfcheck.py``
+    #: (device, dtype, head_dim), see ``usp/kernels/selfcheck.py``
     self_checked: ClassVar[bool] = True
 
-    def unsupported_reason(self, spec: AttentionSpec) -> str | None:
-        """None if this backend can run the call here, else a short reason (a
-        :class:`BackendFailure` when it should have been able to)."""
+    def limits_reason(self, spec: AttentionSpec) -> str | None:
+        """None if nothing this backend states rules the call out (device, window and
+        :meth:`extra_unsupported_reason`), else a short reason. Whether it also passes
+        its self-check is decided by ``usp.kernels.selection.unsupported_reason``."""
         if spec.device.type not in self.device_types:
             return f"runs on {'/'.join(self.device_types)}, not {spec.device.type}"
         if spec.window is not None and not self.supports_window:
             return "has no sliding-window support"
-        reason = self.extra_unsupported_reason(spec)
-        if reason is None and self.self_checked:
-            reason = self.self_check_reason(spec)
-        return reason
+        return self.extra_unsupported_reason(spec)
 
     def extra_unsupported_reason(self, spec: AttentionSpec) -> str | None:
         return None
 
-    def self_check_reason(self, spec: AttentionSpec) -> str | None:
-        """The (cached) verdict of the self-check for this call's device, dtype, head dim
-        and, for packed calls on a backend with varlen kernels, its varlen entry points."""
-        from usp.kernels.backends.selfcheck import self_check
-
-        return self_check(self, spec.device, spec.dtype, spec.head_dim, varlen=False) or (
-            self_check(self, spec.device, spec.dtype, spec.head_dim, varlen=True)
-            if spec.varlen and self.supports_varlen
-            else None
-        )
+    def vet(self, spec: AttentionSpec, check: SelfCheck) -> str | None:
+        """This backend's self-check verdict for the call: ``check(self, spec)`` (the
+        cached run of :mod:`usp.kernels.selfcheck`). A backend with several
+        implementations behind one name (flash_attn's FA3/FA2) vets each in turn."""
+        return check(self, spec)
 
     def label(self, spec: AttentionSpec) -> str:
         """What runs, for logs and benchmark tables (e.g. which flash-attn generation)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from usp.kernels.backends.base import Backend, Grads
+from usp.kernels.backends.math import MathBackend
 from usp.kernels.masks import accumulation_dtype, lse_for_backward, visibility_mask
 
 
@@ -31,6 +32,9 @@ def _additive_mask(spec, dtype: torch.dtype, device: torch.device) -> torch.Tens
     )
 
 
+_MATH = MathBackend()
+
+
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)  # [B, S, H, D] -> [B, H, S, D] (a view)
 
@@ -41,12 +45,6 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t.sum(dtype=accumulation_dtype(t.dtype)))) for t in tensors)
 
 
-def _math():
-    from usp.kernels.backends import registry
-
-    return registry.get("math")
-
-
 class CpuBackend(Backend):
     name = "cpu"
     device_types = ("cpu",)
@@ -54,7 +52,7 @@ class CpuBackend(Backend):
 
     def forward(self, q, k, v, spec, scale):
         if not _all_finite(q, k):
-            return _math().forward(q, k, v, spec, scale)
+            return _MATH.forward(q, k, v, spec, scale)
         mask = _additive_mask(spec, q.dtype, q.device)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _bhsd(q),
@@ -69,7 +67,7 @@ class CpuBackend(Backend):
 
     def backward(self, dout, q, k, v, out, lse, spec, scale) -> Grads:
         if not _all_finite(q, k):
-            return _math().backward(dout, q, k, v, out, lse, spec, scale)
+            return _MATH.backward(dout, q, k, v, out, lse, spec, scale)
         mask = _additive_mask(spec, q.dtype, q.device)
         # the kernel reads the LSE in the input's accumulation dtype
         kernel_lse = lse_for_backward(lse).to(accumulation_dtype(q.dtype))

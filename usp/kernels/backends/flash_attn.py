@@ -33,9 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from usp.kernels.backends.base import Backend, BackendFailure, Grads
-from usp.kernels.backends.sdpa_cuda import _CudaBackend, _empty_rows_to_neg_inf
+from usp.kernels.backends.base import Backend, BackendFailure, Grads, SelfCheck
+from usp.kernels.backends.cuda_common import CudaBackend, empty_rows_to_neg_inf
 from usp.kernels.masks import lse_for_backward
+from usp.kernels.selfcheck import spec_verdict
 from usp.kernels.spec import AttentionSpec, BackendUnavailableError
 
 logger = logging.getLogger("usp.kernels")
@@ -154,7 +155,7 @@ def _packing(cu_q=None, cu_k=None, max_q=None, max_k=None) -> dict:
 def _forward(fn, q, k, v, spec, scale, packing):
     values = {**_UNUSED_FEATURES, "q": q, "k": k, "v": v, "out": None, **packing}
     out, lse = _out_and_lse(_call(fn, {**values, **_options(spec, scale)}))
-    return out, _empty_rows_to_neg_inf(lse)
+    return out, empty_rows_to_neg_inf(lse)
 
 
 def _backward(fn, dout, q, k, v, out, lse, spec, scale, packing) -> Grads:
@@ -198,10 +199,12 @@ class FlashAttnVariant(Backend):
         return _backward(self.api.varlen_backward, dout, q, k, v, out, lse, spec, scale, packing)
 
 
-def choose_variant(apis, spec: AttentionSpec, chosen: dict) -> FlashAttnVariant | BackendFailure:
-    """The first generation in ``apis`` that passes its self-check for this call's
-    (device, dtype, head_dim, packed or not), remembered in ``chosen``; else a failure
-    naming every generation's reason."""
+def choose_variant(
+    apis, spec: AttentionSpec, chosen: dict, check: SelfCheck = spec_verdict
+) -> FlashAttnVariant | BackendFailure:
+    """The first generation in ``apis`` that passes its self-check (``check``) for this
+    call's (device, dtype, head_dim, packed or not), remembered in ``chosen``; else a
+    failure naming every generation's reason."""
     device = spec.device
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -211,7 +214,7 @@ def choose_variant(apis, spec: AttentionSpec, chosen: dict) -> FlashAttnVariant 
     reasons = []
     for api in apis:
         variant = FlashAttnVariant(api)
-        reason = Backend.self_check_reason(variant, spec)
+        reason = check(variant, spec)
         if reason is None:
             chosen[key] = variant
             where = f"{device}, {spec.dtype}, head_dim={spec.head_dim}" + (
@@ -232,7 +235,7 @@ def choose_variant(apis, spec: AttentionSpec, chosen: dict) -> FlashAttnVariant 
     )
 
 
-class FlashAttnBackend(_CudaBackend):
+class FlashAttnBackend(CudaBackend):
     name = "flash_attn"
     bottom_right_causal = True
     supports_window = True
@@ -242,7 +245,7 @@ class FlashAttnBackend(_CudaBackend):
         # (device, dtype, head_dim, varlen) -> the generation that passed its self-check
         self._chosen: dict[tuple, FlashAttnVariant] = {}
 
-    def unsupported_reason(self, spec):
+    def limits_reason(self, spec):
         if not is_installed():
             where = "" if spec.device.type == "cuda" else " and a CUDA device"
             return f"needs the flash_attn package (pip install 'usp[flash-attn]'){where}, which is not installed"
@@ -251,10 +254,10 @@ class FlashAttnBackend(_CudaBackend):
                 "has the flash_attn package installed but neither FA3 (flash_attn_interface) "
                 "nor FA2 (flash_attn.flash_attn_interface) imports (see the usp.kernels log)"
             )
-        return super().unsupported_reason(spec)
+        return super().limits_reason(spec)
 
-    def self_check_reason(self, spec):
-        chosen = choose_variant(candidate_apis(), spec, self._chosen)
+    def vet(self, spec, check):
+        chosen = choose_variant(candidate_apis(), spec, self._chosen, check)
         return chosen if isinstance(chosen, str) else None
 
     def _variant(self, spec) -> FlashAttnVariant:

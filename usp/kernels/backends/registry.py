@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from usp.kernels.backends import flash_attn, sdpa_cuda
 from usp.kernels.backends.base import Backend
+from usp.kernels.backends.cpu import CpuBackend
+from usp.kernels.backends.math import MathBackend
 from usp.options import BACKEND_NAMES  # one source for the names
 
 __all__ = ["BACKEND_NAMES", "auto_order", "get"]
@@ -31,32 +32,21 @@ def expected_backends(device_type: str) -> tuple[str, ...]:
     backend listed here that refuses a call it should serve (a self-check failure, a
     kernel missing from the build) is a failure, not a skip, for tests and benchmarks."""
     if device_type == "cuda":
-        from usp.kernels.backends.flash_attn import is_installed
-
-        optional = ("flash_attn",) if is_installed() else ()
+        optional = ("flash_attn",) if flash_attn.is_installed() else ()
         return ("cudnn", *optional, "flash", "efficient", "math")
     if device_type == "cpu":
         return ("cpu", "math")
     return ("math",)
 
 
-@functools.cache
 def get(name: str) -> Backend:
-    """The (stateless) backend instance for a name; imports its module on first use."""
-    if name == "math":
-        from usp.kernels.backends.math import MathBackend
+    """The (stateless) backend instance for a name."""
+    return _INSTANCES[name]
 
-        return MathBackend()
-    if name == "cpu":
-        from usp.kernels.backends.cpu import CpuBackend
 
-        return CpuBackend()
-    if name in ("cudnn", "flash", "efficient"):
-        from usp.kernels.backends import sdpa_cuda
-
-        return sdpa_cuda.make(name)
-    if name == "flash_attn":
-        from usp.kernels.backends.flash_attn import FlashAttnBackend
-
-        return FlashAttnBackend()
-    raise KeyError(name)
+_INSTANCES: dict[str, Backend] = {
+    "math": MathBackend(),
+    "cpu": CpuBackend(),
+    **{name: sdpa_cuda.make(name) for name in ("cudnn", "flash", "efficient")},
+    "flash_attn": flash_attn.FlashAttnBackend(),
+}

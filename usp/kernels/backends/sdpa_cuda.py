@@ -4,7 +4,7 @@ out/LSE, which is what ring attention needs.
 
 Facts these wrappers rely on (read in the PyTorch sources of 2.6-2.13; not yet run on a
 GPU: ``benchmarks/gpu_check.sh`` runs the kernel tests there, and every backend vets
-itself at run time with ``selfcheck.py`` before its first call):
+itself at run time with ``usp/kernels/selfcheck.py`` before its first call):
 - cuDNN takes BHSD views of any strides (so BSHD memory works without a copy), handles
   GQA natively, aligns causal masks top-left (so only square causal blocks are sent
   here), returns LSE as [B, H, S] or [B, H, S, 1] depending on the release. Its backward
@@ -32,47 +32,16 @@ import functools
 import torch
 
 from usp.kernels.backends.base import Backend, BackendFailure, Grads
+from usp.kernels.backends.cuda_common import (
+    HALF,
+    CudaBackend,
+    empty_rows_to_neg_inf,
+    op_schema_has,
+)
 from usp.kernels.masks import lse_for_backward
 from usp.kernels.spec import AttentionSpec
 
-_HALF = (torch.float16, torch.bfloat16)
 _CAUSAL_TOP_LEFT, _CAUSAL_BOTTOM_RIGHT = 1, 2  # efficient attention's custom_mask_type
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-def _empty_rows_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
-    """FA-style kernels write +inf for rows whose softmax sum is 0 (no visible key, or
-    every score -inf) or NaN; usp's convention for the first is -inf, so merges ignore
-    the block. A NaN row still carries its NaN in ``out``, which a merge propagates."""
-    return lse.masked_fill(lse == float("inf"), float("-inf"))
-
-
-@functools.cache
-def _op_schema_has(op_name: str, argument: str) -> bool:
-    op = getattr(torch.ops.aten, op_name)
-    return any(arg.name == argument for arg in op.default._schema.arguments)
-
-
-class _CudaBackend(Backend):
-    device_types = ("cuda",)
-    dtypes: tuple[torch.dtype, ...] = _HALF
-    max_head_dim = 256
-    head_dim_multiple = 8
-
-    def extra_unsupported_reason(self, spec: AttentionSpec) -> str | None:
-        if spec.dtype not in self.dtypes:
-            return f"supports {', '.join(str(d) for d in self.dtypes)}, not {spec.dtype}"
-        if spec.head_dim > self.max_head_dim or spec.head_dim % self.head_dim_multiple:
-            return f"needs head_dim <= {self.max_head_dim} and a multiple of {self.head_dim_multiple}, got {spec.head_dim}"
-        if _capability(spec.device) < (8, 0):
-            return "needs an sm80 (Ampere) or newer GPU"
-        return self.unsupported_here(spec)
-
-    def unsupported_here(self, spec: AttentionSpec) -> str | None:
-        return None
 
 
 # ------------------------------------------------------------------------------ cuDNN
@@ -87,7 +56,7 @@ def _cudnn_lse_rank(device: torch.device) -> int:
     return lse.dim()
 
 
-class CudnnBackend(_CudaBackend):
+class CudnnBackend(CudaBackend):
     name = "cudnn"
     max_head_dim = 128
     min_seqlen_k = 2  # cannot attend to a single key: such calls go to math
@@ -165,7 +134,7 @@ def _rng_placeholders(device):
     )
 
 
-class FlashBackend(_CudaBackend):
+class FlashBackend(CudaBackend):
     name = "flash"
     bottom_right_causal = True
     supports_window = True
@@ -174,7 +143,7 @@ class FlashBackend(_CudaBackend):
     def unsupported_here(self, spec):
         if not torch.backends.cuda.is_flash_attention_available():
             return BackendFailure("is not in this torch build")
-        if spec.window is not None and not _op_schema_has(
+        if spec.window is not None and not op_schema_has(
             "_flash_attention_forward", "window_size_left"
         ):
             return "has no sliding-window support in this torch build"
@@ -197,7 +166,7 @@ class FlashBackend(_CudaBackend):
             scale=scale,
             **_window_kwargs(spec),
         )[:2]
-        return out, _empty_rows_to_neg_inf(lse.reshape(spec.batch, spec.num_heads, spec.seqlen_q))
+        return out, empty_rows_to_neg_inf(lse.reshape(spec.batch, spec.num_heads, spec.seqlen_q))
 
     def backward(self, dout, q, k, v, out, lse, spec, scale) -> Grads:
         rng_state, unused = _rng_placeholders(q.device)
@@ -236,7 +205,7 @@ class FlashBackend(_CudaBackend):
             scale=scale,
             **_window_kwargs(spec),
         )[:2]
-        return out, _empty_rows_to_neg_inf(lse)
+        return out, empty_rows_to_neg_inf(lse)
 
     def varlen_backward(
         self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, spec, scale
@@ -293,7 +262,7 @@ def efficient_kernel_lse(lse: torch.Tensor) -> torch.Tensor:
     return kernel_lse
 
 
-class EfficientBackend(_CudaBackend):
+class EfficientBackend(CudaBackend):
     name = "efficient"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     bottom_right_causal = True
@@ -303,7 +272,7 @@ class EfficientBackend(_CudaBackend):
     def unsupported_here(self, spec):
         if not hasattr(torch.ops.aten, "_efficient_attention_backward"):
             return BackendFailure("is not in this torch build")
-        if spec.dtype in _HALF and spec.head_dim % 8:
+        if spec.dtype in HALF and spec.head_dim % 8:
             return f"needs head_dim a multiple of 8 for {spec.dtype}, got {spec.head_dim}"
         return None
 
@@ -326,7 +295,7 @@ class EfficientBackend(_CudaBackend):
             scale=scale,
         )[:2]
         # [B, H, ceil(Sq / 32) * 32] -> [B, H, Sq]; every row sees a key (see api.py)
-        return out, _empty_rows_to_neg_inf(lse[:, :, : spec.seqlen_q])
+        return out, empty_rows_to_neg_inf(lse[:, :, : spec.seqlen_q])
 
     def backward(self, dout, q, k, v, out, lse, spec, scale) -> Grads:
         seed = torch.zeros((), dtype=torch.int64, device=q.device)

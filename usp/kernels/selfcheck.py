@@ -3,7 +3,7 @@
 The CUDA backends and ``cpu`` call private aten ops and the flash-attn package, whose
 signatures and conventions have moved between releases. Before a backend serves its
 first call for a (device, dtype, head_dim) it runs small calls through the same
-dispatcher real calls take (``dense_forward``/``dense_backward``), forward and backward,
+dispatcher real calls take (``usp.kernels.dispatch``), forward and backward,
 against ``math`` in float64 on the same device, and is reported unsupported (a
 :class:`BackendFailure`, which ``auto`` warns about) if it raises or disagrees.
 
@@ -30,6 +30,9 @@ import dataclasses
 import torch
 
 from usp.kernels.backends.base import Backend, BackendFailure
+from usp.kernels.backends.math import MathBackend
+from usp.kernels.dispatch import dense_backward, dense_forward, docs_backward, docs_forward
+from usp.kernels.docs import PackedDocs
 from usp.kernels.spec import AttentionSpec
 
 # generous: catches wrong layouts, masks, scales and LSE conventions, not rounding
@@ -55,6 +58,7 @@ _DOCS_Q = (1, 30, 0, 17, 12)
 _DOCS_K = (1, 30, 0, 25, 5)
 
 _verdicts: dict[tuple, str | None] = {}
+_REFERENCE = MathBackend()
 
 
 def clear_cache() -> None:
@@ -62,6 +66,9 @@ def clear_cache() -> None:
     _verdicts.clear()
 
 
+# Under torch.compile the check runs eagerly while the graph is traced and its verdict
+# is a constant of the graph (it is a property of the device, dtype and head dim).
+@torch._dynamo.assume_constant_result
 def self_check(
     impl: Backend, device: torch.device, dtype: torch.dtype, head_dim: int, *, varlen: bool = False
 ) -> str | None:
@@ -75,6 +82,16 @@ def self_check(
     if not getattr(verdict, "transient", False):
         _verdicts[key] = verdict
     return verdict
+
+
+def spec_verdict(impl: Backend, spec: AttentionSpec) -> str | None:
+    """The (cached) verdict for a call's device, dtype and head dim and, for packed calls
+    on a backend with varlen kernels, its varlen entry points too."""
+    return self_check(impl, spec.device, spec.dtype, spec.head_dim, varlen=False) or (
+        self_check(impl, spec.device, spec.dtype, spec.head_dim, varlen=True)
+        if spec.varlen and impl.supports_varlen
+        else None
+    )
 
 
 def _is_out_of_memory(err: BaseException) -> bool:
@@ -132,10 +149,7 @@ def _strided(gen, batch_dims, seqlen, heads, head_dim, device, dtype):
 
 
 def _check_dense(impl, device, dtype, head_dim) -> str | None:
-    from usp.kernels.api import dense_backward, dense_forward
-    from usp.kernels.backends import registry
-
-    reference = registry.get("math")
+    reference = _REFERENCE
     scale = SCALE_FACTOR * head_dim**-0.5
     gen = torch.Generator().manual_seed(1234)
     cases = _DENSE_CASES + (_WINDOW_CASES if impl.supports_window else ())
@@ -173,10 +187,7 @@ def _check_dense(impl, device, dtype, head_dim) -> str | None:
 
 
 def _check_varlen(impl, device, dtype, head_dim) -> str | None:
-    from usp.kernels.backends import registry
-    from usp.kernels.varlen import PackedDocs, docs_backward, docs_forward
-
-    reference = registry.get("math")
+    reference = _REFERENCE
     scale = SCALE_FACTOR * head_dim**-0.5
     gen = torch.Generator().manual_seed(4321)
     bounds_q = [0]

@@ -1,0 +1,122 @@
+"""Which backend runs a call: a named one (if it can), or ``auto``'s fastest that can.
+
+A backend can run a call when its stated limits allow it (``Backend.limits_reason``) and
+it passed its run-time self-check there (``usp.kernels.selfcheck``). ``auto`` says
+(``usp.kernels`` logger, a warning for a failed backend) what it skipped, once per
+process and reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from usp.kernels.backends import registry
+from usp.kernels.backends.base import Backend, BackendFailure
+from usp.kernels.selfcheck import spec_verdict
+from usp.kernels.spec import AttentionInputError, AttentionSpec, BackendUnavailableError
+
+logger = logging.getLogger("usp.kernels")
+
+#: Off the CPU, ``auto`` falls back to ``math`` only for calls of at most this many
+#: scores (B * H * Sq * Sk; for packed calls Tq * Tk bounds the per-document ones).
+#: ``math`` materialises them in float32, several copies in the backward: 2**24 scores
+#: are 64 MiB a copy. Beyond it ``auto`` raises (listing why every backend was refused)
+#: instead of running out of memory, or crawling, at long lengths; ``backend="math"``
+#: still forces it.
+MATH_AUTO_MAX_SCORES = 2**24
+
+# (backend, reason) pairs already reported by ``auto``: each is logged (and, for a
+# failure, warned about) once per process, not once per layer and ring step.
+_reported_skips: set[tuple[str, str]] = set()
+
+
+def unsupported_reason(impl: Backend, spec: AttentionSpec) -> str | None:
+    """None if ``impl`` can run the call here: its stated limits, then (for self-checked
+    backends) its cached self-check verdict; else the reason (a :class:`BackendFailure`
+    when it should have been able to)."""
+    reason = impl.limits_reason(spec)
+    if reason is None and impl.self_checked:
+        reason = impl.vet(spec, spec_verdict)
+    return reason
+
+
+def select_backend(spec: AttentionSpec, backend: str = "auto") -> Backend:
+    """The backend that will run a call: the named one, or the fastest that supports it.
+
+    Runs no kernel except a backend's one-time self-check, so callers can use it to
+    validate a call before any communication. Raises AttentionInputError for an unknown
+    name and BackendUnavailableError (with every backend's reason) when nothing fits.
+    """
+    if backend == "auto":
+        return _select_auto(spec)
+    if backend not in registry.BACKEND_NAMES:
+        raise AttentionInputError(
+            f"unknown attention backend {backend!r}; valid names: "
+            f"{', '.join(('auto',) + registry.BACKEND_NAMES)}"
+        )
+    impl = registry.get(backend)
+    reason = unsupported_reason(impl, spec)
+    if reason is not None:
+        able = [
+            n for n in registry.BACKEND_NAMES if unsupported_reason(registry.get(n), spec) is None
+        ]
+        raise BackendUnavailableError(
+            f"attention backend {backend!r} cannot run {_describe(spec)}: it {reason}. "
+            f"Backends that can: {', '.join(able) or 'none'}"
+        )
+    return impl
+
+
+def _auto_reason(name: str, spec: AttentionSpec) -> str | None:
+    reason = unsupported_reason(registry.get(name), spec)
+    if reason is None and name == "math" and spec.device.type != "cpu":
+        scores = spec.batch * spec.num_heads * spec.seqlen_q * spec.seqlen_k
+        if scores > MATH_AUTO_MAX_SCORES:
+            reason = (
+                f"would materialise {scores} float32 scores (B*H*Sq*Sk) on "
+                f"{spec.device.type}; auto falls back to it there only up to "
+                f"{MATH_AUTO_MAX_SCORES} (backend='math' forces it)"
+            )
+    return reason
+
+
+def _select_auto(spec: AttentionSpec) -> Backend:
+    order = registry.auto_order(spec.device)
+    if spec.varlen:  # native varlen kernels first; others loop over documents
+        order = sorted(order, key=lambda name: not registry.get(name).supports_varlen)
+    skipped = []
+    for name in order:
+        reason = _auto_reason(name, spec)
+        if reason is None:
+            for skipped_name, skipped_reason in skipped:
+                _report_skip(skipped_name, skipped_reason, name, spec)
+            return registry.get(name)
+        skipped.append((name, reason))
+    raise BackendUnavailableError(
+        f"no attention backend can run {_describe(spec)}. "
+        + "; ".join(f"{name}: it {reason}" for name, reason in skipped)
+    )
+
+
+def _report_skip(name: str, reason: str, chosen: str, spec: AttentionSpec) -> None:
+    key = (name, str(reason))
+    if key in _reported_skips:
+        return
+    _reported_skips.add(key)
+    message = f"attention backend {name!r} skipped by auto: it {reason}; using {chosen!r}"
+    if isinstance(reason, BackendFailure):
+        logger.warning("%s (%s)", message, _describe(spec))
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+    else:
+        logger.info("%s (%s)", message, _describe(spec))
+
+
+def _describe(spec: AttentionSpec) -> str:
+    window = f", window={spec.window}" if spec.window is not None else ""
+    varlen = ", packed" if spec.varlen else ""
+    return (
+        f"this call ({spec.device.type}, {spec.dtype}, batch={spec.batch}, "
+        f"Sq={spec.seqlen_q}, Sk={spec.seqlen_k}, head_dim={spec.head_dim}, "
+        f"heads={spec.num_heads}/{spec.num_kv_heads}, causal={spec.causal}{window}{varlen})"
+    )

@@ -1,0 +1,62 @@
+"""A packed global sequence placed on one plan's ranks (:class:`PackedSequence`), and the
+error of a plan used with inputs it cannot serve (:class:`PlanError`).
+
+Both are re-exported by :mod:`usp.plan` (``Plan.pack`` builds a PackedSequence) and by
+``usp``; they live here so that the attention path (:mod:`usp.attend`) can use them
+without importing the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from usp.comm.agreement import stable_hash
+from usp.errors import InputError
+from usp.ring.documents import Documents
+from usp.ring.placement import RankPlacement
+from usp.sharding import document_position_ids
+
+
+class PlanError(InputError):
+    """A plan was built or used with options or inputs it cannot serve."""
+
+
+@dataclass(frozen=True, eq=False)
+class PackedSequence:
+    """A packed global sequence (batch 1) placed on one plan's ranks; build it with
+    :meth:`Plan.pack`, once per batch, and pass it wherever ``cu_seqlens`` is accepted.
+
+    ``cu_seqlens`` are the global int32 boundaries (on the CPU); ``placement`` holds the
+    device tensors this rank's ring kernels use.
+    """
+
+    cu_seqlens: torch.Tensor
+    bounds: tuple[int, ...]
+    documents: Documents
+    ulysses_degree: int
+    placement: RankPlacement
+    #: equal on two ranks exactly when their boundaries are equal
+    fingerprint: int = field(init=False)
+    #: every token's position inside its document, global sequence (int64 [S])
+    position_ids: torch.Tensor = field(init=False)
+
+    @property
+    def seq_len(self) -> int:
+        return self.bounds[-1]
+
+    @property
+    def layout(self) -> str:
+        return self.documents.layout
+
+    @property
+    def ring_degree(self) -> int:
+        return self.documents.ring_size
+
+    def __post_init__(self):
+        # computed once here, not cached lazily (lazy caches take a lock torch.compile
+        # cannot trace): equal on two ranks exactly when their boundaries are equal
+        object.__setattr__(self, "fingerprint", stable_hash(self.bounds))
+        # every token's position inside its document, for the global sequence (int64)
+        object.__setattr__(self, "position_ids", document_position_ids(self.cu_seqlens))
