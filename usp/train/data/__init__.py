@@ -33,7 +33,7 @@ from usp.train.data.packing import (
     DataLoader,
     MicroBatch,
     PackedDataset,
-    PackedSequence,
+    PackedRow,
     StepBatch,
     micro_batch_of,
 )
@@ -63,7 +63,7 @@ __all__ = [
     "LengthReport",
     "MicroBatch",
     "PackedDataset",
-    "PackedSequence",
+    "PackedRow",
     "StepBatch",
     "build_tokenizer",
     "cache_key",

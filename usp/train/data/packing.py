@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from usp.errors import DataError
+from usp.models.labels import shift_labels
 from usp.train.data.corpus import Corpus
 from usp.train.data.records import IGNORE_INDEX, Document
 
 
 # ----------------------------------------------------------------------------- packing
 @dataclass(frozen=True)
-class PackedSequence:
+class PackedRow:
     """One packed sequence of exactly ``seq_len`` tokens."""
 
     tokens: torch.Tensor  # int64 [seq_len]
@@ -106,7 +107,7 @@ class PackedDataset:
         return epoch, index - self._starts[epoch]
 
     # -------------------------------------------------------------- sequences
-    def sequence(self, index: int) -> PackedSequence:
+    def sequence(self, index: int) -> PackedRow:
         """The packed sequence with global index ``index`` (>= 0)."""
         if index < 0:
             raise IndexError(f"sequence index must be >= 0, got {index}")
@@ -128,7 +129,7 @@ class PackedDataset:
             offset += padded
         if offset < self.seq_len:
             lengths.append(self.seq_len - offset)  # one padding document fills the rest
-        return PackedSequence(tokens, target, tuple(lengths))
+        return PackedRow(tokens, target, tuple(lengths))
 
     def epoch_of(self, index: int) -> int:
         return self._locate(index)[0]
@@ -185,18 +186,16 @@ def _cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def _labels_of(sequence: PackedSequence) -> torch.Tensor:
+def _labels_of(sequence: PackedRow) -> torch.Tensor:
     return _shifted(sequence.tokens, sequence.target, _cu_seqlens(sequence.lengths))
 
 
 def _shifted(tokens: torch.Tensor, target: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    from usp.models import shift_labels
-
     masked = torch.where(target, tokens, torch.full_like(tokens, IGNORE_INDEX))
     return shift_labels(masked, cu_seqlens=cu_seqlens, ignore_index=IGNORE_INDEX)
 
 
-def micro_batch_of(sequences: Sequence[PackedSequence]) -> MicroBatch:
+def micro_batch_of(sequences: Sequence[PackedRow]) -> MicroBatch:
     """Concatenate packed sequences into one row with concatenated document boundaries."""
     tokens = torch.cat([s.tokens for s in sequences])
     target = torch.cat([s.target for s in sequences])

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from usp.errors import DataError
+from usp.models.labels import IGNORE_INDEX  # the one definition (HF's -100)
 
-IGNORE_INDEX = -100
 FORMATS = {
     "text": ("text",),
     "prompt/completion": ("prompt", "completion"),
