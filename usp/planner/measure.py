@@ -1,0 +1,258 @@
+"""One rank's real training step, measured under fake tensors: memory without the memory.
+
+:func:`measure` builds what ``usp train`` builds for one rank of a world of any size --
+the topology's ``dp x ring x ulysses`` mesh on PyTorch's ``fake`` process group, the
+model from the config (:func:`usp.train.components.build_model`, with the config's
+activation checkpointing and memory levers), FSDP2 over ``dp x sp``
+(:func:`usp.train.parallelize.fully_shard_model`, bf16 compute and fp32 master weights
+for CUDA), AdamW (:func:`usp.train.components.build_optimizer`) -- and runs two optimizer
+steps of the trainer's arithmetic (pack, shard, forward with the chunked SP loss,
+backward, gradient clipping, AdamW; micro-batches with the gradient sync of the last one
+only) under ``FakeTensorMode`` with torch's ``FSDPMemTracker`` counting every allocation
+and free. The second step runs with the optimizer state the first one created. Nothing
+is computed: every op only allocates its outputs.
+
+Depth: ``layers`` decoder layers are built (default: the model's); a rank's memory is
+affine in the depth (every layer adds its parameter, gradient and optimizer shards and
+its saved activations, and the peak happens at the same place), so
+:func:`measure_scaled` measures two small depths and extrapolates, which
+``tests/test_planner.py`` checks against a full-depth run.
+
+Device: ``"cuda"`` is a CUDA run (bf16 compute, cuDNN's attention ops); ``"cpu"`` one on
+the CPU (fp32, the CPU flash kernel's ops). Autograd cannot run on ``cuda`` fake tensors
+in a torch built without CUDA, so there the CUDA step runs on CPU fake tensors with CUDA's
+dtypes and cuDNN's op schemas (the same tensors; the caching allocator's 512-byte
+rounding is ignored). On a CUDA build it runs on ``cuda`` fake tensors, and tensors the
+step keeps on the host (offloaded activations) are counted as host memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from unittest import mock
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from usp.planner.kernels import planning_backend, planning_kernels
+from usp.process_groups.fake import fake_world
+
+#: the memory tracker's categories -> the planner's breakdown
+CATEGORIES = {
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters_gathered",
+    "Buffer": "buffers",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients_unsharded",
+    "OptState": "optimizer_state",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "All Gather": "comm_all_gather",
+    "Reduce Scatter": "comm_reduce_scatter",
+    "Inputs": "inputs",
+}
+#: micro-batches run per step at most: the second holds what accumulation holds
+MAX_MICRO_BATCHES = 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the job: the grid and the activation-memory options."""
+
+    ulysses: int
+    ring: int
+    dp: int
+    activation_checkpointing: bool | str = False
+    mlp_tile_tokens: int = 0
+
+    @property
+    def sp(self) -> int:
+        return self.ulysses * self.ring
+
+
+@dataclass(frozen=True)
+class Target:
+    """What is planned: a parsed training config (its [train], [attention] and
+    [parallel] placement), the full model, the cluster shape and the device type."""
+
+    job: object  # usp.train.config.TrainJobConfig
+    model: object  # usp.models.LlamaConfig, full depth
+    world_size: int
+    ranks_per_node: int
+    device: str  # "cuda" or "cpu"
+
+    @property
+    def seq_len(self) -> int:
+        return self.job.train.seq_len
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """One rank's peak memory in a step, in bytes. ``breakdown`` splits the device peak
+    by what the bytes held at that moment (keys of :data:`CATEGORIES`' values)."""
+
+    peak_device: int
+    peak_host: int
+    breakdown: dict[str, int] = field(default_factory=dict)
+    layers: int = 0
+    #: False when host tensors could not be told from device ones (CUDA planned on a
+    #: torch without CUDA: everything is on the CPU stand-in, counted as device memory)
+    host_separated: bool = True
+
+
+def stand_in_device(device: str) -> torch.device:
+    """The device the fake tensors live on (see the module docstring)."""
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def job_for(target: Target, layout: Layout):
+    """The target's config with this layout's grid and memory options, as ``usp train``
+    would read them (so they are validated by the trainer's own config checks)."""
+    options = {"activation_checkpointing": layout.activation_checkpointing}
+    if layout.mlp_tile_tokens:
+        options["mlp_tile_tokens"] = layout.mlp_tile_tokens
+    return target.job.with_overrides(
+        ulysses=layout.ulysses, ring=layout.ring, dp=layout.dp, **options
+    )
+
+
+def measure(target: Target, layout: Layout, *, layers: int | None = None) -> Footprint:
+    """One rank's (rank 0's: every rank holds the same shares) peak memory in a step."""
+    import usp
+    from usp.train import components
+    from usp.train.parallelize import fully_shard_model
+
+    job = job_for(target, layout)
+    config = target.model
+    if layers is not None:
+        config = config.replace(num_hidden_layers=layers)
+    device = stand_in_device(target.device)
+    parallel = job.topology.parallel
+    with fake_world(target.world_size, 0, device):
+        topo = usp.build_topology(
+            layout.ulysses,
+            layout.ring,
+            dp_degree=layout.dp,
+            ranks_per_node=target.ranks_per_node,
+            device_type=device.type,
+            placement=parallel.placement,
+            allow_cross_node_ulysses=parallel.allow_cross_node_ulysses,
+        )
+        try:
+            attention = job.topology.attention
+            plan = usp.Plan(
+                topo,
+                layout=attention.layout,
+                ring_impl=attention.ring_impl,
+                backend=planning_backend(target.device, attention.backend),
+                verify_calls=False,
+            )
+            batch = _batch(job, plan, device, layout)  # host-side packing: real tensors
+            with planning_kernels(), _all_labelled(), FakeTensorMode(allow_non_fake_inputs=True):
+                source = components.ModelSource(config, None)
+                model = components.build_model(job, source, plan)
+                dtype = components.compute_dtype(job, torch.device(target.device))
+                sharded = fully_shard_model(model, topo, compute_dtype=dtype)
+                optimizer = components.build_optimizer(job, sharded.module)
+                snapshot = _tracked_steps(job, sharded.module, optimizer, device, batch)
+        finally:
+            topo.destroy()
+    return _footprint(snapshot, device, config.num_hidden_layers)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """This rank's share of one micro-batch (one document filling the packed row) and
+    how many micro-batches a step runs."""
+
+    packed: object  # usp.PackedSequence
+    input_ids: torch.Tensor  # [1, row / sp]
+    labels: torch.Tensor  # [1, row / sp]
+    position_ids: torch.Tensor  # [row / sp], what the model would compute from ``packed``
+    num_labels: int
+    micro_batches: int
+
+
+def _batch(job, plan, device: torch.device, layout: Layout) -> _Batch:
+    """Packed and sharded as the trainer does (``plan.pack``, ``plan.shard``), outside
+    fake mode: the boundaries are host values the layout reads."""
+    row = job.train.micro_batch * job.train.seq_len  # a forward's packed row
+    micro_batches = min(job.gradient_accumulation(layout.dp), MAX_MICRO_BATCHES)
+    tokens = torch.zeros(1, row, dtype=torch.long)
+    packed = plan.pack(torch.tensor([0, row], dtype=torch.int32), device=device)
+    ids = plan.shard(tokens, packed=packed)  # [1, row] -> [1, row / sp]
+    positions = plan.position_ids(row, packed=packed, device=device)
+    return _Batch(packed, ids, ids.clone(), positions, row * micro_batches, micro_batches)
+
+
+def _tracked_steps(job, model, optimizer, device, batch: _Batch) -> dict:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    tracker = FSDPMemTracker(model, optimizer)
+    with tracker:
+        for _ in range(2):  # the second step runs with the optimizer state of the first
+            _step(model, optimizer, job, device, batch)
+            tracker.reset_mod_stats()  # per-module stats only; the peak stays
+    return tracker.get_tracker_snapshot("peak")
+
+
+def _step(model, optimizer, job, device, batch: _Batch) -> None:
+    """The arithmetic of ``usp.train.trainer._train_step`` without its host reads (the
+    loss and the gradient norm as Python floats): micro-batch forward/backward with the
+    gradient sync of the last only, clipping, AdamW, zeroed gradients. (FSDP sums the
+    gradients itself on this torch, so the trainer's loss scale is 1.)"""
+    from usp.train.parallelize import set_gradient_sync
+
+    for i in range(batch.micro_batches):
+        input_ids, labels = batch.input_ids.to(device), batch.labels.to(device)
+        set_gradient_sync(model, i == batch.micro_batches - 1)
+        loss = model(
+            input_ids,
+            labels=labels,
+            position_ids=batch.position_ids,
+            cu_seqlens=batch.packed,
+            num_items_in_batch=batch.num_labels,
+        )
+        loss.backward()
+    max_norm = job.train.grad_clip if job.train.grad_clip > 0 else float("inf")
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@contextmanager
+def _all_labelled() -> Iterator[None]:
+    """``nonzero`` has no size under fake tensors (it depends on values): the loss's one
+    use of it, selecting the labelled tokens, gets every index. The planned batch labels
+    every token (the most the loss can hold), so that is what the op would return."""
+    from torch._subclasses import fake_impls
+
+    def every_index(fake_mode, func, mask):
+        n = mask.numel()
+        return mask.new_empty_strided((n, mask.dim()), (1, n), dtype=torch.int64)  # [n, dim]
+
+    table = fake_impls.op_implementations_dict
+    with mock.patch.dict(table, {torch.ops.aten.nonzero.default: every_index}):
+        yield
+
+
+def _footprint(snapshot: dict, device: torch.device, layers: int) -> Footprint:
+    peak_device, peak_host, breakdown = 0, 0, {}
+    for dev, snap in snapshot.items():
+        dev = torch.device(dev)
+        total = int(snap.get("Total", 0))
+        if dev.type == device.type:
+            peak_device = total
+            for key, value in snap.items():
+                name = CATEGORIES.get(getattr(key, "value", key))
+                if name is not None:
+                    breakdown[name] = breakdown.get(name, 0) + int(value)
+        elif dev.type == "cpu":
+            peak_host = total
+    return Footprint(
+        peak_device, peak_host, breakdown, layers, host_separated=device.type != "cpu"
+    )
