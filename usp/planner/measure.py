@@ -12,11 +12,12 @@ only) under ``FakeTensorMode`` with torch's ``FSDPMemTracker`` counting every al
 and free. The second step runs with the optimizer state the first one created. Nothing
 is computed: every op only allocates its outputs.
 
-Depth: ``layers`` decoder layers are built (default: the model's); a rank's memory is
-affine in the depth (every layer adds its parameter, gradient and optimizer shards and
-its saved activations, and the peak happens at the same place), so
-:func:`measure_scaled` measures two small depths and extrapolates, which
-``tests/test_planner.py`` checks against a full-depth run.
+Depth: ``layers`` decoder layers are built (default: the model's). Each phase's peak
+(every forward, every backward, the optimizer) is affine in the depth once the depth is
+at least the first of :data:`SCALING_DEPTHS` (every layer adds its parameter, gradient and
+optimizer shards and its saved activations, and the peak stays in the same place), so
+:func:`measure_scaled` measures two small depths and extrapolates each phase, which
+``tests/test_planner.py`` checks byte for byte against a full-depth run.
 
 Device: ``"cuda"`` is a CUDA run (bf16 compute, cuDNN's attention ops); ``"cpu"`` one on
 the CPU (fp32, the CPU flash kernel's ops). Autograd cannot run on ``cuda`` fake tensors
@@ -29,7 +30,7 @@ step keeps on the host (offloaded activations) are counted as host memory.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from unittest import mock
 
@@ -89,17 +90,82 @@ class Target:
 
 
 @dataclass(frozen=True)
-class Footprint:
-    """One rank's peak memory in a step, in bytes. ``breakdown`` splits the device peak
-    by what the bytes held at that moment (keys of :data:`CATEGORIES`' values)."""
+class Phase:
+    """The peak of one phase of a step (a forward, a backward, the optimizer), in bytes.
+    ``breakdown`` splits the device peak by what the bytes held at that moment."""
 
-    peak_device: int
-    peak_host: int
+    device: int
+    host: int
     breakdown: dict[str, int] = field(default_factory=dict)
-    layers: int = 0
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """One rank's memory in a step: the peak of each phase, in step order."""
+
+    phases: tuple[Phase, ...]
+    layers: int
     #: False when host tensors could not be told from device ones (CUDA planned on a
     #: torch without CUDA: everything is on the CPU stand-in, counted as device memory)
     host_separated: bool = True
+
+    @property
+    def peak(self) -> Phase:
+        """The phase with the highest device peak."""
+        return max(self.phases, key=lambda p: p.device)
+
+    @property
+    def peak_device(self) -> int:
+        return self.peak.device
+
+    @property
+    def peak_host(self) -> int:
+        return max(p.host for p in self.phases)
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        return self.peak.breakdown
+
+
+def scale_depth(low: Footprint, high: Footprint, layers: int) -> Footprint:
+    """Extrapolate two depths' footprints to ``layers``: every phase's peak (and each
+    part of its breakdown) is affine in the depth, so it continues the line through the
+    two; the step's peak is then the highest phase at that depth."""
+    if len(low.phases) != len(high.phases) or high.layers <= low.layers:
+        raise ValueError("scale_depth needs two footprints of the same step at two depths")
+    steps = high.layers - low.layers
+
+    def line(a: int, b: int) -> int:
+        return a + (b - a) * (layers - low.layers) // steps
+
+    phases = tuple(
+        Phase(
+            line(a.device, b.device),
+            line(a.host, b.host),
+            {k: line(a.breakdown.get(k, 0), v) for k, v in b.breakdown.items()},
+        )
+        for a, b in zip(low.phases, high.phases)
+    )
+    return Footprint(phases, layers, host_separated=high.host_separated)
+
+
+#: the depths measured to extrapolate a deeper model from. From 3 layers on, the backward
+#: peak sits in the second layer's backward (the first and the last layer are special:
+#: the embedding's gradient, the last layer's parameters kept gathered), so 3 and 4 are
+#: the shallowest depths on the same line as every deeper one
+SCALING_DEPTHS = (3, 4)
+
+
+def measure_scaled(target: Target, layout: Layout) -> Footprint:
+    """:func:`measure` at the model's full depth, from two shallow runs (see
+    :func:`scale_depth`); models no deeper than the second depth run in full."""
+    full = target.model.num_hidden_layers
+    low, high = SCALING_DEPTHS
+    if full <= high:
+        return measure(target, layout)
+    return scale_depth(
+        measure(target, layout, layers=low), measure(target, layout, layers=high), full
+    )
 
 
 def stand_in_device(device: str) -> torch.device:
@@ -121,7 +187,19 @@ def job_for(target: Target, layout: Layout):
 
 
 def measure(target: Target, layout: Layout, *, layers: int | None = None) -> Footprint:
-    """One rank's (rank 0's: every rank holds the same shares) peak memory in a step."""
+    """One rank's (rank 0's: every rank holds the same shares) peak memory per phase of
+    a step, under fake tensors; ``layers`` decoder layers (default: the model's)."""
+    with built_step(target, layout, layers=layers, fake=True) as (job, model, optimizer, batch):
+        phases = _tracked_steps(job, model, optimizer, batch)
+    return _footprint(phases, batch.device, model.config.num_hidden_layers)
+
+
+@contextmanager
+def built_step(target: Target, layout: Layout, *, layers: int | None = None, fake: bool = True):
+    """Everything one rank of ``usp train`` builds for this layout, on the ``fake``
+    process group: yields ``(job, model, optimizer, batch)`` for :func:`run_step`.
+    ``fake=False`` builds real tensors (a small step run for real, to check the
+    planner against); either way the planning kernels serve attention."""
     import usp
     from usp.train import components
     from usp.train.parallelize import fully_shard_model
@@ -152,16 +230,29 @@ def measure(target: Target, layout: Layout, *, layers: int | None = None) -> Foo
                 verify_calls=False,
             )
             batch = _batch(job, plan, device, layout)  # host-side packing: real tensors
-            with planning_kernels(), _all_labelled(), FakeTensorMode(allow_non_fake_inputs=True):
-                source = components.ModelSource(config, None)
-                model = components.build_model(job, source, plan)
+            with ExitStack() as stack:
+                stack.enter_context(planning_kernels())
+                if fake:
+                    stack.enter_context(_all_labelled())
+                    stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+                model = components.build_model(job, components.ModelSource(config, None), plan)
                 dtype = components.compute_dtype(job, torch.device(target.device))
                 sharded = fully_shard_model(model, topo, compute_dtype=dtype)
+                if not fake:
+                    _randomise(sharded.module)
                 optimizer = components.build_optimizer(job, sharded.module)
-                snapshot = _tracked_steps(job, sharded.module, optimizer, device, batch)
+                _first_optimizer_step(sharded.module, optimizer)
+                yield job, sharded.module, optimizer, batch
         finally:
             topo.destroy()
-    return _footprint(snapshot, device, config.num_hidden_layers)
+
+
+def _randomise(model) -> None:
+    """Finite values for the shards a real run computes with (``to_empty`` left them
+    uninitialised when the model came from the meta device)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.to_local() if hasattr(p, "to_local") else p).normal_(0.0, 0.02)
 
 
 @dataclass(frozen=True)
@@ -175,6 +266,7 @@ class _Batch:
     position_ids: torch.Tensor  # [row / sp], what the model would compute from ``packed``
     num_labels: int
     micro_batches: int
+    device: torch.device
 
 
 def _batch(job, plan, device: torch.device, layout: Layout) -> _Batch:
@@ -186,29 +278,53 @@ def _batch(job, plan, device: torch.device, layout: Layout) -> _Batch:
     packed = plan.pack(torch.tensor([0, row], dtype=torch.int32), device=device)
     ids = plan.shard(tokens, packed=packed)  # [1, row] -> [1, row / sp]
     positions = plan.position_ids(row, packed=packed, device=device)
-    return _Batch(packed, ids, ids.clone(), positions, row * micro_batches, micro_batches)
+    labels = ids.clone()
+    return _Batch(packed, ids, labels, positions, row * micro_batches, micro_batches, device)
 
 
-def _tracked_steps(job, model, optimizer, device, batch: _Batch) -> dict:
+def _tracked_steps(job, model, optimizer, batch: _Batch) -> list[dict]:
+    """The step's peak snapshot per phase (forward, backward of each micro-batch; the
+    optimizer), after a first optimizer step has created AdamW's state."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     tracker = FSDPMemTracker(model, optimizer)
+    phases = []
     with tracker:
-        for _ in range(2):  # the second step runs with the optimizer state of the first
-            _step(model, optimizer, job, device, batch)
-            tracker.reset_mod_stats()  # per-module stats only; the peak stays
-    return tracker.get_tracker_snapshot("peak")
+        for _phase in run_step(model, optimizer, job, batch):
+            phases.append(_phase_peak(tracker))
+        tracker.reset_mod_stats()
+    return phases
 
 
-def _step(model, optimizer, job, device, batch: _Batch) -> None:
+def _first_optimizer_step(model, optimizer) -> None:
+    """What a first step leaves behind: AdamW's state (two moments and a step count per
+    parameter), no gradients. (The step's values do not matter, its tensors do.)"""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _phase_peak(tracker) -> dict:
+    """The peak since the last call, then start the next phase's peak from now (what the
+    tracker does on entry; its peak is otherwise one number for the whole session)."""
+    peak = tracker.get_tracker_snapshot("peak")
+    now = tracker.get_tracker_snapshot("current")
+    tracker._peak_mem_snap = now
+    tracker._peak_mem = {dev: snap["Total"] for dev, snap in now.items()}
+    return peak
+
+
+def run_step(model, optimizer, job, batch: _Batch) -> Iterator[str]:
     """The arithmetic of ``usp.train.trainer._train_step`` without its host reads (the
     loss and the gradient norm as Python floats): micro-batch forward/backward with the
     gradient sync of the last only, clipping, AdamW, zeroed gradients. (FSDP sums the
-    gradients itself on this torch, so the trainer's loss scale is 1.)"""
+    gradients itself on this torch, so the trainer's loss scale is 1.) Yields the name
+    of each phase as it ends."""
     from usp.train.parallelize import set_gradient_sync
 
     for i in range(batch.micro_batches):
-        input_ids, labels = batch.input_ids.to(device), batch.labels.to(device)
+        input_ids, labels = batch.input_ids.to(batch.device), batch.labels.to(batch.device)
         set_gradient_sync(model, i == batch.micro_batches - 1)
         loss = model(
             input_ids,
@@ -217,11 +333,15 @@ def _step(model, optimizer, job, device, batch: _Batch) -> None:
             cu_seqlens=batch.packed,
             num_items_in_batch=batch.num_labels,
         )
+        yield f"forward {i}"
         loss.backward()
+        del loss
+        yield f"backward {i}"
     max_norm = job.train.grad_clip if job.train.grad_clip > 0 else float("inf")
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    yield "optimizer"
 
 
 @contextmanager
@@ -240,7 +360,15 @@ def _all_labelled() -> Iterator[None]:
         yield
 
 
-def _footprint(snapshot: dict, device: torch.device, layers: int) -> Footprint:
+def _footprint(phases: list[dict], device: torch.device, layers: int) -> Footprint:
+    return Footprint(
+        tuple(_phase_footprint(snapshot, device) for snapshot in phases),
+        layers,
+        host_separated=device.type != "cpu",
+    )
+
+
+def _phase_footprint(snapshot: dict, device: torch.device) -> Phase:
     peak_device, peak_host, breakdown = 0, 0, {}
     for dev, snap in snapshot.items():
         dev = torch.device(dev)
@@ -253,6 +381,4 @@ def _footprint(snapshot: dict, device: torch.device, layers: int) -> Footprint:
                     breakdown[name] = breakdown.get(name, 0) + int(value)
         elif dev.type == "cpu":
             peak_host = total
-    return Footprint(
-        peak_device, peak_host, breakdown, layers, host_separated=device.type != "cpu"
-    )
+    return Phase(peak_device, peak_host, breakdown)
