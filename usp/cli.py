@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     from usp.train.cli import add_parser as add_train_parser  # torch-free until it runs
 
     add_train_parser(subparsers)
+    from usp.planner.cli import add_parser as add_plan_parser  # usp plan
+
+    add_plan_parser(subparsers)
     return parser
 
 
