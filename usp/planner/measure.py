@@ -199,7 +199,9 @@ def built_step(target: Target, layout: Layout, *, layers: int | None = None, fak
     """Everything one rank of ``usp train`` builds for this layout, on the ``fake``
     process group: yields ``(job, model, optimizer, batch)`` for :func:`run_step`.
     ``fake=False`` builds real tensors (a small step run for real, to check the
-    planner against); either way the planning kernels serve attention."""
+    planner against); on the CPU the planning kernels serve attention either way (the
+    same aten ops; the real backend would read the uninitialised data the fake process
+    group delivers), on CUDA a real run uses the real backends."""
     import usp
     from usp.train import components
     from usp.train.parallelize import fully_shard_model
@@ -231,7 +233,8 @@ def built_step(target: Target, layout: Layout, *, layers: int | None = None, fak
             )
             batch = _batch(job, plan, device, layout)  # host-side packing: real tensors
             with ExitStack() as stack:
-                stack.enter_context(planning_kernels())
+                if fake or device.type == "cpu":  # (a real CUDA run uses the real kernels)
+                    stack.enter_context(planning_kernels())
                 if fake:
                     stack.enter_context(_all_labelled())
                     stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
@@ -290,9 +293,10 @@ def _tracked_steps(job, model, optimizer, batch: _Batch) -> list[dict]:
     tracker = FSDPMemTracker(model, optimizer)
     phases = []
     with tracker:
-        for _phase in run_step(model, optimizer, job, batch):
+        for phase in run_step(model, optimizer, job, batch):
             phases.append(_phase_peak(tracker))
-        tracker.reset_mod_stats()
+            if phase.startswith("backward"):  # the next micro-batch's forward: a new pass
+                tracker.reset_mod_stats()  # (per-module statistics only)
     return phases
 
 

@@ -291,6 +291,10 @@ def rank(candidates: list[Candidate]) -> list[Candidate]:
     )
 
 
+#: grids whose longest sequence is searched (those with the least memory per rank)
+FRONTIER = 2
+
+
 def max_seq_len(
     target: Target, layouts_: list[Layout], cluster: Cluster, cache: dict, *, rounds: int = 4
 ) -> tuple[int, Layout | None]:
@@ -302,7 +306,7 @@ def max_seq_len(
     measured fit is returned)."""
     base = target.seq_len
     best_len, best_layout, predictions = 0, None, []
-    for layout in _frontier(layouts_):
+    for layout in _frontier(layouts_, target, cache):
         multiple = sequence_multiple(layout, target.job)
         lengths = (base, max(multiple, base // 2 // multiple * multiple))
         if lengths[1] == lengths[0]:
@@ -329,14 +333,19 @@ def max_seq_len(
     return best_len, best_layout
 
 
-def _frontier(layouts_: list[Layout]) -> list[Layout]:
+def _frontier(layouts_: list[Layout], target: Target, cache: dict) -> list[Layout]:
     """The layouts worth extending: dp = 1 (a replica of fewer ranks holds more tokens
-    per rank), each grid with its most memory-saving option (the last accepted)."""
+    per rank), each grid with its most memory-saving option (the last accepted), and of
+    those the :data:`FRONTIER` with the least memory at the planned length."""
     best: dict[tuple[int, int], Layout] = {}
     for layout in layouts_:
         if layout.dp == 1:
             best[(layout.ulysses, layout.ring)] = layout
-    return list(best.values())
+
+    def peak(layout: Layout) -> int:
+        return _footprint_at(target, layout, cache, target.seq_len).peak_device
+
+    return sorted(best.values(), key=peak)[:FRONTIER]
 
 
 def _footprint_at(target: Target, layout: Layout, cache: dict, seq_len: int) -> Footprint:
