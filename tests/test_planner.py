@@ -167,3 +167,15 @@ def test_plan_errors_exit_2_with_a_message(tmp_path, capsys):
     code, out, err = plan_cli(capsys, path, "--gpu-memory-gib", 1e-6)
     assert code == 2 and "no layout fits 256 tokens" in err, err
     assert "ulysses ring" in out  # the table still says what each layout needs
+
+
+def test_plan_check_script_compares_on_this_device(tmp_path):
+    """benchmarks/plan_check.py (the GPU check's planner step) at a CPU size."""
+    from usp_cases import load_benchmark
+
+    plan_check = load_benchmark("plan_check")
+    argv = ["--preset", "tiny", "--layers", "1", "--seq-len", "2048", "--world", "2",
+            "--ulysses", "2", "--ring", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert plan_check.main(argv) == 0
+    row = json.loads((tmp_path / "plan_check.json").read_text())
+    assert row["device"] == "cpu" and 0.9 <= row["ratio"] <= 1.1
