@@ -147,7 +147,7 @@ def test_plan_json_ranks_every_layout_and_finds_the_longest_sequence(tmp_path, c
 
 def test_plan_text_shows_the_table_and_lines_to_paste(tmp_path, capsys):
     path = write_config(tmp_path, gpus=2, seq_len=256)
-    code, out, err = plan_cli(capsys, path, "--gpu-memory-gib", 1)
+    code, out, err = plan_cli(capsys, path, "--gpu-memory-gib", 0.01)
     assert code == 0, err
     assert "ulysses ring  dp" in out and "paste into the config:" in out
     assert "[parallel]\nulysses = " in out and "activation_checkpointing = " in out
@@ -179,3 +179,53 @@ def test_plan_check_script_compares_on_this_device(tmp_path):
     assert plan_check.main(argv) == 0
     row = json.loads((tmp_path / "plan_check.json").read_text())
     assert row["device"] == "cpu" and 0.9 <= row["ratio"] <= 1.1
+
+
+# ----------------------------------------------------------------------------- cluster keys
+def test_cluster_keys_set_the_memory_limit_and_the_links(tmp_path):
+    from usp.planner.plan import _cluster
+    from usp.planner.search import Layout, comm_bytes, step_time
+
+    text = write_config(tmp_path, gpus=4, global_batch=2).read_text().replace(
+        "gpus_per_node = 4", 'gpus_per_node = 4\ngpu = "A100"\nintra_node_gbps = 100\ninter_node_gbps = 5'
+    )  # fmt: skip
+    path = tmp_path / "a100.toml"
+    path.write_text(text)
+    job = load_train_config(path)
+    cluster, gpu = _cluster(job, 2, None, None, None, "cuda")
+    assert (gpu, cluster.gpu_memory_gib, cluster.world_size) == ("A100", 79.2, 8)
+    assert (cluster.intra_node_gbps, cluster.inter_node_gbps) == (100, 5)
+    # a ring across the two nodes is bound by the 5 GB/s link, one inside a node is not
+    target = target_of(path, 8, device="cuda")
+    across, inside = Layout(4, 2, 1), Layout(4, 1, 2)
+    sent = comm_bytes(target, across)
+    assert sent["attention_p2p"] > 0 and sent["attention_all_to_all"] > 0
+    slow = step_time(target, across, cluster, sent)
+    fast = step_time(target, across, replace_links(cluster, 50), sent)
+    assert slow > fast
+    assert step_time(target, inside, cluster, comm_bytes(target, inside)) > 0
+
+
+def replace_links(cluster, inter):
+    from dataclasses import replace
+
+    return replace(cluster, inter_node_gbps=inter)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('gpu = "B300"', "[cluster] gpu = 'B300': its memory is not known here"),
+        ("inter_node_gbps = 0", "[cluster] inter_node_gbps must be a number > 0"),
+    ],
+)
+def test_bad_cluster_keys_exit_2(tmp_path, capsys, line, message):
+    text = (
+        write_config(tmp_path, gpus=2)
+        .read_text()
+        .replace("gpus_per_node = 2", f"gpus_per_node = 2\n{line}")
+    )
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    code, _, err = plan_cli(capsys, path, "--device", "cuda")
+    assert code == 2 and message in err, err
