@@ -231,7 +231,7 @@ def built_step(target: Target, layout: Layout, *, layers: int | None = None, fak
                 backend=planning_backend(target.device, attention.backend),
                 verify_calls=False,
             )
-            batch = _batch(job, plan, device, layout)  # host-side packing: real tensors
+            batch = _batch(job, plan, device, layout, fake)  # host-side packing: real tensors
             with ExitStack() as stack:
                 if fake or device.type == "cpu":  # (a real CUDA run uses the real kernels)
                     stack.enter_context(planning_kernels())
@@ -270,9 +270,10 @@ class _Batch:
     num_labels: int
     micro_batches: int
     device: torch.device
+    fake: bool  # measured under fake tensors (see :func:`_clip_local_shards`)
 
 
-def _batch(job, plan, device: torch.device, layout: Layout) -> _Batch:
+def _batch(job, plan, device: torch.device, layout: Layout, fake: bool) -> _Batch:
     """Packed and sharded as the trainer does (``plan.pack``, ``plan.shard``), outside
     fake mode: the boundaries are host values the layout reads."""
     row = job.train.micro_batch * job.train.seq_len  # a forward's packed row
@@ -282,7 +283,7 @@ def _batch(job, plan, device: torch.device, layout: Layout) -> _Batch:
     ids = plan.shard(tokens, packed=packed)  # [1, row] -> [1, row / sp]
     positions = plan.position_ids(row, packed=packed, device=device)
     labels = ids.clone()
-    return _Batch(packed, ids, labels, positions, row * micro_batches, micro_batches, device)
+    return _Batch(packed, ids, labels, positions, row * micro_batches, micro_batches, device, fake)
 
 
 def _tracked_steps(job, model, optimizer, batch: _Batch) -> list[dict]:
@@ -298,6 +299,21 @@ def _tracked_steps(job, model, optimizer, batch: _Batch) -> list[dict]:
             if phase.startswith("backward"):  # the next micro-batch's forward: a new pass
                 tracker.reset_mod_stats()  # (per-module statistics only)
     return phases
+
+
+def _clip_local_shards(model, max_norm: float) -> None:
+    """Gradient-norm clipping as ``clip_grad_norm_`` does it on FSDP's DTensor gradients
+    (a norm per local shard, one scalar all-reduce, every shard scaled in place), on the
+    local shards. Under fake tensors ``clip_grad_norm_`` itself materialises whole
+    gradients (a fake-mode artifact: for real it allocates a few hundred bytes, measured
+    on CPU), which would count gigabytes that no real step holds."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in local])
+    total = torch.linalg.vector_norm(norms)  # (all-reduced over the mesh in a real step)
+    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in local:
+        g.mul_(coefficient.to(g.dtype))
 
 
 def _first_optimizer_step(model, optimizer) -> None:
@@ -342,7 +358,11 @@ def run_step(model, optimizer, job, batch: _Batch) -> Iterator[str]:
         del loss
         yield f"backward {i}"
     max_norm = job.train.grad_clip if job.train.grad_clip > 0 else float("inf")
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if batch.fake:
+        _clip_local_shards(model, max_norm)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    yield "clip"
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     yield "optimizer"
