@@ -346,7 +346,7 @@ def _row(step, loss, grad_norm, lr, batch, seconds, job, config, world, device, 
     if device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
     else:  # the process's peak resident memory: its tensors plus Python and the libraries
-        import resource  # (not a tensor count like CUDA's: above `usp plan`'s by ~0.5 GiB)
+        import resource  # (not a tensor count like CUDA's: above `usp plan`'s figure)
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB (bytes on macOS)
         row["peak_memory_gib"] = peak * (1 if sys.platform == "darwin" else 1024) / GIB
