@@ -83,7 +83,8 @@ def plan(
     if skipped:
         notes.append(
             f"{skipped} layout(s) skipped: seq_len {job.train.seq_len} is not a multiple of "
-            "what their grid needs (2 * ring * lcm(2, ulysses) / ring for zigzag)"
+            "what their grid needs (ring * lcm(2, ulysses) for zigzag, ring * ulysses for "
+            "contiguous)"
         )
     if not runnable:
         raise ConfigError(
