@@ -37,6 +37,7 @@ import torch
 
 import usp
 from usp.kernels import BackendUnavailableError
+from usp.planner.traffic import traffic_formula  # the one definition (tests use it from here)
 from usp.process_groups import kv_replication, valid_degree_pairs
 from usp.process_groups.fake import fake_world
 from usp.process_groups.rank_math import RankMap
@@ -116,60 +117,6 @@ def attention_flops(batch: int, seqlen: int, heads: int, head_dim: int, causal: 
     """Forward + backward FLOPs of attention over the whole sequence (backward = 2.5x forward)."""
     forward = 4 * batch * heads * seqlen * seqlen * head_dim
     return 3.5 * (forward / 2 if causal else forward)
-
-
-def _counts(moved: int, calls: int) -> dict[str, int]:
-    return {"sent": moved, "received": moved, "calls": calls}
-
-
-def traffic_formula(
-    shape: AttentionShape,
-    *,
-    batch: int,
-    seqlen: int,
-    ulysses: int,
-    ring: int,
-    ring_impl: str,
-    item_bytes: int,
-    acc_bytes: int,
-) -> dict[str, dict[str, dict[str, int]]]:
-    """Bytes one rank sends and receives per collective kind, ``{"forward": {kind:
-    {"sent", "received", "calls"}}, "backward": {...}}``, as ``CommStats.snapshot()``.
-
-    ``seqlen`` is one SP replica's sequence (each rank holds ``seqlen / (u * r)`` tokens);
-    ``acc_bytes`` is the element size of the float32 (float64 for float64) accumulators.
-
-    Ulysses (u > 1), one all-to-all each way per pass; a rank keeps 1/u of what it packs:
-      forward q, k, v (KV heads replicated to lcm(Hkv, u)) then out; backward dout
-      then dq, dk, dv: (2H + 2Hkv') * B * L * D * item * (u - 1) / u per pass.
-    Ring (r > 1) on the post-all-to-all block of S/r tokens and Hkv'/u KV heads:
-      p2p: forward r-1 K/V blocks; backward r-1 K/V blocks + r-1 accumulator dK/dV blocks
-      (each accumulator starts at the owner's next rank and reaches the owner in r-1 hops).
-      allgather: forward all_gather of (r-1) local K/V; backward all_gather again and
-      reduce_scatter of (r-1) accumulator dK/dV blocks ((r-1)/r of the gathered dK/dV).
-    """
-    u, r = ulysses, ring
-    local = seqlen // (u * r)
-    kv_heads = shape.kv_heads * kv_replication(shape.heads, shape.kv_heads, u)
-    forward: dict[str, dict[str, int]] = {}
-    backward: dict[str, dict[str, int]] = {}
-    if u > 1:
-        head_bytes = batch * local * shape.head_dim * item_bytes  # one head of this rank's tokens
-        qkv = (shape.heads + 2 * kv_heads) // u * (u - 1) * head_bytes
-        out = shape.heads // u * (u - 1) * head_bytes
-        forward["all_to_all"] = _counts(qkv + out, 2)
-        backward["all_to_all"] = _counts(out + qkv, 2)
-    if r > 1:
-        block = 2 * batch * (seqlen // r) * (kv_heads // u) * shape.head_dim  # K and V elements
-        kv, dkv = block * item_bytes, block * acc_bytes
-        if ring_impl == "p2p":
-            forward["p2p"] = _counts((r - 1) * kv, r - 1)
-            backward["p2p"] = _counts((r - 1) * (kv + dkv), 2 * (r - 1))
-        else:
-            forward["all_gather"] = _counts((r - 1) * kv, 1)
-            backward["all_gather"] = _counts((r - 1) * kv, 1)
-            backward["reduce_scatter"] = _counts((r - 1) * dkv, 1)
-    return {"forward": forward, "backward": backward}
 
 
 def bytes_ratio(measured: dict, formula: dict) -> float:

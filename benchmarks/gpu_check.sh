@@ -11,6 +11,9 @@
 #   emulate        benchmarks/emulate.py: one rank of 8- and 64-rank jobs (fake group)
 #   peers          benchmarks/peers.py: usp next to PyTorch context parallel and others
 #   train_emulate  benchmarks/train_emulate.py: one rank's training step
+#   plan_check     benchmarks/plan_check.py: usp plan's fake-tensor memory estimate of 4
+#                  layers of Llama-3.1-8B at 64k tokens (one of 8 ranks) against
+#                  torch.cuda.max_memory_allocated of the same step; fails beyond 10%
 #
 #   bash benchmarks/gpu_check.sh [RESULTS_DIR]     # default: results/
 #
@@ -102,6 +105,7 @@ step kernel_bench 120 "$PYTHON" benchmarks/kernel_bench.py --out "$OUT"
 step emulate 180 "$PYTHON" benchmarks/emulate.py --out "$OUT"
 script_step peers 90 benchmarks/peers.py benchmarks/peers.py --out "$OUT"
 script_step train_emulate 90 benchmarks/train_emulate.py benchmarks/train_emulate.py --out "$OUT"
+script_step plan_check 120 benchmarks/plan_check.py benchmarks/plan_check.py --out "$OUT"
 
 # ------------------------------------------------------------------ summary
 json_string() { # a JSON string literal of $1

@@ -12,12 +12,13 @@ import argparse
 
 from usp.cli.topo import add_parser as add_topo_parser
 from usp.cli.train import add_parser as add_train_parser
+from usp.planner.cli import add_parser as add_plan_parser
 
-# New subcommands: import their add_parser above (e.g.
-# ``from usp.planner.cli import add_parser as add_plan_parser``) and append it here.
+# New subcommands: import their add_parser above and append it here.
 SUBCOMMANDS = (
     add_topo_parser,
     add_train_parser,
+    add_plan_parser,
 )
 
 

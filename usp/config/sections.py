@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from usp.config.fields import check_bool, check_choice, check_int
+from usp.config.fields import check_bool, check_choice, check_int, is_number
 from usp.config.toml import AUTO, toml_repr
 from usp.errors import ConfigError
 from usp.options import BACKENDS, LAYOUTS, RING_IMPLS
@@ -19,10 +19,26 @@ class ClusterConfig:
 
     nodes: int | str
     gpus_per_node: int | str
+    # for ``usp plan``'s step-time estimate: link bandwidths in GB/s per direction
+    # ("auto": usp.planner.search.DEFAULT_INTRA_NODE_GBPS / DEFAULT_INTER_NODE_GBPS)
+    intra_node_gbps: float | str = AUTO
+    inter_node_gbps: float | str = AUTO
+    # the accelerator's name, for ``usp plan``'s memory limit ("auto": H200)
+    gpu: str = AUTO
 
     def __post_init__(self) -> None:
         check_int("cluster", "nodes", self.nodes, auto=True)
         check_int("cluster", "gpus_per_node", self.gpus_per_node, auto=True)
+        for key in ("intra_node_gbps", "inter_node_gbps"):
+            value = getattr(self, key)
+            if value != AUTO and not (is_number(value) and value > 0):
+                raise ConfigError(
+                    f'[cluster] {key} must be a number > 0 (GB/s) or "auto", got {toml_repr(value)}'
+                )
+        if not (isinstance(self.gpu, str) and self.gpu):
+            raise ConfigError(
+                f'[cluster] gpu must be a name such as "H200", got {toml_repr(self.gpu)}'
+            )
 
     @property
     def is_auto(self) -> bool:

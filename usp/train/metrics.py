@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -293,6 +294,10 @@ def step_row(step, loss, grad_norm, lr, batch, seconds, job, config, world, devi
         row["mfu"] = flops / seconds / world / (peak * 1e12)
     if device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+    else:  # the process's peak resident memory: its tensors plus Python and the libraries
+        # (not a tensor count like CUDA's: above `usp plan`'s figure)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB (bytes on macOS)
+        row["peak_memory_gib"] = peak * (1 if sys.platform == "darwin" else 1024) / GIB
     return row
 
 

@@ -1,0 +1,231 @@
+"""``usp plan``: one rank's step measured under fake tensors, scaled by depth, held
+against a real step, searched and printed."""
+
+import json
+
+import pytest
+import torch
+
+from usp.cli import main
+from usp.models import PRESETS
+from usp.planner.measure import Layout, Target, measure, measure_scaled
+from usp.planner.traffic import fsdp_traffic
+from usp.planner.validate import real_peak
+from usp.train.config import load_train_config
+
+TINY = """
+[cluster]
+nodes = 1
+gpus_per_node = {gpus}
+[parallel]
+ulysses = 1
+ring = 1
+[attention]
+layout = "{layout}"
+ring_impl = "{ring_impl}"
+[model]
+preset = "tiny"
+[model.overrides]
+num_hidden_layers = {layers}
+{extra_model}
+[data]
+source = "synthetic"
+[train]
+steps = 1
+global_batch = {global_batch}
+seq_len = {seq_len}
+device = "cpu"
+"""
+
+
+def write_config(tmp_path, *, gpus=4, layers=2, seq_len=512, global_batch=1,
+                 layout="zigzag", ring_impl="p2p", extra_model=""):  # fmt: skip
+    path = tmp_path / "plan.toml"
+    path.write_text(
+        TINY.format(
+            gpus=gpus,
+            layers=layers,
+            seq_len=seq_len,
+            global_batch=global_batch,
+            layout=layout,
+            ring_impl=ring_impl,
+            extra_model=extra_model,
+        )  # fmt: skip
+    )
+    return path
+
+
+def target_of(path, world, device="cpu"):
+    job = load_train_config(path)
+    model = PRESETS["tiny"].replace(**job.model.overrides)
+    return Target(job, model, world, world, device)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------- depth
+@pytest.mark.parametrize(
+    "layout, checkpointing",
+    [(Layout(2, 2, 1, True), True), (Layout(1, 2, 2, False), False)],
+)
+def test_scaled_depth_equals_a_full_depth_run(tmp_path, layout, checkpointing):
+    """Measured at 3 and 4 layers and extrapolated to 6, every phase's peak (and each
+    part of its breakdown) equals a 6-layer run byte for byte."""
+    path = write_config(tmp_path, layers=6, seq_len=256, global_batch=2, layout="contiguous")
+    target = target_of(path, 4)
+    full = measure(target, layout)
+    scaled = measure_scaled(target, layout)
+    assert full.layers == scaled.layers == 6
+    assert [p.device for p in scaled.phases] == [p.device for p in full.phases]
+    assert [p.breakdown for p in scaled.phases] == [p.breakdown for p in full.phases]
+    assert scaled.peak_device == full.peak_device > 0
+    # what the extrapolation must get right: deeper is more memory, also in backward
+    shallow = measure(target, layout, layers=3)
+    assert full.peak_device > shallow.peak_device
+
+
+# ----------------------------------------------------------------------------- real step
+@pytest.mark.parametrize(
+    "layout, ring_impl",
+    [(Layout(2, 2, 1, True), "p2p"), (Layout(1, 4, 1, False), "allgather")],
+)
+def test_estimate_matches_what_a_real_cpu_step_allocates(tmp_path, layout, ring_impl):
+    """The same step run for real, its peak from torch.profiler's allocator events (not
+    the tracker): the fake-tensor estimate is within 10% (measured: 0.995 and 0.998)."""
+    path = write_config(tmp_path, seq_len=4096, ring_impl=ring_impl)
+    target = target_of(path, 4)
+    estimate = measure(target, layout).peak_device
+    real = real_peak(target, layout)
+    assert real > 1_000_000  # a real step of 1024 tokens per rank, not an empty profile
+    assert 0.9 <= estimate / real <= 1.1, (estimate, real)
+
+
+# ----------------------------------------------------------------------------- traffic
+def test_fsdp_traffic_by_hand():
+    """4 ranks, 2 layers of 100 parameters and 50 others, bf16 gathers, fp32 reduction:
+    layer 0 gathered twice, layer 1 once (kept from forward), the root once."""
+    t = fsdp_traffic(100, 50, 2, world=4, compute_bytes=2, reduce_bytes=4)
+    assert t["fsdp_all_gather"]["received"] == int((2 * 100 + 100 + 50) * 2 * 3 / 4)
+    assert t["fsdp_reduce_scatter"]["sent"] == int((2 * 100 + 50) * 4 * 3 / 4)
+
+
+# ----------------------------------------------------------------------------- the command
+def plan_cli(capsys, *argv):
+    code = main(["plan", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_json_ranks_every_layout_and_finds_the_longest_sequence(tmp_path, capsys):
+    path = write_config(tmp_path, gpus=8, seq_len=1024)
+    code, out, err = plan_cli(
+        capsys, path, "--json", "--nodes", 1, "--gpus-per-node", 2, "--seq-len", 512,
+        "--device", "cpu", "--host-memory-gib", 64, "--gpu-memory-gib", 0.01,
+    )  # fmt: skip
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["seq_len"] == 512 and plan["world_size"] == 2
+    grids = {(c["ulysses"], c["ring"], c["dp"]) for c in plan["candidates"]}
+    assert grids == {(1, 2, 1), (2, 1, 1)}  # global_batch 1: no dp
+    assert {c["activation_checkpointing"] for c in plan["candidates"]} == {True, False, "offload"}
+    for c in plan["candidates"]:
+        assert c["fits"] == (c["peak_device_gib"] <= 0.01 * 0.9)
+        assert c["tokens_per_rank"] == 256
+        assert c["comm_bytes_per_step"]["fsdp_all_gather"] > 0
+    assert plan["best"] == plan["candidates"][0] and plan["best"]["fits"]
+    fitting = [c for c in plan["candidates"] if c["fits"]]
+    assert plan["best"]["step_time_s_estimate"] == min(c["step_time_s_estimate"] for c in fitting)
+    # the longest fitting sequence: a multiple of the layout's need, longer than 512 here
+    assert plan["max_seq_len"] > 512 and plan["max_seq_len"] % 4 == 0
+
+
+def test_plan_text_shows_the_table_and_lines_to_paste(tmp_path, capsys):
+    path = write_config(tmp_path, gpus=2, seq_len=256)
+    code, out, err = plan_cli(capsys, path, "--gpu-memory-gib", 0.01)
+    assert code == 0, err
+    assert "ulysses ring  dp" in out and "paste into the config:" in out
+    assert "[parallel]\nulysses = " in out and "activation_checkpointing = " in out
+    assert "longest sequence that fits:" in out
+
+
+def test_plan_errors_exit_2_with_a_message(tmp_path, capsys):
+    code, _, err = plan_cli(capsys, tmp_path / "missing.toml")
+    assert code == 2 and "no such config file" in err
+
+    heads = "num_attention_heads = 4\nnum_key_value_heads = 3"
+    path = write_config(tmp_path, gpus=2, extra_model=heads)
+    code, _, err = plan_cli(capsys, path)
+    assert code == 2 and "must be a multiple of num_key_value_heads(3)" in err, err
+
+    path = write_config(tmp_path, gpus=2, seq_len=256)
+    code, out, err = plan_cli(capsys, path, "--gpu-memory-gib", 1e-6)
+    assert code == 2 and "no layout fits 256 tokens" in err, err
+    assert "ulysses ring" in out  # the table still says what each layout needs
+
+
+def test_plan_check_script_compares_on_this_device(tmp_path):
+    """benchmarks/plan_check.py (the GPU check's planner step) at a CPU size."""
+    from usp_cases import load_benchmark
+
+    plan_check = load_benchmark("plan_check")
+    argv = ["--preset", "tiny", "--layers", "1", "--seq-len", "2048", "--world", "2",
+            "--ulysses", "2", "--ring", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert plan_check.main(argv) == 0
+    row = json.loads((tmp_path / "plan_check.json").read_text())
+    assert row["device"] == "cpu" and 0.9 <= row["ratio"] <= 1.1
+
+
+# ----------------------------------------------------------------------------- cluster keys
+def test_cluster_keys_set_the_memory_limit_and_the_links(tmp_path):
+    from usp.planner.plan import _cluster
+    from usp.planner.search import Layout, comm_bytes, step_time
+
+    text = write_config(tmp_path, gpus=4, global_batch=2).read_text().replace(
+        "gpus_per_node = 4", 'gpus_per_node = 4\ngpu = "A100"\nintra_node_gbps = 100\ninter_node_gbps = 5'
+    )  # fmt: skip
+    path = tmp_path / "a100.toml"
+    path.write_text(text)
+    job = load_train_config(path)
+    cluster, gpu = _cluster(job, 2, None, None, None, "cuda")
+    assert (gpu, cluster.gpu_memory_gib, cluster.world_size) == ("A100", 79.2, 8)
+    assert (cluster.intra_node_gbps, cluster.inter_node_gbps) == (100, 5)
+    # a ring across the two nodes is bound by the 5 GB/s link, one inside a node is not
+    target = target_of(path, 8, device="cuda")
+    across, inside = Layout(4, 2, 1), Layout(4, 1, 2)
+    sent = comm_bytes(target, across)
+    assert sent["attention_p2p"] > 0 and sent["attention_all_to_all"] > 0
+    slow = step_time(target, across, cluster, sent)
+    fast = step_time(target, across, replace_links(cluster, 50), sent)
+    assert slow > fast
+    assert step_time(target, inside, cluster, comm_bytes(target, inside)) > 0
+
+
+def replace_links(cluster, inter):
+    from dataclasses import replace
+
+    return replace(cluster, inter_node_gbps=inter)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('gpu = "B300"', "[cluster] gpu = 'B300': its memory is not known here"),
+        ("inter_node_gbps = 0", "[cluster] inter_node_gbps must be a number > 0"),
+    ],
+)
+def test_bad_cluster_keys_exit_2(tmp_path, capsys, line, message):
+    text = (
+        write_config(tmp_path, gpus=2)
+        .read_text()
+        .replace("gpus_per_node = 2", f"gpus_per_node = 2\n{line}")
+    )
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    code, _, err = plan_cli(capsys, path, "--device", "cuda")
+    assert code == 2 and message in err, err

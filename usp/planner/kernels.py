@@ -1,0 +1,125 @@
+"""The attention kernels a planned step runs under fake tensors.
+
+Under ``FakeTensorMode`` no kernel computes anything: each aten op's fake (meta) kernel
+only allocates its outputs, which is all the memory tracker needs. What must not run
+there is the host-side vetting around the real backends: the one-time self-check
+(it compares numbers), ``torch.cuda.get_device_capability`` (no GPU on the planning
+machine) and the CPU backend's finiteness test (a host read of a tensor). So the planner
+brings its own two backends, one per device type -- ``cudnn`` on CUDA, ``cpu`` on the
+CPU, the kernels ``usp train`` picks first there -- which call the same aten ops with
+the same layouts as :mod:`usp.kernels.backends.sdpa_cuda` and
+:mod:`usp.kernels.backends.cpu` and nothing else. :func:`planning_kernels` swaps them in
+for the registry's lookups of those names while a step is measured, and back on exit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from unittest import mock
+
+import torch
+
+from usp.kernels.backends import registry
+from usp.kernels.backends.base import Backend, Grads
+from usp.kernels.masks import lse_for_backward
+
+#: what ``backend = "auto"`` runs for the trainer's packed calls (it always passes the
+#: document boundaries): the first backend with native varlen kernels on CUDA (torch's
+#: FA2), the CPU flash kernel on the CPU
+AUTO_PACKED = {"cuda": "flash", "cpu": "cpu"}
+_CUDA_NAMES = ("cudnn", "flash_attn", "flash", "efficient")
+
+
+def planning_backend(device: str, configured: str) -> str:
+    """The backend name a planned step (and its time estimate) uses: the configured one,
+    or for ``"auto"`` the one auto would pick for the trainer's calls."""
+    if configured == "auto":
+        return AUTO_PACKED[device]
+    if device == "cpu" and configured in _CUDA_NAMES:
+        from usp.kernels.spec import BackendUnavailableError
+
+        raise BackendUnavailableError(
+            f"[attention] backend = {configured!r} runs on CUDA only; plan with --device cuda "
+            'or set backend = "auto" or "cpu"'
+        )
+    return configured
+
+
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)  # [B, S, H, D] -> [B, H, S, D] (a view)
+
+
+class _FakeCuda(Backend):
+    """cuDNN attention's ops (``_scaled_dot_product_cudnn_attention`` and its backward)
+    on contiguous BSHD tensors, as ``sdpa_cuda.CudnnBackend`` calls them. It stands for
+    every CUDA backend: they all return out in the input's dtype and an fp32 LSE of one
+    value per row, and take the same tensors back. On the CPU stand-in device (a torch
+    without CUDA) the ops' fake kernels run on CPU fake tensors."""
+
+    device_types = ("cuda", "cpu")
+    self_checked = False
+    min_seqlen_k = 2
+
+    def forward(self, q, k, v, spec, scale):
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, spec.causal, False, scale=scale
+        )[:2]
+        return _bhsd(out), lse.reshape(spec.batch, spec.num_heads, spec.seqlen_q)
+
+    def backward(self, dout, q, k, v, out, lse, spec, scale) -> Grads:
+        q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
+        kernel_lse = lse_for_backward(lse).contiguous().unsqueeze(-1)  # [B, H, S, 1]
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        offset = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), kernel_lse, seed, offset,
+            None, None, None, spec.seqlen_q, spec.seqlen_k, 0.0, spec.causal, scale=scale,
+        )  # fmt: skip
+        return _bhsd(dq), _bhsd(dk), _bhsd(dv)
+
+
+class _FakeCpu(Backend):
+    """The CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``) without the
+    real backend's finiteness detour (which reads a value on the host)."""
+
+    name = "cpu"
+    device_types = ("cpu",)
+    self_checked = False
+    bottom_right_causal = False
+
+    def forward(self, q, k, v, spec, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, spec.causal, scale=scale
+        )
+        return _bhsd(out), lse
+
+    def backward(self, dout, q, k, v, out, lse, spec, scale) -> Grads:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out),
+            lse_for_backward(lse).contiguous(), 0.0, spec.causal, scale=scale,
+        )  # fmt: skip
+        return _bhsd(dq), _bhsd(dk), _bhsd(dv)
+
+
+def _cuda(name: str) -> _FakeCuda:
+    kernel = _FakeCuda()
+    kernel.name = name
+    return kernel
+
+
+_PLANNING: dict[str, Backend] = {"cpu": _FakeCpu(), **{n: _cuda(n) for n in _CUDA_NAMES}}
+
+
+@contextmanager
+def planning_kernels() -> Iterator[None]:
+    """While inside, the registry hands out the planning backends for the CUDA names and
+    ``cpu`` (``math`` as before). Not thread-safe: one planned step at a time."""
+    real_get = registry.get
+
+    def get(name: str) -> Backend:
+        return _PLANNING.get(name) or real_get(name)
+
+    with mock.patch.object(registry, "get", get):
+        yield

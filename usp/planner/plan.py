@@ -1,0 +1,136 @@
+""":func:`plan`: a config and a cluster in, a ranked :class:`PlanResult` out (what
+``usp plan`` prints)."""
+
+from __future__ import annotations
+
+import time
+
+from usp.config import AUTO, ConfigError
+from usp.errors import HeadLayoutError
+from usp.planner import search
+from usp.planner.measure import Target
+from usp.planner.report import PlanResult
+
+
+def _cluster(job, nodes, gpus_per_node, gpu_memory_gib, host_memory_gib, device):
+    c = job.topology.cluster
+    nodes = nodes or c.nodes
+    gpus = gpus_per_node or c.gpus_per_node
+    if nodes == AUTO or gpus == AUTO:
+        raise job.error(
+            f"[cluster] nodes = {nodes!r}, gpus_per_node = {gpus!r}: the plan needs numbers; "
+            "give --nodes and --gpus-per-node"
+        )
+    gpu = search.DEFAULT_GPU if c.gpu == AUTO else c.gpu
+    host = host_memory_gib or search.DEFAULT_HOST_MEMORY_GIB
+    if gpu_memory_gib is None and device == "cuda":
+        if gpu not in search.GPU_MEMORY_GIB:
+            known = ", ".join(search.GPU_MEMORY_GIB)
+            raise job.error(
+                f"[cluster] gpu = {gpu!r}: its memory is not known here (known: {known}); "
+                "give --gpu-memory-gib"
+            )
+        gpu_memory_gib = search.GPU_MEMORY_GIB[gpu]
+    if device == "cpu":  # a CPU rank's "device" is its share of the host
+        gpu_memory_gib = gpu_memory_gib or host / gpus
+        gpu = "cpu"
+    intra = search.DEFAULT_INTRA_NODE_GBPS if c.intra_node_gbps == AUTO else c.intra_node_gbps
+    inter = search.DEFAULT_INTER_NODE_GBPS if c.inter_node_gbps == AUTO else c.inter_node_gbps
+    return search.Cluster(nodes, gpus, gpu_memory_gib, host, intra, inter), gpu
+
+
+def plan(
+    config: str,
+    *,
+    seq_len: int | None = None,
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    gpu_memory_gib: float | None = None,
+    host_memory_gib: float | None = None,
+    device: str | None = None,
+    started: float | None = None,
+) -> PlanResult:
+    """Measure and rank every layout of ``config`` (see :mod:`usp.planner.search`).
+    Raises a :class:`usp.errors.UspError` for a config, a cluster or a model no layout
+    can serve; a result without a fitting candidate is returned (``best`` is None)."""
+    from usp.train.components import model_source
+    from usp.train.config import load_train_config
+
+    started = time.perf_counter() if started is None else started
+    job = load_train_config(config)
+    if seq_len is not None:
+        job = job.with_overrides(seq_len=seq_len)
+    device = device or (job.train.device if job.train.device != AUTO else "cuda")
+    source = model_source(job)
+    model = source.config
+    cluster, gpu = _cluster(job, nodes, gpus_per_node, gpu_memory_gib, host_memory_gib, device)
+    job = _with_cluster(job, cluster)
+    notes: list[str] = []
+    layouts = search.layouts(model, cluster, job)
+    if not layouts:
+        raise HeadLayoutError(
+            f"{config}: no (ulysses, ring, dp) serves {model.num_attention_heads} heads / "
+            f"{model.num_key_value_heads} KV heads on {cluster.nodes} node(s) x "
+            f"{cluster.gpus_per_node} with global_batch {job.train.global_batch}"
+        )
+    runnable = [
+        layout
+        for layout in layouts
+        if job.train.seq_len % search.sequence_multiple(layout, job) == 0
+    ]
+    skipped = len(layouts) - len(runnable)
+    if skipped:
+        notes.append(
+            f"{skipped} layout(s) skipped: seq_len {job.train.seq_len} is not a multiple of "
+            "what their grid needs (ring * lcm(2, ulysses) for zigzag, ring * ulysses for "
+            "contiguous)"
+        )
+    if not runnable:
+        raise ConfigError(
+            f"{config}: seq_len {job.train.seq_len} suits no grid on this cluster; use a "
+            f"multiple of {2 * cluster.world_size}"
+        )
+    target = Target(job, model, cluster.world_size, cluster.gpus_per_node, device)
+    cache: dict = {}
+    ranked = search.rank([search.evaluate(target, layout, cluster, cache) for layout in runnable])
+    longest, longest_layout = search.max_seq_len(target, runnable, cluster, cache)
+    if device == "cuda" and ranked and not ranked[0].footprint.host_separated:
+        notes.append(
+            "host memory: this torch has no CUDA, so the CUDA step ran on CPU fake tensors and "
+            "host-resident tensors (none in these options) count as device memory"
+        )
+    notes.append(
+        f"fits = peak device memory <= {search.USABLE_FRACTION:.0%} of the GPU's "
+        "(the rest: CUDA context, kernel workspaces, fragmentation)"
+    )
+    return PlanResult(
+        config=config,
+        model_name=job.model.preset or str(source.directory),
+        seq_len=job.train.seq_len,
+        cluster=cluster,
+        device=device,
+        gpu=gpu,
+        candidates=ranked,
+        max_seq_len=longest,
+        max_seq_layout=longest_layout,
+        notes=notes,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _with_cluster(job, cluster):
+    """The job with the planned cluster's shape as its ``[cluster]``."""
+    return job.with_overrides(nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node)
+
+
+def nothing_fits(result: PlanResult) -> str:
+    """The message for a plan without a fitting candidate."""
+    if result.max_seq_len:
+        return (
+            f"no layout fits {result.seq_len:,} tokens per sequence on this cluster; the "
+            f"longest that fits is {result.max_seq_len:,} (plan that with --seq-len)"
+        )
+    return (
+        f"no layout fits {result.seq_len:,} tokens per sequence on this cluster, nor any "
+        "shorter one tried; use more GPUs (--nodes), or a smaller model"
+    )

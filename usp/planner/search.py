@@ -1,0 +1,365 @@
+"""The search: every way to run a job on a cluster, each measured, fitted and timed.
+
+:func:`candidates` lists every valid ``(ulysses, ring, dp)`` for the model's heads and
+the nodes (:class:`usp.process_groups.rank_math.RankMap` validates each, so Ulysses
+groups stay inside nodes unless the config allows otherwise) times every
+activation-memory option the trainer's config accepts (:data:`MEMORY_OPTIONS`, one
+line per lever). :func:`evaluate` measures each one's memory
+(:func:`usp.planner.measure.measure_scaled`), checks it against the device's and the
+host's memory, and estimates its step time (:func:`step_time`). :func:`max_seq_len`
+finds the longest sequence some candidate fits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from usp.config import ConfigError
+from usp.planner.kernels import planning_backend
+from usp.planner.measure import Footprint, Layout, Target, measure_scaled
+from usp.planner.traffic import fsdp_traffic, step_traffic, traffic_formula
+
+GIB = 2**30
+GB = 1e9
+
+#: ``([train] activation_checkpointing, [train] mlp_tile_tokens)`` pairs the search
+#: tries, least recomputation first. A lever the trainer's config does not accept
+#: (yet) is left out by :func:`memory_options`, so a new one is one line here.
+MEMORY_OPTIONS: tuple[tuple[bool | str, int], ...] = (
+    (False, 0),
+    (True, 0),
+    ("offload", 0),
+    (True, 8192),
+    ("offload", 8192),
+)
+
+#: the part of a device's memory a plan may use: the rest is for the CUDA context, the
+#: kernels' workspaces and the caching allocator's fragmentation
+USABLE_FRACTION = 0.9
+#: device memory in GiB by GPU name (``[cluster] gpu``); what ``nvidia-smi`` reports
+GPU_MEMORY_GIB = {"H200": 140.0, "H100": 79.6, "A100": 79.2}
+DEFAULT_GPU = "H200"
+#: host memory per node in GiB when neither the config nor the command line says
+DEFAULT_HOST_MEMORY_GIB = 2048.0
+#: link bandwidths in GB/s (1e9 bytes/s) per direction, when the config does not say:
+#: NVLink 4 on H100/H200 (~450 GB/s measured per direction of the 900 GB/s total) and
+#: one 400 Gb/s InfiniBand NIC per GPU (50 GB/s)
+DEFAULT_INTRA_NODE_GBPS = 450.0
+DEFAULT_INTER_NODE_GBPS = 50.0
+
+#: TFLOP/s per attention backend, forward + backward, causal, bf16 (H200 measurements
+#: of shared/DESIGN.md, at 128k tokens; flash_attn assumed equal to torch's FA2)
+ATTENTION_TFLOPS = {"cudnn": 542.0, "flash": 325.0, "flash_attn": 325.0, "efficient": 144.0}
+#: the matmuls (projections, MLP, output head) in bf16 on an H200: an assumption (two
+#: thirds of the 989 TFLOP/s dense peak, what large cuBLAS GEMMs reach), not measured here
+GEMM_TFLOPS = 660.0
+#: every kernel on a CPU device: a rough figure, not measured (CPU plans are for demos)
+CPU_TFLOPS = 0.5
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+    host_memory_gib: float  # per node
+    intra_node_gbps: float = DEFAULT_INTRA_NODE_GBPS
+    inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout at one sequence length, measured and timed."""
+
+    layout: Layout
+    seq_len: int
+    footprint: Footprint
+    fits: bool
+    why_not: str | None
+    step_time_s: float
+    comm_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak_device_gib(self) -> float:
+        return self.footprint.peak_device / GIB
+
+    @property
+    def peak_host_gib(self) -> float:
+        return self.footprint.peak_host / GIB
+
+
+# ----------------------------------------------------------------------------- candidates
+def memory_options(job) -> list[tuple[bool | str, int]]:
+    """The :data:`MEMORY_OPTIONS` the trainer's ``[train]`` section accepts."""
+    accepted = []
+    for checkpointing, tile in MEMORY_OPTIONS:
+        options = {"activation_checkpointing": checkpointing}
+        if tile:
+            options["mlp_tile_tokens"] = tile
+        try:
+            job.with_overrides(**options)
+        except (ConfigError, TypeError):
+            continue
+        accepted.append((checkpointing, tile))
+    return accepted
+
+
+def grids(model, cluster: Cluster, job) -> list[tuple[int, int, int]]:
+    """Every ``(ulysses, ring, dp)`` the heads, the nodes and the batch allow."""
+    from usp.process_groups import valid_degree_pairs
+    from usp.process_groups.rank_math import RankMap, TopologyError
+
+    parallel = job.topology.parallel
+    world = cluster.world_size
+    found = []
+    for dp in (d for d in range(1, world + 1) if world % d == 0):
+        sp = world // dp
+        pairs = valid_degree_pairs(model.num_attention_heads, model.num_key_value_heads, sp)
+        for u, r in pairs:
+            try:
+                RankMap(
+                    world, cluster.gpus_per_node, u, r, dp, parallel.placement,
+                    parallel.allow_cross_node_ulysses,
+                )  # fmt: skip
+                job.gradient_accumulation(dp)
+            except (TopologyError, ConfigError):
+                continue
+            found.append((u, r, dp))
+    return found
+
+
+def layouts(model, cluster: Cluster, job) -> list[Layout]:
+    return [
+        Layout(u, r, dp, checkpointing, tile)
+        for u, r, dp in grids(model, cluster, job)
+        for checkpointing, tile in memory_options(job)
+    ]
+
+
+def sequence_multiple(layout: Layout, job) -> int:
+    """Every sequence length a layout serves is a multiple of this."""
+    from usp.sharding import required_multiple
+
+    return required_multiple(layout.ring, layout.ulysses, job.topology.attention.layout)
+
+
+# ----------------------------------------------------------------------------- time
+def _spans_nodes(members, ranks_per_node: int) -> bool:
+    return len({m // ranks_per_node for m in members}) > 1
+
+
+def comm_bytes(target: Target, layout: Layout) -> dict[str, int]:
+    """Bytes one rank sends per step, by kind (:mod:`usp.planner.traffic`)."""
+    model, job = target.model, target.job
+    compute = 2 if target.device == "cuda" else 4
+    heads = _Heads(model.num_attention_heads, model.num_key_value_heads, model.attention_head_dim)
+    row = job.train.micro_batch * job.train.seq_len
+    attention = traffic_formula(
+        heads, batch=1, seqlen=row, ulysses=layout.ulysses, ring=layout.ring,
+        ring_impl=job.topology.attention.ring_impl, item_bytes=compute, acc_bytes=4,
+    )  # fmt: skip
+    per_layer, other = _parameter_counts(model)
+    fsdp = fsdp_traffic(
+        per_layer, other, model.num_hidden_layers, world=target.world_size,
+        compute_bytes=compute, reduce_bytes=4,
+    )  # fmt: skip
+    return step_traffic(
+        attention,
+        fsdp,
+        layers=model.num_hidden_layers,
+        micro_batches=job.gradient_accumulation(layout.dp),
+        recompute=bool(layout.activation_checkpointing),
+    )
+
+
+@dataclass(frozen=True)
+class _Heads:
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def _parameter_counts(model) -> tuple[int, int]:
+    h, hd = model.hidden_size, model.attention_head_dim
+    q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * model.intermediate_size + 2 * h
+    other = h * model.vocab_size * (1 if model.tie_word_embeddings else 2) + h
+    return per_layer, other
+
+
+def step_time(target: Target, layout: Layout, cluster: Cluster, sent: dict[str, int]) -> float:
+    """Estimated seconds per optimizer step on one rank: FLOPs at the kernels'
+    throughput plus communication over the links. Matmuls (x4/3 with activation
+    checkpointing's recompute, x1 + 2/3 more for a tiled MLP's) overlap FSDP's
+    collectives (prefetch); attention overlaps the p2p ring (double buffering); the
+    Ulysses all-to-alls and the allgather ring's collectives are serial."""
+    from usp.train.metrics import matmul_params
+
+    model, job = target.model, target.job
+    row = job.train.micro_batch * job.train.seq_len
+    rows = job.gradient_accumulation(layout.dp)
+    sp = layout.sp
+    gemm = 6 * matmul_params(model) * row * rows / sp
+    attention = 6 * model.num_hidden_layers * model.num_attention_heads
+    attention *= model.attention_head_dim * row * row * rows / sp
+    if layout.activation_checkpointing:
+        gemm, attention = gemm * 4 / 3, attention * 4 / 3
+    if layout.mlp_tile_tokens:
+        gemm *= 1.2  # the MLP's forward once more (it is ~2/3 of a layer's matmuls)
+    if target.device == "cuda":
+        backend = planning_backend("cuda", job.topology.attention.backend)
+        gemm_s = gemm / (GEMM_TFLOPS * 1e12)
+        attention_s = attention / (ATTENTION_TFLOPS.get(backend, 144.0) * 1e12)
+    else:
+        gemm_s, attention_s = gemm / (CPU_TFLOPS * 1e12), attention / (CPU_TFLOPS * 1e12)
+    links = _links(layout, cluster, job)
+    seconds = {kind: sent.get(kind, 0) / (links[kind] * GB) for kind in links}
+    exposed = seconds["attention_all_to_all"] + seconds["attention_all_gather"]
+    exposed += seconds["attention_reduce_scatter"]
+    return (
+        max(gemm_s, seconds["fsdp_all_gather"] + seconds["fsdp_reduce_scatter"])
+        + max(attention_s, seconds["attention_p2p"])
+        + exposed
+    )
+
+
+def _links(layout: Layout, cluster: Cluster, job) -> dict[str, float]:
+    """GB/s of the link each kind crosses for rank 0: a group that spans nodes is bound
+    by its inter-node hop."""
+    from usp.process_groups.rank_math import RankMap
+
+    parallel = job.topology.parallel
+    n = cluster.gpus_per_node
+    rank_map = RankMap(
+        cluster.world_size, n, layout.ulysses, layout.ring, layout.dp, parallel.placement,
+        parallel.allow_cross_node_ulysses,
+    )  # fmt: skip
+
+    def speed(members) -> float:
+        return cluster.inter_node_gbps if _spans_nodes(members, n) else cluster.intra_node_gbps
+
+    ring = speed(rank_map.ring_group_of(0))
+    fsdp = speed(range(cluster.world_size))
+    return {
+        "attention_all_to_all": speed(rank_map.ulysses_group_of(0)),
+        "attention_p2p": ring,
+        "attention_all_gather": ring,
+        "attention_reduce_scatter": ring,
+        "fsdp_all_gather": fsdp,
+        "fsdp_reduce_scatter": fsdp,
+    }
+
+
+# ----------------------------------------------------------------------------- fitting
+def judge(footprint: Footprint, cluster: Cluster) -> tuple[bool, str | None]:
+    """Whether a footprint fits the device (:data:`USABLE_FRACTION` of it) and the
+    host (every rank of a node together), and if not, why."""
+    device_limit = cluster.gpu_memory_gib * USABLE_FRACTION
+    device = footprint.peak_device / GIB
+    host = footprint.peak_host / GIB * cluster.gpus_per_node
+    if device > device_limit:
+        return False, f"device {device:.1f} GiB > {device_limit:.1f} GiB usable"
+    if host > cluster.host_memory_gib:
+        return False, f"host {host:.1f} GiB per node > {cluster.host_memory_gib:.0f} GiB"
+    return True, None
+
+
+def target_at(target: Target, seq_len: int) -> Target:
+    return replace(target, job=target.job.with_overrides(seq_len=seq_len))
+
+
+def evaluate(target: Target, layout: Layout, cluster: Cluster, cache: dict) -> Candidate:
+    """One layout at the target's sequence length (measurements cached per length)."""
+    footprint = _footprint_at(target, layout, cache, target.seq_len)
+    fits, why = judge(footprint, cluster)
+    sent = comm_bytes(target, layout)
+    return Candidate(
+        layout, target.seq_len, footprint, fits, why, step_time(target, layout, cluster, sent), sent
+    )
+
+
+def rank(candidates: list[Candidate]) -> list[Candidate]:
+    """Fitting ones first, fastest first; then the rest by device memory."""
+    return sorted(
+        candidates,
+        key=lambda c: (not c.fits, c.step_time_s if c.fits else c.footprint.peak_device),
+    )
+
+
+#: grids whose longest sequence is searched (those with the least memory per rank)
+FRONTIER = 2
+
+
+def max_seq_len(
+    target: Target, layouts_: list[Layout], cluster: Cluster, cache: dict, *, rounds: int = 4
+) -> tuple[int, Layout | None]:
+    """The longest sequence (a multiple of what the layout needs) that some layout fits,
+    and that layout. Each layout's peak grows close to linearly with the sequence: a
+    line through two measured lengths predicts its longest fit, the best prediction is
+    measured, and the step down (or up) repeats until a measured length fits and the
+    next multiple does not, or ``rounds`` measurements are spent (then the longest
+    measured fit is returned)."""
+    base = target.seq_len
+    best_len, best_layout, predictions = 0, None, []
+    for layout in _frontier(layouts_, target, cache):
+        multiple = sequence_multiple(layout, target.job)
+        lengths = (base, max(multiple, base // 2 // multiple * multiple))
+        if lengths[1] == lengths[0]:
+            lengths = (base, base * 2)
+        points = [(s, _footprint_at(target, layout, cache, s)) for s in lengths]
+        predictions.append((_predict(points, cluster, multiple), layout, multiple))
+        for s, footprint in points:
+            if judge(footprint, cluster)[0] and s > best_len:
+                best_len, best_layout = s, layout
+    predictions.sort(key=lambda p: -p[0])
+    for predicted, layout, multiple in predictions[:1]:
+        length = predicted
+        for _ in range(rounds):
+            if length <= best_len or length < multiple:
+                break
+            if judge(_footprint_at(target, layout, cache, length), cluster)[0]:
+                best_len, best_layout = length, layout
+                above = length + multiple
+                if judge(_footprint_at(target, layout, cache, above), cluster)[0]:
+                    length = above * 2  # the line was pessimistic: look further
+                    continue
+                break
+            length = int(length * 0.95) // multiple * multiple
+    return best_len, best_layout
+
+
+def _frontier(layouts_: list[Layout], target: Target, cache: dict) -> list[Layout]:
+    """The layouts worth extending: dp = 1 (a replica of fewer ranks holds more tokens
+    per rank), each grid with its most memory-saving option (the last accepted), and of
+    those the :data:`FRONTIER` with the least memory at the planned length."""
+    best: dict[tuple[int, int], Layout] = {}
+    for layout in layouts_:
+        if layout.dp == 1:
+            best[(layout.ulysses, layout.ring)] = layout
+
+    def peak(layout: Layout) -> int:
+        return _footprint_at(target, layout, cache, target.seq_len).peak_device
+
+    return sorted(best.values(), key=peak)[:FRONTIER]
+
+
+def _footprint_at(target: Target, layout: Layout, cache: dict, seq_len: int) -> Footprint:
+    key = (layout, seq_len)
+    if key not in cache:
+        cache[key] = measure_scaled(target_at(target, seq_len), layout)
+    return cache[key]
+
+
+def _predict(points, cluster: Cluster, multiple: int) -> int:
+    (s0, f0), (s1, f1) = points
+    limit = cluster.gpu_memory_gib * USABLE_FRACTION * GIB
+    slope = (f1.peak_device - f0.peak_device) / (s1 - s0)
+    if slope <= 0:
+        return max(s0, s1)
+    length = s0 + (limit - f0.peak_device) / slope
+    return max(0, math.floor(length / multiple) * multiple)

@@ -1,0 +1,128 @@
+"""Bytes one rank sends and receives per step, by collective kind, in closed form.
+
+:func:`traffic_formula` is the attention's traffic (Ulysses all-to-alls, the ring's K/V
+and dK/dV), the formula ``benchmarks/emulate.py`` checks against ``CommStats`` byte
+counters; :func:`fsdp_traffic` is FSDP2's (parameter all-gathers, gradient
+reduce-scatters); :func:`step_traffic` adds them up for one training step.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from usp.process_groups import kv_replication
+
+
+class HeadShape(Protocol):
+    """Attention heads: query heads, KV heads, head dim (``benchmarks/emulate.py``'s
+    ``AttentionShape`` is one)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def _counts(moved: int, calls: int) -> dict[str, int]:
+    return {"sent": moved, "received": moved, "calls": calls}
+
+
+def traffic_formula(
+    shape: HeadShape,
+    *,
+    batch: int,
+    seqlen: int,
+    ulysses: int,
+    ring: int,
+    ring_impl: str,
+    item_bytes: int,
+    acc_bytes: int,
+) -> dict[str, dict[str, dict[str, int]]]:
+    """Bytes one rank sends and receives per collective kind, ``{"forward": {kind:
+    {"sent", "received", "calls"}}, "backward": {...}}``, as ``CommStats.snapshot()``.
+
+    ``seqlen`` is one SP replica's sequence (each rank holds ``seqlen / (u * r)`` tokens);
+    ``acc_bytes`` is the element size of the float32 (float64 for float64) accumulators.
+
+    Ulysses (u > 1), one all-to-all each way per pass; a rank keeps 1/u of what it packs:
+      forward q, k, v (KV heads replicated to lcm(Hkv, u)) then out; backward dout
+      then dq, dk, dv: (2H + 2Hkv') * B * L * D * item * (u - 1) / u per pass.
+    Ring (r > 1) on the post-all-to-all block of S/r tokens and Hkv'/u KV heads:
+      p2p: forward r-1 K/V blocks; backward r-1 K/V blocks + r-1 accumulator dK/dV blocks
+      (each accumulator starts at the owner's next rank and reaches the owner in r-1 hops).
+      allgather: forward all_gather of (r-1) local K/V; backward all_gather again and
+      reduce_scatter of (r-1) accumulator dK/dV blocks ((r-1)/r of the gathered dK/dV).
+    """
+    u, r = ulysses, ring
+    local = seqlen // (u * r)
+    kv_heads = shape.kv_heads * kv_replication(shape.heads, shape.kv_heads, u)
+    forward: dict[str, dict[str, int]] = {}
+    backward: dict[str, dict[str, int]] = {}
+    if u > 1:
+        head_bytes = batch * local * shape.head_dim * item_bytes  # one head of this rank's tokens
+        qkv = (shape.heads + 2 * kv_heads) // u * (u - 1) * head_bytes
+        out = shape.heads // u * (u - 1) * head_bytes
+        forward["all_to_all"] = _counts(qkv + out, 2)
+        backward["all_to_all"] = _counts(out + qkv, 2)
+    if r > 1:
+        block = 2 * batch * (seqlen // r) * (kv_heads // u) * shape.head_dim  # K and V elements
+        kv, dkv = block * item_bytes, block * acc_bytes
+        if ring_impl == "p2p":
+            forward["p2p"] = _counts((r - 1) * kv, r - 1)
+            backward["p2p"] = _counts((r - 1) * (kv + dkv), 2 * (r - 1))
+        else:
+            forward["all_gather"] = _counts((r - 1) * kv, 1)
+            backward["all_gather"] = _counts((r - 1) * kv, 1)
+            backward["reduce_scatter"] = _counts((r - 1) * dkv, 1)
+    return {"forward": forward, "backward": backward}
+
+
+def fsdp_traffic(
+    params_per_layer: int,
+    other_params: int,
+    layers: int,
+    *,
+    world: int,
+    compute_bytes: int,
+    reduce_bytes: int,
+    reshard_after_forward: bool = True,
+) -> dict[str, dict[str, int]]:
+    """FSDP2 over all ``world`` ranks: every layer's parameters are all-gathered (in the
+    compute dtype) for its forward and again for its backward (except the last layer,
+    kept from forward, as :func:`usp.train.parallelize.fully_shard_model` does), the
+    root's (embedding, norm, head) once; every gradient is reduce-scattered once, in
+    ``reduce_bytes`` per element. A rank receives ``(world - 1) / world`` of each gathered
+    tensor and sends as much of each reduced one. Activation checkpointing re-runs a
+    layer's forward inside its backward with the parameters already gathered.
+    """
+    share = (world - 1) / world
+    total = params_per_layer * layers + other_params
+    gathers = params_per_layer * (2 * layers - (1 if reshard_after_forward else layers))
+    gathers += other_params
+    gathered = int(gathers * compute_bytes * share)
+    reduced = int(total * reduce_bytes * share)
+    return {
+        "fsdp_all_gather": {"sent": gathered, "received": gathered, "calls": 2 * layers},
+        "fsdp_reduce_scatter": {"sent": reduced, "received": reduced, "calls": layers + 1},
+    }
+
+
+def step_traffic(
+    attention: dict[str, dict[str, dict[str, int]]],
+    fsdp: dict[str, dict[str, int]],
+    *,
+    layers: int,
+    micro_batches: int,
+    recompute: bool,
+) -> dict[str, int]:
+    """Bytes sent per step by kind: the attention's forward (twice with activation
+    checkpointing, whose recompute runs it again) and backward per layer and
+    micro-batch, plus FSDP's per step."""
+    sent: dict[str, int] = {}
+    passes = {"forward": 2 if recompute else 1, "backward": 1}
+    for name, kinds in attention.items():
+        for kind, counts in kinds.items():
+            key = f"attention_{kind}"
+            sent[key] = sent.get(key, 0) + counts["sent"] * passes[name] * layers * micro_batches
+    for kind, counts in fsdp.items():
+        sent[kind] = sent.get(kind, 0) + counts["sent"]
+    return sent
