@@ -248,6 +248,40 @@ def test_an_overflowing_update_is_never_saved(distributed, tmp_path):
     assert not (out / "checkpoints").exists() or _checkpoints(out) == []
 
 
+def run_with_zero_gradients(config, out, from_step):
+    """Every rank's gradients are zero from optimizer step ``from_step`` on (what a model
+    that diverged into saturation produces): the clip sees, and reports, a zero norm."""
+    original = torch.nn.utils.clip_grad_norm_
+    calls = {"n": 0}
+
+    def patched(params, max_norm, *args, **kwargs):
+        params = list(params)
+        calls["n"] += 1
+        if calls["n"] >= from_step:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.zero_()
+        return original(params, max_norm, *args, **kwargs)
+
+    torch.nn.utils.clip_grad_norm_ = patched
+    try:
+        return _error_of(_train_logged, config, out)
+    finally:
+        torch.nn.utils.clip_grad_norm_ = original
+
+
+def test_a_zero_gradient_norm_with_labels_stops_the_run(distributed, tmp_path):
+    config = base_config(checkpoint_interval=1)
+    out = tmp_path / "run"
+    message = _same_everywhere(
+        distributed.run(run_with_zero_gradients, config, str(out), 3, world_size=4, timeout=TIMEOUT)
+    )
+    assert message.startswith("TrainingDivergedError"), message
+    assert "gradient norm is exactly 0 with" in message and "label tokens" in message, message
+    assert [r["step"] for r in _rows(out)] == [1, 2], "step 3 is neither applied nor logged"
+    assert _checkpoints(out)[-1] == "step_000002"
+
+
 # ------------------------------------------------------------------ 5. a signal
 def run_signalled(config, out, at_step, rank_signalled):
     """Rank ``rank_signalled`` gets SIGTERM during step ``at_step`` (from itself)."""

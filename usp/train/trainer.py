@@ -404,6 +404,16 @@ def _train_step(
     loss_value, norm_value, non_finite, stop_now = agree_on_step(
         float(total), float(grad_norm), stop.name, device, distributed
     )
+    if not non_finite and norm_value == 0.0 and batch.num_labels > 0:
+        # the global norm (the same on every rank): no learning signal from any of the
+        # step's label tokens. A model that diverged into saturation (lr far too high)
+        # stays there; training on would only report a flat loss and exit 0
+        optimizer.zero_grad(set_to_none=True)
+        raise TrainingDivergedError(
+            f"the gradient norm is exactly 0 with {batch.num_labels} label tokens in the "
+            f"step: the model no longer learns (saturated or dead; lr {job.train.lr:g} too "
+            "high?); the update was not applied"
+        )
     if not non_finite:
         try:
             optimizer.step()
