@@ -106,6 +106,48 @@ def test_estimate_matches_what_a_real_cpu_step_allocates(tmp_path, layout, ring_
     assert 0.9 <= estimate / real <= 1.1, (estimate, real)
 
 
+# ----------------------------------------------------------------------------- offload
+def test_offloaded_layer_inputs_count_as_host_memory_not_device(tmp_path):
+    """A CUDA plan (bf16) with ``activation_checkpointing = "offload"`` against on-device
+    checkpointing: the forward's device peak drops by exactly the layer inputs (layers x
+    local tokens x hidden x 2 bytes), which show as the host peak; in backward one layer's
+    input is back on the device for its recompute, so that peak drops by one layer less."""
+    layers, seq_len, world = 3, 1024, 4
+    path = write_config(tmp_path, layers=layers, seq_len=seq_len)
+    target = target_of(path, world, device="cuda")
+    on_device = measure(target, Layout(2, 2, 1, True))
+    offloaded = measure(target, Layout(2, 2, 1, "offload"))
+    per_layer = (seq_len // world) * target.model.hidden_size * 2  # bf16 [tokens, hidden]
+    forward, backward = 0, 1  # phases: forward 0, backward 0, clip, optimizer
+    assert on_device.phases[forward].device - offloaded.phases[forward].device == (
+        layers * per_layer
+    )
+    assert on_device.phases[backward].device - offloaded.phases[backward].device == (
+        (layers - 1) * per_layer
+    )
+    assert offloaded.peak_host == layers * per_layer and on_device.peak_host == 0
+    assert offloaded.peak_device == on_device.peak_device - (layers - 1) * per_layer
+    assert offloaded.host_separated and on_device.host_separated
+    # the same measured at depth 3 and 4 and extrapolated: the host line continues too
+    deep = write_config(tmp_path, layers=6, seq_len=seq_len)
+    scaled = measure_scaled(target_of(deep, world, device="cuda"), Layout(2, 2, 1, "offload"))
+    assert scaled.peak_host == 6 * per_layer
+
+
+def test_offload_host_device_is_a_hook_real_runs_keep_on_the_cpu():
+    """The offloader's host copies go to ``host_device`` (the CPU unless a memory estimate
+    says otherwise) and come back equal, on the tensor's own device."""
+    from usp.models.offload import HostOffloader
+
+    offloader = HostOffloader()
+    assert offloader.host_device == torch.device("cpu")
+    x = torch.randn(4, 3, requires_grad=True)
+    with offloader.hold(x):
+        y = (x * x).sum()  # mul saves x (twice): both through the hooks
+    y.backward()
+    assert torch.equal(x.grad, 2 * x.detach())
+
+
 # ----------------------------------------------------------------------------- traffic
 def test_fsdp_traffic_by_hand():
     """4 ranks, 2 layers of 100 parameters and 50 others, bf16 gathers, fp32 reduction:

@@ -15,6 +15,11 @@ autograd's saved-tensor mechanism, outside its own hooks, so the outer hooks see
 Only the one tensor named (the hidden states) moves; the layer's other inputs (the RoPE
 tables, shared by every layer) stay where they are. Values are copied bit for bit, so
 the losses and gradients equal on-device checkpointing exactly.
+
+Where the host copies go is :attr:`HostOffloader.host_device` (``cpu``; real runs keep
+it). A memory estimate that runs a CUDA step on CPU fake tensors (a torch without CUDA,
+:mod:`usp.planner.measure`) sets it to ``meta``, so its memory tracker counts the copies
+apart from the CPU stand-in of the device, as host memory.
 """
 
 from __future__ import annotations
@@ -43,11 +48,11 @@ class _HostCopy:
 
     __slots__ = ("device", "host", "ready")
 
-    def __init__(self, tensor: torch.Tensor, stream):
+    def __init__(self, tensor: torch.Tensor, stream, host_device: torch.device):
         self.device = tensor.device
         self.ready = None
         if stream is None:  # CPU (or no CUDA runtime): a plain, distinct host copy
-            self.host = tensor.detach().to("cpu", copy=True)
+            self.host = tensor.detach().to(host_device, copy=True)
             return
         # pinned host memory; the copy runs on the side stream once the producer is done
         self.host = torch.empty_like(tensor, device="cpu", pin_memory=True)
@@ -61,7 +66,7 @@ class _HostCopy:
     def restore(self) -> torch.Tensor:
         """The tensor on its device again (after the copy to the host has finished)."""
         if self.ready is None:
-            return self.host if self.device.type == "cpu" else self.host.to(self.device)
+            return self.host if self.host.device == self.device else self.host.to(self.device)
         current = torch.cuda.current_stream(self.device)
         current.wait_event(self.ready)
         return self.host.to(self.device, non_blocking=True)
@@ -69,10 +74,15 @@ class _HostCopy:
 
 class HostOffloader:
     """Keeps checkpointed layer inputs in host memory; one per model (it owns the side
-    stream of each CUDA device it has copied from)."""
+    stream of each CUDA device it has copied from).
+
+    ``host_device``: where the host copies of non-CUDA tensors go (``cpu``). Only a
+    memory estimate changes it (to ``meta``, under fake tensors: see the module
+    docstring); CUDA tensors of a CUDA runtime always go to pinned CPU memory."""
 
     def __init__(self):
         self._streams: dict[torch.device, object] = {}
+        self.host_device = torch.device("cpu")
 
     def _stream(self, device: torch.device):
         if device.type != "cuda" or not torch.cuda.is_available():
@@ -92,7 +102,7 @@ class HostOffloader:
         def pack(saved):
             if saved is not target():
                 return saved
-            return _HostCopy(saved, self._stream(saved.device))
+            return _HostCopy(saved, self._stream(saved.device), self.host_device)
 
         def unpack(packed):
             return packed.restore() if isinstance(packed, _HostCopy) else packed

@@ -24,7 +24,11 @@ the CPU (fp32, the CPU flash kernel's ops). Autograd cannot run on ``cuda`` fake
 in a torch built without CUDA, so there the CUDA step runs on CPU fake tensors with CUDA's
 dtypes and cuDNN's op schemas (the same tensors; the caching allocator's 512-byte
 rounding is ignored). On a CUDA build it runs on ``cuda`` fake tensors, and tensors the
-step keeps on the host (offloaded activations) are counted as host memory.
+step keeps on the host (offloaded activations) are counted as host memory. On the CPU
+stand-in, the host copies of ``activation_checkpointing = "offload"``
+(:class:`usp.models.offload.HostOffloader`) go to the ``meta`` device instead, which the
+tracker counts apart: they are the step's host memory (:data:`HOST_STAND_IN`), and the
+device peak is what stays on the device.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ CATEGORIES = {
     "Reduce Scatter": "comm_reduce_scatter",
     "Inputs": "inputs",
 }
+#: where a CUDA step planned on CPU fake tensors keeps its host copies (see above)
+HOST_STAND_IN = torch.device("meta")
 #: micro-batches run per step at most: the second holds what accumulation holds
 MAX_MICRO_BATCHES = 2
 
@@ -105,8 +111,9 @@ class Footprint:
 
     phases: tuple[Phase, ...]
     layers: int
-    #: False when host tensors could not be told from device ones (CUDA planned on a
-    #: torch without CUDA: everything is on the CPU stand-in, counted as device memory)
+    #: False when host and device are one memory (a CPU run: everything is device
+    #: memory, an offload's copies included). A CUDA step planned on the CPU stand-in
+    #: counts the offload's host copies apart (on :data:`HOST_STAND_IN`)
     host_separated: bool = True
 
     @property
@@ -194,7 +201,7 @@ def measure(target: Target, layout: Layout, *, layers: int | None = None) -> Foo
     a step, under fake tensors; ``layers`` decoder layers (default: the model's)."""
     with built_step(target, layout, layers=layers, fake=True) as (job, model, optimizer, batch):
         phases = _tracked_steps(job, model, optimizer, batch)
-    return _footprint(phases, batch.device, model.config.num_hidden_layers)
+    return _footprint(phases, batch.device, model.config.num_hidden_layers, target.device)
 
 
 @contextmanager
@@ -242,6 +249,8 @@ def built_step(target: Target, layout: Layout, *, layers: int | None = None, fak
                     stack.enter_context(_all_labelled())
                     stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
                 model = components.build_model(job, components.ModelSource(config, None), plan)
+                if fake and _host_stand_in(target, device):
+                    _offload_to(model, HOST_STAND_IN)
                 dtype = components.compute_dtype(job, torch.device(target.device))
                 sharded = fully_shard_model(model, topo, compute_dtype=dtype)
                 if not fake:
@@ -251,6 +260,22 @@ def built_step(target: Target, layout: Layout, *, layers: int | None = None, fak
                 yield job, sharded.module, optimizer, batch
         finally:
             topo.destroy()
+
+
+def _host_stand_in(target: Target, device: torch.device) -> bool:
+    """Whether host memory needs a stand-in: a CUDA step run on the CPU stand-in."""
+    return target.device == "cuda" and device.type == "cpu"
+
+
+def _offload_to(model, host: torch.device) -> None:
+    """Send the activation offload's host copies of every offloader in ``model`` to
+    ``host`` (a no-op for a model without one)."""
+    from usp.models.offload import HostOffloader
+
+    for module in model.modules():
+        offloader = getattr(module, "offloader", None)
+        if isinstance(offloader, HostOffloader):
+            offloader.host_device = host
 
 
 def _randomise(model) -> None:
@@ -387,11 +412,11 @@ def _all_labelled() -> Iterator[None]:
         yield
 
 
-def _footprint(phases: list[dict], device: torch.device, layers: int) -> Footprint:
+def _footprint(phases: list[dict], device: torch.device, layers: int, planned: str) -> Footprint:
     return Footprint(
         tuple(_phase_footprint(snapshot, device) for snapshot in phases),
         layers,
-        host_separated=device.type != "cpu",
+        host_separated=planned != "cpu",
     )
 
 
@@ -406,6 +431,6 @@ def _phase_footprint(snapshot: dict, device: torch.device) -> Phase:
                 name = CATEGORIES.get(getattr(key, "value", key))
                 if name is not None:
                     breakdown[name] = breakdown.get(name, 0) + int(value)
-        elif dev.type == "cpu":
-            peak_host = total
+        elif dev.type == "cpu" or dev == HOST_STAND_IN:
+            peak_host += total
     return Phase(peak_device, peak_host, breakdown)

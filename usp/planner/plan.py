@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from usp.config import AUTO, ConfigError
 from usp.errors import HeadLayoutError
 from usp.planner import search
@@ -94,10 +96,10 @@ def plan(
     cache: dict = {}
     ranked = search.rank([search.evaluate(target, layout, cluster, cache) for layout in runnable])
     longest, longest_layout = search.max_seq_len(target, runnable, cluster, cache)
-    if device == "cuda" and ranked and not ranked[0].footprint.host_separated:
+    if device == "cuda" and not torch.cuda.is_available():
         notes.append(
-            "host memory: this torch has no CUDA, so the CUDA step ran on CPU fake tensors and "
-            "host-resident tensors (none in these options) count as device memory"
+            "host memory: this torch has no CUDA, so the CUDA step ran on CPU fake tensors; "
+            "the offload's host copies were kept apart (on the meta device) and count as host"
         )
     notes.append(
         f"fits = peak device memory <= {search.USABLE_FRACTION:.0%} of the GPU's "

@@ -38,7 +38,12 @@ def mixed_precision(compute_dtype: torch.dtype, param_dtype: torch.dtype):
 
     if compute_dtype == param_dtype:
         return None
-    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # no cast of forward inputs: the models' float inputs are made inside them in the
+    # compute dtype (embeddings, RoPE tables), and FSDP's cast rebuilds every dataclass
+    # argument with dataclasses.replace, which a PackedSequence (init=False fields) refuses
+    return MixedPrecisionPolicy(
+        param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
 
 
 def fully_shard_model(
