@@ -17,17 +17,7 @@ import json
 import sys
 import time
 
-from usp.cli.args import positive_int
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
+from usp.cli.args import positive_float, positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -46,13 +36,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--gpus-per-node", type=positive_int, help="overrides [cluster] gpus_per_node")
     p.add_argument(
         "--gpu-memory-gib",
-        type=_positive_float,
+        type=positive_float,
         help=f"memory per GPU (default: the [cluster] gpu's, {GPU_MEMORY_GIB[DEFAULT_GPU]:g} "
         f"for {DEFAULT_GPU}; known: {', '.join(f'{k} {v:g}' for k, v in GPU_MEMORY_GIB.items())})",
     )
     p.add_argument(
         "--host-memory-gib",
-        type=_positive_float,
+        type=positive_float,
         help=f"host memory per node (default {DEFAULT_HOST_MEMORY_GIB:g})",
     )
     p.add_argument(
