@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,6 +114,36 @@ def test_an_unwritable_output_directory_is_a_start_up_error(distributed, tmp_pat
     )
     assert "ConfigError" in message and "is not writable" in message, message
     assert "--output" in message, message
+
+
+def run_with_a_blocked_save(config, out, blocked_step):
+    """A file where step ``blocked_step``'s checkpoint directory must go: its save fails
+    on every rank (DCP raises its CheckpointException, a BaseException)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        checkpoints = Path(out) / "checkpoints"
+        checkpoints.mkdir(parents=True)
+        (checkpoints / f"step_{blocked_step:06d}").write_text("in the way")
+    dist.barrier()
+    message = run_train_error(config, out)
+    dist.barrier()  # the default group still works after the failed save
+    return message
+
+
+def test_a_failed_checkpoint_save_is_one_error_on_every_rank(distributed, tmp_path):
+    out = tmp_path / "run"
+    config = base_config(steps=4, checkpoint_interval=2)
+    message = _same_everywhere(
+        distributed.run(run_with_a_blocked_save, config, str(out), 4, world_size=4, timeout=120)
+    )
+    assert message.startswith("CheckpointError: saving the checkpoint"), message
+    assert "step_000004 failed (rank(s) 0, 1, 2, 3: FileExistsError" in message, message
+    assert "writable from every rank" in message, message
+    assert "the newest complete checkpoint is still step_000002" in message, message
+    assert "Traceback" not in message, message
+    assert _checkpoints(out) == ["step_000002", "step_000004"]  # (the blocker file)
+    assert (out / "checkpoints" / "step_000002" / "usp_meta.json").is_file()
 
 
 # ------------------------------------------------------------------ 2. metrics.jsonl

@@ -18,6 +18,7 @@ existing ``except ValueError`` code keeps working.
     +-- RankDisagreementError    ranks made the same collective call with different arguments
     +-- CheckpointError          a checkpoint that cannot be read, written or resumed from
     +-- TopologyDestroyedError   a topology used after ``destroy()``
+    +-- TrainingError            a training run that stopped itself (it diverged)
 
 Modules keep their own narrower subclasses (``PlanError``, ``RingInputError``, ...) where
 a caller benefits from telling them apart; each derives from one of these.
@@ -78,6 +79,11 @@ class TopologyDestroyedError(UspError, RuntimeError):
     """A topology's groups or meshes were used after :meth:`Topology.destroy`."""
 
 
+class TrainingError(UspError, RuntimeError):
+    """A training run stopped itself on purpose, on every rank alike (e.g. its loss or
+    weights became non-finite); the message says at which step and what to change."""
+
+
 __all__ = [
     "AttentionInputError",
     "BackendUnavailableError",
@@ -91,5 +97,6 @@ __all__ = [
     "ShardingError",
     "TopologyDestroyedError",
     "TopologyError",
+    "TrainingError",
     "UspError",
 ]

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-from usp.errors import CheckpointError  # noqa: F401 - re-exported here
+from usp.errors import CheckpointError
 
 META_FILE = "usp_meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -124,12 +125,15 @@ class Checkpointer:
 
         path = self.directory / f"step_{state.step:06d}"
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        with _single_process_quietly():
-            dcp.save(
-                self._payload(model_sd, optim_sd, state),
-                checkpoint_id=str(path),
-                no_dist=not dist.is_initialized(),
-            )
+        try:
+            with _single_process_quietly():
+                dcp.save(
+                    self._payload(model_sd, optim_sd, state),
+                    checkpoint_id=str(path),
+                    no_dist=not dist.is_initialized(),
+                )
+        except CheckpointException as err:  # a BaseException: DCP raises it on every rank
+            raise CheckpointError(self._save_failed(path, err)) from None
         _barrier()  # every rank's shards are on disk before the checkpoint counts as complete
         if _is_rank0():
             meta = {
@@ -145,6 +149,29 @@ class Checkpointer:
             self._prune()
         _barrier()
         return path
+
+    def _save_failed(self, path: Path, err: CheckpointException) -> str:
+        """One message for a failed save, the same on every rank (DCP hands every rank
+        the failures of all of them): which ranks failed, the first one's error, what
+        to check, and which checkpoint a ``--resume`` would use."""
+        failures = getattr(err, "failures", None) or {}
+        ranks = sorted(failures)
+        if ranks:
+            first = failures[ranks[0]][0]
+            why = f"rank(s) {', '.join(map(str, ranks))}: {type(first).__name__}: {first}"
+        else:
+            why = str(err).strip().splitlines()[0]
+        newest = self.newest()
+        kept = (
+            f"the newest complete checkpoint is still {newest.name}"
+            if newest is not None
+            else "there is no complete checkpoint yet"
+        )
+        return (
+            f"saving the checkpoint {path} failed ({why}); make sure the output directory "
+            f"is writable from every rank, on storage they all share, with room for a "
+            f"checkpoint; {kept} (--resume continues from it)"
+        )
 
     def _payload(self, model_sd, optim_sd, state: TrainState) -> dict:
         return {

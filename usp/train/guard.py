@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from usp.comm.collectives import all_gather_uncounted
-from usp.errors import ConfigError, RankDisagreementError
+from usp.errors import RankDisagreementError, TrainingError
 
 REPEAT_AFTER_S = 2.0
 
@@ -43,7 +43,7 @@ EXIT_STATUS = {
 }
 
 
-class TrainingDivergedError(ConfigError):
+class TrainingDivergedError(TrainingError):
     """The loss, the gradient norm or the weights became non-finite."""
 
 
