@@ -1,7 +1,7 @@
 """The commands README.md presents as runnable, read from README.md itself.
 
 CI (``.ci/run``) runs what this prints, so the README cannot drift from what is tested.
-Conventions (tests/test_readme_commands.py checks that README.md follows them):
+Conventions (tests/tools/test_readme_commands.py checks that README.md follows them):
 
 - ``main``: in the first fenced ``bash`` block, the first command line after a comment
   line starting with ``# the main job``. It is run verbatim from the root of a fresh copy

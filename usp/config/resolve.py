@@ -21,8 +21,8 @@ from typing import Protocol
 from usp.config.fields import is_int
 from usp.config.sections import ClusterConfig, ModelConfig, ParallelConfig
 from usp.config.toml import AUTO
-from usp.errors import ConfigError, HeadLayoutError, TopologyError
-from usp.process_groups.degrees import describe_valid_pairs, kv_replication
+from usp.errors import ConfigError, TopologyError
+from usp.process_groups.degrees import kv_replication_for
 from usp.process_groups.launch import Launch
 from usp.process_groups.rank_math import (
     RankMap,
@@ -174,13 +174,10 @@ def _config_wording(message: str) -> str:
 def _check_heads(model: ModelConfig | None, u: int, sp: int, ranks_per_node: int) -> int | None:
     if model is None:
         return None
-    try:
-        return kv_replication(model.num_heads, model.num_kv_heads, u)
-    except HeadLayoutError as e:
-        pairs = describe_valid_pairs(model.num_heads, model.num_kv_heads, sp, ranks_per_node)
-        raise HeadLayoutError(
-            f"[model] does not fit [parallel] ulysses = {u}: {e}; {pairs}"
-        ) from None
+    return kv_replication_for(
+        model.num_heads, model.num_kv_heads, u, sp, ranks_per_node,
+        subject=f"[model] does not fit [parallel] ulysses = {u}",
+    )  # fmt: skip
 
 
 def _exact(world_size: int, factors: dict[str, int]) -> int:

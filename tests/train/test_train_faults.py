@@ -4,7 +4,7 @@ or node-local checkpoints, a resume with a changed run, an unwritable output dir
 
 Every error case checks that all ranks raise the same message (the harness fails a rank
 left in a collective within its timeout). Signals and stalls across processes are in
-tests/test_train_signals.py (real torchrun launches).
+tests/train/test_train_signals.py (real torchrun launches).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_dist import _train_on_ranks, base_config
+from train_cases import _train_on_ranks, base_config
 from usp_cases import topology
 
 from usp.plan import Plan

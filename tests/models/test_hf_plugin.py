@@ -5,7 +5,7 @@ restart, cu_seq_lens kwargs) and through ``DataCollatorWithFlattening``, ``is_ca
 from the config and the module, generation without a cache, torch.compile; every input
 the plug-in cannot compute exactly is refused with a message that names it.
 
-Models are float64 (SDPA and a float64 RMSNorm, tests/model_cases.py), so "equal" means
+Models are float64 (SDPA and a float64 RMSNorm, tests/helpers/model_cases.py), so "equal" means
 relative error <= 1e-12 (only summation order differs).
 """
 

@@ -25,6 +25,7 @@ import math
 
 import pytest
 import torch
+from kernel_cases import BACKENDS, require, work_dtype
 from reference import reference_attention, relative_error
 
 from usp.kernels import (
@@ -38,7 +39,6 @@ from usp.kernels import (
     merge_pair,
 )
 from usp.kernels.backends import registry
-from usp.kernels.backends.base import BackendFailure
 from usp.kernels.selection import unsupported_reason
 
 TOLERANCE = {  # (device type, dtype): (out, lse, grads)
@@ -51,33 +51,6 @@ TOLERANCE = {  # (device type, dtype): (out, lse, grads)
 }
 # head dim 128 runs at ~1.25x the default scale (a dropped scale= changes the logits by 20%)
 SCALE = {64: None, 128: 0.11}
-
-
-def devices():
-    yield "cpu"
-    if torch.cuda.is_available():
-        yield "cuda"
-
-
-BACKENDS = [(d, b) for d in devices() for b in registry.expected_backends(d)]
-CUDA_BACKENDS = [b for d, b in BACKENDS if d == "cuda"]
-
-
-def require(backend: str, spec: AttentionSpec) -> None:
-    """Skip for a limit the backend states; fail when it should run this call but does
-    not (a self-check failure, a kernel missing from the build)."""
-    reason = unsupported_reason(registry.get(backend), spec)
-    if isinstance(reason, BackendFailure):
-        pytest.fail(f"backend {backend!r} must run {spec} but it {reason}")
-    if reason is not None:
-        pytest.skip(f"{backend} {reason}")
-
-
-def work_dtype(device: str, backend: str) -> torch.dtype:
-    """float32 where the backend runs it, else bfloat16 (cuDNN and the FA kernels)."""
-    spec = AttentionSpec(1, 8, 8, 2, 2, 64, torch.float32, torch.device(device), True, None)
-    reason = unsupported_reason(registry.get(backend), spec)
-    return torch.bfloat16 if reason is not None and "float32" in reason else torch.float32
 
 
 @pytest.fixture

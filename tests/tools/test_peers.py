@@ -301,7 +301,7 @@ def test_the_script_runs_by_path_and_as_a_module(tmp_path, form):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if form == "path":
         argv, cwd = [sys.executable, str(root / "benchmarks" / "peers.py"), "--help"], tmp_path
     else:

@@ -5,7 +5,7 @@ as global ``cu_seq_lens_q/k`` kwargs), forward and backward; and every input tha
 be computed exactly under SP refused with the same error on every rank, the groups
 still usable afterwards.
 
-float64 all through (math backend, float64 RMSNorm: tests/model_cases.py): logits, loss
+float64 all through (math backend, float64 RMSNorm: tests/helpers/model_cases.py): logits, loss
 and the SP-summed gradients within 1e-10 relative of the single-process sdpa reference.
 """
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import CUDA_BACKENDS, require, work_dtype
 from reference import reference_attention, relative_error
-from test_kernels import CUDA_BACKENDS, require, work_dtype
 
 from usp.kernels import (
     AttentionInputError,

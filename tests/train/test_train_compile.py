@@ -14,11 +14,12 @@ import json
 
 import pytest
 import torch
-from test_train_dist import base_config, train_config_from_dict
+from train_cases import base_config
 from usp_cases import topology
 
 from usp.config import ConfigError
 from usp.plan import Plan
+from usp.train.config import train_config_from_dict
 from usp.train.trainer import train
 
 STEPS = 5

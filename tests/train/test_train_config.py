@@ -19,7 +19,7 @@ from usp.train.config import (
     train_config_from_dict,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "configs"
 
 MINIMAL = """

@@ -18,7 +18,7 @@ import pytest
 
 from usp.cli import main as usp_main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 

@@ -17,7 +17,7 @@ from usp.config import ConfigError, build_topology_from_config
 from usp.process_groups.rank_math import RING_IN_NODE, ULYSSES_IN_NODE, RankMap, TopologyError
 from usp.process_groups.topology import build_topology, default_ranks_per_node
 
-CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 
 # (world_size, ulysses, ring, dp, ranks_per_node, placement)
 CASES = [
@@ -318,7 +318,7 @@ def test_large_worlds_with_the_fake_backend():
 
 # ----------------------------------------------------------------------------- observed nodes
 # Each rank sets the variables torchrun would give it, then builds a topology: the same
-# observation code as under a real multi-node launch (tests/test_launch.py runs that too),
+# observation code as under a real multi-node launch (tests/topology/test_launch.py runs that too),
 # at the cost of a few group creations. Errors must come on every rank, after which the
 # world is still usable.
 LAUNCH_ENV = ("GROUP_RANK", "NODE_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

@@ -17,7 +17,7 @@ from usp.cli import main
 from usp.config import ConfigError, config_from_dict, load_config
 from usp.process_groups.rank_math import RING_IN_NODE, RankMap
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "configs"
 
 # name -> (world_size, ranks_per_node, ulysses, ring, dp)

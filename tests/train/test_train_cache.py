@@ -196,7 +196,7 @@ def test_a_bad_record_fails_every_rank_alike(distributed, tmp_path):
 def chat_job(tmp_path) -> tuple[dict, list[int]]:
     """A tiny HF checkpoint whose directory holds the chat tokenizer, chat records, and the
     label tokens each step must have (counted from the assistant turns alone)."""
-    from test_train_dist import base_config
+    from train_cases import base_config
 
     from usp.models import Llama
 
@@ -237,7 +237,7 @@ def chat_job(tmp_path) -> tuple[dict, list[int]]:
 
 def test_chat_fine_tune_on_four_ranks_trains_assistant_tokens_only(distributed, tmp_path):
     from safetensors.torch import load_file
-    from test_train_dist import _train_on_ranks, assert_matches_single
+    from train_cases import _train_on_ranks, assert_matches_single
 
     from usp.train.config import train_config_from_dict
     from usp.train.trainer import train

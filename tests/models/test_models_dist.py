@@ -1,6 +1,6 @@
 """usp.models under sequence parallelism: the native Llama and HF transformers' Llama
 with USP attention, on 4 and 8 gloo ranks, against transformers single-process in
-float64 (tests/model_cases.py): logits, the loss (identical on every rank) and every
+float64 (tests/helpers/model_cases.py): logits, the loss (identical on every rank) and every
 parameter's gradient summed over the SP group; dense and packed; KV replication; tied
 embeddings; llama3 RoPE scaling; SFT prompts so that one rank has no labels; bf16;
 every user option; bad input.

@@ -1,8 +1,8 @@
 """usp.models in one process: the config, labels, the chunked loss, HF checkpoints in
 and out, the HF attention plug-in, and every error a user can trigger. The native
-model is compared with transformers' own LlamaForCausalLM (tests/model_cases.py):
+model is compared with transformers' own LlamaForCausalLM (tests/helpers/model_cases.py):
 float64 exact (1e-12), float32 within the issue's tolerances (logits 1e-4 relative,
-loss 1e-5, gradients 1e-4 relative). Multi-rank tests: tests/test_models_dist.py."""
+loss 1e-5, gradients 1e-4 relative). Multi-rank tests: tests/models/test_models_dist.py."""
 
 from __future__ import annotations
 

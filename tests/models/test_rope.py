@@ -5,8 +5,8 @@ rope_theta / rope_scaling / max_position_embeddings`` do in ``usp train``).
 
 The reference is transformers' own LlamaForCausalLM loaded from our export of the
 extended model (so the export's config.json is checked too), in float64 with SDPA and a
-float64 RMSNorm (tests/model_cases.py): logits, loss and every gradient to 1e-12.
-Multi-rank: tests/test_models_dist.py::test_yarn_checkpoint_float64_4_ranks.
+float64 RMSNorm (tests/helpers/model_cases.py): logits, loss and every gradient to 1e-12.
+Multi-rank: tests/models/test_models_dist.py::test_yarn_checkpoint_float64_4_ranks.
 """
 
 from __future__ import annotations

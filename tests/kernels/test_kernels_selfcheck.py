@@ -3,7 +3,7 @@
 Runs on CPU: the self-check is generic (it vets ``cpu`` on CPU as it vets the CUDA
 backends on a GPU), so a deliberately broken backend (a dropped ``softmax_scale``) is
 shown to fail it here, to make ``auto`` warn and move on, to make a named backend
-raise, and (tests/test_kernels_gpu_check.py) to make the kernel benchmark fail. The
+raise, and (tests/kernels/test_kernels_gpu_check.py) to make the kernel benchmark fail. The
 flash-attn generations are fakes with the package's calling conventions, computing with
 ``math``.
 """

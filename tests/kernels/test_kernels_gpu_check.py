@@ -1,7 +1,7 @@
 """A broken backend fails the GPU check: CPU analogues of each link of the chain.
 
 A backend that drops ``softmax_scale`` (here: ``cpu``, broken on purpose) fails its
-self-check (tests/test_kernels_selfcheck.py), which makes every kernel test of it FAIL
+self-check (tests/kernels/test_kernels_selfcheck.py), which makes every kernel test of it FAIL
 rather than skip, makes ``benchmarks/kernel_bench.py`` report it and exit non-zero, and
 a step that exits non-zero makes ``benchmarks/gpu_check.sh`` exit 1 — shown with a fake
 Python that fails on command, which also shows that a missing script and an exhausted
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_kernels import require
+from kernel_cases import require
 
 from benchmarks import kernel_bench
 from usp.kernels import AttentionSpec, selection, selfcheck
 from usp.kernels.backends.cpu import CpuBackend
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_kernels import CUDA_BACKENDS, require, work_dtype
+from kernel_cases import CUDA_BACKENDS, require, work_dtype
 
 from usp.kernels import AttentionSpec
 from usp.kernels.api import dense_backward, dense_forward
