@@ -9,7 +9,8 @@ for CUDA), AdamW (:func:`usp.train.components.build_optimizer`) -- and runs two 
 steps of the trainer's arithmetic (pack, shard, forward with the chunked SP loss,
 backward, gradient clipping, AdamW; micro-batches with the gradient sync of the last one
 only) under ``FakeTensorMode`` with torch's ``FSDPMemTracker`` counting every allocation
-and free. The second step runs with the optimizer state the first one created. Nothing
+and free (:class:`usp.planner.tracker.PlanningTracker`, the same counts with less
+bookkeeping). The second step runs with the optimizer state the first one created. Nothing
 is computed: every op only allocates its outputs.
 
 Depth: ``layers`` decoder layers are built (default: the model's). Each phase's peak
@@ -196,11 +197,16 @@ def job_for(target: Target, layout: Layout):
     )
 
 
-def measure(target: Target, layout: Layout, *, layers: int | None = None) -> Footprint:
+def measure(
+    target: Target, layout: Layout, *, layers: int | None = None, tracker: type | None = None
+) -> Footprint:
     """One rank's (rank 0's: every rank holds the same shares) peak memory per phase of
-    a step, under fake tensors; ``layers`` decoder layers (default: the model's)."""
+    a step, under fake tensors; ``layers`` decoder layers (default: the model's).
+    ``tracker``: the memory tracker's class (default
+    :class:`usp.planner.tracker.PlanningTracker`; torch's ``FSDPMemTracker`` gives the
+    same footprint, slower)."""
     with built_step(target, layout, layers=layers, fake=True) as (job, model, optimizer, batch):
-        phases = _tracked_steps(job, model, optimizer, batch)
+        phases = _tracked_steps(job, model, optimizer, batch, tracker)
     return _footprint(phases, batch.device, model.config.num_hidden_layers, target.device)
 
 
@@ -314,12 +320,12 @@ def _batch(job, plan, device: torch.device, layout: Layout, fake: bool) -> _Batc
     return _Batch(packed, ids, labels, positions, row * micro_batches, micro_batches, device, fake)
 
 
-def _tracked_steps(job, model, optimizer, batch: _Batch) -> list[dict]:
+def _tracked_steps(job, model, optimizer, batch: _Batch, tracker_class=None) -> list[dict]:
     """The step's peak snapshot per phase (forward, backward of each micro-batch; the
     optimizer), after a first optimizer step has created AdamW's state."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from usp.planner.tracker import PlanningTracker
 
-    tracker = FSDPMemTracker(model, optimizer)
+    tracker = (tracker_class or PlanningTracker)(model, optimizer)
     phases = []
     with tracker:
         for phase in run_step(model, optimizer, job, batch):
