@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from unittest import mock
 
 import torch
@@ -94,6 +94,10 @@ class Target:
     @property
     def seq_len(self) -> int:
         return self.job.train.seq_len
+
+    def at(self, seq_len: int) -> Target:
+        """The same target at another sequence length."""
+        return replace(self, job=self.job.with_overrides(seq_len=seq_len))
 
 
 @dataclass(frozen=True)
@@ -167,16 +171,25 @@ def scale_depth(low: Footprint, high: Footprint, layers: int) -> Footprint:
 SCALING_DEPTHS = (3, 4)
 
 
+def scaling_runs(model) -> tuple[int | None, ...]:
+    """The depths :func:`measure_scaled` runs for ``model``: :data:`SCALING_DEPTHS`, or
+    the full depth (``None``) for a model no deeper than the second."""
+    return (None,) if model.num_hidden_layers <= SCALING_DEPTHS[1] else SCALING_DEPTHS
+
+
+def from_runs(model, runs: list[Footprint]) -> Footprint:
+    """The full-depth footprint from the runs of :func:`scaling_runs`, in that order."""
+    if len(runs) == 1:
+        return runs[0]
+    low, high = runs
+    return scale_depth(low, high, model.num_hidden_layers)
+
+
 def measure_scaled(target: Target, layout: Layout) -> Footprint:
     """:func:`measure` at the model's full depth, from two shallow runs (see
     :func:`scale_depth`); models no deeper than the second depth run in full."""
-    full = target.model.num_hidden_layers
-    low, high = SCALING_DEPTHS
-    if full <= high:
-        return measure(target, layout)
-    return scale_depth(
-        measure(target, layout, layers=low), measure(target, layout, layers=high), full
-    )
+    runs = [measure(target, layout, layers=d) for d in scaling_runs(target.model)]
+    return from_runs(target.model, runs)
 
 
 def stand_in_device(device: str) -> torch.device:
@@ -323,13 +336,13 @@ def _batch(job, plan, device: torch.device, layout: Layout, fake: bool) -> _Batc
 def _tracked_steps(job, model, optimizer, batch: _Batch, tracker_class=None) -> list[dict]:
     """The step's peak snapshot per phase (forward, backward of each micro-batch; the
     optimizer), after a first optimizer step has created AdamW's state."""
-    from usp.planner.tracker import PlanningTracker
+    from usp.planner.tracker import PlanningTracker, phase_peak
 
     tracker = (tracker_class or PlanningTracker)(model, optimizer)
     phases = []
     with tracker:
         for phase in run_step(model, optimizer, job, batch):
-            phases.append(_phase_peak(tracker))
+            phases.append(phase_peak(tracker))
             if phase.startswith("backward"):  # the next micro-batch's forward: a new pass
                 tracker.reset_mod_stats()  # (per-module statistics only)
     return phases
@@ -357,16 +370,6 @@ def _first_optimizer_step(model, optimizer) -> None:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def _phase_peak(tracker) -> dict:
-    """The peak since the last call, then start the next phase's peak from now (what the
-    tracker does on entry; its peak is otherwise one number for the whole session)."""
-    peak = tracker.get_tracker_snapshot("peak")
-    now = tracker.get_tracker_snapshot("current")
-    tracker._peak_mem_snap = now
-    tracker._peak_mem = {dev: snap["Total"] for dev, snap in now.items()}
-    return peak
 
 
 def run_step(model, optimizer, job, batch: _Batch) -> Iterator[str]:

@@ -66,3 +66,13 @@ class PlanningTracker(FSDPMemTracker):
             if self._peak_mem.get(device, 0) < total:
                 self._peak_mem[device] = total
                 self._peak_mem_snap[device] = dict(snapshot)  # {category: int}
+
+
+def phase_peak(tracker) -> dict:
+    """The peak since the last call, then start the next phase's peak from now (what the
+    tracker does on entry; its peak is otherwise one number for the whole session)."""
+    peak = tracker.get_tracker_snapshot("peak")
+    now = tracker.get_tracker_snapshot("current")
+    tracker._peak_mem_snap = now
+    tracker._peak_mem = {dev: snap["Total"] for dev, snap in now.items()}
+    return peak
