@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-from usp.models import PRESETS
 from usp.cli import main
+from usp.models import PRESETS
 from usp.planner.measure import Layout, Target, measure, measure_scaled
 from usp.planner.pool import Measurements, WorkerError, default_jobs
 from usp.planner.tracker import PlanningTracker, returns_no_tensor

@@ -22,6 +22,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
@@ -41,7 +42,7 @@ def default_jobs() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-_Key = tuple[Layout, int, "int | None"]  # (layout, seq_len, layers)
+_Key = tuple[Layout, int]  # (layout, seq_len): the runs of every depth, in one worker
 
 
 class Measurements:
@@ -53,8 +54,10 @@ class Measurements:
             raise ValueError(f"jobs must be >= 1, got {jobs}")
         self.target = target
         self.jobs = jobs
-        self.runs = 0  # measurements made (each depth one)
-        self._done: dict[_Key, Footprint] = {}
+        self.runs = 0  # measurements made (one per depth)
+        self.cpu_seconds = 0.0  # the CPU time they took, workers' included
+        self.log: list[tuple[Layout, int, float]] = []  # (layout, seq_len, CPU seconds)
+        self._done: dict[_Key, tuple[Footprint, ...]] = {}
         self._pending: list[_Key] = []  # wanted, not started; the first starts first
         self._running: dict[Future, _Key] = {}
         self._executor: ProcessPoolExecutor | None = None
@@ -63,46 +66,43 @@ class Measurements:
     def want(self, layout: Layout, seq_len: int, *, urgent: bool = False) -> None:
         """Say that :meth:`footprint` will be asked for this; ``urgent``: before what
         was wanted so far. (In process, nothing runs ahead of its :meth:`footprint`.)"""
-        if self.jobs == 1:
+        key = (layout, seq_len)
+        if self.jobs == 1 or key in self._done or key in self._running.values():
             return
-        keys = [k for k in self._keys(layout, seq_len) if k not in self._done]
-        keys = [k for k in keys if k not in self._running.values()]
-        self._pending = [k for k in self._pending if k not in keys]
-        self._pending = keys + self._pending if urgent else self._pending + keys
+        if key in self._pending:
+            if not urgent:
+                return
+            self._pending.remove(key)
+        self._pending.insert(0, key) if urgent else self._pending.append(key)
         self._start()
 
     def footprint(self, layout: Layout, seq_len: int) -> Footprint:
         """The layout's footprint at ``seq_len`` and the model's full depth."""
-        keys = self._keys(layout, seq_len)
+        key = (layout, seq_len)
         if self.jobs == 1:
-            for key in keys:
-                if key not in self._done:
-                    self._done[key] = _run(self.target, *key)
-                    self.runs += 1
+            if key not in self._done:
+                self._keep(key, _timed_runs(self.target, layout, seq_len))
         else:
             self.want(layout, seq_len, urgent=True)
-            while any(key not in self._done for key in keys):
+            while key not in self._done:
                 self._collect()
-        return from_runs(self.target.model, [self._done[key] for key in keys])
-
-    def _keys(self, layout: Layout, seq_len: int) -> list[_Key]:
-        return [(layout, seq_len, layers) for layers in scaling_runs(self.target.model)]
+        return from_runs(self.target.model, list(self._done[key]))
 
     # ----------------------------------------------------------------- the workers' side
     def _start(self) -> None:
-        """Start pending runs until ``jobs`` are in flight."""
+        """Start pending tasks until ``jobs`` are in flight."""
         while self._pending and len(self._running) < self.jobs:
             key = self._pending.pop(0)
-            future = self._pool().submit(_run_in_worker, self.target, *key)
+            future = self._pool().submit(_runs_in_worker, self.target, *key)
             self._running[future] = key
 
     def _collect(self) -> None:
-        """Wait for a run to end, keep its footprint and start the next one."""
+        """Wait for a task to end, keep its footprints and start the next one."""
         finished, _ = wait(self._running, return_when=FIRST_COMPLETED)
         for future in finished:
             key = self._running.pop(future)
             try:
-                self._done[key] = _unpack(future.result())
+                self._keep(key, _unpack(future.result()))
             except BrokenProcessPool as err:
                 self.close()
                 raise WorkerError(
@@ -112,8 +112,15 @@ class Measurements:
             except BaseException:
                 self.close()
                 raise
-            self.runs += 1
         self._start()
+
+    def _keep(self, key: _Key, timed: tuple[tuple[Footprint, ...], float]) -> None:
+        """Keep a measurement's footprints (one per depth) and its CPU seconds."""
+        footprints, seconds = timed
+        self._done[key] = footprints
+        self.runs += len(footprints)
+        self.cpu_seconds += seconds
+        self.log.append((*key, seconds))
 
     def _pool(self) -> ProcessPoolExecutor:
         if self._executor is None:
@@ -144,8 +151,14 @@ class Measurements:
         self.close()
 
 
-def _run(target: Target, layout: Layout, seq_len: int, layers: int | None) -> Footprint:
-    return measure(target.at(seq_len), layout, layers=layers)
+def _timed_runs(target: Target, layout: Layout, seq_len: int):
+    """The runs of :func:`usp.planner.measure.scaling_runs`, in order (in one process the
+    second reuses most of the fake-tensor cache the first filled: same shapes but for
+    the layer count), and the CPU seconds they took: ``(footprints, seconds)``."""
+    started = time.process_time()
+    at = target.at(seq_len)
+    runs = tuple(measure(at, layout, layers=layers) for layers in scaling_runs(target.model))
+    return runs, time.process_time() - started
 
 
 def _init_worker() -> None:
@@ -154,11 +167,12 @@ def _init_worker() -> None:
     torch.set_num_threads(1)  # fake tensors compute nothing; the CPUs are the workers'
 
 
-def _run_in_worker(target: Target, layout: Layout, seq_len: int, layers: int | None):
-    """One run in a worker: ``("ok", footprint)``, or the exception when it pickles
-    (it is then raised in the parent as it was), else ``("error", class name, message)``."""
+def _runs_in_worker(target: Target, layout: Layout, seq_len: int):
+    """:func:`_timed_runs` in a worker: ``("ok", (footprints, seconds))``, or the exception when it
+    pickles (it is then raised in the parent as it was), else ``("error", class name,
+    message, whether it is a UspError)``."""
     try:
-        return "ok", _run(target, layout, seq_len, layers)
+        return "ok", _timed_runs(target, layout, seq_len)
     except Exception as err:  # noqa: BLE001 (every error goes back to the parent)
         try:
             pickle.loads(pickle.dumps(err))
@@ -167,7 +181,7 @@ def _run_in_worker(target: Target, layout: Layout, seq_len: int, layers: int | N
         raise
 
 
-def _unpack(result) -> Footprint:
+def _unpack(result):
     if result[0] == "ok":
         return result[1]
     _, name, message, usp_error = result

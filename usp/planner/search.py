@@ -322,6 +322,8 @@ def max_seq_len(
         for _ in range(rounds):
             if length <= best_len or length < multiple:
                 break
+            if measured.jobs > 1:  # a free worker measures the next multiple meanwhile
+                measured.want(layout, length + multiple, urgent=True)
             if judge(measured.footprint(layout, length), cluster)[0]:
                 best_len, best_layout = length, layout
                 above = length + multiple

@@ -11,7 +11,9 @@ global peak (``get_tracker_snapshot("peak")``, all the planner reads), faster:
 - **The peak update keeps the global peak only**: the plain tracker also walks every
   module it has seen, per op, to keep per-module peaks (``memory_tracking``'s
   ``PEAK_FW``/``PEAK_BW`` snapshots); the planner reads none of them, and the global peak
-  never depends on them.
+  never depends on them. And it does nothing when the current snapshot has not changed
+  since the last update (a view, a metadata query): the peak is a maximum of the
+  current total, which has not moved.
 
 Exactness: both changes leave every allocation, free and category of the tracker's
 current snapshot as they were, and the global peak is the same maximum over the same
@@ -46,21 +48,30 @@ class PlanningTracker(FSDPMemTracker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._no_tensor: dict[object, bool] = {}
+        self._changed = True  # the current snapshot changed since the last peak update
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         no_tensor = self._no_tensor.get(func)
         if no_tensor is None:
             no_tensor = self._no_tensor[func] = returns_no_tensor(func)
-        if not no_tensor or any(t == DTensor for t in types):
+        if not no_tensor or DTensor in types:
             return super().__torch_dispatch__(func, types, args, kwargs)
         result = func(*args, **(kwargs or {}))
-        if active_fake_mode() is self._fake_mode_on_entry:
+        if self._changed and active_fake_mode() is self._fake_mode_on_entry:
             self._update_peak_stats(None)
         return result
 
+    def _update_snap(self, *args, **kwargs) -> None:
+        self._changed = True  # (every change of the current snapshot comes through here)
+        super()._update_snap(*args, **kwargs)
+
     def _update_peak_stats(self, peak_state) -> None:
         """The global peak per device (the plain tracker's second half; its first keeps
-        the per-module peaks, which nothing here reads)."""
+        the per-module peaks, which nothing here reads). Unchanged since the last
+        update, the current snapshot cannot raise the peak: nothing to do."""
+        if not self._changed:
+            return
+        self._changed = False
         for device, snapshot in self._curr_mem_snap.items():
             total = snapshot[TOTAL]
             if self._peak_mem.get(device, 0) < total:
