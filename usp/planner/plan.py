@@ -97,7 +97,9 @@ def plan(
         )
     target = Target(job, model, cluster.world_size, cluster.gpus_per_node, device)
     with Measurements(target, jobs) as measured:
-        for layout in runnable:  # (workers start on them while the search waits for others)
+        # what the longest-sequence search waits for first, then every other candidate
+        # (workers measure those while the search waits for its next lengths)
+        for layout in search.frontier_candidates(runnable) + runnable:
             measured.want(layout, target.seq_len)
         longest, longest_layout = search.max_seq_len(target, runnable, cluster, measured)
         candidates = [search.evaluate(target, layout, cluster, measured) for layout in runnable]
