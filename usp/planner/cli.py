@@ -22,6 +22,7 @@ from usp.cli.args import positive_float, positive_int
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``plan`` on the ``usp`` command line (``set_defaults(run=run)``)."""
+    from usp.planner.pool import default_jobs
     from usp.planner.search import DEFAULT_GPU, DEFAULT_HOST_MEMORY_GIB, GPU_MEMORY_GIB
 
     p = subparsers.add_parser(
@@ -50,6 +51,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         choices=["cuda", "cpu"],
         help='the run planned (default: [train] device, "cuda" for "auto")',
     )
+    p.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=default_jobs(),
+        help="worker processes measuring in parallel (default: min(2, CPUs) = "
+        f"{default_jobs()}; 1 measures in this process); the result does not depend on it",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=run)
     return p
@@ -70,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             host_memory_gib=args.host_memory_gib,
             device=args.device,
             started=started,
+            jobs=args.jobs,
         )
     except UspError as err:
         print(f"usp plan: error: {err}", file=sys.stderr)

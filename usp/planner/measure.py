@@ -9,7 +9,8 @@ for CUDA), AdamW (:func:`usp.train.components.build_optimizer`) -- and runs two 
 steps of the trainer's arithmetic (pack, shard, forward with the chunked SP loss,
 backward, gradient clipping, AdamW; micro-batches with the gradient sync of the last one
 only) under ``FakeTensorMode`` with torch's ``FSDPMemTracker`` counting every allocation
-and free. The second step runs with the optimizer state the first one created. Nothing
+and free (:class:`usp.planner.tracker.PlanningTracker`, the same counts with less
+bookkeeping). The second step runs with the optimizer state the first one created. Nothing
 is computed: every op only allocates its outputs.
 
 Depth: ``layers`` decoder layers are built (default: the model's). Each phase's peak
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from unittest import mock
 
 import torch
@@ -93,6 +94,10 @@ class Target:
     @property
     def seq_len(self) -> int:
         return self.job.train.seq_len
+
+    def at(self, seq_len: int) -> Target:
+        """The same target at another sequence length."""
+        return replace(self, job=self.job.with_overrides(seq_len=seq_len))
 
 
 @dataclass(frozen=True)
@@ -166,16 +171,25 @@ def scale_depth(low: Footprint, high: Footprint, layers: int) -> Footprint:
 SCALING_DEPTHS = (3, 4)
 
 
+def scaling_runs(model) -> tuple[int | None, ...]:
+    """The depths :func:`measure_scaled` runs for ``model``: :data:`SCALING_DEPTHS`, or
+    the full depth (``None``) for a model no deeper than the second."""
+    return (None,) if model.num_hidden_layers <= SCALING_DEPTHS[1] else SCALING_DEPTHS
+
+
+def from_runs(model, runs: list[Footprint]) -> Footprint:
+    """The full-depth footprint from the runs of :func:`scaling_runs`, in that order."""
+    if len(runs) == 1:
+        return runs[0]
+    low, high = runs
+    return scale_depth(low, high, model.num_hidden_layers)
+
+
 def measure_scaled(target: Target, layout: Layout) -> Footprint:
     """:func:`measure` at the model's full depth, from two shallow runs (see
     :func:`scale_depth`); models no deeper than the second depth run in full."""
-    full = target.model.num_hidden_layers
-    low, high = SCALING_DEPTHS
-    if full <= high:
-        return measure(target, layout)
-    return scale_depth(
-        measure(target, layout, layers=low), measure(target, layout, layers=high), full
-    )
+    runs = [measure(target, layout, layers=d) for d in scaling_runs(target.model)]
+    return from_runs(target.model, runs)
 
 
 def stand_in_device(device: str) -> torch.device:
@@ -196,11 +210,16 @@ def job_for(target: Target, layout: Layout):
     )
 
 
-def measure(target: Target, layout: Layout, *, layers: int | None = None) -> Footprint:
+def measure(
+    target: Target, layout: Layout, *, layers: int | None = None, tracker: type | None = None
+) -> Footprint:
     """One rank's (rank 0's: every rank holds the same shares) peak memory per phase of
-    a step, under fake tensors; ``layers`` decoder layers (default: the model's)."""
+    a step, under fake tensors; ``layers`` decoder layers (default: the model's).
+    ``tracker``: the memory tracker's class (default
+    :class:`usp.planner.tracker.PlanningTracker`; torch's ``FSDPMemTracker`` gives the
+    same footprint, slower)."""
     with built_step(target, layout, layers=layers, fake=True) as (job, model, optimizer, batch):
-        phases = _tracked_steps(job, model, optimizer, batch)
+        phases = _tracked_steps(job, model, optimizer, batch, tracker)
     return _footprint(phases, batch.device, model.config.num_hidden_layers, target.device)
 
 
@@ -314,16 +333,16 @@ def _batch(job, plan, device: torch.device, layout: Layout, fake: bool) -> _Batc
     return _Batch(packed, ids, labels, positions, row * micro_batches, micro_batches, device, fake)
 
 
-def _tracked_steps(job, model, optimizer, batch: _Batch) -> list[dict]:
+def _tracked_steps(job, model, optimizer, batch: _Batch, tracker_class=None) -> list[dict]:
     """The step's peak snapshot per phase (forward, backward of each micro-batch; the
     optimizer), after a first optimizer step has created AdamW's state."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from usp.planner.tracker import PlanningTracker, phase_peak
 
-    tracker = FSDPMemTracker(model, optimizer)
+    tracker = (tracker_class or PlanningTracker)(model, optimizer)
     phases = []
     with tracker:
         for phase in run_step(model, optimizer, job, batch):
-            phases.append(_phase_peak(tracker))
+            phases.append(phase_peak(tracker))
             if phase.startswith("backward"):  # the next micro-batch's forward: a new pass
                 tracker.reset_mod_stats()  # (per-module statistics only)
     return phases
@@ -351,16 +370,6 @@ def _first_optimizer_step(model, optimizer) -> None:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def _phase_peak(tracker) -> dict:
-    """The peak since the last call, then start the next phase's peak from now (what the
-    tracker does on entry; its peak is otherwise one number for the whole session)."""
-    peak = tracker.get_tracker_snapshot("peak")
-    now = tracker.get_tracker_snapshot("current")
-    tracker._peak_mem_snap = now
-    tracker._peak_mem = {dev: snap["Total"] for dev, snap in now.items()}
-    return peak
 
 
 def run_step(model, optimizer, job, batch: _Batch) -> Iterator[str]:

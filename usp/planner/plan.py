@@ -11,6 +11,7 @@ from usp.config import AUTO, ConfigError
 from usp.errors import HeadLayoutError
 from usp.planner import search
 from usp.planner.measure import Target
+from usp.planner.pool import Measurements
 from usp.planner.report import PlanResult
 
 
@@ -51,9 +52,11 @@ def plan(
     host_memory_gib: float | None = None,
     device: str | None = None,
     started: float | None = None,
+    jobs: int = 1,
 ) -> PlanResult:
-    """Measure and rank every layout of ``config`` (see :mod:`usp.planner.search`).
-    Raises a :class:`usp.errors.UspError` for a config, a cluster or a model no layout
+    """Measure and rank every layout of ``config`` (see :mod:`usp.planner.search`), the
+    measurements in ``jobs`` worker processes (1: in this one; the result is the same,
+    see :mod:`usp.planner.pool`). Raises a :class:`usp.errors.UspError` for a config, a cluster or a model no layout
     can serve; a result without a fitting candidate is returned (``best`` is None)."""
     from usp.train.components import model_source
     from usp.train.config import load_train_config
@@ -93,9 +96,14 @@ def plan(
             f"multiple of {2 * cluster.world_size}"
         )
     target = Target(job, model, cluster.world_size, cluster.gpus_per_node, device)
-    cache: dict = {}
-    ranked = search.rank([search.evaluate(target, layout, cluster, cache) for layout in runnable])
-    longest, longest_layout = search.max_seq_len(target, runnable, cluster, cache)
+    with Measurements(target, jobs) as measured:
+        # what the longest-sequence search waits for first, then every other candidate
+        # (workers measure those while the search waits for its next lengths)
+        for layout in search.frontier_candidates(runnable) + runnable:
+            measured.want(layout, target.seq_len)
+        longest, longest_layout = search.max_seq_len(target, runnable, cluster, measured)
+        candidates = [search.evaluate(target, layout, cluster, measured) for layout in runnable]
+    ranked = search.rank(candidates)
     if device == "cuda" and not torch.cuda.is_available():
         notes.append(
             "host memory: this torch has no CUDA, so the CUDA step ran on CPU fake tensors; "

@@ -4,20 +4,22 @@
 the nodes (:class:`usp.process_groups.rank_math.RankMap` validates each, so Ulysses
 groups stay inside nodes unless the config allows otherwise) times every
 activation-memory option the trainer's config accepts (:data:`MEMORY_OPTIONS`, one
-line per lever). :func:`evaluate` measures each one's memory
-(:func:`usp.planner.measure.measure_scaled`), checks it against the device's and the
-host's memory, and estimates its step time (:func:`step_time`). :func:`max_seq_len`
-finds the longest sequence some candidate fits.
+line per lever). :func:`evaluate` measures each one's memory (the scaled step of
+:mod:`usp.planner.measure`, through the plan's :class:`usp.planner.pool.Measurements`,
+in process or in workers), checks it against the device's and the host's memory, and
+estimates its step time (:func:`step_time`). :func:`max_seq_len` finds the longest
+sequence some candidate fits; it says ahead which measurements it will wait for
+(``measured.want``), so workers run them while it waits for others.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from usp.config import ConfigError
 from usp.planner.kernels import planning_backend
-from usp.planner.measure import Footprint, Layout, Target, measure_scaled
+from usp.planner.measure import Footprint, Layout, Target
 from usp.planner.traffic import fsdp_traffic, step_traffic, traffic_formula
 
 GIB = 2**30
@@ -269,13 +271,10 @@ def judge(footprint: Footprint, cluster: Cluster) -> tuple[bool, str | None]:
     return True, None
 
 
-def target_at(target: Target, seq_len: int) -> Target:
-    return replace(target, job=target.job.with_overrides(seq_len=seq_len))
-
-
-def evaluate(target: Target, layout: Layout, cluster: Cluster, cache: dict) -> Candidate:
-    """One layout at the target's sequence length (measurements cached per length)."""
-    footprint = _footprint_at(target, layout, cache, target.seq_len)
+def evaluate(target: Target, layout: Layout, cluster: Cluster, measured) -> Candidate:
+    """One layout at the target's sequence length (``measured``: the plan's
+    :class:`usp.planner.pool.Measurements`)."""
+    footprint = measured.footprint(layout, target.seq_len)
     fits, why = judge(footprint, cluster)
     sent = comm_bytes(target, layout)
     return Candidate(
@@ -296,22 +295,23 @@ FRONTIER = 2
 
 
 def max_seq_len(
-    target: Target, layouts_: list[Layout], cluster: Cluster, cache: dict, *, rounds: int = 4
+    target: Target, layouts_: list[Layout], cluster: Cluster, measured, *, rounds: int = 4
 ) -> tuple[int, Layout | None]:
     """The longest sequence (a multiple of what the layout needs) that some layout fits,
     and that layout. Each layout's peak grows close to linearly with the sequence: a
     line through two measured lengths predicts its longest fit, the best prediction is
     measured, and the step down (or up) repeats until a measured length fits and the
     next multiple does not, or ``rounds`` measurements are spent (then the longest
-    measured fit is returned)."""
-    base = target.seq_len
+    measured fit is returned). ``measured``: the plan's
+    :class:`usp.planner.pool.Measurements`."""
     best_len, best_layout, predictions = 0, None, []
-    for layout in _frontier(layouts_, target, cache):
+    frontier = [(lay, _line_lengths(lay, target)) for lay in _frontier(layouts_, target, measured)]
+    for layout, lengths in reversed(frontier):  # every line's points, before any wait
+        for s in reversed(lengths):
+            measured.want(layout, s, urgent=True)
+    for layout, lengths in frontier:
         multiple = sequence_multiple(layout, target.job)
-        lengths = (base, max(multiple, base // 2 // multiple * multiple))
-        if lengths[1] == lengths[0]:
-            lengths = (base, base * 2)
-        points = [(s, _footprint_at(target, layout, cache, s)) for s in lengths]
+        points = [(s, measured.footprint(layout, s)) for s in lengths]
         predictions.append((_predict(points, cluster, multiple), layout, multiple))
         for s, footprint in points:
             if judge(footprint, cluster)[0] and s > best_len:
@@ -322,10 +322,12 @@ def max_seq_len(
         for _ in range(rounds):
             if length <= best_len or length < multiple:
                 break
-            if judge(_footprint_at(target, layout, cache, length), cluster)[0]:
+            if measured.jobs > 1:  # a free worker measures the next multiple meanwhile
+                measured.want(layout, length + multiple, urgent=True)
+            if judge(measured.footprint(layout, length), cluster)[0]:
                 best_len, best_layout = length, layout
                 above = length + multiple
-                if judge(_footprint_at(target, layout, cache, above), cluster)[0]:
+                if judge(measured.footprint(layout, above), cluster)[0]:
                     length = above * 2  # the line was pessimistic: look further
                     continue
                 break
@@ -333,26 +335,36 @@ def max_seq_len(
     return best_len, best_layout
 
 
-def _frontier(layouts_: list[Layout], target: Target, cache: dict) -> list[Layout]:
-    """The layouts worth extending: dp = 1 (a replica of fewer ranks holds more tokens
-    per rank), each grid with its most memory-saving option (the last accepted), and of
-    those the :data:`FRONTIER` with the least memory at the planned length."""
+def _line_lengths(layout: Layout, target: Target) -> tuple[int, int]:
+    """The two lengths a layout's line is drawn through: the planned one and about half."""
+    base = target.seq_len
+    multiple = sequence_multiple(layout, target.job)
+    lengths = (base, max(multiple, base // 2 // multiple * multiple))
+    return (base, base * 2) if lengths[1] == lengths[0] else lengths
+
+
+def frontier_candidates(layouts_: list[Layout]) -> list[Layout]:
+    """The layouts :func:`_frontier` chooses from: dp = 1 (a replica of fewer ranks
+    holds more tokens per rank), each grid with its most memory-saving option (the last
+    accepted)."""
     best: dict[tuple[int, int], Layout] = {}
     for layout in layouts_:
         if layout.dp == 1:
             best[(layout.ulysses, layout.ring)] = layout
+    return list(best.values())
+
+
+def _frontier(layouts_: list[Layout], target: Target, measured) -> list[Layout]:
+    """The layouts worth extending: of :func:`frontier_candidates`, the
+    :data:`FRONTIER` with the least memory at the planned length."""
+    candidates = frontier_candidates(layouts_)
+    for layout in reversed(candidates):  # urgent: the first ends up first
+        measured.want(layout, target.seq_len, urgent=True)
 
     def peak(layout: Layout) -> int:
-        return _footprint_at(target, layout, cache, target.seq_len).peak_device
+        return measured.footprint(layout, target.seq_len).peak_device
 
-    return sorted(best.values(), key=peak)[:FRONTIER]
-
-
-def _footprint_at(target: Target, layout: Layout, cache: dict, seq_len: int) -> Footprint:
-    key = (layout, seq_len)
-    if key not in cache:
-        cache[key] = measure_scaled(target_at(target, seq_len), layout)
-    return cache[key]
+    return sorted(candidates, key=peak)[:FRONTIER]
 
 
 def _predict(points, cluster: Cluster, multiple: int) -> int:

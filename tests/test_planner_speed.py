@@ -1,0 +1,187 @@
+"""``usp plan``'s shortcuts are exact: the planning tracker against torch's plain one, the
+worker pool against the measurements in process, the search's schedule against the
+plain order."""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+from usp.cli import main
+from usp.models import PRESETS
+from usp.planner.measure import Layout, Target, measure, measure_scaled
+from usp.planner.pool import Measurements, WorkerError, default_jobs
+from usp.planner.tracker import PlanningTracker, returns_no_tensor
+from usp.train.config import load_train_config
+
+CONFIG = """
+[cluster]
+nodes = 1
+gpus_per_node = {gpus}
+[parallel]
+ulysses = 1
+ring = 1
+[attention]
+layout = "zigzag"
+backend = "{backend}"
+[model]
+preset = "tiny"
+[model.overrides]
+num_hidden_layers = {layers}
+[data]
+source = "synthetic"
+[train]
+steps = 1
+global_batch = {global_batch}
+seq_len = {seq_len}
+device = "cpu"
+"""
+
+
+def write_config(tmp_path, *, gpus=4, layers=2, seq_len=512, global_batch=1, backend="auto"):
+    path = tmp_path / "plan.toml"
+    path.write_text(
+        CONFIG.format(
+            gpus=gpus, layers=layers, seq_len=seq_len, global_batch=global_batch, backend=backend
+        )
+    )
+    return path
+
+
+def target_of(path, world, device="cpu"):
+    job = load_train_config(path)
+    model = PRESETS["tiny"].replace(**job.model.overrides)
+    return Target(job, model, world, world, device)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------- tracker
+def test_returns_no_tensor_reads_the_schema():
+    ops = torch.ops
+    assert returns_no_tensor(ops.prim.device.default)
+    assert returns_no_tensor(ops.aten.sym_size.int)
+    assert returns_no_tensor(ops.aten.is_contiguous.default)
+    assert returns_no_tensor(ops.aten._foreach_add_.Scalar)  # in place, returns nothing
+    assert not returns_no_tensor(ops.aten.mm.default)
+    assert not returns_no_tensor(ops.aten.split.Tensor)  # Tensor[]
+    assert not returns_no_tensor(ops.aten._scaled_dot_product_cudnn_attention.default)
+    assert not returns_no_tensor(ops.c10d._allgather_base_.default)  # (Tensor, Work)
+
+
+class CountingTracker(PlanningTracker):
+    """The planning tracker, counting the ops that took its fast path."""
+
+    fast = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if returns_no_tensor(func):
+            CountingTracker.fast += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize(
+    "layout, device, global_batch",
+    [
+        (Layout(2, 2, 1, True), "cpu", 1),
+        (Layout(1, 4, 1, "offload", 64), "cuda", 1),  # bf16, host stand-in, MLP tiles
+        (Layout(4, 1, 1, False), "cuda", 2),  # two micro-batches
+    ],
+)
+def test_planning_tracker_footprint_equals_the_plain_trackers(
+    tmp_path, layout, device, global_batch
+):
+    """Every phase's device and host peak and its breakdown, byte for byte."""
+    path = write_config(tmp_path, seq_len=1024, global_batch=global_batch)
+    target = target_of(path, 4, device)
+    CountingTracker.fast = 0
+    fast = measure(target, layout, tracker=CountingTracker)
+    plain = measure(target, layout, tracker=FSDPMemTracker)
+    assert CountingTracker.fast > 100  # the fast path ran (every .device query is one)
+    assert fast == plain
+    assert fast.peak_device > 0 and len(fast.phases) == 2 * global_batch + 2
+    if layout.activation_checkpointing == "offload":
+        assert fast.peak_host > 0
+
+
+# ----------------------------------------------------------------------------- workers
+def plan_cli(capsys, *argv):
+    code = main(["plan", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_plan_does_not_depend_on_the_number_of_jobs(tmp_path, capsys):
+    """The whole search (every candidate, the longest sequence's probes) in process and
+    in two workers: the same JSON, all but the seconds it took."""
+    path = write_config(tmp_path, gpus=2, seq_len=512)
+    plans = []
+    for jobs in (1, 2):
+        code, out, err = plan_cli(capsys, path, "--json", "--gpu-memory-gib", 0.01, "--jobs", jobs)
+        assert code == 0, err
+        plans.append(json.loads(out))
+        plans[-1].pop("seconds")
+    assert plans[0] == plans[1]
+    assert len(plans[0]["candidates"]) == 10 and plans[0]["max_seq_len"] > 512
+
+
+def test_scaled_footprints_from_workers_equal_the_in_process_ones(tmp_path):
+    """Depth-scaled (3 and 4 layers of 6, each a run of its own), two lengths, two jobs."""
+    target = target_of(write_config(tmp_path, layers=6, seq_len=256), 4)
+    layouts = [Layout(2, 2, 1, True), Layout(1, 4, 1, False)]
+    with Measurements(target, jobs=2) as measured:
+        for layout in layouts:
+            measured.want(layout, 256)
+        measured.want(layouts[1], 512, urgent=True)
+        got = {(lay, s): measured.footprint(lay, s) for lay in layouts for s in (256, 512)}
+        assert measured.runs == 8  # (2 layouts x 2 lengths) x depths 3 and 4
+    for (layout, seq_len), footprint in got.items():
+        assert footprint == measure_scaled(target.at(seq_len), layout)
+        assert footprint.layers == 6
+
+
+def test_an_error_in_a_worker_ends_the_plan_as_it_does_in_process(tmp_path, capsys):
+    """A user error raised inside a measurement (a CUDA-only backend on a CPU plan):
+    the same message and exit status 2 with --jobs 1 and --jobs 2, and no worker left."""
+    path = write_config(tmp_path, gpus=2, backend="cudnn")
+    errors = []
+    for jobs in (1, 2):
+        code, out, err = plan_cli(capsys, path, "--device", "cpu", "--jobs", jobs)
+        assert code == 2 and out == "", (code, out, err)
+        errors.append(err)
+    assert errors[0] == errors[1]
+    assert "backend = 'cudnn' runs on CUDA only" in errors[0]
+    import multiprocessing
+
+    assert multiprocessing.active_children() == []
+
+
+def test_a_worker_that_dies_ends_the_plan_with_a_message(tmp_path):
+    target = target_of(write_config(tmp_path, seq_len=256), 4)
+    layout = Layout(2, 2, 1, True)
+    measured = Measurements(target, jobs=2)
+    measured.want(layout, 256)
+    measured.want(Layout(1, 4, 1, True), 256)
+    for process in list(measured._executor._processes.values()):
+        os.kill(process.pid, signal.SIGKILL)
+    with pytest.raises(WorkerError, match="worker process died .* rerun with --jobs 1"):
+        measured.footprint(layout, 256)
+    measured.close()  # (closed already: a no-op)
+
+
+def test_jobs_flag(tmp_path, capsys):
+    assert default_jobs() == min(2, os.cpu_count())
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", str(write_config(tmp_path)), "--jobs", "0"])
+    assert exit_.value.code == 2 and "expected an integer >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        Measurements(None, jobs=0)

@@ -1,0 +1,190 @@
+"""The plan's measurements, in this process or in worker processes (``usp plan --jobs``).
+
+A plan measures many independent steps: one per layout, sequence length and depth
+(:func:`usp.planner.measure.scaling_runs`), each a pure function of those (fake tensors:
+nothing depends on data, on the process or on what ran before). :class:`Measurements`
+holds them. With ``jobs = 1`` each is measured here when it is first asked for
+(:meth:`Measurements.footprint`), in the order the search asks. With ``jobs = N > 1``,
+N spawned worker processes measure them: the search says early what it will need
+(:meth:`Measurements.want`; ``urgent`` for what it needs next), at most N runs are in
+flight, the most urgent first, and :meth:`Measurements.footprint` waits for its own.
+Only the order and the place of the runs differ, so the results are the same for every
+``jobs`` (``tests/test_planner_speed.py`` compares the JSON of 1 and 2 jobs).
+
+Failures: an error in a worker is raised here as the same exception with the same
+message (a :class:`usp.errors.UspError` stays one: ``usp plan`` exits 2 with its
+message, as in process); the other workers are stopped, nothing waits for them. A
+worker that dies (killed, out of memory) ends the plan with :class:`WorkerError`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+
+from usp.errors import UspError
+from usp.planner.measure import Footprint, Layout, Target, from_runs, measure, scaling_runs
+
+#: how worker processes start: a fresh interpreter (torch is not fork-safe once loaded)
+START_METHOD = "spawn"
+
+
+class WorkerError(UspError, RuntimeError):
+    """A planning worker process died or sent back what could not be read."""
+
+
+def default_jobs() -> int:
+    """``usp plan``'s default ``--jobs``: two workers where there are two CPUs."""
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+_Key = tuple[Layout, int]  # (layout, seq_len): the runs of every depth, in one worker
+
+
+class Measurements:
+    """Footprints of a target's layouts at full depth, by ``(layout, seq_len)``; see the
+    module docstring. Use as a context manager (the workers end with it)."""
+
+    def __init__(self, target: Target, jobs: int = 1) -> None:
+        if jobs < 1:
+            raise ValueError(f"jobs must be >= 1, got {jobs}")
+        self.target = target
+        self.jobs = jobs
+        self.runs = 0  # measurements made (one per depth)
+        self.cpu_seconds = 0.0  # the CPU time they took, workers' included
+        self.log: list[tuple[Layout, int, float]] = []  # (layout, seq_len, CPU seconds)
+        self._done: dict[_Key, tuple[Footprint, ...]] = {}
+        self._pending: list[_Key] = []  # wanted, not started; the first starts first
+        self._running: dict[Future, _Key] = {}
+        self._executor: ProcessPoolExecutor | None = None
+
+    # ----------------------------------------------------------------- the search's side
+    def want(self, layout: Layout, seq_len: int, *, urgent: bool = False) -> None:
+        """Say that :meth:`footprint` will be asked for this; ``urgent``: before what
+        was wanted so far. (In process, nothing runs ahead of its :meth:`footprint`.)"""
+        key = (layout, seq_len)
+        if self.jobs == 1 or key in self._done or key in self._running.values():
+            return
+        if key in self._pending:
+            if not urgent:
+                return
+            self._pending.remove(key)
+        self._pending.insert(0, key) if urgent else self._pending.append(key)
+        self._start()
+
+    def footprint(self, layout: Layout, seq_len: int) -> Footprint:
+        """The layout's footprint at ``seq_len`` and the model's full depth."""
+        key = (layout, seq_len)
+        if self.jobs == 1:
+            if key not in self._done:
+                self._keep(key, _timed_runs(self.target, layout, seq_len))
+        else:
+            self.want(layout, seq_len, urgent=True)
+            while key not in self._done:
+                self._collect()
+        return from_runs(self.target.model, list(self._done[key]))
+
+    # ----------------------------------------------------------------- the workers' side
+    def _start(self) -> None:
+        """Start pending tasks until ``jobs`` are in flight."""
+        while self._pending and len(self._running) < self.jobs:
+            key = self._pending.pop(0)
+            future = self._pool().submit(_runs_in_worker, self.target, *key)
+            self._running[future] = key
+
+    def _collect(self) -> None:
+        """Wait for a task to end, keep its footprints and start the next one."""
+        finished, _ = wait(self._running, return_when=FIRST_COMPLETED)
+        for future in finished:
+            key = self._running.pop(future)
+            try:
+                self._keep(key, _unpack(future.result()))
+            except BrokenProcessPool as err:
+                self.close()
+                raise WorkerError(
+                    f"a usp plan worker process died while measuring {key[0]} at "
+                    f"{key[1]:,} tokens ({err}); rerun with --jobs 1 to measure in process"
+                ) from None
+            except BaseException:
+                self.close()
+                raise
+        self._start()
+
+    def _keep(self, key: _Key, timed: tuple[tuple[Footprint, ...], float]) -> None:
+        """Keep a measurement's footprints (one per depth) and its CPU seconds."""
+        footprints, seconds = timed
+        self._done[key] = footprints
+        self.runs += len(footprints)
+        self.cpu_seconds += seconds
+        self.log.append((*key, seconds))
+
+    def _pool(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            context = multiprocessing.get_context(START_METHOD)
+            self._executor = ProcessPoolExecutor(
+                self.jobs, mp_context=context, initializer=_init_worker
+            )
+        return self._executor
+
+    def close(self) -> None:
+        """Stop the workers now (a run in flight is abandoned, nothing waits for it)."""
+        executor, self._executor = self._executor, None
+        self._pending.clear()
+        self._running.clear()
+        if executor is None:
+            return
+        processes = list(getattr(executor, "_processes", {}).values())
+        executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join()
+
+    def __enter__(self) -> Measurements:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _timed_runs(target: Target, layout: Layout, seq_len: int):
+    """The runs of :func:`usp.planner.measure.scaling_runs`, in order (in one process the
+    second reuses most of the fake-tensor cache the first filled: same shapes but for
+    the layer count), and the CPU seconds they took: ``(footprints, seconds)``."""
+    started = time.process_time()
+    at = target.at(seq_len)
+    runs = tuple(measure(at, layout, layers=layers) for layers in scaling_runs(target.model))
+    return runs, time.process_time() - started
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # fake tensors compute nothing; the CPUs are the workers'
+
+
+def _runs_in_worker(target: Target, layout: Layout, seq_len: int):
+    """:func:`_timed_runs` in a worker: ``("ok", (footprints, seconds))``, or the exception when it
+    pickles (it is then raised in the parent as it was), else ``("error", class name,
+    message, whether it is a UspError)``."""
+    try:
+        return "ok", _timed_runs(target, layout, seq_len)
+    except Exception as err:  # noqa: BLE001 (every error goes back to the parent)
+        try:
+            pickle.loads(pickle.dumps(err))
+        except Exception:  # noqa: BLE001
+            return "error", type(err).__name__, str(err), isinstance(err, UspError)
+        raise
+
+
+def _unpack(result):
+    if result[0] == "ok":
+        return result[1]
+    _, name, message, usp_error = result
+    if usp_error:
+        raise WorkerError(message)
+    raise RuntimeError(f"{name}: {message}")
