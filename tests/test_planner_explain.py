@@ -87,3 +87,25 @@ def test_the_command_prints_the_peak_table(tmp_path, capsys):
 def test_text_of_a_named_phase(target):
     explained = explain(target, Layout(2, 2, 1, False), layers=2)
     assert text(explained, phase="forward 0", top=3).startswith("peak of forward 0:")
+
+
+def test_the_norm_keeps_no_float32_copy_of_its_input(target, monkeypatch):
+    """The planned step (bf16) with usp's RMSNorm against the plain formula through
+    autograd: the final norm (outside activation checkpointing) kept a float32 copy of
+    its input and the normalised input in bf16 (6 bytes a value) where usp's keeps the
+    bf16 input (2): the forward's and the backward's peaks drop by 4 bytes per value of
+    [local tokens, hidden], exactly."""
+    import dataclasses
+
+    import usp.models.llama as llama
+    from usp.models.norm import rms_norm_reference
+
+    target = dataclasses.replace(target, job=target.job.with_overrides(seq_len=4096))
+    layout = Layout(1, 4, 1, True)
+    ours = measure(target, layout)
+    monkeypatch.setattr(llama, "rms_norm", rms_norm_reference)
+    plain = measure(target, layout)
+    saved = (4096 // 4) * target.model.hidden_size * 4
+    forward, backward = 0, 1
+    for phase in (forward, backward):
+        assert plain.phases[phase].device - ours.phases[phase].device == saved

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from usp.models.config import LlamaConfig
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, check_chunk_tokens, sp_cross_entropy
+from usp.models.norm import rms_norm
 from usp.models.offload import HostOffloader, check_activation_checkpointing
 from usp.models.plans import check_heads, pack_once
 from usp.models.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
@@ -27,7 +28,8 @@ from usp.plan import as_plan
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight; normalised in float32 at least (float64 stays float64), then
-    cast back before the weight, as HF does for checkpoint fidelity in bf16."""
+    cast back before the weight, as HF does for checkpoint fidelity in bf16. Its backward
+    keeps only ``x`` and one float32 value per token (:mod:`usp.models.norm`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -35,9 +37,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
