@@ -94,8 +94,10 @@ def test_allgather_in_kv_head_chunks(distributed):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_p2p_in_kv_head_chunks_equals_one_pass(distributed, layout, dtype):
     """The p2p ring once per group of KV heads (2 groups of 1 KV head, 2 query heads):
-    against the reference, and the same errors as one pass over all heads on every rank
-    (heads are independent: the same numbers); the same bytes in twice the messages."""
+    against the reference, with errors equal to one pass over all heads on every rank
+    (heads are independent; measured: identical here, but the CPU kernel blocks its
+    work by the head count, so only rounding-level equality is asserted); the same
+    bytes in twice the messages."""
     one, chunked = (
         distributed.run(
             run_ring_case, layout, "p2p", True, "gqa", dtype, kv_head_chunks=chunks, world_size=4
@@ -104,7 +106,7 @@ def test_p2p_in_kv_head_chunks_equals_one_pass(distributed, layout, dtype):
     )
     out_tol, grad_tol = TOL[dtype]
     for a, b in zip(one, chunked):
-        assert b["errors"] == a["errors"]
+        assert all(abs(b["errors"][n] - e) <= 1e-6 for n, e in a["errors"].items())
         assert b["errors"]["out"] <= out_tol and max(b["errors"].values()) <= grad_tol
         for pass_ in ("forward", "backward"):
             assert b[pass_]["p2p"]["sent"] == a[pass_]["p2p"]["sent"] > 0

@@ -305,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--activation-checkpointing", default="true", choices=["true", "false", "offload"]
     )
     p.add_argument("--mlp-tile-tokens", type=int, default=0)
+    p.add_argument("--attention-head-chunks", type=int, help="overrides [train]")
     p.add_argument("--layers", type=int, default=3, help="decoder layers built (default 3)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--phase", help="explain this phase (default: the highest peak)")
@@ -312,8 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         job = load_train_config(args.config)
-        if args.seq_len:
-            job = job.with_overrides(seq_len=args.seq_len)
+        job = job.with_overrides(
+            seq_len=args.seq_len, attention_head_chunks=args.attention_head_chunks
+        )
         cluster = job.topology.cluster
         world = cluster.nodes * cluster.gpus_per_node
         ring = args.ring or world // (args.ulysses * args.dp)
