@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from usp.call_check import call_fields, checked_call, needs_grad
+from usp.comm.agreement import Field
 from usp.kernels.spec import validate_inputs
 from usp.options import BACKENDS, LAYOUTS, RING_IMPLS
 from usp.packing import PackedSequence, PlanError
@@ -50,7 +51,7 @@ class CheckedCall:
     ring: RingConfig
 
 
-def check_call(plan, q, k, v, causal, softmax_scale, packed) -> CheckedCall:
+def check_call(plan, q, k, v, causal, softmax_scale, packed, head_chunks=1) -> CheckedCall:
     """Everything that could fail, checked on this rank before anything is sent."""
     spec = validate_inputs(q, k, v, causal=causal, window=None)
     u, r = plan.ulysses_degree, plan.ring_degree
@@ -97,7 +98,7 @@ def check_call(plan, q, k, v, causal, softmax_scale, packed) -> CheckedCall:
     ring = prepare_ring(
         ring_spec, ring_group, placement, causal=causal, softmax_scale=softmax_scale,
         layout=plan.layout, ring_impl=plan.ring_impl, backend=plan.backend,
-        comm_stats=plan.comm_stats,
+        comm_stats=plan.comm_stats, kv_head_chunks=head_chunks,
     )  # fmt: skip
     return CheckedCall(replication, ring)
 
@@ -112,9 +113,12 @@ def attend(
     softmax_scale: float | None = None,
     packed=None,
     verify: bool | None = None,
+    head_chunks: int = 1,
 ) -> torch.Tensor:
     """:meth:`usp.Plan.attention` (see :func:`usp.usp_attention` for the arguments);
-    ``plan`` is a :class:`usp.Plan`."""
+    ``plan`` is a :class:`usp.Plan`. ``head_chunks``: the ring attends to that many
+    groups of its (post-all-to-all) KV heads one after the other
+    (``ring_attention``'s ``kv_head_chunks``), bounding its buffers to one group."""
     packed_seq: PackedSequence | None = None
 
     def validate() -> CheckedCall:
@@ -122,7 +126,7 @@ def attend(
         q_shape = getattr(q, "shape", ())
         total = q_shape[1] * plan.sp_degree if len(q_shape) > 1 else None
         packed_seq = plan.packed_sequence(packed, device=getattr(q, "device", None), seq_len=total)
-        return check_call(plan, q, k, v, causal, softmax_scale, packed_seq)
+        return check_call(plan, q, k, v, causal, softmax_scale, packed_seq, head_chunks)
 
     def fields():
         options = {
@@ -131,10 +135,11 @@ def attend(
             "backend": (plan.backend, BACKENDS),
         }
         documents = 0 if packed_seq is None else packed_seq.fingerprint
+        chunks = head_chunks if type(head_chunks) is int else -1
         return call_fields(
             q, k, causal=causal, softmax_scale=softmax_scale, options=options,
             documents_hash=documents, needs_grad=needs_grad(q, k, v),
-        )  # fmt: skip
+        ) + [Field("head_chunks", chunks)]  # fmt: skip
 
     call = checked_call(plan.sp_group, "usp_attention", fields, validate, USP_ERRORS, verify)
     topology, u = plan.topology, plan.ulysses_degree

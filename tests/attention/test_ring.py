@@ -90,6 +90,29 @@ def test_allgather_in_kv_head_chunks(distributed):
         assert result["forward"]["all_gather"]["calls"] == 2
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_p2p_in_kv_head_chunks_equals_one_pass(distributed, layout, dtype):
+    """The p2p ring once per group of KV heads (2 groups of 1 KV head, 2 query heads):
+    against the reference, with errors equal to one pass over all heads on every rank
+    (heads are independent; measured: identical here, but the CPU kernel blocks its
+    work by the head count, so only rounding-level equality is asserted); the same
+    bytes in twice the messages."""
+    one, chunked = (
+        distributed.run(
+            run_ring_case, layout, "p2p", True, "gqa", dtype, kv_head_chunks=chunks, world_size=4
+        )
+        for chunks in (1, 2)
+    )
+    out_tol, grad_tol = TOL[dtype]
+    for a, b in zip(one, chunked):
+        assert all(abs(b["errors"][n] - e) <= 1e-6 for n, e in a["errors"].items())
+        assert b["errors"]["out"] <= out_tol and max(b["errors"].values()) <= grad_tol
+        for pass_ in ("forward", "backward"):
+            assert b[pass_]["p2p"]["sent"] == a[pass_]["p2p"]["sent"] > 0
+            assert b[pass_]["p2p"]["calls"] == 2 * a[pass_]["p2p"]["calls"]
+
+
 def test_bf16_gradient_error_does_not_grow_with_ring_size(distributed):
     """Same global problem (256 tokens) on rings of 2 and 8: float32 accumulation of dq
     and of the travelling dK/dV keeps the bf16 error flat (ring-flash-attention #22/#42).
@@ -216,6 +239,10 @@ def _bad_input_case(kind):
             ring_attention(q, kv, kv, dist.group.WORLD, ring_impl="ulysses")
         elif kind == "head_chunks":
             ring_attention(q, kv, kv, dist.group.WORLD, ring_impl="allgather", kv_head_chunks=3)
+        elif kind == "p2p_head_chunks":
+            ring_attention(q, kv, kv, dist.group.WORLD, kv_head_chunks=0)
+        elif kind == "head_chunks_differ":
+            ring_attention(q, kv, kv, dist.group.WORLD, kv_head_chunks=1 + rank)
     except ValueError as err:
         return f"{type(err).__name__}: {err}"
     return "no error"
@@ -236,6 +263,11 @@ def _bad_input_case(kind):
         ("layout", "unknown sequence layout 'striped'; valid: zigzag, contiguous"),
         ("impl", "unknown ring_impl 'ulysses'; valid: p2p, allgather"),
         ("head_chunks", "kv_head_chunks=3 must be >= 1 and divide the local KV heads (2)"),
+        ("p2p_head_chunks", "kv_head_chunks=0 must be >= 1 and divide the local KV heads (2)"),
+        (
+            "head_chunks_differ",
+            "the ranks of the group disagree on kv_head_chunks (rank 0: 1; rank 1: 2)",
+        ),
     ],
 )
 def test_bad_input_is_explained(distributed, kind, message):

@@ -129,3 +129,30 @@ def test_option_errors_name_the_valid_values():
     assert (model.activation_checkpointing, model.mlp_tile_tokens) == ("offload", 8)
     assert all(layer.mlp.tile_tokens == 8 for layer in model.model.layers)
     assert "activation_checkpointing=offload, mlp_tile_tokens=8" in repr(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_attention_head_chunks_give_the_same_numbers(dtype):
+    """One process (the local pass once per group of KV heads): 2 groups of the 2 KV
+    heads equal one pass bit for bit -- logits, loss, every gradient -- also with
+    checkpointing and a tiled MLP."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY)
+    state = {k: v.to(dtype) for k, v in Llama(config).state_dict().items()}
+    ids = torch.randint(0, TINY["vocab_size"], (2, 24))
+    for options in ({}, {"activation_checkpointing": True, "mlp_tile_tokens": 5}):
+        one = _step(config, state, ids, dtype, **options)
+        two = _step(config, state, ids, dtype, attention_head_chunks=2, **options)
+        assert torch.equal(two["logits"], one["logits"]) and torch.equal(two["loss"], one["loss"])
+        assert all(torch.equal(g, one["grads"][n]) for n, g in two["grads"].items())
+
+
+def test_attention_head_chunks_must_divide_the_kv_heads():
+    config = LlamaConfig(**TINY)  # 2 KV heads
+    for bad in (0, 3, 2.0, True):
+        with pytest.raises(ValueError, match=r"must divide the 2 KV heads .*one of \[1, 2\]"):
+            Llama(config, attention_head_chunks=bad)
+    model = Llama(config, attention_head_chunks=2)
+    assert model.attention_head_chunks == 2
+    assert all(layer.self_attn.head_chunks == 2 for layer in model.model.layers)
+    assert "attention_head_chunks=2" in repr(model)

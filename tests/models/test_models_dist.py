@@ -211,6 +211,39 @@ def test_memory_levers_4_ranks(distributed, checkpoints):
     assert results[("offload", 0)]["loss"] == plain["loss"]
 
 
+def head_chunks_case(ckpt, ids, labels, grid, options):
+    """One model with attention_head_chunks 1, then 2: logits, losses, summed gradients."""
+    plan = Plan(topology(*grid))
+    model = Llama.from_pretrained(ckpt, plan, dtype=torch.float32, **options)
+    results = {}
+    for chunks in (1, 2):
+        model.attention_head_chunks = chunks
+        results[chunks] = _run_model(model, plan, ids, labels, None)
+    return results if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"activation_checkpointing": "offload", "mlp_tile_tokens": 5}]
+)
+def test_attention_head_chunks_4_ranks(distributed, checkpoints, options):
+    """ring=4 (2 KV heads per ring pass): the ring once per KV head matches HF float64
+    and one pass over both heads within float32 rounding (heads are independent; the
+    CPU kernel blocks its work by the head count, so the last bits may differ)."""
+    ids = global_batch(2, 32, seed=15)
+    labels = sft_labels(ids, [3])
+    expected = hf_reference(checkpoints["tied-llama3"], ids, labels)
+    results = distributed.run(
+        head_chunks_case, str(checkpoints["tied-llama3"]), ids, labels, (1, 4), options,
+        world_size=4, timeout=240,
+    )[0]  # fmt: skip
+    _check([results[2]], expected)
+    one, two = results[1], results[2]
+    assert abs(two["loss"] - one["loss"]) <= 1e-6 * abs(one["loss"])
+    assert relative_error(two["logits"], one["logits"]) <= 1e-6
+    grads = {n: relative_error(g, one["grads"][n]) for n, g in two["grads"].items()}
+    assert max(grads.values()) <= 1e-6, grads
+
+
 def test_yarn_checkpoint_float64_4_ranks(distributed, checkpoints):
     """A checkpoint whose config.json (written by transformers) has YaRN scaling with
     mscale attention scaling: float64 on ulysses=2 x ring=2, packed, against HF float64

@@ -114,6 +114,11 @@ BAD = [
     ),
     ("train", "mlp_tile_tokens = -4", "[train] mlp_tile_tokens must be an integer >= 0, got -4"),
     ("train", "mlp_tile_tokens = 1.5", "[train] mlp_tile_tokens must be an integer >= 0"),
+    (
+        "train",
+        "attention_head_chunks = 0",
+        "[train] attention_head_chunks must be an integer >= 1, got 0",
+    ),
     ("train", 'dtype = "fp8"', '[train] dtype must be one of "auto", "float32", "bfloat16"'),
     ("train", "adam_betas = [0.9]", "[train] adam_betas must be two numbers in [0, 1)"),
     ("train", "min_lr_ratio = 2", "[train] min_lr_ratio must be a number in [0, 1], got 2"),
@@ -228,13 +233,18 @@ def test_memory_levers_reach_the_model(tmp_path):
 
     text = with_line("train", 'activation_checkpointing = "offload"')
     job = load_train_config(
-        write(tmp_path, text.replace("[train]\n", "[train]\nmlp_tile_tokens = 96\n"))
+        write(
+            tmp_path,
+            text.replace("[train]\n", "[train]\nmlp_tile_tokens = 96\nattention_head_chunks = 2\n"),
+        )
     )
     assert (job.train.activation_checkpointing, job.train.mlp_tile_tokens) == ("offload", 96)
     model = build_model(job, model_source(job), Plan(None))
     assert (model.activation_checkpointing, model.mlp_tile_tokens) == ("offload", 96)
+    assert job.train.attention_head_chunks == model.attention_head_chunks == 2
     plain = load_train_config(write(tmp_path, MINIMAL))
     assert (plain.train.activation_checkpointing, plain.train.mlp_tile_tokens) == (False, 0)
+    assert plain.train.attention_head_chunks == 1
 
 
 def test_model_section_errors(tmp_path):

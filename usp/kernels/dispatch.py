@@ -117,6 +117,10 @@ def _backward_rows_that_see_keys(
 
 
 # ------------------------------------------------------------------ packed documents
+def _lens(q, k) -> tuple[int, int]:
+    return q.shape[0], k.shape[0]
+
+
 def _doc_spec(spec: AttentionSpec, len_q: int, len_k: int) -> AttentionSpec:
     # built directly: dataclasses.replace costs several times more, once per document
     return AttentionSpec(
@@ -145,7 +149,22 @@ def docs_backward(
     return _per_document_backward(impl, dout, q, k, v, out, lse, docs, spec, scale)
 
 
+def _whole(docs: PackedDocs, len_q: int, len_k: int) -> bool:
+    """One document holding every q row and every k row: one dense call, nothing to copy."""
+    return (
+        len(docs.bounds_q) == 2
+        and len_q > 0
+        and docs.bounds_q[1] - docs.bounds_q[0] == len_q
+        and (docs.bounds_k[1] - docs.bounds_k[0] == len_k)
+    )
+
+
 def _per_document_forward(impl: Backend, q, k, v, docs: PackedDocs, spec, scale):
+    if _whole(docs, q.shape[0], k.shape[0]):  # [n, h, D] -> [1, n, h, D] and back
+        out, lse = dense_forward(
+            impl, q[None], k[None], v[None], _doc_spec(spec, *_lens(q, k)), scale
+        )
+        return out[0], lse[0]
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     lse = torch.empty(
         (spec.num_heads, q.shape[0]), dtype=accumulation_dtype(q.dtype), device=q.device
@@ -169,6 +188,12 @@ def _per_document_forward(impl: Backend, q, k, v, docs: PackedDocs, spec, scale)
 def _per_document_backward(
     impl: Backend, dout, q, k, v, out, lse, docs: PackedDocs, spec, scale
 ) -> Grads:
+    if _whole(docs, q.shape[0], k.shape[0]):  # the kernel's gradients as they are
+        grads = dense_backward(
+            impl, dout[None], q[None], k[None], v[None], out[None], lse[None],
+            _doc_spec(spec, *_lens(q, k)), scale,
+        )  # fmt: skip
+        return tuple(g[0] for g in grads)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)

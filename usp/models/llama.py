@@ -19,15 +19,17 @@ from torch.utils.checkpoint import checkpoint
 from usp.models.config import LlamaConfig
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, check_chunk_tokens, sp_cross_entropy
+from usp.models.norm import rms_norm
 from usp.models.offload import HostOffloader, check_activation_checkpointing
-from usp.models.plans import check_heads, pack_once
+from usp.models.plans import check_heads, pack_once, ring_kv_heads
 from usp.models.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
 from usp.plan import as_plan
 
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight; normalised in float32 at least (float64 stays float64), then
-    cast back before the weight, as HF does for checkpoint fidelity in bf16."""
+    cast back before the weight, as HF does for checkpoint fidelity in bf16. Its backward
+    keeps only ``x`` and one float32 value per token (:mod:`usp.models.norm`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -35,9 +37,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -58,6 +58,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(dim, kv_dim, bias=False)
         self.v_proj = nn.Linear(dim, kv_dim, bias=False)
         self.o_proj = nn.Linear(q_dim, dim, bias=False)
+        self.head_chunks = 1  # groups of KV heads attended one after the other (see Llama)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed=None):
         batch, tokens, _ = x.shape  # [B, S/P, dim]
@@ -66,8 +67,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.plan.attention(
-            q, k, v, causal=True, softmax_scale=self.head_dim**-0.5, packed=packed
-        )  # [B, S/P, H, D], exact attention over the global sequence
+            q,
+            k,
+            v,
+            causal=True,
+            softmax_scale=self.head_dim**-0.5,
+            packed=packed,
+            head_chunks=self.head_chunks,
+        )  # fmt: skip  (out [B, S/P, H, D], exact attention over the global sequence)
         return self.o_proj(out.reshape(batch, tokens, self.num_heads * self.head_dim))
 
 
@@ -165,6 +172,10 @@ class Llama(nn.Module):
     (pinned, copied on a side stream on CUDA; :mod:`usp.models.offload`).
     ``mlp_tile_tokens``: 0 (off) or N: each MLP runs over tiles of N local tokens, each
     recomputed in backward, so only one tile's ``[N, intermediate]`` activations exist.
+    ``attention_head_chunks``: 1 (off) or N dividing the KV heads each rank's ring
+    attends to (Hkv after KV replication, / ulysses): the ring runs once per group of
+    those heads, so its float32 accumulators and K/V buffers exist for one group at a
+    time (:mod:`usp.ring.heads`); the same numbers.
     ``loss_chunk_tokens``: tokens per chunk of the output projection in the loss (``None``:
     one unchunked pass). Weights are initialised as HF does (normal(0,
     ``initializer_range``), norms 1) unless built on the meta device.
@@ -195,6 +206,7 @@ class Llama(nn.Module):
         *,
         activation_checkpointing: bool | str = False,
         mlp_tile_tokens: int = 0,
+        attention_head_chunks: int = 1,
         loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
         **attention_options,
     ):
@@ -215,6 +227,7 @@ class Llama(nn.Module):
         )
         self.activation_checkpointing = activation_checkpointing
         self.mlp_tile_tokens = mlp_tile_tokens
+        self.attention_head_chunks = attention_head_chunks
         self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
         if self.model.embed_tokens.weight.device.type != "meta":
             self.init_weights()
@@ -298,6 +311,25 @@ class Llama(nn.Module):
             layer.mlp.tile_tokens = value
 
     @property
+    def attention_head_chunks(self) -> int:
+        """1 (one pass) or the groups of KV heads each ring pass attends to in turn."""
+        return self.model.layers[0].self_attn.head_chunks if len(self.model.layers) else 1
+
+    @attention_head_chunks.setter
+    def attention_head_chunks(self, value: int) -> None:
+        local = ring_kv_heads(self.plan, self.config.num_attention_heads,
+                              self.config.num_key_value_heads)  # fmt: skip
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1 or local % value:
+            divisors = [n for n in range(1, local + 1) if local % n == 0]
+            raise ValueError(
+                f"attention_head_chunks must divide the {local} KV heads each rank's ring "
+                f"attends to (KV heads after replication / ulysses): one of {divisors}, got "
+                f"{value!r}"
+            )
+        for layer in self.model.layers:
+            layer.self_attn.head_chunks = value
+
+    @property
     def output_weight(self) -> torch.Tensor:
         """[V, dim]: ``lm_head.weight``, or the embedding with tied embeddings."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -338,7 +370,8 @@ class Llama(nn.Module):
             f"layers={c.num_hidden_layers}, dim={c.hidden_size}, heads={c.num_attention_heads}/"
             f"{c.num_key_value_heads}, vocab={c.vocab_size}, tied={c.tie_word_embeddings}, "
             f"sp={self.plan.sp_degree}, activation_checkpointing={self.activation_checkpointing}, "
-            f"mlp_tile_tokens={self.mlp_tile_tokens}"
+            f"mlp_tile_tokens={self.mlp_tile_tokens}, "
+            f"attention_head_chunks={self.attention_head_chunks}"
         )
 
 

@@ -22,6 +22,17 @@ def check_heads(plan: Plan, num_heads: int, num_kv_heads: int) -> None:
     )  # fmt: skip
 
 
+def ring_kv_heads(plan: Plan, num_heads: int, num_kv_heads: int) -> int:
+    """The KV heads each rank's ring attends to: after KV replication, / ulysses."""
+    if plan.topology is None or plan.ulysses_degree == 1:
+        return num_kv_heads
+    replication = kv_replication_for(
+        num_heads, num_kv_heads, plan.ulysses_degree, plan.sp_degree,
+        plan.topology.rank_map.ranks_per_node,
+    )  # fmt: skip
+    return num_kv_heads * replication // plan.ulysses_degree
+
+
 def pack_once(plan: Plan, cu_seqlens, input_ids: torch.Tensor) -> PackedSequence | None:
     """The forward's packed sequence: validated and on ``input_ids``' device once, then
     handed to every layer (no host syncs inside the layers)."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
 from usp.call_check import call_fields, checked_call, needs_grad
-from usp.comm.agreement import stable_hash
+from usp.comm.agreement import Field, stable_hash
 from usp.comm.stats import CommStats
 from usp.errors import InputError
 from usp.kernels.spec import (
@@ -22,6 +24,7 @@ from usp.ring.allgather import allgather_backward, allgather_forward, head_chunk
 from usp.ring.calls import BlockKernels, calls_for
 from usp.ring.config import RingConfig
 from usp.ring.documents import DocumentLayoutError, Documents
+from usp.ring.heads import backward_by_heads, forward_by_heads
 from usp.ring.layout import required_local_multiple
 from usp.ring.p2p import p2p_backward, p2p_forward
 from usp.ring.placement import (
@@ -48,12 +51,18 @@ def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig):
 def _implementation(cfg: RingConfig):
     """(forward, backward) for this call: local, p2p ring or all-gather ring. A ring of
     one with packed documents runs the p2p plan whatever ``ring_impl`` says (it never
-    sends anything; there is nothing to gather)."""
+    sends anything; there is nothing to gather). With ``kv_head_chunks`` > 1 the local
+    and p2p passes run once per group of KV heads (:mod:`usp.ring.heads`); the
+    all-gather ring chunks its gathers itself."""
     if cfg.size == 1 and not cfg.packed:
-        return _local_forward, _local_backward
-    if cfg.ring_impl == "p2p" or cfg.size == 1:
-        return p2p_forward, p2p_backward
-    return allgather_forward, allgather_backward
+        forward, backward = _local_forward, _local_backward
+    elif cfg.ring_impl == "p2p" or cfg.size == 1:
+        forward, backward = p2p_forward, p2p_backward
+    else:
+        return allgather_forward, allgather_backward
+    if cfg.kv_head_chunks > 1:
+        return partial(forward_by_heads, forward), partial(backward_by_heads, backward)
+    return forward, backward
 
 
 class _NoSecondDerivative(torch.autograd.Function):
@@ -124,7 +133,11 @@ def ring_attention(
     ``cu_seqlens`` (int32 [N+1], identical on every rank) are the document boundaries
     of the *global* packed sequence (batch 1): attention is then block-diagonal by
     document, each document placed as :mod:`usp.ring.documents` describes.
-    Only the Hkv K/V heads travel. Everything is validated before anything is sent;
+    Only the Hkv K/V heads travel. ``kv_head_chunks`` (a divisor of Hkv): attend to
+    that many groups of KV heads one after the other, so that the ring's buffers (the
+    all-gather's gathered K/V; the p2p ring's float32 accumulators and K/V messages)
+    exist for one group at a time (:mod:`usp.ring.heads`); the result is the same.
+    Everything is validated before anything is sent;
     ``verify`` (default: on for gloo groups) also makes the ranks agree on the call
     first, so a bad input on any rank raises the same error on every rank.
     Second derivatives are not supported (a clear error if attempted).
@@ -153,10 +166,11 @@ def ring_attention(
         documents = 0 if bounds is None else stable_hash(bounds)
         options = {"layout": (layout, LAYOUTS), "ring_impl": (ring_impl, RING_IMPLS)}
         options["backend"] = (backend, BACKENDS)
+        chunks = kv_head_chunks if type(kv_head_chunks) is int else -1
         return call_fields(
             q, k, causal=causal, softmax_scale=softmax_scale, options=options,
             documents_hash=documents, needs_grad=needs_grad(q, k, v),
-        )  # fmt: skip
+        ) + [Field("kv_head_chunks", chunks)]  # fmt: skip
 
     cfg = checked_call(group, "ring_attention", fields, validate, RING_ERRORS, verify)
     out, lse = run_ring(q, k, v, cfg)
@@ -225,11 +239,12 @@ def prepare_ring(
         )
     if group is not None:
         _check_device(group, spec.device)
-    if ring_impl == "allgather":
-        try:
-            head_chunks(spec.num_kv_heads, kv_head_chunks)
-        except ValueError as err:
-            raise RingInputError(str(err)) from None
+    if isinstance(kv_head_chunks, bool) or not isinstance(kv_head_chunks, int):
+        raise RingInputError(f"kv_head_chunks must be an integer >= 1, got {kv_head_chunks!r}")
+    try:
+        head_chunks(spec.num_kv_heads, kv_head_chunks)
+    except ValueError as err:
+        raise RingInputError(str(err)) from None
     kernels = BlockKernels(spec, backend, default_scale(spec.head_dim, softmax_scale))
     size = 1 if group is None else dist.get_world_size(group)
     # the largest local kernel call this ring makes must have a backend that runs it
@@ -237,6 +252,11 @@ def prepare_ring(
     kernels.resolve(
         spec.seqlen_q, widest, spec.num_heads, spec.num_kv_heads, causal, placement.packed
     )
+    if kv_head_chunks > 1 and ring_impl == "p2p":  # and so must a head group's
+        kernels.resolve(
+            spec.seqlen_q, widest, spec.num_heads // kv_head_chunks,
+            spec.num_kv_heads // kv_head_chunks, causal, placement.packed,
+        )  # fmt: skip
     return RingConfig(
         group, causal, layout, ring_impl, kernels, placement, comm_stats, kv_head_chunks
     )

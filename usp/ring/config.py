@@ -24,7 +24,8 @@ class RingConfig:
     kernels: BlockKernels
     placement: RankPlacement
     stats: CommStats | None = None
-    #: allgather only: gather K/V in this many chunks of KV heads to bound memory
+    #: attend to this many groups of KV heads one after the other, to bound memory
+    #: (allgather: the gathered K/V; p2p and local: every buffer of a pass)
     kv_head_chunks: int = 1
 
     @property

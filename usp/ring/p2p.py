@@ -42,7 +42,7 @@ def p2p_forward(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
     ring = RingExchange(cfg.group, cfg.stats)
     acc = accumulation_dtype(q.dtype)
     kv = torch.stack([k, v])  # [2, B, L, Hkv, D]: one message per step
-    spare = torch.empty_like(kv)
+    spare = torch.empty_like(kv) if ring.size > 1 else None
     blocks, calls = _plan(cfg, q.shape[1])
     out = lse = None  # float32 accumulators [B, L, H, D] and [B, H, L]
     for step in range(ring.size):
@@ -54,13 +54,17 @@ def p2p_forward(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
             )  # fmt: skip
             if out is None and block.q_rows == ALL:  # the first block sees every row: start there
                 out, lse = block_out.to(acc, copy=True), block_lse.to(acc, copy=True)
-                continue
-            if out is None:
-                out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)
-                lse = torch.full(lse_shape(q), float("-inf"), dtype=acc, device=q.device)
-            merge_into(out[:, block.q_rows], lse[:, :, block.q_rows], block_out, block_lse)
+            else:
+                if out is None:
+                    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)
+                    lse = torch.full(lse_shape(q), float("-inf"), dtype=acc, device=q.device)
+                merge_into(out[:, block.q_rows], lse[:, :, block.q_rows], block_out, block_lse)
+            del block_out, block_lse  # merged: not alive during the next block's kernel
         if pending is not None:
             spare, kv = kv, pending.wait()  # our send finished too: reuse its buffer
+            if step + 2 >= ring.size:
+                spare = None  # no receive left to post into it
+    del kv
     return out.to(q.dtype), lse
 
 
@@ -74,19 +78,33 @@ def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
     return x if rows == ALL else x[:, rows]
 
 
+def _add_block_grads(dkv: torch.Tensor, block_grads) -> None:
+    """dkv [2, B, L, Hkv, D] += one step's (kv_rows, dk, dv) blocks (a function of its
+    own, so that no loop variable keeps the last block alive into the next step)."""
+    for kv_rows, dk_block, dv_block in block_grads:
+        _rows(dkv[0], kv_rows).add_(dk_block)
+        _rows(dkv[1], kv_rows).add_(dv_block)
+
+
 def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
+    """Gradients of :func:`p2p_forward`. Every buffer is dropped as soon as nothing reads
+    it any more (a block's kernel outputs once added, the spare K/V buffer once no
+    receive is left, the accumulators before the casts at the end), so that at most
+    the float32 dQ, ``own`` and two ``travelling`` dK/dV accumulators, two K/V blocks and
+    one step's kernel outputs are alive at once."""
     ring = RingExchange(cfg.group, cfg.stats)
     local_len = q.shape[1]
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.stack([k, v])
-    kv_spare = torch.empty_like(kv)
+    kv_spare = torch.empty_like(kv) if ring.size > 1 else None
     # dK/dV in float32: ``own`` keeps this rank's contribution to its own block (step 0);
     # the accumulator of every other block starts at the owner's next rank, collects
-    # one contribution per step, and reaches the owner after r-1 hops. Two buffers: the
-    # accumulator being added to and sent, and the one the next arrives in.
+    # one contribution per step, and reaches the owner after r-1 hops. Two buffers
+    # (from step 1 on): the accumulator being added to and sent, and the one the next
+    # arrives in.
     own = torch.zeros((2,) + k.shape, dtype=acc, device=k.device)
-    travelling = [torch.empty_like(own), torch.empty_like(own)]
+    travelling: list[torch.Tensor | None] = [None, None]
     current, dkv_pending = 0, None
     blocks, calls = _plan(cfg, local_len)
     for step in range(ring.size):
@@ -99,24 +117,33 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
                 _rows(out, rows), lse if rows == ALL else lse[:, :, rows], block.causal,
             )  # fmt: skip
             _rows(dq, rows).add_(dq_block)
+            del dq_block  # added: not alive during the next block's kernel
             block_grads.append((block.kv_rows, dk_block, dv_block))
+            del dk_block, dv_block
         if step == 0:
             dkv = own
         elif step == 1:
-            dkv = travelling[current].zero_()
+            travelling = [torch.zeros_like(own), torch.empty_like(own)]
+            dkv = travelling[current]
         else:
             dkv_pending.wait()  # this block's accumulator arrived in travelling[current]
             dkv = travelling[current]
-        for kv_rows, dk_block, dv_block in block_grads:
-            _rows(dkv[0], kv_rows).add_(dk_block)
-            _rows(dkv[1], kv_rows).add_(dv_block)
+        _add_block_grads(dkv, block_grads)
+        del block_grads
         if step > 0:
             dkv_pending = ring.start(dkv, travelling[1 - current])
             current = 1 - current
+        del dkv
         if kv_pending is not None:
             kv_spare, kv = kv, kv_pending.wait()
+            if step + 2 >= ring.size:
+                kv_spare = None  # no receive left to post into it
+    del kv
     if dkv_pending is not None:
         dkv_pending.wait()  # everyone else's contributions to this rank's block
         own += travelling[current]
+    del travelling, dkv_pending
     # copies even for float32: dk and dv must not be views of one shared buffer
-    return dq.to(q.dtype), own[0].to(k.dtype, copy=True), own[1].to(v.dtype, copy=True)
+    dk, dv = own[0].to(k.dtype, copy=True), own[1].to(v.dtype, copy=True)
+    del own
+    return dq.to(q.dtype), dk, dv

@@ -232,6 +232,7 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan):
     options = {
         "activation_checkpointing": job.train.activation_checkpointing,
         "mlp_tile_tokens": job.train.mlp_tile_tokens,
+        "attention_head_chunks": job.train.attention_head_chunks,
     }
     if source.directory is None:
         torch.manual_seed(job.train.seed)

@@ -208,6 +208,7 @@ class TrainSection:
     device: str = AUTO  # "auto": cuda when available, else cpu
     peak_tflops: float | str = AUTO  # per device, for MFU; "auto": from the device name
     mlp_tile_tokens: int = 0  # 0: off; N: each MLP runs over tiles of N local tokens
+    attention_head_chunks: int = 1  # N: the ring attends to N groups of KV heads in turn
     max_skipped_steps: int = 0  # steps with a non-finite loss/grad norm skipped before stopping
     collective_timeout_s: float = 600.0  # any collective waiting longer for a peer fails
     compile: bool = False  # torch.compile each decoder layer (usp.train.parallelize)
@@ -240,6 +241,7 @@ class TrainSection:
         if not (isinstance(checkpointing, bool) or checkpointing == "offload"):
             _fail(s, "activation_checkpointing", 'true, false or "offload"', checkpointing)
         _int(s, "mlp_tile_tokens", self.mlp_tile_tokens, minimum=0)
+        _int(s, "attention_head_chunks", self.attention_head_chunks, minimum=1)
         _bool(s, "export", self.export)
         _string(s, "output_dir", self.output_dir)
         if self.peak_tflops != AUTO:

@@ -1,0 +1,118 @@
+"""The memory levers' table from the planner: device and host GiB per rank, per lever.
+
+    python benchmarks/levers_plan.py examples/configs/llama3_8b_1m.toml \\
+        --seq-lens 1048576,4194304 --grid 1x8
+
+For every ``(activation_checkpointing, mlp_tile_tokens)`` option the config's ``[train]``
+accepts (``usp.planner.search.memory_options``), one rank's step on the grid ``--grid``
+(ulysses x ring, dp 1) is measured by the planner (``measure_scaled``: fake tensors, two
+shallow depths extrapolated to the model's) at each ``--seq-lens`` length, and the
+longest sequence that fits on that grid is searched (``search.max_seq_len``, as ``usp
+plan`` does, restricted to the one grid). Fits = device peak <= the usable fraction of
+the config's GPU. The rows are returned by :func:`main` (and printed as markdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+GIB = 2**30
+
+
+def _cluster(job, gpu_memory_gib: float | None):
+    from usp.planner import search
+
+    c = job.topology.cluster
+    gpu = search.DEFAULT_GPU if c.gpu == "auto" else c.gpu
+    memory = gpu_memory_gib or search.GPU_MEMORY_GIB[gpu]
+    return search.Cluster(c.nodes, c.gpus_per_node, memory, search.DEFAULT_HOST_MEMORY_GIB)
+
+
+def rows(
+    config: str,
+    seq_lens: list[int],
+    grid: tuple[int, int],
+    device: str = "cuda",
+    gpu_memory_gib: float | None = None,
+    head_chunks: int | None = None,
+    only: list[tuple] | None = None,
+):
+    from usp.planner import search
+    from usp.planner.measure import Layout, Target
+    from usp.train.components import model_source
+    from usp.train.config import load_train_config
+
+    job = load_train_config(config).with_overrides(
+        seq_len=max(seq_lens), attention_head_chunks=head_chunks
+    )
+    cluster = _cluster(job, gpu_memory_gib)
+    target = Target(
+        job, model_source(job).config, cluster.world_size, cluster.gpus_per_node, device
+    )
+    cache: dict = {}
+    out = []
+    for checkpointing, tile in search.memory_options(job):
+        if only is not None and (checkpointing, tile) not in only:
+            continue
+        layout = Layout(grid[0], grid[1], 1, checkpointing, tile)
+        row = {"activation_checkpointing": checkpointing, "mlp_tile_tokens": tile,
+               "attention_head_chunks": job.train.attention_head_chunks}  # fmt: skip
+        for s in seq_lens:
+            fp = search._footprint_at(target, layout, cache, s)
+            row[s] = (fp.peak_device / GIB, fp.peak_host / GIB, fp.breakdown)
+        row["longest"] = search.max_seq_len(target, [layout], cluster, cache)[0]
+        out.append(row)
+    return out
+
+
+def markdown(table, seq_lens) -> str:
+    def tokens(s):
+        return f"{s // 2**20}M" if s % 2**20 == 0 else f"{s:,}"
+
+    head = ["activation_checkpointing", "mlp_tile_tokens", "attention_head_chunks"]
+    for s in seq_lens:
+        head += [f"{tokens(s)}: device GiB", f"{tokens(s)}: host GiB"]
+    lines = ["| " + " | ".join(head + ["longest that fits"]) + " |"]
+    lines.append("|" + "---|" * (len(head) + 1))
+    for row in table:
+        ac = row["activation_checkpointing"]
+        cells = ['"offload"' if ac == "offload" else str(ac).lower(), str(row["mlp_tile_tokens"]),
+                 str(row["attention_head_chunks"])]  # fmt: skip
+        for s in seq_lens:
+            device, host, _ = row[s]
+            cells += [f"{device:.1f}", f"{host:.1f}"]
+        cells.append(f"{row['longest']:,}" if row["longest"] else "none")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("config")
+    p.add_argument("--seq-lens", default="1048576,4194304")
+    p.add_argument("--grid", default="1x8", help="ulysses x ring")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--gpu-memory-gib", type=float, help="default: the config's GPU's")
+    p.add_argument("--attention-head-chunks", type=int, help="overrides [train]")
+    p.add_argument("--only", help='options to run, e.g. "offload:8192,true:0" (default: every one)')
+    args = p.parse_args(argv)
+    seq_lens = [int(s) for s in args.seq_lens.split(",")]
+    u, r = (int(x) for x in args.grid.split("x"))
+    only = None
+    if args.only:
+        names = {"true": True, "false": False, "offload": "offload"}
+        only = [(names[a], int(t)) for a, t in (o.split(":") for o in args.only.split(","))]
+    table = rows(
+        args.config, seq_lens, (u, r), args.device, args.gpu_memory_gib,
+        args.attention_head_chunks, only,
+    )  # fmt: skip
+    print(markdown(table, seq_lens))
+    for row in table:
+        _, _, parts = row[max(seq_lens)]
+        print(f"{row['activation_checkpointing']!s:>7} {row['mlp_tile_tokens']:>5}: at "
+              f"{max(seq_lens):,}: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items() if v))  # fmt: skip
+    return table
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,336 @@
+"""What is live at a phase's peak, tensor by tensor: the planner's step, attributed.
+
+:func:`explain` runs the same step as :func:`usp.planner.measure.measure` (the same
+``built_step`` and ``run_step``, under ``FakeTensorMode`` and torch's ``FSDPMemTracker``)
+with one more dispatch mode on top, :class:`AllocationLog`, which records every storage
+an op creates during the step: its bytes, the aten op, the module running (its FQN, and
+whether it ran in backward or in an activation-checkpoint recompute), the autograd node
+running (for built-in backward formulas) and the innermost ``usp`` source line that
+called the op (e.g. ``usp/ring/p2p.py:83 p2p_backward``). Frees are seen through weak
+references to the storages, as the tracker sees them.
+
+Each time the tracker's device peak rises, the log copies the tracker's list of live
+storages (with the tracker's own category and byte count for each) and joins it with
+its records: at the end of a phase, that is exactly what the tracker's peak consisted
+of, so the groups add up to the planner's numbers byte for byte, category by category
+(checked in ``tests/test_planner_explain.py``). Storages no op of the step created
+(parameter shards, optimizer state from before the step, FSDP's parameter buffers it
+resizes in place) are grouped as "(not created by an op of the step)".
+
+    python -m usp.planner.explain examples/configs/llama3_8b_1m.toml --seq-len 4194304 \\
+        --ulysses 1 --ring 8 --activation-checkpointing offload --mlp-tile-tokens 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from usp.planner.measure import CATEGORIES, Layout, Target, _phase_peak, built_step, run_step
+
+_USP_ROOT = str(Path(__file__).resolve().parents[1])  # .../usp
+_SKIP_FILES = (str(Path(__file__).resolve()),)
+#: the planner's own frames: an op first called from there came from autograd's
+#: built-in backward formulas or the optimizer (then the autograd node names it)
+_DRIVER_FILES = (str(Path(__file__).resolve().with_name("measure.py")),)
+
+
+@dataclass
+class Record:
+    """One storage created by an op of the step."""
+
+    op: str
+    where: str  # the innermost usp source line calling the op, or the autograd node
+    module: str  # the innermost module running (FQN), "" outside any
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+#: the group of the storages no op of the step created
+NOT_CREATED = Record("", "(not created by an op of the step)", "", None, ())
+
+
+@dataclass(frozen=True)
+class Live:
+    """Records alive at a peak, grouped by where they were made."""
+
+    nbytes: int
+    count: int
+    op: str
+    where: str
+    module: str
+    category: str  # the tracker's (see usp.planner.measure.CATEGORIES)
+    dtype: torch.dtype | None
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Explained:
+    """One phase's peak: the tracker's total and breakdown, and what of it the log saw."""
+
+    phase: str
+    device: int  # the tracker's device peak, bytes
+    breakdown: dict[str, int]
+    live: tuple[Live, ...]  # largest first
+    tokens: int  # this rank's local tokens in a micro-batch
+
+    @property
+    def attributed(self) -> int:
+        return sum(item.nbytes for item in self.live)
+
+    @property
+    def not_created(self) -> int:
+        return sum(item.nbytes for item in self.live if item.where == NOT_CREATED.where)
+
+    def category(self, name: str) -> int:
+        """Bytes of one tracker category among the attributed records."""
+        return sum(item.nbytes for item in self.live if item.category == name)
+
+
+class AllocationLog(TorchDispatchMode):
+    """Records every new storage an op returns (see the module docstring); ``tracker`` is
+    the ``FSDPMemTracker`` counting the same step (its module tracker and flags give the
+    module and the category, its peak the moment to explain)."""
+
+    def __init__(self, tracker, device: torch.device):
+        super().__init__()
+        self.tracker = tracker
+        self.device = device
+        self.records: list[Record] = []
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.at_peak: list[tuple[Record, str, int]] = []
+        self._op = None  # the op being dispatched, while it is
+        self._watch_peak()
+        self._watch_track()
+
+    def _watch_peak(self) -> None:
+        tracker, update = self.tracker, self.tracker._update_peak_stats
+
+        def update_and_note(state) -> None:
+            before = tracker._peak_mem.get(self.device, 0)
+            update(state)
+            if tracker._peak_mem.get(self.device, 0) > before:
+                self._snapshot()
+
+        tracker._update_peak_stats = update_and_note
+
+    def _watch_track(self) -> None:
+        """Storages the tracker first meets in its module hooks rather than as an op's
+        output (e.g. a gradient autograd's engine summed in C++): recorded there."""
+        tracker, track = self.tracker, self.tracker._track
+
+        def track_and_note(reftype, t) -> None:
+            if (
+                t.device == self.device
+                and not isinstance(t, _dtensor())
+                and t.untyped_storage() not in tracker._WINFO  # (from before the step)
+            ):
+                self._note(t, self._op)  # (inside an op: the tracker's dispatch is below ours)
+            track(reftype, t)
+
+        tracker._track = track_and_note
+
+    def _snapshot(self) -> None:
+        """What the tracker holds on the device now: (record or None, category, bytes)."""
+        live = []
+        for storage, (info, _) in self.tracker._WINFO.items():
+            if info.device != self.device or not info.mem_consumed:
+                continue
+            index = self._seen.get(storage)
+            category = CATEGORIES.get(info.reftype.value, str(info.reftype.value))
+            record = NOT_CREATED if index is None else self.records[index]
+            live.append((record, category, info.mem_consumed))
+        self.at_peak = live
+
+    def restart_peak(self) -> None:
+        """The next phase's peak starts from what is live now (as the tracker's does)."""
+        self._snapshot()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is _dtensor() for t in types):
+            return NotImplemented  # let DTensor desugar into local ops first
+        self._op = func
+        try:
+            out = func(*args, **(kwargs or {}))
+        finally:
+            self._op = None
+        flat = out if isinstance(out, (tuple, list)) else (out,)
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.device == self.device:
+                self._note(t, func)
+        return out
+
+    def _note(self, t: torch.Tensor, func) -> None:
+        storage = t.untyped_storage()
+        if storage in self._seen:
+            return
+        op = "(no op: seen in a module hook)" if func is None else func.overloadpacket.__name__
+        record = Record(op, _where(), self._module(), t.dtype, tuple(t.shape))
+        self._seen[storage] = len(self.records)
+        self.records.append(record)
+
+    def _module(self) -> str:
+        mods = self.tracker._mod_tracker
+        names = [p for p in mods.parents if p != "Global"]
+        name = max(names, key=len) if names else ""
+        if self.tracker._in_ac:
+            return f"{name} (recompute)"
+        return f"{name} (backward)" if mods.is_bw else name
+
+
+def _dtensor() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _where() -> str:
+    """The innermost usp frame calling the op (``file:line function``), or the autograd
+    node running when that frame is the planner's driver (a built-in backward)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_USP_ROOT) and name not in _SKIP_FILES:
+            if name in _DRIVER_FILES:
+                break
+            rel = Path(name).relative_to(Path(_USP_ROOT).parent)
+            return f"{rel}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    node = torch._C._current_autograd_node()
+    return f"autograd {node.name()}" if node is not None else "(outside usp)"
+
+
+def group(live: Sequence[tuple[Record, str, int]]) -> list[Live]:
+    """(record, category, bytes) grouped by (where, op, module, category, dtype, shape),
+    largest first."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for r, category, nbytes in live:
+        groups[(r.where, r.op, r.module, category, r.dtype, r.shape)].append(nbytes)
+    items = [
+        Live(sum(sizes), len(sizes), op, where, module, category, dtype, shape)
+        for (where, op, module, category, dtype, shape), sizes in groups.items()
+    ]
+    return sorted(items, key=lambda item: -item.nbytes)
+
+
+def explain(target: Target, layout: Layout, *, layers: int = 3) -> list[Explained]:
+    """Every phase of one rank's step (``layers`` decoder layers), its peak attributed."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from usp.planner.measure import _phase_footprint
+
+    explained = []
+    with built_step(target, layout, layers=layers, fake=True) as (job, model, optimizer, batch):
+        tracker = FSDPMemTracker(model, optimizer)
+        tokens = batch.input_ids.numel()
+        with tracker:
+            log = AllocationLog(tracker, batch.device)
+            with log:
+                for phase in run_step(model, optimizer, job, batch):
+                    snapshot = _phase_peak(tracker)
+                    peak = _phase_footprint(snapshot, batch.device)
+                    live = group(log.at_peak)
+                    explained.append(
+                        Explained(phase, peak.device, peak.breakdown, tuple(live), tokens)
+                    )
+                    log.restart_peak()
+                    if phase.startswith("backward"):
+                        tracker.reset_mod_stats()
+    return explained
+
+
+# ----------------------------------------------------------------------------- report
+GIB, MIB = 2**30, 2**20
+
+
+def text(explained: Sequence[Explained], *, top: int = 20, phase: str | None = None) -> str:
+    """The peak phase (or ``phase``), its breakdown, and its ``top`` largest live groups
+    with their bytes per local token."""
+    chosen = (
+        max(explained, key=lambda e: e.device)
+        if phase is None
+        else next(e for e in explained if e.phase == phase)
+    )
+    lines = [
+        f"peak of {chosen.phase}: {chosen.device / GIB:.2f} GiB per rank "
+        f"({chosen.tokens:,} local tokens)",
+        "  by the tracker: "
+        + ", ".join(f"{k} {v / GIB:.2f}" for k, v in chosen.breakdown.items() if v),
+        f"  attributed below: {chosen.attributed / GIB:.2f} GiB, of which not created by "
+        f"an op of the step {chosen.not_created / GIB:.2f}",
+        "",
+        "| MiB | B/token | n | category | dtype | shape | op | where | module |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for item in chosen.live[:top]:
+        dtype = str(item.dtype).removeprefix("torch.") if item.dtype else ""
+        lines.append(
+            f"| {item.nbytes / MIB:,.1f} | {item.nbytes / chosen.tokens:,.0f} | {item.count} | "
+            f"{item.category} | {dtype} | {list(item.shape)} | {item.op} | {item.where} | "
+            f"{item.module} |"
+        )
+    rest = chosen.live[top:]
+    if rest:
+        lines.append(
+            f"| {sum(i.nbytes for i in rest) / MIB:,.1f} | "
+            f"{sum(i.nbytes for i in rest) / chosen.tokens:,.0f} | "
+            f"{sum(i.count for i in rest)} | (the rest) | | | | | |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from usp.errors import UspError
+    from usp.train.components import model_source
+    from usp.train.config import load_train_config
+
+    p = argparse.ArgumentParser(
+        prog="python -m usp.planner.explain",
+        description="What is live at the peak of one rank's planned step, tensor by tensor.",
+    )
+    p.add_argument("config")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--ulysses", type=int, default=1)
+    p.add_argument("--ring", type=int, default=None, help="default: world / ulysses / dp")
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument(
+        "--activation-checkpointing", default="true", choices=["true", "false", "offload"]
+    )
+    p.add_argument("--mlp-tile-tokens", type=int, default=0)
+    p.add_argument("--attention-head-chunks", type=int, help="overrides [train]")
+    p.add_argument("--layers", type=int, default=3, help="decoder layers built (default 3)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--phase", help="explain this phase (default: the highest peak)")
+    p.add_argument("--top", type=int, default=20)
+    args = p.parse_args(argv)
+    try:
+        job = load_train_config(args.config)
+        job = job.with_overrides(
+            seq_len=args.seq_len, attention_head_chunks=args.attention_head_chunks
+        )
+        cluster = job.topology.cluster
+        world = cluster.nodes * cluster.gpus_per_node
+        ring = args.ring or world // (args.ulysses * args.dp)
+        checkpointing = {"true": True, "false": False}.get(
+            args.activation_checkpointing, args.activation_checkpointing
+        )
+        target = Target(job, model_source(job).config, world, cluster.gpus_per_node, args.device)
+        layout = Layout(args.ulysses, ring, args.dp, checkpointing, args.mlp_tile_tokens)
+        explained = explain(target, layout, layers=args.layers)
+    except UspError as err:
+        print(f"explain: error: {err}", file=sys.stderr)
+        return 2
+    print(text(explained, top=args.top, phase=args.phase))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
