@@ -11,6 +11,7 @@ import torch
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from usp.cli import main
+from usp.errors import InputError
 from usp.models import PRESETS
 from usp.planner.measure import Layout, Target, measure, measure_scaled
 from usp.planner.pool import Measurements, WorkerError, default_jobs
@@ -183,5 +184,5 @@ def test_jobs_flag(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["plan", str(write_config(tmp_path)), "--jobs", "0"])
     assert exit_.value.code == 2 and "expected an integer >= 1, got 0" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="jobs must be >= 1"):
+    with pytest.raises(InputError, match="jobs must be >= 1"):
         Measurements(None, jobs=0)
