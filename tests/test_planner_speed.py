@@ -186,3 +186,21 @@ def test_jobs_flag(tmp_path, capsys):
     assert exit_.value.code == 2 and "expected an integer >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(InputError, match="jobs must be >= 1"):
         Measurements(None, jobs=0)
+
+
+def test_the_search_also_takes_a_plain_dict_as_its_cache(tmp_path):
+    """``search.evaluate`` and ``search.max_seq_len`` with a dict (in process, as before
+    Measurements): the same candidate and the same longest sequence."""
+    from usp.planner import search
+
+    target = target_of(write_config(tmp_path, gpus=2, seq_len=256), 2)
+    cluster = search.Cluster(1, 2, 0.01, 64.0)
+    layouts = [Layout(1, 2, 1, True)]
+    cache: dict = {}
+    with Measurements(target, jobs=1) as measured:
+        assert search.evaluate(target, layouts[0], cluster, cache) == search.evaluate(
+            target, layouts[0], cluster, measured
+        )
+        longest = search.max_seq_len(target, layouts, cluster, measured)
+    assert search.max_seq_len(target, layouts, cluster, cache) == longest
+    assert longest[0] > 256 and (layouts[0], 256) in cache
