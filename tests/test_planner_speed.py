@@ -136,16 +136,15 @@ def test_the_plan_does_not_depend_on_the_number_of_jobs(tmp_path, capsys):
 
 
 def test_scaled_footprints_from_workers_equal_the_in_process_ones(tmp_path):
-    """Depth-scaled (3 and 4 layers of 6, each a run of its own), two lengths, two jobs."""
+    """Depth-scaled (3 and 4 layers of 6, both in one worker), two lengths, two jobs."""
     target = target_of(write_config(tmp_path, layers=6, seq_len=256), 4)
-    layouts = [Layout(2, 2, 1, True), Layout(1, 4, 1, False)]
+    layout = Layout(2, 2, 1, True)
     with Measurements(target, jobs=2) as measured:
-        for layout in layouts:
-            measured.want(layout, 256)
-        measured.want(layouts[1], 512, urgent=True)
-        got = {(lay, s): measured.footprint(lay, s) for lay in layouts for s in (256, 512)}
-        assert measured.runs == 8  # (2 layouts x 2 lengths) x depths 3 and 4
-    for (layout, seq_len), footprint in got.items():
+        measured.want(layout, 256)
+        measured.want(layout, 512, urgent=True)
+        got = {s: measured.footprint(layout, s) for s in (256, 512)}
+        assert measured.runs == 4  # 2 lengths x depths 3 and 4
+    for seq_len, footprint in got.items():
         assert footprint == measure_scaled(target.at(seq_len), layout)
         assert footprint.layers == 6
 
