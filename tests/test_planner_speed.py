@@ -11,6 +11,7 @@ import torch
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from usp.cli import main
+from usp.errors import InputError
 from usp.models import PRESETS
 from usp.planner.measure import Layout, Target, measure, measure_scaled
 from usp.planner.pool import Measurements, WorkerError, default_jobs
@@ -135,16 +136,15 @@ def test_the_plan_does_not_depend_on_the_number_of_jobs(tmp_path, capsys):
 
 
 def test_scaled_footprints_from_workers_equal_the_in_process_ones(tmp_path):
-    """Depth-scaled (3 and 4 layers of 6, each a run of its own), two lengths, two jobs."""
+    """Depth-scaled (3 and 4 layers of 6, both in one worker), two lengths, two jobs."""
     target = target_of(write_config(tmp_path, layers=6, seq_len=256), 4)
-    layouts = [Layout(2, 2, 1, True), Layout(1, 4, 1, False)]
+    layout = Layout(2, 2, 1, True)
     with Measurements(target, jobs=2) as measured:
-        for layout in layouts:
-            measured.want(layout, 256)
-        measured.want(layouts[1], 512, urgent=True)
-        got = {(lay, s): measured.footprint(lay, s) for lay in layouts for s in (256, 512)}
-        assert measured.runs == 8  # (2 layouts x 2 lengths) x depths 3 and 4
-    for (layout, seq_len), footprint in got.items():
+        measured.want(layout, 256)
+        measured.want(layout, 512, urgent=True)
+        got = {s: measured.footprint(layout, s) for s in (256, 512)}
+        assert measured.runs == 4  # 2 lengths x depths 3 and 4
+    for seq_len, footprint in got.items():
         assert footprint == measure_scaled(target.at(seq_len), layout)
         assert footprint.layers == 6
 
@@ -183,5 +183,23 @@ def test_jobs_flag(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["plan", str(write_config(tmp_path)), "--jobs", "0"])
     assert exit_.value.code == 2 and "expected an integer >= 1, got 0" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="jobs must be >= 1"):
+    with pytest.raises(InputError, match="jobs must be >= 1"):
         Measurements(None, jobs=0)
+
+
+def test_the_search_also_takes_a_plain_dict_as_its_cache(tmp_path):
+    """``search.evaluate`` and ``search.max_seq_len`` with a dict (in process, as before
+    Measurements): the same candidate and the same longest sequence."""
+    from usp.planner import search
+
+    target = target_of(write_config(tmp_path, gpus=2, seq_len=256), 2)
+    cluster = search.Cluster(1, 2, 0.01, 64.0)
+    layouts = [Layout(1, 2, 1, True)]
+    cache: dict = {}
+    with Measurements(target, jobs=1) as measured:
+        assert search.evaluate(target, layouts[0], cluster, cache) == search.evaluate(
+            target, layouts[0], cluster, measured
+        )
+        longest = search.max_seq_len(target, layouts, cluster, measured)
+    assert search.max_seq_len(target, layouts, cluster, cache) == longest
+    assert longest[0] > 256 and (layouts[0], 256) in cache

@@ -162,7 +162,9 @@ def test_fsdp_traffic_by_hand():
 
 # ----------------------------------------------------------------------------- the command
 def plan_cli(capsys, *argv):
-    code = main(["plan", *map(str, argv)])
+    """``usp plan`` in this process (``--jobs 1``: a tiny plan spends more starting
+    workers than measuring; tests/test_planner_speed.py runs it with workers)."""
+    code = main(["plan", *map(str, argv), "--jobs", "1"])
     out, err = capsys.readouterr()
     return code, out, err
 

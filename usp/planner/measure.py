@@ -372,6 +372,13 @@ def _first_optimizer_step(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _phase_peak(tracker) -> dict:
+    """:func:`usp.planner.tracker.phase_peak` (the name this module's callers import)."""
+    from usp.planner.tracker import phase_peak
+
+    return phase_peak(tracker)
+
+
 def run_step(model, optimizer, job, batch: _Batch) -> Iterator[str]:
     """The arithmetic of ``usp.train.trainer._train_step`` without its host reads (the
     loss and the gradient norm as Python floats): micro-batch forward/backward with the

@@ -56,8 +56,9 @@ def plan(
 ) -> PlanResult:
     """Measure and rank every layout of ``config`` (see :mod:`usp.planner.search`), the
     measurements in ``jobs`` worker processes (1: in this one; the result is the same,
-    see :mod:`usp.planner.pool`). Raises a :class:`usp.errors.UspError` for a config, a cluster or a model no layout
-    can serve; a result without a fitting candidate is returned (``best`` is None)."""
+    see :mod:`usp.planner.pool`). Raises a :class:`usp.errors.UspError` for a config, a
+    cluster or a model no layout can serve; a result without a fitting candidate is
+    returned (``best`` is None)."""
     from usp.train.components import model_source
     from usp.train.config import load_train_config
 

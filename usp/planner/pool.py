@@ -1,20 +1,25 @@
 """The plan's measurements, in this process or in worker processes (``usp plan --jobs``).
 
-A plan measures many independent steps: one per layout, sequence length and depth
-(:func:`usp.planner.measure.scaling_runs`), each a pure function of those (fake tensors:
+A plan measures many independent steps: a layout at a sequence length, at the depths of
+:func:`usp.planner.measure.scaling_runs`, each a pure function of those (fake tensors:
 nothing depends on data, on the process or on what ran before). :class:`Measurements`
-holds them. With ``jobs = 1`` each is measured here when it is first asked for
-(:meth:`Measurements.footprint`), in the order the search asks. With ``jobs = N > 1``,
-N spawned worker processes measure them: the search says early what it will need
-(:meth:`Measurements.want`; ``urgent`` for what it needs next), at most N runs are in
-flight, the most urgent first, and :meth:`Measurements.footprint` waits for its own.
-Only the order and the place of the runs differ, so the results are the same for every
-``jobs`` (``tests/test_planner_speed.py`` compares the JSON of 1 and 2 jobs).
+holds them by ``(layout, seq_len)``. With ``jobs = 1`` each is measured here when it is
+first asked for (:meth:`Measurements.footprint`), in the order the search asks. With
+``jobs = N > 1``, N spawned worker processes measure them, both depths of one in the
+same worker (the second reuses most of the fake-tensor cache the first filled): the
+search says early what it will need (:meth:`Measurements.want`; ``urgent`` for what it
+waits for next), at most N are in flight, the most urgent first, and
+:meth:`Measurements.footprint` waits for its own. Only the order and the place of the
+runs differ, so the results are the same for every ``jobs``
+(``tests/test_planner_speed.py`` compares the JSON of 1 and 2 jobs). A program that
+calls :func:`usp.planner.plan.plan` with ``jobs > 1`` needs the usual
+``if __name__ == "__main__":`` guard (spawned workers import the main module).
 
 Failures: an error in a worker is raised here as the same exception with the same
 message (a :class:`usp.errors.UspError` stays one: ``usp plan`` exits 2 with its
-message, as in process); the other workers are stopped, nothing waits for them. A
-worker that dies (killed, out of memory) ends the plan with :class:`WorkerError`.
+message, as in process), and the workers are stopped (terminated: nothing waits for a
+run in flight). A worker that dies (killed, out of memory) ends the plan with
+:class:`WorkerError`, which says to rerun with ``--jobs 1``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
-from usp.errors import UspError
+from usp.errors import InputError, UspError
 from usp.planner.measure import Footprint, Layout, Target, from_runs, measure, scaling_runs
 
 #: how worker processes start: a fresh interpreter (torch is not fork-safe once loaded)
@@ -51,7 +56,7 @@ class Measurements:
 
     def __init__(self, target: Target, jobs: int = 1) -> None:
         if jobs < 1:
-            raise ValueError(f"jobs must be >= 1, got {jobs}")
+            raise InputError(f"jobs must be >= 1 (1: measure in this process), got {jobs}")
         self.target = target
         self.jobs = jobs
         self.runs = 0  # measurements made (one per depth)
@@ -168,9 +173,9 @@ def _init_worker() -> None:
 
 
 def _runs_in_worker(target: Target, layout: Layout, seq_len: int):
-    """:func:`_timed_runs` in a worker: ``("ok", (footprints, seconds))``, or the exception when it
-    pickles (it is then raised in the parent as it was), else ``("error", class name,
-    message, whether it is a UspError)``."""
+    """:func:`_timed_runs` in a worker: ``("ok", (footprints, seconds))``; an error is
+    raised as it was when it pickles (the parent raises it again), else sent back as
+    ``("error", class name, message, whether it is a UspError)``."""
     try:
         return "ok", _timed_runs(target, layout, seq_len)
     except Exception as err:  # noqa: BLE001 (every error goes back to the parent)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from usp.config import ConfigError
 from usp.planner.kernels import planning_backend
-from usp.planner.measure import Footprint, Layout, Target
+from usp.planner.measure import Footprint, Layout, Target, measure_scaled
 from usp.planner.traffic import fsdp_traffic, step_traffic, traffic_formula
 
 GIB = 2**30
@@ -271,10 +271,42 @@ def judge(footprint: Footprint, cluster: Cluster) -> tuple[bool, str | None]:
     return True, None
 
 
+def target_at(target: Target, seq_len: int) -> Target:
+    return target.at(seq_len)
+
+
+class _DictCache:
+    """A plain dict as ``measured`` (what :func:`evaluate` and :func:`max_seq_len` took
+    before :class:`usp.planner.pool.Measurements`): measured in process when first
+    asked, kept in the dict by ``(layout, seq_len)``."""
+
+    jobs = 1
+
+    def __init__(self, target: Target, cache: dict) -> None:
+        self.target, self.cache = target, cache
+
+    def want(self, layout: Layout, seq_len: int, *, urgent: bool = False) -> None:
+        pass  # (nothing runs ahead in process)
+
+    def footprint(self, layout: Layout, seq_len: int) -> Footprint:
+        return _footprint_at(self.target, layout, self.cache, seq_len)
+
+
+def _footprint_at(target: Target, layout: Layout, cache: dict, seq_len: int) -> Footprint:
+    key = (layout, seq_len)
+    if key not in cache:
+        cache[key] = measure_scaled(target.at(seq_len), layout)
+    return cache[key]
+
+
+def _measurements(measured, target: Target):
+    return _DictCache(target, measured) if isinstance(measured, dict) else measured
+
+
 def evaluate(target: Target, layout: Layout, cluster: Cluster, measured) -> Candidate:
     """One layout at the target's sequence length (``measured``: the plan's
-    :class:`usp.planner.pool.Measurements`)."""
-    footprint = measured.footprint(layout, target.seq_len)
+    :class:`usp.planner.pool.Measurements`, or a dict to cache in)."""
+    footprint = _measurements(measured, target).footprint(layout, target.seq_len)
     fits, why = judge(footprint, cluster)
     sent = comm_bytes(target, layout)
     return Candidate(
@@ -303,7 +335,8 @@ def max_seq_len(
     measured, and the step down (or up) repeats until a measured length fits and the
     next multiple does not, or ``rounds`` measurements are spent (then the longest
     measured fit is returned). ``measured``: the plan's
-    :class:`usp.planner.pool.Measurements`."""
+    :class:`usp.planner.pool.Measurements`, or a dict to cache in."""
+    measured = _measurements(measured, target)
     best_len, best_layout, predictions = 0, None, []
     frontier = [(lay, _line_lengths(lay, target)) for lay in _frontier(layouts_, target, measured)]
     for layout, lengths in reversed(frontier):  # every line's points, before any wait
