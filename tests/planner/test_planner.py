@@ -163,7 +163,7 @@ def test_fsdp_traffic_by_hand():
 # ----------------------------------------------------------------------------- the command
 def plan_cli(capsys, *argv):
     """``usp plan`` in this process (``--jobs 1``: a tiny plan spends more starting
-    workers than measuring; tests/test_planner_speed.py runs it with workers)."""
+    workers than measuring; tests/planner/test_planner_speed.py runs it with workers)."""
     code = main(["plan", *map(str, argv), "--jobs", "1"])
     out, err = capsys.readouterr()
     return code, out, err
@@ -276,3 +276,88 @@ def test_bad_cluster_keys_exit_2(tmp_path, capsys, line, message):
     path.write_text(text)
     code, _, err = plan_cli(capsys, path, "--device", "cuda")
     assert code == 2 and message in err, err
+
+
+class LinearMemory:
+    """A stand-in for the plan's measurements: each layout's device and host peaks are
+    ``base + per_token * seq_len`` bytes (what a real step's are, close to), and every
+    length asked for is recorded."""
+
+    jobs = 1
+
+    def __init__(self, device_per_token, host_per_token, base=0):
+        self.device_per_token, self.host_per_token, self.base = (
+            device_per_token, host_per_token, base,
+        )  # fmt: skip
+        self.asked: list[int] = []
+
+    def want(self, layout, seq_len, *, urgent=False):
+        pass
+
+    def footprint(self, layout, seq_len):
+        from usp.planner.measure import Footprint, Phase
+
+        self.asked.append(seq_len)
+        device = self.base + self.device_per_token * seq_len
+        return Footprint((Phase(device, self.host_per_token * seq_len),), layers=2)
+
+
+@pytest.mark.parametrize(
+    "device_per_token, host_per_token, bound",
+    [
+        (2**20, 0, "device"),  # 1 MiB per token on the device, nothing on the host
+        (2**10, 2**20, "host"),  # offload: the host fills first
+        (2**20, 2**20 + 2**18, "host"),  # both grow, the host faster
+    ],
+)
+def test_the_longest_sequence_is_where_the_first_limit_binds(
+    tmp_path, device_per_token, host_per_token, bound
+):
+    """The search predicts from both limits (a line through two lengths), measures the
+    prediction and the next multiple, and returns the exact boundary: the longest
+    multiple that fits, whose next multiple does not."""
+    from usp.planner import search
+
+    target = target_of(write_config(tmp_path, gpus=2, seq_len=256), 2)
+    layout = Layout(1, 2, 1, True)
+    multiple = search.sequence_multiple(layout, target.job)  # 4: zigzag on a ring of 2
+    cluster = search.Cluster(1, 2, gpu_memory_gib=1.0, host_memory_gib=2.0)
+    measured = LinearMemory(device_per_token, host_per_token, base=3 * 2**20)
+    longest, chosen = search.max_seq_len(target, [layout], cluster, measured)
+
+    def fits(s):
+        return search.judge(measured.footprint(layout, s), cluster)[0]
+
+    assert chosen == layout and longest % multiple == 0
+    assert fits(longest) and not fits(longest + multiple)
+    device_limit = 0.9 * 2**30 - 3 * 2**20
+    host_limit = 2**30  # 2 GiB per node over 2 ranks
+    device_len = device_limit // device_per_token
+    host_len = host_limit // host_per_token if host_per_token else float("inf")
+    assert (device_len < host_len) == (bound == "device")
+    assert longest == min(device_len, host_len) // multiple * multiple
+    assert len(set(measured.asked)) <= 4, "two line points, the prediction, the next multiple"
+
+
+def test_a_pessimistic_line_is_corrected_by_measuring(tmp_path):
+    """A peak that grows slower past the measured lengths (the line overestimates the
+    memory): the search measures again from the nearest points and still ends on the
+    exact boundary."""
+    from usp.planner import search
+    from usp.planner.measure import Footprint, Phase
+
+    class Bent(LinearMemory):
+        def footprint(self, layout, seq_len):
+            self.asked.append(seq_len)
+            slope = 2**19  # per token past 256: half the line's slope below it
+            device = 2**20 * min(seq_len, 256) + slope * max(0, seq_len - 256)
+            return Footprint((Phase(device, 0),), layers=2)
+
+    target = target_of(write_config(tmp_path, gpus=2, seq_len=256), 2)
+    layout = Layout(1, 2, 1, True)
+    cluster = search.Cluster(1, 2, gpu_memory_gib=1.0, host_memory_gib=2.0)
+    measured = Bent(0, 0)
+    longest, _ = search.max_seq_len(target, [layout], cluster, measured, rounds=6)
+    limit = 0.9 * 2**30
+    expected = int(256 + (limit - 2**28) // 2**19) // 4 * 4
+    assert longest == expected

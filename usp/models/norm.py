@@ -16,7 +16,7 @@ autograd's (``ToCopy``, ``Pow``, ``Mean``, ``Rsqrt``, ``Mul`` backward), row by 
 tiling changes nothing in them; float rounding may differ from autograd's in the last
 bits where the formulas are grouped differently. The weight gradient is summed over
 tiles in float32 (autograd sums once, in the product's dtype with a float32 accumulator)
-and cast once. ``tests/test_norm.py`` holds it against autograd through the plain
+and cast once. ``tests/models/test_norm.py`` holds it against autograd through the plain
 formula in float64, float32 and bf16, tiled and untiled.
 """
 

@@ -13,7 +13,7 @@ Each time the tracker's device peak rises, the log copies the tracker's list of 
 storages (with the tracker's own category and byte count for each) and joins it with
 its records: at the end of a phase, that is exactly what the tracker's peak consisted
 of, so the groups add up to the planner's numbers byte for byte, category by category
-(checked in ``tests/test_planner_explain.py``). Storages no op of the step created
+(checked in ``tests/planner/test_planner_explain.py``). Storages no op of the step created
 (parameter shards, optimizer state from before the step, FSDP's parameter buffers it
 resizes in place) are grouped as "(not created by an op of the step)".
 

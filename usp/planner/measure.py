@@ -18,7 +18,7 @@ Depth: ``layers`` decoder layers are built (default: the model's). Each phase's 
 at least the first of :data:`SCALING_DEPTHS` (every layer adds its parameter, gradient and
 optimizer shards and its saved activations, and the peak stays in the same place), so
 :func:`measure_scaled` measures two small depths and extrapolates each phase, which
-``tests/test_planner.py`` checks byte for byte against a full-depth run.
+``tests/planner/test_planner.py`` checks byte for byte against a full-depth run.
 
 Device: ``"cuda"`` is a CUDA run (bf16 compute, cuDNN's attention ops); ``"cpu"`` one on
 the CPU (fp32, the CPU flash kernel's ops). Autograd cannot run on ``cuda`` fake tensors

@@ -330,11 +330,12 @@ def max_seq_len(
     target: Target, layouts_: list[Layout], cluster: Cluster, measured, *, rounds: int = 4
 ) -> tuple[int, Layout | None]:
     """The longest sequence (a multiple of what the layout needs) that some layout fits,
-    and that layout. Each layout's peak grows close to linearly with the sequence: a
-    line through two measured lengths predicts its longest fit, the best prediction is
-    measured, and the step down (or up) repeats until a measured length fits and the
-    next multiple does not, or ``rounds`` measurements are spent (then the longest
-    measured fit is returned). ``measured``: the plan's
+    and that layout. Each layout's device and host peaks grow close to linearly with
+    the sequence: a line through two measured lengths predicts its longest fit within
+    both limits, the best prediction is measured, and a new line through the longest
+    measured fit and the shortest measured miss (a secant step) predicts again, until a
+    measured length fits and the next multiple does not, or ``rounds`` measurements
+    are spent (then the longest measured fit is returned). ``measured``: the plan's
     :class:`usp.planner.pool.Measurements`, or a dict to cache in."""
     measured = _measurements(measured, target)
     best_len, best_layout, predictions = 0, None, []
@@ -351,20 +352,25 @@ def max_seq_len(
                 best_len, best_layout = s, layout
     predictions.sort(key=lambda p: -p[0])
     for predicted, layout, multiple in predictions[:1]:
+        points = {s: measured.footprint(layout, s) for s in _line_lengths(layout, target)}
         length = predicted
         for _ in range(rounds):
-            if length <= best_len or length < multiple:
-                break
+            fitting = max((s for s, f in points.items() if judge(f, cluster)[0]), default=0)
+            failing = min((s for s, f in points.items() if not judge(f, cluster)[0]), default=None)
+            if failing is not None:
+                length = min(length, failing - multiple)
+            if length <= max(fitting, best_len) or length < multiple:
+                break  # the boundary is between two measured lengths a multiple apart
             if measured.jobs > 1:  # a free worker measures the next multiple meanwhile
                 measured.want(layout, length + multiple, urgent=True)
-            if judge(measured.footprint(layout, length), cluster)[0]:
+            points[length] = measured.footprint(layout, length)
+            if judge(points[length], cluster)[0]:
                 best_len, best_layout = length, layout
                 above = length + multiple
-                if judge(measured.footprint(layout, above), cluster)[0]:
-                    length = above * 2  # the line was pessimistic: look further
-                    continue
-                break
-            length = int(length * 0.95) // multiple * multiple
+                points[above] = measured.footprint(layout, above)
+                if not judge(points[above], cluster)[0]:
+                    break  # measured: this length fits and the next multiple does not
+            length = _predict(_nearest(points, cluster), cluster, multiple)
     return best_len, best_layout
 
 
@@ -401,10 +407,34 @@ def _frontier(layouts_: list[Layout], target: Target, measured) -> list[Layout]:
 
 
 def _predict(points, cluster: Cluster, multiple: int) -> int:
+    """The longest multiple of ``multiple`` that the line through two measured points
+    keeps within both limits: the device's (:data:`USABLE_FRACTION` of it) and the
+    host's share of one rank (a node's host memory over its ranks)."""
     (s0, f0), (s1, f1) = points
-    limit = cluster.gpu_memory_gib * USABLE_FRACTION * GIB
-    slope = (f1.peak_device - f0.peak_device) / (s1 - s0)
-    if slope <= 0:
+    limits = (
+        (cluster.gpu_memory_gib * USABLE_FRACTION * GIB, lambda f: f.peak_device),
+        (cluster.host_memory_gib * GIB / cluster.gpus_per_node, lambda f: f.peak_host),
+    )
+    lengths = []
+    for limit, peak in limits:
+        slope = (peak(f1) - peak(f0)) / (s1 - s0)
+        if slope > 0:
+            lengths.append(s0 + (limit - peak(f0)) / slope)
+    if not lengths:
         return max(s0, s1)
-    length = s0 + (limit - f0.peak_device) / slope
-    return max(0, math.floor(length / multiple) * multiple)
+    return max(0, math.floor(min(lengths) / multiple) * multiple)
+
+
+def _nearest(points: dict, cluster: Cluster) -> list:
+    """The two measured points a new line goes through: the longest that fits and the
+    shortest that does not when both exist (the boundary lies between them), else the
+    two longest."""
+    fitting = sorted(s for s, f in points.items() if judge(f, cluster)[0])
+    failing = sorted(s for s, f in points.items() if not judge(f, cluster)[0])
+    if fitting and failing:
+        chosen = (fitting[-1], failing[0])
+    elif len(fitting) >= 2:
+        chosen = tuple(fitting[-2:])
+    else:
+        chosen = tuple(failing[:2])
+    return [(s, points[s]) for s in chosen]

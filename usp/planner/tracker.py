@@ -17,7 +17,7 @@ global peak (``get_tracker_snapshot("peak")``, all the planner reads), faster:
 
 Exactness: both changes leave every allocation, free and category of the tracker's
 current snapshot as they were, and the global peak is the same maximum over the same
-points; ``tests/test_planner_speed.py`` checks that every phase's footprint equals the
+points; ``tests/planner/test_planner_speed.py`` checks that every phase's footprint equals the
 plain tracker's byte for byte.
 """
 
