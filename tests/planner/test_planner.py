@@ -5,60 +5,13 @@ import json
 
 import pytest
 import torch
+from planner_cases import target_of, write_config
 
 from usp.cli import main
-from usp.models import PRESETS
-from usp.planner.measure import Layout, Target, measure, measure_scaled
+from usp.planner.measure import Layout, measure, measure_scaled
 from usp.planner.traffic import fsdp_traffic
 from usp.planner.validate import real_peak
 from usp.train.config import load_train_config
-
-TINY = """
-[cluster]
-nodes = 1
-gpus_per_node = {gpus}
-[parallel]
-ulysses = 1
-ring = 1
-[attention]
-layout = "{layout}"
-ring_impl = "{ring_impl}"
-[model]
-preset = "tiny"
-[model.overrides]
-num_hidden_layers = {layers}
-{extra_model}
-[data]
-source = "synthetic"
-[train]
-steps = 1
-global_batch = {global_batch}
-seq_len = {seq_len}
-device = "cpu"
-"""
-
-
-def write_config(tmp_path, *, gpus=4, layers=2, seq_len=512, global_batch=1,
-                 layout="zigzag", ring_impl="p2p", extra_model=""):  # fmt: skip
-    path = tmp_path / "plan.toml"
-    path.write_text(
-        TINY.format(
-            gpus=gpus,
-            layers=layers,
-            seq_len=seq_len,
-            global_batch=global_batch,
-            layout=layout,
-            ring_impl=ring_impl,
-            extra_model=extra_model,
-        )  # fmt: skip
-    )
-    return path
-
-
-def target_of(path, world, device="cpu"):
-    job = load_train_config(path)
-    model = PRESETS["tiny"].replace(**job.model.overrides)
-    return Target(job, model, world, world, device)
 
 
 @pytest.fixture(autouse=True)

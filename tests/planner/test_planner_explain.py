@@ -3,34 +3,10 @@ source line and module, adding up to the planner's own numbers."""
 
 import pytest
 import torch
+from planner_cases import target_of, write_config
 
-from usp.models import PRESETS
 from usp.planner.explain import NOT_CREATED, explain, main, text
-from usp.planner.measure import Layout, Target, measure
-from usp.train.config import load_train_config
-
-CONFIG = """
-[cluster]
-nodes = 1
-gpus_per_node = 4
-[parallel]
-ulysses = 2
-ring = 2
-[attention]
-layout = "zigzag"
-ring_impl = "p2p"
-[model]
-preset = "tiny"
-[model.overrides]
-num_hidden_layers = 2
-[data]
-source = "synthetic"
-[train]
-steps = 1
-global_batch = 1
-seq_len = 1024
-device = "cuda"
-"""
+from usp.planner.measure import Layout, measure
 
 
 @pytest.fixture(autouse=True)
@@ -43,10 +19,8 @@ def one_thread():
 
 @pytest.fixture
 def target(tmp_path):
-    path = tmp_path / "tiny.toml"
-    path.write_text(CONFIG)
-    job = load_train_config(path)
-    return Target(job, PRESETS["tiny"].replace(**job.model.overrides), 4, 4, "cuda")
+    path = write_config(tmp_path, ulysses=2, ring=2, seq_len=1024, device="cuda")
+    return target_of(path, 4, "cuda")
 
 
 @pytest.mark.parametrize("layout", [Layout(2, 2, 1, True), Layout(1, 4, 1, "offload", 64)])
@@ -74,8 +48,7 @@ def test_every_byte_of_each_phase_peak_is_attributed(target, layout):
 
 
 def test_the_command_prints_the_peak_table(tmp_path, capsys):
-    path = tmp_path / "tiny.toml"
-    path.write_text(CONFIG)
+    path = write_config(tmp_path, ulysses=2, ring=2, seq_len=1024, device="cuda")
     assert main([str(path), "--ulysses", "2", "--layers", "2", "--top", "5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("peak of backward 0:")
@@ -139,8 +112,7 @@ def test_levers_plan_script_measures_each_option(target, tmp_path):
     from usp.planner import search
     from usp.planner.measure import measure_scaled
 
-    path = tmp_path / "tiny.toml"
-    path.write_text(CONFIG)
+    path = write_config(tmp_path, ulysses=2, ring=2, seq_len=1024, device="cuda")
     script = load_benchmark("levers_plan")
     table = script.main([str(path), "--seq-lens", "512", "--grid", "1x4",
                          "--gpu-memory-gib", "0.004", "--only", "true:0"])  # fmt: skip
