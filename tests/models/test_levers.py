@@ -26,13 +26,7 @@ from usp.models.offload import ACTIVATION_CHECKPOINTING
 profiled_peak = load_benchmark("levers_memory").profiled_peak
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only cost time (much of it on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 def _step(config, state, ids, dtype, **options) -> dict:

@@ -20,12 +20,7 @@ from usp.models.norm import rms_norm, rms_norm_reference
 profiled_peak = load_benchmark("levers_memory").profiled_peak
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 def _grads(fn, x, w, g):

@@ -13,13 +13,7 @@ from usp.planner.traffic import fsdp_traffic
 from usp.planner.validate import real_peak
 from usp.train.config import load_train_config
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 # ----------------------------------------------------------------------------- depth

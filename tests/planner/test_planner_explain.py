@@ -2,19 +2,12 @@
 source line and module, adding up to the planner's own numbers."""
 
 import pytest
-import torch
 from planner_cases import target_of, write_config
 
 from usp.planner.explain import NOT_CREATED, explain, main, text
 from usp.planner.measure import Layout, measure
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 @pytest.fixture

@@ -17,13 +17,7 @@ from usp.planner.measure import Layout, measure, measure_scaled
 from usp.planner.pool import Measurements, WorkerError, default_jobs
 from usp.planner.tracker import PlanningTracker, returns_no_tensor
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 # ----------------------------------------------------------------------------- tracker
