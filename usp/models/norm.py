@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from usp.models.tiling import representative, tiles
+
 #: tokens per tile of the float32 work (128 MiB per float32 tensor at hidden 4096)
 NORM_CHUNK_TOKENS = 8192
 
@@ -47,10 +49,6 @@ def rms_norm(
     return _RMSNorm.apply(x, weight, eps, chunk_tokens)
 
 
-def _tiles(rows: int, chunk: int) -> list[slice]:
-    return [slice(i, min(i + chunk, rows)) for i in range(0, rows, chunk)]
-
-
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, chunk):
@@ -60,10 +58,11 @@ class _RMSNorm(torch.autograd.Function):
             flat.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device
         )
         rstd = torch.empty((flat.shape[0], 1), dtype=wide_dtype, device=x.device)  # [rows, 1]
-        for rows in _tiles(flat.shape[0], chunk):
-            wide = flat[rows].to(wide_dtype)  # [tile, dim], float32 at least
-            rstd[rows] = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-            out[rows] = weight * (wide * rstd[rows]).to(x.dtype)
+        # memory-periodic (usp.models.tiling): out and rstd exist before the loop and are
+        # written in place; a tile's work tensors are freed when its function returns
+        ctx.representative = representative(x)
+        for rows in tiles(flat.shape[0], chunk, representative_only=ctx.representative):
+            _forward_tile(flat[rows], weight, eps, out[rows], rstd[rows])
         ctx.save_for_backward(x, weight, rstd)
         ctx.chunk = chunk
         return out.view(x.shape[:-1] + out.shape[-1:])
@@ -78,22 +77,42 @@ class _RMSNorm(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:
             dw = torch.zeros(weight.shape, dtype=wide_dtype, device=weight.device)
-        for rows in _tiles(flat.shape[0], ctx.chunk):
-            g, r = flat_grad[rows], rstd[rows]  # [tile, dim], [tile, 1]
-            wide = flat[rows].to(wide_dtype)
-            if dw is not None:  # d(weight * n)/d weight = grad * n, summed over tokens
-                normed = (wide * r).to(x.dtype)
-                dw += (g * normed).sum(0, dtype=wide_dtype)
-                del normed
-            if dx is None:
-                continue
-            # d/d normed, in the dtype autograd's Mul and ToCopy backward give it
-            gn = (g * weight).to(x.dtype).to(wide_dtype)
-            # normed = wide * r, r = rsqrt(mean(wide^2) + eps):
-            #   d wide = gn * r + d(mean) * 2 * wide / dim,  d(mean) = -0.5 * r^3 * sum(gn * wide)
-            d_r = (gn * wide).sum(-1, keepdim=True)  # [tile, 1]
-            d_mean = -0.5 * d_r * r.pow(3)
-            dx[rows] = (gn * r + (d_mean / dim) * (2 * wide)).to(x.dtype)
+        # memory-periodic as the forward: dx and dw exist before the loop
+        for rows in tiles(flat.shape[0], ctx.chunk, representative_only=ctx.representative):
+            _backward_tile(
+                flat_grad[rows],
+                flat[rows],
+                rstd[rows],
+                weight,
+                None if dx is None else dx[rows],
+                dw,
+            )
         dx = None if dx is None else dx.view(x.shape)
         dw = None if dw is None else dw.to(weight.dtype)
         return dx, dw, None, None
+
+
+def _forward_tile(x, weight, eps, out, rstd) -> None:
+    """One tile: x [tile, dim] -> out [tile, dim] and rstd [tile, 1], written in place."""
+    wide = x.to(rstd.dtype)  # [tile, dim], float32 at least
+    rstd.copy_(torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps))
+    out.copy_(weight * (wide * rstd).to(x.dtype))
+
+
+def _backward_tile(g, x, r, weight, dx, dw) -> None:
+    """One tile's gradients: g, x [tile, dim], r = 1 / rms [tile, 1]; ``dx`` [tile, dim]
+    written and ``dw`` [dim] (float32 at least) added to in place (either may be None)."""
+    wide = x.to(r.dtype)
+    if dw is not None:  # d(weight * n)/d weight = grad * n, summed over tokens
+        normed = (wide * r).to(x.dtype)
+        dw += (g * normed).sum(0, dtype=r.dtype)
+        del normed
+    if dx is None:
+        return
+    # d/d normed, in the dtype autograd's Mul and ToCopy backward give it
+    gn = (g * weight).to(x.dtype).to(r.dtype)
+    # normed = wide * r, r = rsqrt(mean(wide^2) + eps):
+    #   d wide = gn * r + d(mean) * 2 * wide / dim,  d(mean) = -0.5 * r^3 * sum(gn * wide)
+    d_r = (gn * wide).sum(-1, keepdim=True)  # [tile, 1]
+    d_mean = -0.5 * d_r * r.pow(3)
+    dx.copy_((gn * r + (d_mean / x.shape[-1]) * (2 * wide)).to(x.dtype))

@@ -42,6 +42,7 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from usp.models.tiling import representative_tiles
 from usp.planner.kernels import planning_backend, planning_kernels
 from usp.process_groups.fake import fake_world
 
@@ -211,22 +212,41 @@ def job_for(target: Target, layout: Layout):
 
 
 def measure(
-    target: Target, layout: Layout, *, layers: int | None = None, tracker: type | None = None
+    target: Target,
+    layout: Layout,
+    *,
+    layers: int | None = None,
+    tracker: type | None = None,
+    representative: bool = True,
 ) -> Footprint:
     """One rank's (rank 0's: every rank holds the same shares) peak memory per phase of
     a step, under fake tensors; ``layers`` decoder layers (default: the model's).
     ``tracker``: the memory tracker's class (default
     :class:`usp.planner.tracker.PlanningTracker`; torch's ``FSDPMemTracker`` gives the
-    same footprint, slower)."""
-    with built_step(target, layout, layers=layers, fake=True) as (job, model, optimizer, batch):
+    same footprint, slower). ``representative``: memory-periodic token loops run their
+    first and last tile only (:mod:`usp.models.tiling`; the same footprint, faster)."""
+    with built_step(target, layout, layers=layers, fake=True, representative=representative) as (
+        job,
+        model,
+        optimizer,
+        batch,
+    ):
         phases = _tracked_steps(job, model, optimizer, batch, tracker)
     return _footprint(phases, batch.device, model.config.num_hidden_layers, target.device)
 
 
 @contextmanager
-def built_step(target: Target, layout: Layout, *, layers: int | None = None, fake: bool = True):
+def built_step(
+    target: Target,
+    layout: Layout,
+    *,
+    layers: int | None = None,
+    fake: bool = True,
+    representative: bool = True,
+):
     """Everything one rank of ``usp train`` builds for this layout, on the ``fake``
     process group: yields ``(job, model, optimizer, batch)`` for :func:`run_step`.
+    ``representative`` (fake only): inside :func:`usp.models.tiling.representative_tiles`.
     ``fake=False`` builds real tensors (a small step run for real, to check the
     planner against); on the CPU the planning kernels serve attention either way (the
     same aten ops; the real backend would read the uninitialised data the fake process
@@ -266,6 +286,8 @@ def built_step(target: Target, layout: Layout, *, layers: int | None = None, fak
                     stack.enter_context(planning_kernels())
                 if fake:
                     stack.enter_context(_all_labelled())
+                    if representative:
+                        stack.enter_context(representative_tiles())
                     stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
                 model = components.build_model(job, components.ModelSource(config, None), plan)
                 if fake and _host_stand_in(target, device):
