@@ -81,7 +81,9 @@ def test_attention_head_chunks_lower_the_planned_backward_peak(target):
     """A model whose backward peak is the ring's (16 query / 4 KV heads of dim 64 on a
     ring of 4, bf16 plan): [train] attention_head_chunks 2 and 4 lower that peak
     (measured: 25.67 -> 25.13 -> 19.62 MB; with 2 groups the groups' input copies eat
-    most of the saving at this size), and leave the forward's alone."""
+    most of the saving at this size), and do not raise the forward's (one document is a
+    dense sequence: its diagonal block's float32 output is the ring forward's largest
+    buffer, 14.25 -> 14.12 MB with head groups)."""
     import dataclasses
 
     model = target.model.replace(num_attention_heads=16, num_key_value_heads=4, head_dim=64)
@@ -92,7 +94,7 @@ def test_attention_head_chunks_lower_the_planned_backward_peak(target):
                           Layout(1, 4, 1, "offload", 256))  # fmt: skip
         peaks[chunks] = [p.device for p in planned.phases]
     forward, backward = 0, 1
-    assert peaks[1][forward] == peaks[2][forward] == peaks[4][forward]
+    assert peaks[4][forward] <= peaks[2][forward] <= peaks[1][forward]
     assert peaks[4][backward] < peaks[2][backward] < peaks[1][backward]
     assert peaks[4][backward] <= 0.8 * peaks[1][backward]
 

@@ -59,8 +59,17 @@ def packed_placement(
     documents: Documents, ring_rank: int, device, *, allgather: bool
 ) -> RankPlacement:
     """Packed documents: everything a ring rank needs on ``device`` (all-gather segments,
-    for both causal flags, only if asked)."""
+    for both causal flags, only if asked). One document is a dense sequence (the same
+    tokens on every rank as :func:`dense_placement`'s), placed as one: its ring steps
+    are the dense ones (one causal block on the diagonal, one block per other step,
+    against three and two between pieces) and a ring of one runs the local kernel, with
+    no varlen boundaries and no accumulators -- the long-document fine-tune's case."""
     device = torch.device(device)
+    if len(documents.lengths) == 1:
+        segments = {}
+        if allgather:
+            segments = {c: _segments(documents, ring_rank, c, False, device) for c in (False, True)}
+        return RankPlacement(documents, ring_rank, device, False, None, segments)
     bounds = documents.piece_bounds
     segments = {}
     if allgather:
