@@ -185,8 +185,10 @@ def test_tile_must_be_a_positive_integer():
 
 def test_real_peak_is_one_tiles_work_above_the_results():
     """Forward + backward on real CPU tensors (torch.profiler's memory events): above
-    what the step keeps (output, its gradient, dx, three weight gradients) at most four
-    [tile, intermediate] tensors and one [tile, dim] tensor of work at a time."""
+    what the step keeps (output, dx, three weight gradients) three [tile, intermediate]
+    tensors of work at a time (measured: exactly that), at most one [tile, dim] more.
+    (Each tile under torch.utils.checkpoint before: 203.5 -> 142.5 MiB at 8192
+    tokens, dim 512, intermediate 1792, tiles of 4096, benchmarks/levers_memory.py.)"""
     tokens, dim, intermediate, tile = 2048, 16, 512, 256
     mlp = _mlp(dim=dim, intermediate=intermediate, dtype=torch.float32)
     mlp.tile_tokens = tile
@@ -198,10 +200,8 @@ def test_real_peak_is_one_tiles_work_above_the_results():
 
     peak = profiled_peak(step)
     kept = (2 * tokens * dim + 3 * dim * intermediate) * 4  # out, dx; three weight grads
-    work = (4 * tile * intermediate + tile * dim) * 4
-    untiled_activations = 3 * tokens * intermediate * 4  # gate, up, silu(gate) * up
-    assert kept + 2 * tile * intermediate * 4 <= peak <= kept + work, (peak, kept, work)
-    assert peak < untiled_activations / 3
+    work = 3 * tile * intermediate * 4
+    assert kept + work <= peak <= kept + work + tile * dim * 4, (peak, kept, work)
 
 
 class _CountMatmuls(TorchDispatchMode):
