@@ -105,6 +105,24 @@ def test_bf16_is_as_close_to_float64_as_before():
         assert err <= 1.25 * reference + 1e-3 and err <= 2e-2, (name, err, reference)
 
 
+def test_a_strided_input_and_an_expanded_gradient():
+    """x not contiguous ([S, B, dim] memory read as [B, S, dim]) and the stride-0
+    gradient of ``.sum()``: the untiled numbers."""
+    mlp = _mlp()
+    torch.manual_seed(1)
+    x = torch.randn(19, 2, 32, dtype=torch.float64).transpose(0, 1)  # [2, 19, 32], strided
+    runs = {}
+    for tile in (0, 4):
+        mlp.tile_tokens = tile
+        mlp.zero_grad(set_to_none=True)
+        leaf = x.detach().requires_grad_()
+        out = mlp(leaf)
+        out.sum().backward()
+        runs[tile] = [out.detach(), leaf.grad] + [p.grad for p in mlp.parameters()]
+    assert not x.is_contiguous()
+    assert all(_rel(a, b) <= 1e-12 for a, b in zip(runs[4], runs[0], strict=True))
+
+
 def test_at_most_one_tile_of_tokens_is_the_untiled_mlp():
     """tokens <= tile_tokens: the untiled MLP itself, bit for bit (no autograd function)."""
     mlp = _mlp()
