@@ -68,6 +68,46 @@ def test_planning_tracker_footprint_equals_the_plain_trackers(
         assert fast.peak_host > 0
 
 
+# ----------------------------------------------------------------------------- tiles
+class OpCountingTracker(PlanningTracker):
+    """The planning tracker, counting every op it sees."""
+
+    ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        OpCountingTracker.ops += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _ops_and_footprint(target, layout, representative):
+    OpCountingTracker.ops = 0
+    footprint = measure(target, layout, tracker=OpCountingTracker, representative=representative)
+    return OpCountingTracker.ops, footprint
+
+
+@pytest.mark.parametrize(
+    "layout, device, global_batch",
+    [
+        (Layout(2, 2, 1, True), "cpu", 1),
+        (Layout(1, 4, 1, "offload", 8192), "cuda", 1),  # bf16, host stand-in, MLP tiles
+        (Layout(4, 1, 1, False), "cuda", 2),  # two micro-batches
+    ],
+)
+def test_representative_tiles_give_the_full_loops_footprint(tmp_path, layout, device, global_batch):
+    """usp.models.tiling: with 3.5 tiles of RMSNorm (8192 tokens) per rank, the first and
+    the last tile give every phase's peak and breakdown of all of them, byte for byte,
+    with fewer ops."""
+    from usp.models.norm import NORM_CHUNK_TOKENS
+
+    per_rank = 3 * NORM_CHUNK_TOKENS + NORM_CHUNK_TOKENS // 2
+    path = write_config(tmp_path, seq_len=4 * per_rank, global_batch=global_batch)
+    target = target_of(path, 4, device)
+    full_ops, full = _ops_and_footprint(target, layout, representative=False)
+    fewer_ops, representative = _ops_and_footprint(target, layout, representative=True)
+    assert representative == full
+    assert fewer_ops < full_ops  # (the mode took effect: the middle tiles did not run)
+
+
 # ----------------------------------------------------------------------------- workers
 def plan_cli(capsys, *argv):
     code = main(["plan", *map(str, argv)])

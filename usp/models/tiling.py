@@ -51,7 +51,10 @@ def representative(x: torch.Tensor) -> bool:
     """Whether a memory-periodic loop over ``x`` may run its representative tiles only:
     inside :func:`representative_tiles` and ``x`` a fake tensor. A loop decides this once
     (an autograd function in its forward, kept for its backward: the backward can run
-    on another thread, which does not see the context)."""
+    on another thread, which does not see the context). Always False while
+    ``torch.compile`` traces (a compiled graph computes: it never plans)."""
+    if torch.compiler.is_compiling():
+        return False
     return _REPRESENTATIVE.get() and is_fake(x)
 
 

@@ -13,6 +13,14 @@ and free (:class:`usp.planner.tracker.PlanningTracker`, the same counts with les
 bookkeeping). The second step runs with the optimizer state the first one created. Nothing
 is computed: every op only allocates its outputs.
 
+Token loops: the step's memory-periodic loops over tiles of tokens (RMSNorm's, the
+loss's, the tiled MLP's: :mod:`usp.models.tiling`) run their first and last tile only
+(``representative``, the default): under fake tensors every op costs the same host time
+whatever its size, so those loops made a step's cost grow with the tokens per rank,
+while their memory peak is reached in those two tiles.
+``tests/planner/test_planner_speed.py`` checks the footprints against full loops byte
+for byte.
+
 Depth: ``layers`` decoder layers are built (default: the model's). Each phase's peak
 (every forward, every backward, the optimizer) is affine in the depth once the depth is
 at least the first of :data:`SCALING_DEPTHS` (every layer adds its parameter, gradient and
