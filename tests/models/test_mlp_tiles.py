@@ -292,3 +292,29 @@ def test_tiled_mlp_compiles_fullgraph():
     torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fake_tensor_benchmark_runs_and_its_peaks_agree(capsys):
+    """benchmarks/mlp_fake.py at a tiny size: four rows, equal peaks with and without
+    the representative tiles."""
+    from benchmarks import mlp_fake
+
+    rows = mlp_fake.main(
+        [
+            "--tokens",
+            "600",
+            "--dim",
+            "64",
+            "--intermediate",
+            "224",
+            "--tile",
+            "64",
+            "--repeats",
+            "1",
+        ]
+    )
+    assert len(rows) == 4 and all(row["seconds"] > 0 for row in rows)
+    for ck in (False, True):
+        pair = [row["peak"] for row in rows if row["layer_checkpoint"] == ck]
+        assert pair[0] == pair[1] > 600 * 224 * 2, pair
+    assert "10 tiles of 64" in capsys.readouterr().out
