@@ -23,14 +23,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
-from usp_cases import load_benchmark
 
+from benchmarks import mlp_fake
+from benchmarks.levers_memory import profiled_peak
 from usp.models import LlamaConfig
 from usp.models.llama import MLP
 from usp.models.mlp_tiles import tiled_swiglu
 from usp.models.tiling import representative_tiles
-
-profiled_peak = load_benchmark("levers_memory").profiled_peak
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
@@ -297,8 +296,6 @@ def test_tiled_mlp_compiles_fullgraph():
 def test_the_fake_tensor_benchmark_runs_and_its_peaks_agree(capsys):
     """benchmarks/mlp_fake.py at a tiny size: four rows, equal peaks with and without
     the representative tiles."""
-    from benchmarks import mlp_fake
-
     rows = mlp_fake.main(
         [
             "--tokens",
