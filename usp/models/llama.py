@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from usp.models.config import LlamaConfig
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, check_chunk_tokens, sp_cross_entropy
+from usp.models.mlp_tiles import tiled_swiglu
 from usp.models.norm import rms_norm
 from usp.models.offload import HostOffloader, check_activation_checkpointing
 from usp.models.plans import check_heads, pack_once, ring_kv_heads
@@ -82,10 +83,12 @@ class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)).
 
     ``tile_tokens`` (0: off): run over tiles of that many local tokens (the batch and
-    sequence dims flattened), each tile checkpointed, so that only one tile's
-    ``[tokens, intermediate]`` activations exist at a time, in forward and in backward
-    (each tile is recomputed just before its own backward). The result equals the
-    untiled MLP up to float rounding (the weight gradients are summed over tiles).
+    sequence dims flattened) in one autograd function that keeps only ``x`` and the
+    weights and recomputes each tile in backward (:mod:`usp.models.mlp_tiles`), so
+    that only one tile's ``[tokens, intermediate]`` activations exist at a time, in
+    forward and in backward. The result equals the untiled MLP up to float rounding
+    (the weight gradients are summed over tiles). Inputs of at most ``tile_tokens``
+    tokens run the untiled MLP.
     """
 
     def __init__(self, config: LlamaConfig):
@@ -103,14 +106,10 @@ class MLP(nn.Module):
         tokens = x.shape[:-1].numel()
         if not self.tile_tokens or tokens <= self.tile_tokens:
             return self.swiglu(x)
-        flat = x.reshape(tokens, x.shape[-1])  # [B, S/P, dim] -> [B * S/P, dim]
-        tiles = flat.split(self.tile_tokens)  # [tile_tokens, dim] each (the last shorter)
-        if torch.is_grad_enabled():  # keep each tile's input only; recompute it in backward
-            out = [checkpoint(self.swiglu, t, use_reentrant=False, preserve_rng_state=False)
-                   for t in tiles]  # fmt: skip
-        else:
-            out = [self.swiglu(t) for t in tiles]
-        return torch.cat(out).view(x.shape)  # [B * S/P, dim] -> [B, S/P, dim]
+        # the Linears' own weights, as their forward reads them (under FSDP2: the
+        # unsharded parameters, set by the decoder layer's pre-forward hook)
+        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return tiled_swiglu(x, *weights, self.tile_tokens)  # [B, S/P, dim]
 
 
 class DecoderLayer(nn.Module):
@@ -171,7 +170,8 @@ class Llama(nn.Module):
     (non-reentrant), keeping only its input; ``"offload"`` keeps that input in host memory
     (pinned, copied on a side stream on CUDA; :mod:`usp.models.offload`).
     ``mlp_tile_tokens``: 0 (off) or N: each MLP runs over tiles of N local tokens, each
-    recomputed in backward, so only one tile's ``[N, intermediate]`` activations exist.
+    recomputed in backward, so only one tile's ``[N, intermediate]`` activations exist
+    (:mod:`usp.models.mlp_tiles`).
     ``attention_head_chunks``: 1 (off) or N dividing the KV heads each rank's ring
     attends to (Hkv after KV replication, / ulysses): the ring runs once per group of
     those heads, so its float32 accumulators and K/V buffers exist for one group at a
