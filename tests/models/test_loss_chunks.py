@@ -1,0 +1,204 @@
+"""The chunked loss (``usp.models.loss``'s autograd function over all chunks) against one
+unchunked pass through autograd (``chunk_tokens=None``: ``F.linear`` + ``F.cross_entropy``),
+value and both gradients, and its memory-periodic loops under the planner's fake tensors:
+the same peak with every chunk run and with the representative chunks only.
+
+Tolerances: float64 1e-12 (relative); float32 and bf16 against the float64 value of the
+same inputs, at a bound the unchunked autograd path in that dtype must meet as well (so
+the chunking never rounds worse than what it replaces, beyond a small factor).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from usp.errors import InputError
+from usp.models import cross_entropy_sum, sp_cross_entropy
+from usp.models.loss import chunked_cross_entropy_sum
+from usp.models.tiling import representative_tiles
+
+VOCAB, DIM = 53, 12
+
+
+def _inputs(tokens, dtype, *, targets=None, ignored=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, tokens, DIM, generator=gen, dtype=torch.float64).to(dtype)
+    weight = torch.randn(VOCAB, DIM, generator=gen, dtype=torch.float64).to(dtype)
+    labels = torch.randint(0, VOCAB, (2, tokens), generator=gen)
+    if targets is not None:
+        labels.fill_(targets)
+    labels.view(-1)[:ignored] = -100
+    return hidden, weight, labels
+
+
+def _run(hidden, weight, labels, chunk, *, grads=(True, True), scale=0.7):
+    """(sum, count, dhidden, dweight) of cross_entropy_sum backpropagated with ``scale``."""
+    hidden = hidden.detach().requires_grad_(grads[0])
+    weight = weight.detach().requires_grad_(grads[1])
+    total, count = cross_entropy_sum(hidden, weight, labels, chunk_tokens=chunk)
+    if total.requires_grad:
+        total.backward(torch.tensor(scale, dtype=total.dtype))
+    return total.detach(), count, hidden.grad, weight.grad
+
+
+def _close(actual, expected, rtol):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    scale = expected.abs().max().clamp(min=1)
+    err = (actual.double() - expected.double()).abs().max() / scale
+    assert err <= rtol, (err.item(), rtol)
+
+
+# (tokens per row, chunk, ignored labels, all targets one value): 2 rows of tokens
+CASES = {
+    "partial_last_chunk": (37, 10, 3, None),  # 71 labels: 7 chunks of 10 and one of 1
+    "dividing_chunk": (20, 8, 0, None),  # 40 labels: 5 chunks
+    "fewer_than_a_chunk": (5, 64, 2, None),
+    "one_target": (19, 6, 0, 7),  # every label the same token
+    "chunk_of_one": (4, 1, 1, None),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_float64_equals_unchunked_autograd(case):
+    tokens, chunk, ignored, targets = CASES[case]
+    hidden, weight, labels = _inputs(tokens, torch.float64, targets=targets, ignored=ignored)
+    expected = _run(hidden, weight, labels, None)
+    actual = _run(hidden, weight, labels, chunk)
+    assert actual[1] == expected[1] == 2 * tokens - ignored
+    for got, want in zip(actual[:1] + actual[2:], expected[:1] + expected[2:]):
+        _close(got, want, 1e-12)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rtol"),
+    [(torch.float32, (5e-7, 1e-6, 1e-6)), (torch.bfloat16, (5e-4, 1.5e-2, 1.5e-2))],
+    ids=["float32", "bfloat16"],
+)
+def test_low_precision_within_tolerance_of_float64(dtype, rtol):
+    """Value, dhidden, dweight within ``rtol`` of the float64 result on the same (rounded)
+    inputs; the unchunked autograd path in ``dtype`` is held to the same bound."""
+    hidden, weight, labels = _inputs(37, dtype, ignored=3, seed=1)
+    exact = _run(hidden.double(), weight.double(), labels, None)
+    for chunk in (None, 10):  # None: what the chunking must be as good as
+        total, count, dhidden, dweight = _run(hidden, weight, labels, chunk)
+        assert total.dtype == torch.float32 and dhidden.dtype == dweight.dtype == dtype
+        for got, want, tol in zip((total, dhidden, dweight), exact[:1] + exact[2:], rtol):
+            _close(got.double(), want, tol)
+
+
+def test_no_labels_gives_zero_in_the_graph():
+    hidden, weight, labels = _inputs(6, torch.float64, ignored=12)
+    for chunk in (None, 4):
+        total, count, dhidden, dweight = _run(hidden, weight, labels, chunk)
+        assert count == 0 and total.item() == 0.0
+        assert torch.equal(dhidden, torch.zeros_like(hidden))
+        assert torch.equal(dweight, torch.zeros_like(weight))
+
+
+@pytest.mark.parametrize(
+    "grads", [(True, False), (False, True)], ids=["frozen_weight", "frozen_hidden"]
+)
+def test_one_input_without_grad(grads):
+    hidden, weight, labels = _inputs(23, torch.float64, ignored=1)
+    expected = _run(hidden, weight, labels, None, grads=grads)
+    actual = _run(hidden, weight, labels, 5, grads=grads)
+    _close(actual[0], expected[0], 1e-12)
+    for got, want, needed in zip(actual[2:], expected[2:], grads):
+        assert (got is None) == (want is None) == (not needed)
+        if needed:
+            _close(got, want, 1e-12)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_tied_embedding(frozen):
+    """The output projection is the embedding that made the hidden states: one weight,
+    two uses; frozen, nothing needs a gradient and the value is still exact."""
+    gen = torch.Generator().manual_seed(3)
+    embedding = torch.randn(VOCAB, DIM, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, VOCAB, (2, 17), generator=gen)
+    labels = torch.randint(0, VOCAB, (2, 17), generator=gen)
+    results = []
+    for chunk in (None, 4):
+        weight = embedding.clone().requires_grad_(not frozen)
+        hidden = torch.tanh(weight[ids])  # [2, 17, dim], from the same weight
+        loss = sp_cross_entropy(hidden, weight, labels, chunk_tokens=chunk)
+        assert loss.requires_grad == (not frozen)
+        if not frozen:
+            loss.backward()
+        results.append((loss.detach(), weight.grad))
+    _close(results[1][0], results[0][0], 1e-12)
+    if frozen:
+        assert results[0][1] is None and results[1][1] is None
+    else:
+        _close(results[1][1], results[0][1], 1e-12)
+
+
+def test_real_tensors_run_every_chunk_inside_representative_tiles():
+    hidden, weight, labels = _inputs(37, torch.float64, ignored=3)
+    expected = _run(hidden, weight, labels, 10)
+    with representative_tiles():
+        actual = _run(hidden, weight, labels, 10)
+    for got, want in zip(actual[:1] + actual[2:], expected[:1] + expected[2:]):
+        assert torch.equal(got, want)
+
+
+def test_bad_inputs_are_refused():
+    hidden, weight = torch.randn(6, DIM), torch.randn(VOCAB, DIM)
+    targets = torch.zeros(6, dtype=torch.int64)
+    with pytest.raises(InputError, match="integer chunk_tokens"):
+        chunked_cross_entropy_sum(hidden, weight, targets, None)
+    with pytest.raises(ValueError, match="positive integer"):
+        chunked_cross_entropy_sum(hidden, weight, targets, 0)
+    with pytest.raises(InputError, match=r"targets \[n\]"):
+        chunked_cross_entropy_sum(hidden, weight, targets[:5], 4)
+    with pytest.raises(InputError, match="one dtype"):
+        chunked_cross_entropy_sum(hidden.double(), weight, targets, 4)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the matmuls dispatched (to tell how many chunks ran)."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmuls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (
+            torch.ops.aten.mm.default,
+            torch.ops.aten.mm.out,
+            torch.ops.aten.addmm_.default,
+        ):
+            self.matmuls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _fake_peak(rows, chunk, dtype, representative):
+    """Peak bytes (MemTracker) and matmul count of the chunked loss's forward + backward
+    over fake tensors, as ``usp plan`` runs it."""
+    mode = representative_tiles() if representative else nullcontext()
+    with mode, FakeTensorMode():
+        hidden = torch.empty(rows, 64, dtype=dtype, requires_grad=True)
+        weight = torch.empty(1000, 64, dtype=dtype, requires_grad=True)
+        targets = torch.zeros(rows, dtype=torch.int64)
+        tracker, counter = MemTracker(), _CountOps()
+        with tracker, counter:
+            chunked_cross_entropy_sum(hidden, weight, targets, chunk).backward()
+        peak = tracker.get_tracker_snapshot("peak")
+    return sum(int(snap.get("Total", 0)) for snap in peak.values()), counter.matmuls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("rows", [9 * 48 + 17, 10 * 48], ids=["partial_last", "full_last"])
+def test_representative_chunks_give_the_same_fake_peak(rows, dtype):
+    """10 chunks (the last partial or full): running the first and last only, as the
+    planner does, gives the same peak byte for byte, and does run fewer chunks."""
+    full_peak, full_matmuls = _fake_peak(rows, 48, dtype, representative=False)
+    peak, matmuls = _fake_peak(rows, 48, dtype, representative=True)
+    assert full_matmuls == 10 * 4 and matmuls == 2 * 4  # forward 1, backward 3 per chunk
+    assert peak == full_peak > 1000 * 64 * dtype.itemsize
