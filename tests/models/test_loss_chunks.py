@@ -23,6 +23,8 @@ from usp.models import cross_entropy_sum, sp_cross_entropy
 from usp.models.loss import chunked_cross_entropy_sum
 from usp.models.tiling import representative_tiles
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB, DIM = 53, 12
 
 
@@ -202,3 +204,16 @@ def test_representative_chunks_give_the_same_fake_peak(rows, dtype):
     peak, matmuls = _fake_peak(rows, 48, dtype, representative=True)
     assert full_matmuls == 10 * 4 and matmuls == 2 * 4  # forward 1, backward 3 per chunk
     assert peak == full_peak > 1000 * 64 * dtype.itemsize
+
+
+def test_the_benchmark_sees_equal_fake_peaks_through_sp_cross_entropy():
+    """``benchmarks/loss_memory.py --fake`` at a tiny size: the whole entry point (label
+    selection, the chunked loss, the SP normalisation) under fake tensors, 5 chunks, the
+    last partial; the representative run gives the same peak."""
+    from benchmarks import loss_memory
+
+    rows = [
+        loss_memory.measure_fake(4 * 32 + 5, 16, 300, 32, "bfloat16", "cpu", representative)
+        for representative in (False, True)
+    ]
+    assert rows[0]["peak_bytes"] == rows[1]["peak_bytes"] > 300 * 16 * 2
