@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from usp.errors import InputError
 from usp.models import cross_entropy_sum, sp_cross_entropy
+from usp.models import loss as loss_module
 from usp.models.loss import chunked_cross_entropy_sum
 from usp.models.tiling import representative_tiles
 
@@ -141,6 +142,30 @@ def test_tied_embedding(frozen):
         _close(results[1][1], results[0][1], 1e-12)
 
 
+def test_rows_of_hidden_by_index():
+    """The function itself over chosen rows (out of order, some rows without a target):
+    equal to autograd over ``hidden[rows]``; the other rows' gradient is zero."""
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(40, DIM, generator=gen, dtype=torch.float64)
+    weight = torch.randn(VOCAB, DIM, generator=gen, dtype=torch.float64)
+    rows = torch.randperm(40, generator=gen)[:27]
+    targets = torch.randint(0, VOCAB, (27,), generator=gen)
+    results = []
+    for chunked in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if chunked:
+            total = chunked_cross_entropy_sum(h, w, targets, 6, rows=rows)
+        else:
+            total = loss_module._chunk_loss_sum(h[rows], w, targets)
+        total.backward()
+        results.append((total.detach(), h.grad, w.grad))
+    for got, want in zip(*reversed(results)):
+        _close(got, want, 1e-12)
+    unlabelled = torch.ones(40, dtype=torch.bool)
+    unlabelled[rows] = False
+    assert torch.equal(results[1][1][unlabelled], torch.zeros(13, DIM, dtype=torch.float64))
+
+
 def test_real_tensors_run_every_chunk_inside_representative_tiles():
     hidden, weight, labels = _inputs(37, torch.float64, ignored=3)
     expected = _run(hidden, weight, labels, 10)
@@ -180,17 +205,21 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _fake_peak(rows, chunk, dtype, representative):
+def _fake_peak(rows, chunk, dtype, representative, labelled=None):
     """Peak bytes (MemTracker) and matmul count of the chunked loss's forward + backward
-    over fake tensors, as ``usp plan`` runs it."""
+    over fake tensors, as ``usp plan`` runs it; ``labelled`` of the rows carry a target
+    (default all)."""
+    labelled = rows if labelled is None else labelled
     mode = representative_tiles() if representative else nullcontext()
     with mode, FakeTensorMode():
         hidden = torch.empty(rows, 64, dtype=dtype, requires_grad=True)
         weight = torch.empty(1000, 64, dtype=dtype, requires_grad=True)
-        targets = torch.zeros(rows, dtype=torch.int64)
+        targets = torch.zeros(labelled, dtype=torch.int64)
+        index = torch.arange(labelled)
         tracker, counter = MemTracker(), _CountOps()
         with tracker, counter:
-            chunked_cross_entropy_sum(hidden, weight, targets, chunk).backward()
+            loss = chunked_cross_entropy_sum(hidden, weight, targets, chunk, rows=index)
+            loss.backward()
         peak = tracker.get_tracker_snapshot("peak")
     return sum(int(snap.get("Total", 0)) for snap in peak.values()), counter.matmuls
 
@@ -217,3 +246,14 @@ def test_the_benchmark_sees_equal_fake_peaks_through_sp_cross_entropy():
         for representative in (False, True)
     ]
     assert rows[0]["peak_bytes"] == rows[1]["peak_bytes"] > 300 * 16 * 2
+
+
+def test_fewer_labels_never_need_more_memory():
+    """What ``usp plan`` relies on when it labels every token: under fake tensors the
+    peak with a quarter, half or all but one of the rows labelled is at most the peak
+    with all of them."""
+    rows = 10 * 48
+    everything, _ = _fake_peak(rows, 48, torch.bfloat16, representative=False)
+    for labelled in (0, rows // 4, rows // 2, rows - 1):
+        peak, _ = _fake_peak(rows, 48, torch.bfloat16, representative=False, labelled=labelled)
+        assert peak <= everything, (labelled, peak, everything)

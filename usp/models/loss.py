@@ -16,8 +16,8 @@ of zero gives a loss of 0 (no NaN), and a rank without labels still back-propaga
 
 Memory: logits are computed only for labelled tokens, ``chunk_tokens`` rows at a time,
 by one autograd function over all chunks (:func:`chunked_cross_entropy_sum`) that keeps
-one float32 log-sum-exp per labelled token for its backward and recomputes each chunk's
-logits there, so neither ``[S/P, V]`` logits nor their gradient ever exist at once. Its
+one float32 log-sum-exp per labelled token for its backward (and the hidden states, not
+a copy of the labelled rows) and recomputes each chunk's logits there, so neither ``[S/P, V]`` logits nor their gradient ever exist at once. Its
 loops are memory-periodic (:mod:`usp.models.tiling`): everything that outlives a chunk
 (the sum, the log-sum-exps, both gradients) is allocated before the loop and written in
 place, and each chunk's work happens in a function of its own, so ``usp plan`` runs its
@@ -88,7 +88,7 @@ def cross_entropy_sum(
         )
     flat_labels = labels.reshape(-1)
     labelled = (flat_labels != ignore_index).nonzero().squeeze(1)  # [n] (host sync)
-    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, labelled)  # [n, dim]
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [N, dim], a view
     targets = flat_labels.index_select(0, labelled)  # [n]
     count = labelled.numel()
     if chunk_tokens is None or (torch.compiler.is_compiling() and count <= chunk_tokens):
@@ -96,48 +96,60 @@ def cross_entropy_sum(
         # the count is a symbol there, bounded by the token count (so the comparison is
         # decided while tracing), which the chunk loop cannot iterate over; an empty pass
         # still links hidden and weight to the graph (zero grads)
-        return _chunk_loss_sum(hidden, weight, targets), count
-    return _chunked_eager(hidden, weight, targets, chunk_tokens), count
+        return _chunk_loss_sum(flat.index_select(0, labelled), weight, targets), count
+    return _chunked_eager(flat, weight, targets, labelled, chunk_tokens), count
 
 
 def chunked_cross_entropy_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    *,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """hidden [n, dim] (labelled rows only), weight [V, dim], targets [n] int64 ->
-    sum over rows of ``-log softmax(hidden @ weight.T)[target]``, a scalar in
-    :func:`loss_dtype`, computed ``chunk_tokens`` rows at a time.
+    """hidden [N, dim], weight [V, dim], targets [n] int64, rows [n] int64 (the rows of
+    ``hidden`` the targets belong to, distinct; ``None``: every row, n == N) -> the sum
+    over them of ``-log softmax(hidden[row] @ weight.T)[target]``, a scalar in
+    :func:`loss_dtype`, computed ``chunk_tokens`` targets at a time.
 
-    Equal to :func:`_chunk_loss_sum` (autograd through ``F.linear`` and
-    ``F.cross_entropy``) up to float rounding, value and both gradients; ``n == 0``
-    gives 0, in the graph, with zero gradients. Saved for backward: ``hidden``,
-    ``weight``, ``targets`` and the ``[n]`` log-sum-exps; backward recomputes each
-    chunk's logits. See :class:`_ChunkedCrossEntropy` for dtypes.
+    Equal to :func:`_chunk_loss_sum` over ``hidden[rows]`` (autograd through
+    ``F.linear`` and ``F.cross_entropy``) up to float rounding, value and both
+    gradients; rows without a target get a zero gradient; ``n == 0`` gives 0, in the
+    graph, with zero gradients. Saved for backward: ``hidden`` itself (no copy of the
+    selected rows), ``weight``, ``targets``, ``rows`` and the ``[n]`` log-sum-exps;
+    backward recomputes each chunk's logits and writes ``dhidden`` [N, dim] directly, so
+    the memory is the same whatever the number of targets. See
+    :class:`_ChunkedCrossEntropy` for dtypes.
     """
     check_chunk_tokens(chunk_tokens)
     if chunk_tokens is None:
         raise InputError("chunked_cross_entropy_sum needs an integer chunk_tokens, not None")
-    if hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]:
+    if rows is None:
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+    if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1 or rows.shape != targets.shape:
         raise InputError(
-            f"need hidden [n, dim], weight [V, dim], targets [n]; got hidden "
-            f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}, targets {tuple(targets.shape)}"
+            f"need hidden [N, dim], weight [V, dim], targets [n] and rows [n]; got hidden "
+            f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}, targets "
+            f"{tuple(targets.shape)}, rows {tuple(rows.shape)}"
         )
     if hidden.dtype != weight.dtype or hidden.shape[1] != weight.shape[1]:
         raise InputError(
             f"hidden and weight need one dtype and one dim; got {hidden.dtype} "
             f"{tuple(hidden.shape)} and {weight.dtype} {tuple(weight.shape)}"
         )
-    return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
+    return _ChunkedCrossEntropy.apply(hidden, weight, targets, rows, chunk_tokens)
 
 
 @torch.compiler.disable
-def _chunked_eager(hidden, weight, targets, chunk_tokens):
+def _chunked_eager(hidden, weight, targets, rows, chunk_tokens):
     """The chunk loop, run eagerly also under ``torch.compile`` (one graph break): its
     tiles depend on the label count, a value compiled code knows only as a symbol."""
-    return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
+    return _ChunkedCrossEntropy.apply(hidden, weight, targets, rows, chunk_tokens)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """The loss sum over chunks, forward and backward memory-periodic.
+    """The loss sum over chunks of targets, forward and backward memory-periodic.
 
     Dtypes, as autograd gives them through ``F.linear(h, w).to(loss_dtype)`` and
     ``F.cross_entropy``: logits in the input dtype, upcast to :func:`loss_dtype` for
@@ -148,52 +160,53 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     ``dweight`` [V, dim] accumulates in the weight's dtype: each chunk adds its
     ``d.T @ hidden`` with ``addmm_`` (the product accumulated inside the matmul, added to
     the accumulator and rounded once per chunk: on CPU bit-equal to rounding the float32
-    ``dweight + d.T @ hidden`` once), where autograd rounds each chunk's
-    ``[V, dim]`` product to that dtype and then adds it in that dtype (two roundings per
-    chunk, and a ``[V, dim]`` temporary per chunk). A float32 accumulator would round less
-    in bf16 but cost ``[V, dim]`` float32 (2 GiB at Llama-3-8B's vocabulary) beyond the
-    gradient itself. ``dhidden`` [n, dim] (input dtype) is written chunk by chunk.
+    ``dweight + d.T @ hidden`` once), where autograd rounds each chunk's ``[V, dim]``
+    product to that dtype and then adds it in that dtype (two roundings per chunk, and a
+    ``[V, dim]`` temporary per chunk). A float32 accumulator would round less in bf16 but
+    cost ``[V, dim]`` float32 (2 GiB at Llama-3-8B's vocabulary) beyond the gradient
+    itself. ``dhidden`` [N, dim] (input dtype) starts at zero and each chunk adds its
+    rows' gradients (``index_add_`` of distinct rows into zeros: exact).
+
+    Memory against selecting the labelled rows first (``index_select``, whose backward
+    builds two ``[N, dim]`` tensors out of place beside the ``[n, dim]`` gradient): at
+    every label count the backward holds ``hidden``, ``dhidden`` and a chunk's tensors.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk):
+    def forward(ctx, hidden, weight, targets, rows, chunk):
         wide = loss_dtype(hidden.dtype)
         total = torch.zeros((), dtype=wide, device=hidden.device)
-        lse = torch.empty(hidden.shape[:1], dtype=wide, device=hidden.device)  # [n]
+        lse = torch.empty(targets.shape, dtype=wide, device=hidden.device)  # [n]
         # memory-periodic (usp.models.tiling): total and lse exist before the loop and are
         # written in place; a chunk's [chunk, V] tensors are freed when its function returns
         ctx.representative = representative(hidden)
-        for rows in tiles(hidden.shape[0], chunk, representative_only=ctx.representative):
-            _forward_chunk(hidden[rows], weight, targets[rows], lse[rows], total)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        for part in tiles(targets.shape[0], chunk, representative_only=ctx.representative):
+            _forward_chunk(hidden, rows[part], weight, targets[part], lse[part], total)
+        ctx.save_for_backward(hidden, weight, targets, rows, lse)
         ctx.chunk = chunk
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        dhidden = None  # [n, dim], contiguous: each chunk's rows are one block of it
+        hidden, weight, targets, rows, lse = ctx.saved_tensors
+        dhidden = None  # [N, dim]
         if ctx.needs_input_grad[0]:
-            dhidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+            dhidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         dweight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # [V, dim]
         # memory-periodic as the forward: dhidden and dweight exist before the loop
-        for rows in tiles(hidden.shape[0], ctx.chunk, representative_only=ctx.representative):
+        for part in tiles(targets.shape[0], ctx.chunk, representative_only=ctx.representative):
             _backward_chunk(
-                grad,
-                hidden[rows],
-                weight,
-                targets[rows],
-                lse[rows],
-                None if dhidden is None else dhidden[rows],
-                dweight,
+                grad, hidden, rows[part], weight, targets[part], lse[part], dhidden, dweight
             )
-        return dhidden, dweight, None, None
+        return dhidden, dweight, None, None, None
 
 
-def _forward_chunk(hidden, weight, targets, lse, total) -> None:
-    """One chunk: hidden [c, dim], targets [c] -> lse [c] written, total += the chunk's
-    sum of ``lse - target logit``, in place."""
-    wide = hidden.mm(weight.t()).to(lse.dtype)  # [c, V]: input dtype, then upcast
+def _forward_chunk(hidden, rows, weight, targets, lse, total) -> None:
+    """One chunk: hidden [N, dim], rows, targets [c] -> lse [c] written, total += the
+    chunk's sum of ``lse - target logit``, in place."""
+    picked = hidden.index_select(0, rows)  # [c, dim]
+    wide = picked.mm(weight.t()).to(lse.dtype)  # [c, V]: input dtype, then upcast
+    del picked
     target_logit = wide.gather(1, targets.unsqueeze(1)).squeeze(1)  # [c]
     top = wide.amax(1, keepdim=True)  # [c, 1]
     wide.sub_(top).exp_()  # in place: wide is this chunk's own tensor
@@ -201,19 +214,20 @@ def _forward_chunk(hidden, weight, targets, lse, total) -> None:
     total.add_((lse - target_logit).sum())
 
 
-def _backward_chunk(grad, hidden, weight, targets, lse, dhidden, dweight) -> None:
-    """One chunk's gradients: hidden [c, dim], targets, lse [c]; ``dhidden`` [c, dim]
-    written and ``dweight`` [V, dim] added to in place (either may be None)."""
-    probs = hidden.mm(weight.t()).to(lse.dtype)  # [c, V], recomputed as in forward
+def _backward_chunk(grad, hidden, rows, weight, targets, lse, dhidden, dweight) -> None:
+    """One chunk's gradients: hidden [N, dim], rows, targets, lse [c]; ``dhidden``
+    [N, dim] and ``dweight`` [V, dim] added to in place (either may be None)."""
+    picked = hidden.index_select(0, rows)  # [c, dim]
+    probs = picked.mm(weight.t()).to(lse.dtype)  # [c, V], recomputed as in forward
     probs.sub_(lse.unsqueeze(1)).exp_()  # softmax
     index = targets.unsqueeze(1)  # [c, 1]
     probs.scatter_(1, index, probs.gather(1, index) - 1)  # softmax - onehot
     dlogits = probs.mul_(grad).to(hidden.dtype)  # [c, V], autograd's dtype for the matmuls
     del probs
     if dhidden is not None:
-        torch.mm(dlogits, weight, out=dhidden)
+        dhidden.index_add_(0, rows, dlogits.mm(weight))  # [c, dim] into the chunk's rows
     if dweight is not None:
-        dweight.addmm_(dlogits.t(), hidden)
+        dweight.addmm_(dlogits.t(), picked)
 
 
 def sp_normalise(
