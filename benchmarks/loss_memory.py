@@ -17,8 +17,8 @@ Prints one line per chunk size, plus the size of the full logits for comparison.
 ``MemTracker`` counting every allocation: its peak in bytes and the host seconds, once
 with every chunk run and once inside :func:`usp.models.tiling.representative_tiles`
 (memory-periodic loops run their first and last chunk only), after one untimed warm-up
-run (fake tensors cache dispatch by shapes), the fastest of 3 runs. The two peaks must be equal; the script
-exits non-zero if they are not.
+run (fake tensors cache dispatch by shapes), the fastest of 3 runs. The two peaks must
+be equal; the script exits non-zero if they are not.
 """
 
 from __future__ import annotations

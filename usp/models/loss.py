@@ -17,11 +17,12 @@ of zero gives a loss of 0 (no NaN), and a rank without labels still back-propaga
 Memory: logits are computed only for labelled tokens, ``chunk_tokens`` rows at a time,
 by one autograd function over all chunks (:func:`chunked_cross_entropy_sum`) that keeps
 one float32 log-sum-exp per labelled token for its backward (and the hidden states, not
-a copy of the labelled rows) and recomputes each chunk's logits there, so neither ``[S/P, V]`` logits nor their gradient ever exist at once. Its
-loops are memory-periodic (:mod:`usp.models.tiling`): everything that outlives a chunk
-(the sum, the log-sum-exps, both gradients) is allocated before the loop and written in
-place, and each chunk's work happens in a function of its own, so ``usp plan`` runs its
-first and last chunk only under fake tensors, with the same footprint.
+a copy of the labelled rows) and recomputes each chunk's logits there, so neither
+``[S/P, V]`` logits nor their gradient ever exist at once. Its loops are
+memory-periodic (:mod:`usp.models.tiling`): everything that outlives a chunk (the sum,
+the log-sum-exps, both gradients) is allocated before the loop and written in place,
+and each chunk's work happens in a function of its own, so ``usp plan`` runs its first
+and last chunk only under fake tensors, with the same footprint.
 """
 
 from __future__ import annotations
