@@ -257,3 +257,50 @@ def test_fewer_labels_never_need_more_memory():
     for labelled in (0, rows // 4, rows // 2, rows - 1):
         peak, _ = _fake_peak(rows, 48, torch.bfloat16, representative=False, labelled=labelled)
         assert peak <= everything, (labelled, peak, everything)
+
+
+def run_sp_chunked_loss(chunk):
+    """One rank's shard of a float64 sequence: (loss, its rows' dhidden, dweight summed
+    over the group) of the chunked SP loss with a non-default ignore_index and
+    num_items_in_batch; rank 2 has no labels."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hidden, weight, labels = _sp_case(world)
+    rows = slice(rank * 9, (rank + 1) * 9)  # this rank's 9 of the [1, 9 * world] tokens
+    local_hidden = hidden[:, rows].clone().requires_grad_()
+    weight = weight.clone().requires_grad_()
+    loss = sp_cross_entropy(local_hidden, weight, labels[:, rows], dist.group.WORLD,
+                            ignore_index=-7, chunk_tokens=chunk, num_items_in_batch=29)  # fmt: skip
+    loss.backward()
+    dist.all_reduce(weight.grad)
+    return loss.detach(), local_hidden.grad, weight.grad
+
+
+def _sp_case(world):
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(1, 9 * world, DIM, generator=gen, dtype=torch.float64)
+    weight = torch.randn(VOCAB, DIM, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, VOCAB, (1, 9 * world), generator=gen)
+    labels[:, 18:27] = -7  # rank 2's shard: no labels
+    labels[:, 1] = labels[:, 30] = -7
+    return hidden, weight, labels
+
+
+def test_sp_chunked_loss_on_4_ranks_equals_one_process(distributed):
+    """4 gloo ranks against one process (chunk_tokens=None), float64: the loss on every
+    rank, each rank's hidden-state gradient and the summed weight gradient, 1e-12."""
+    hidden, weight, labels = _sp_case(4)
+    hidden.requires_grad_(), weight.requires_grad_()
+    expected = sp_cross_entropy(
+        hidden, weight, labels, ignore_index=-7, chunk_tokens=None, num_items_in_batch=29
+    )
+    expected.backward()
+    for rank, (loss, dhidden, dweight) in enumerate(
+        distributed.run(run_sp_chunked_loss, 4, world_size=4)
+    ):
+        _close(loss, expected.detach(), 1e-12)
+        _close(dhidden, hidden.grad[:, rank * 9 : (rank + 1) * 9], 1e-12)
+        _close(dweight, weight.grad, 1e-12)
+    assert hidden.grad[:, 18:27].abs().max() == 0  # rank 2's rows: no labels, zero gradient
