@@ -2,6 +2,7 @@
 
     python benchmarks/loss_memory.py                      # CPU: peak RSS per run
     python benchmarks/loss_memory.py --device cuda --tokens 65536 --dim 4096 --dtype bfloat16
+    python benchmarks/loss_memory.py --fake --tokens 131072 --dim 4096 --dtype bfloat16 --chunks 1024
 
 Each configuration runs forward + backward of :func:`usp.models.sp_cross_entropy`
 (final hidden states [tokens, dim] x output projection [vocab, dim] -> mean
@@ -10,6 +11,14 @@ memory (``ru_maxrss``) over what it held once the inputs existed; CUDA:
 ``torch.cuda.max_memory_allocated`` over the inputs. Both include the weight gradient
 ([vocab, dim], the same in every configuration) and the hidden-state gradient.
 Prints one line per chunk size, plus the size of the full logits for comparison.
+
+``--fake``: what ``usp plan`` sees instead. The same forward + backward under
+``FakeTensorMode`` (no memory, no arithmetic; every label counts) with torch's
+``MemTracker`` counting every allocation: its peak in bytes and the host seconds, once
+with every chunk run and once inside :func:`usp.models.tiling.representative_tiles`
+(memory-periodic loops run their first and last chunk only), after one untimed warm-up
+run (fake tensors cache dispatch by shapes), the fastest of 3 runs. The two peaks must
+be equal; the script exits non-zero if they are not.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ import resource
 import subprocess
 import sys
 import time
+from contextlib import contextmanager, nullcontext
+from unittest import mock
 
 import torch
 
@@ -54,6 +65,69 @@ def measure(tokens: int, dim: int, vocab: int, chunk: int | None, dtype: str, de
             "loss": loss.item()}  # fmt: skip
 
 
+@contextmanager
+def _every_label() -> None:
+    """``nonzero`` has no size under fake tensors: give it every index (all labelled)."""
+    from torch._subclasses import fake_impls
+
+    def every_index(fake_mode, func, mask):
+        n = mask.numel()
+        return mask.new_empty_strided((n, mask.dim()), (1, n), dtype=torch.int64)  # [n, dim]
+
+    table = fake_impls.op_implementations_dict
+    with mock.patch.dict(table, {torch.ops.aten.nonzero.default: every_index}):
+        yield
+
+
+def measure_fake(tokens: int, dim: int, vocab: int, chunk: int | None, dtype: str, device: str,
+                 representative: bool) -> dict:  # fmt: skip
+    """Peak bytes (``MemTracker``) and host seconds of fwd+bwd under fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from usp.models.tiling import representative_tiles
+
+    torch_dtype = getattr(torch, dtype)
+    mode = representative_tiles() if representative else nullcontext()
+    with _every_label(), mode, FakeTensorMode():
+        hidden = torch.empty(1, tokens, dim, device=device, dtype=torch_dtype, requires_grad=True)
+        weight = torch.empty(vocab, dim, device=device, dtype=torch_dtype, requires_grad=True)
+        labels = torch.zeros(1, tokens, device=device, dtype=torch.int64)
+        tracker = MemTracker()
+        start = time.perf_counter()
+        with tracker:
+            sp_cross_entropy(hidden, weight, labels, chunk_tokens=chunk).backward()
+        seconds = time.perf_counter() - start
+        peak = tracker.get_tracker_snapshot("peak")
+    total = sum(int(snap.get("Total", 0)) for snap in peak.values())
+    return {"chunk": chunk, "representative": representative, "peak_bytes": total,
+            "seconds": seconds}  # fmt: skip
+
+
+def main_fake(args) -> None:
+    print(f"fake tensors ({args.device}, {args.dtype}): {args.tokens} tokens x dim {args.dim} "
+          f"x vocab {args.vocab}, forward + backward under MemTracker")  # fmt: skip
+    for chunk in args.chunks.split(","):
+        chunk = None if chunk.strip() == "none" else int(chunk)
+        label = "unchunked" if chunk is None else f"chunks of {chunk}"
+        # warm-up, not reported: the first run at these shapes fills fake tensors' dispatch
+        # cache (keyed by shapes), which makes a second run at the same shapes faster
+        measure_fake(args.tokens, args.dim, args.vocab, chunk, args.dtype, args.device, False)
+        rows = []
+        for representative in (False, True):
+            runs = [measure_fake(args.tokens, args.dim, args.vocab, chunk, args.dtype,
+                                 args.device, representative) for _ in range(3)]  # fmt: skip
+            if len({run["peak_bytes"] for run in runs}) != 1:
+                raise SystemExit(f"{label}: the peak differs between repeats: {runs}")
+            rows.append(min(runs, key=lambda run: run["seconds"]))  # the least disturbed
+        for row in rows:
+            mode = "representative" if row["representative"] else "every chunk"
+            print(f"  {label:>16}, {mode:>14}: peak {row['peak_bytes']:,} bytes "
+                  f"({row['peak_bytes'] / MIB:,.0f} MiB), {row['seconds']:6.2f} s")  # fmt: skip
+        if rows[0]["peak_bytes"] != rows[1]["peak_bytes"]:
+            raise SystemExit(f"{label}: representative tiles changed the peak: {rows}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=2048, help="local tokens (S/P)")
@@ -62,8 +136,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--chunks", default="none,1024,256", help="comma list; none = unchunked")
+    parser.add_argument("--fake", action="store_true", help="under fake tensors (usp plan)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # subprocess mode
     args = parser.parse_args()
+    if args.fake:
+        main_fake(args)
+        return
     if args.one is not None:
         chunk = None if args.one == "none" else int(args.one)
         print(

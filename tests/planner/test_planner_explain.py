@@ -59,8 +59,8 @@ def test_the_norm_keeps_no_float32_copy_of_its_input(target, monkeypatch):
     """The planned step (bf16) with usp's RMSNorm against the plain formula through
     autograd: the final norm (outside activation checkpointing) kept a float32 copy of
     its input and the normalised input in bf16 (6 bytes a value) where usp's keeps the
-    bf16 input (2): the forward's and the backward's peaks drop by 4 bytes per value of
-    [local tokens, hidden], exactly."""
+    bf16 input (2): the forward's peak drops by 4 bytes per value of [local tokens,
+    hidden], exactly, and the backward's by at least as much."""
     import dataclasses
 
     import usp.models.llama as llama
@@ -73,8 +73,11 @@ def test_the_norm_keeps_no_float32_copy_of_its_input(target, monkeypatch):
     plain = measure(target, layout)
     saved = (4096 // 4) * target.model.hidden_size * 4
     forward, backward = 0, 1
-    for phase in (forward, backward):
-        assert plain.phases[phase].device - ours.phases[phase].device == saved
+    assert plain.phases[forward].device - ours.phases[forward].device == saved
+    # the backward's peak is in the last layer's recomputed MLP since the loss's backward
+    # dropped below it (usp/models/loss.py), where the plain layer norms' float32 copies
+    # are live too: measured 10 bytes a value here, at least the final norm's 4
+    assert plain.phases[backward].device - ours.phases[backward].device >= saved
 
 
 def test_attention_head_chunks_lower_the_planned_backward_peak(target):

@@ -15,8 +15,14 @@ of zero gives a loss of 0 (no NaN), and a rank without labels still back-propaga
 (zeros), so the collectives inside attention's backward run on every rank.
 
 Memory: logits are computed only for labelled tokens, ``chunk_tokens`` rows at a time,
-each chunk under activation checkpointing (recomputed in backward), so neither
-``[S/P, V]`` logits nor their gradient ever exist at once.
+by one autograd function over all chunks (:func:`chunked_cross_entropy_sum`) that keeps
+one float32 log-sum-exp per labelled token for its backward (and the hidden states, not
+a copy of the labelled rows) and recomputes each chunk's logits there, so neither
+``[S/P, V]`` logits nor their gradient ever exist at once. Its loops are
+memory-periodic (:mod:`usp.models.tiling`): everything that outlives a chunk (the sum,
+the log-sum-exps, both gradients) is allocated before the loop and written in place,
+and each chunk's work happens in a function of its own, so ``usp plan`` runs its first
+and last chunk only under fake tensors, with the same footprint.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from usp.errors import InputError
 from usp.models.labels import IGNORE_INDEX
+from usp.models.tiling import representative, tiles
 
 #: rows of logits computed at once; at Llama-3's 128,256 vocabulary a chunk of 1024
 #: tokens is 0.5 GiB of float32 logits (and as much for their gradient in backward)
@@ -68,8 +75,11 @@ def cross_entropy_sum(
     hidden [..., dim] (final-norm output), weight [V, dim] (output projection), labels
     [...] (already shifted; ``ignore_index`` marks tokens without a target). The sum is
     float32 (float64 for float64 inputs) and always part of the autograd graph, also
-    when there is nothing to sum. ``chunk_tokens=None``: one pass that materialises all
-    logits (for comparisons). Selecting the labelled tokens costs one host sync.
+    when there is nothing to sum. ``chunk_tokens``: rows per chunk of
+    :func:`chunked_cross_entropy_sum`, whatever the count (none included); ``None``: one
+    pass through autograd that materialises all logits (for comparisons), which
+    ``torch.compile`` also takes for a count of at most one chunk (see below). Selecting
+    the labelled tokens costs one host sync.
     """
     check_chunk_tokens(chunk_tokens)
     if hidden.shape[:-1] != labels.shape:
@@ -79,17 +89,146 @@ def cross_entropy_sum(
         )
     flat_labels = labels.reshape(-1)
     labelled = (flat_labels != ignore_index).nonzero().squeeze(1)  # [n] (host sync)
-    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, labelled)  # [n, dim]
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [N, dim], a view
     targets = flat_labels.index_select(0, labelled)  # [n]
     count = labelled.numel()
-    if chunk_tokens is None or count <= chunk_tokens:
-        # one chunk; an empty one still links hidden and weight to the graph (zero grads)
-        return _chunk_loss_sum(hidden, weight, targets), count
-    total = None
-    for hidden_chunk, target_chunk in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens)):
-        part = checkpoint(_chunk_loss_sum, hidden_chunk, weight, target_chunk, use_reentrant=False)
-        total = part if total is None else total + part
-    return total, count
+    if chunk_tokens is None or (torch.compiler.is_compiling() and count <= chunk_tokens):
+        # one pass through autograd. Compiled, a chunk's worth of labels takes this path:
+        # the count is a symbol there, bounded by the token count (so the comparison is
+        # decided while tracing), which the chunk loop cannot iterate over; an empty pass
+        # still links hidden and weight to the graph (zero grads)
+        return _chunk_loss_sum(flat.index_select(0, labelled), weight, targets), count
+    return _chunked_eager(flat, weight, targets, labelled, chunk_tokens), count
+
+
+def chunked_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    *,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """hidden [N, dim], weight [V, dim], targets [n] int64, rows [n] int64 (the rows of
+    ``hidden`` the targets belong to, distinct; ``None``: every row, n == N) -> the sum
+    over them of ``-log softmax(hidden[row] @ weight.T)[target]``, a scalar in
+    :func:`loss_dtype`, computed ``chunk_tokens`` targets at a time.
+
+    Equal to :func:`_chunk_loss_sum` over ``hidden[rows]`` (autograd through
+    ``F.linear`` and ``F.cross_entropy``) up to float rounding, value and both
+    gradients; rows without a target get a zero gradient; ``n == 0`` gives 0, in the
+    graph, with zero gradients. Saved for backward: ``hidden`` itself (no copy of the
+    selected rows), ``weight``, ``targets``, ``rows`` and the ``[n]`` log-sum-exps;
+    backward recomputes each chunk's logits and writes ``dhidden`` [N, dim] directly, so
+    the memory is the same whatever the number of targets. See
+    :class:`_ChunkedCrossEntropy` for dtypes.
+    """
+    check_chunk_tokens(chunk_tokens)
+    if chunk_tokens is None:
+        raise InputError("chunked_cross_entropy_sum needs an integer chunk_tokens, not None")
+    if rows is None:
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+    if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1 or rows.shape != targets.shape:
+        raise InputError(
+            f"need hidden [N, dim], weight [V, dim], targets [n] and rows [n]; got hidden "
+            f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}, targets "
+            f"{tuple(targets.shape)}, rows {tuple(rows.shape)}"
+        )
+    if hidden.dtype != weight.dtype or hidden.shape[1] != weight.shape[1]:
+        raise InputError(
+            f"hidden and weight need one dtype and one dim; got {hidden.dtype} "
+            f"{tuple(hidden.shape)} and {weight.dtype} {tuple(weight.shape)}"
+        )
+    return _ChunkedCrossEntropy.apply(hidden, weight, targets, rows, chunk_tokens)
+
+
+@torch.compiler.disable
+def _chunked_eager(hidden, weight, targets, rows, chunk_tokens):
+    """The chunk loop, run eagerly also under ``torch.compile`` (one graph break): its
+    tiles depend on the label count, a value compiled code knows only as a symbol."""
+    return _ChunkedCrossEntropy.apply(hidden, weight, targets, rows, chunk_tokens)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """The loss sum over chunks of targets, forward and backward memory-periodic.
+
+    Dtypes, as autograd gives them through ``F.linear(h, w).to(loss_dtype)`` and
+    ``F.cross_entropy``: logits in the input dtype, upcast to :func:`loss_dtype` for
+    the log-sum-exp and the sum; in backward the logits' gradient ``grad *
+    (softmax - onehot)`` in :func:`loss_dtype`, cast to the input dtype before the two
+    matmuls (autograd's ``ToCopy`` backward does the same cast).
+
+    ``dweight`` [V, dim] accumulates in the weight's dtype: each chunk adds its
+    ``d.T @ hidden`` with ``addmm_`` (the product accumulated inside the matmul, added to
+    the accumulator and rounded once per chunk: on CPU bit-equal to rounding the float32
+    ``dweight + d.T @ hidden`` once), where autograd rounds each chunk's ``[V, dim]``
+    product to that dtype and then adds it in that dtype (two roundings per chunk, and a
+    ``[V, dim]`` temporary per chunk). A float32 accumulator would round less in bf16 but
+    cost ``[V, dim]`` float32 (2 GiB at Llama-3-8B's vocabulary) beyond the gradient
+    itself. ``dhidden`` [N, dim] (input dtype) starts at zero and each chunk adds its
+    rows' gradients (``index_add_`` of distinct rows into zeros: exact).
+
+    Memory against selecting the labelled rows first (``index_select``, whose backward
+    builds two ``[N, dim]`` tensors out of place beside the ``[n, dim]`` gradient): at
+    every label count the backward holds ``hidden``, ``dhidden`` and a chunk's tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, rows, chunk):
+        wide = loss_dtype(hidden.dtype)
+        total = torch.zeros((), dtype=wide, device=hidden.device)
+        lse = torch.empty(targets.shape, dtype=wide, device=hidden.device)  # [n]
+        # memory-periodic (usp.models.tiling): total and lse exist before the loop and are
+        # written in place; a chunk's [chunk, V] tensors are freed when its function returns
+        ctx.representative = representative(hidden)
+        for part in tiles(targets.shape[0], chunk, representative_only=ctx.representative):
+            _forward_chunk(hidden, rows[part], weight, targets[part], lse[part], total)
+        ctx.save_for_backward(hidden, weight, targets, rows, lse)
+        ctx.chunk = chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, targets, rows, lse = ctx.saved_tensors
+        dhidden = None  # [N, dim]
+        if ctx.needs_input_grad[0]:
+            dhidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        dweight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # [V, dim]
+        # memory-periodic as the forward: dhidden and dweight exist before the loop
+        for part in tiles(targets.shape[0], ctx.chunk, representative_only=ctx.representative):
+            _backward_chunk(
+                grad, hidden, rows[part], weight, targets[part], lse[part], dhidden, dweight
+            )
+        return dhidden, dweight, None, None, None
+
+
+def _forward_chunk(hidden, rows, weight, targets, lse, total) -> None:
+    """One chunk: hidden [N, dim], rows, targets [c] -> lse [c] written, total += the
+    chunk's sum of ``lse - target logit``, in place."""
+    picked = hidden.index_select(0, rows)  # [c, dim]
+    wide = picked.mm(weight.t()).to(lse.dtype)  # [c, V]: input dtype, then upcast
+    del picked
+    target_logit = wide.gather(1, targets.unsqueeze(1)).squeeze(1)  # [c]
+    top = wide.amax(1, keepdim=True)  # [c, 1]
+    wide.sub_(top).exp_()  # in place: wide is this chunk's own tensor
+    lse.copy_(wide.sum(1).log_().add_(top.squeeze(1)))
+    total.add_((lse - target_logit).sum())
+
+
+def _backward_chunk(grad, hidden, rows, weight, targets, lse, dhidden, dweight) -> None:
+    """One chunk's gradients: hidden [N, dim], rows, targets, lse [c]; ``dhidden``
+    [N, dim] and ``dweight`` [V, dim] added to in place (either may be None)."""
+    picked = hidden.index_select(0, rows)  # [c, dim]
+    probs = picked.mm(weight.t()).to(lse.dtype)  # [c, V], recomputed as in forward
+    probs.sub_(lse.unsqueeze(1)).exp_()  # softmax
+    index = targets.unsqueeze(1)  # [c, 1]
+    probs.scatter_(1, index, probs.gather(1, index) - 1)  # softmax - onehot
+    dlogits = probs.mul_(grad).to(hidden.dtype)  # [c, V], autograd's dtype for the matmuls
+    del probs
+    if dhidden is not None:
+        dhidden.index_add_(0, rows, dlogits.mm(weight))  # [c, dim] into the chunk's rows
+    if dweight is not None:
+        dweight.addmm_(dlogits.t(), picked)
 
 
 def sp_normalise(
