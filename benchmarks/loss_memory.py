@@ -29,12 +29,12 @@ import resource
 import subprocess
 import sys
 import time
-from contextlib import contextmanager, nullcontext
-from unittest import mock
+from contextlib import nullcontext
 
 import torch
 
 from usp.models import sp_cross_entropy
+from usp.planner.measure import all_labelled
 
 MIB = 2**20
 
@@ -65,20 +65,6 @@ def measure(tokens: int, dim: int, vocab: int, chunk: int | None, dtype: str, de
             "loss": loss.item()}  # fmt: skip
 
 
-@contextmanager
-def _every_label() -> None:
-    """``nonzero`` has no size under fake tensors: give it every index (all labelled)."""
-    from torch._subclasses import fake_impls
-
-    def every_index(fake_mode, func, mask):
-        n = mask.numel()
-        return mask.new_empty_strided((n, mask.dim()), (1, n), dtype=torch.int64)  # [n, dim]
-
-    table = fake_impls.op_implementations_dict
-    with mock.patch.dict(table, {torch.ops.aten.nonzero.default: every_index}):
-        yield
-
-
 def measure_fake(tokens: int, dim: int, vocab: int, chunk: int | None, dtype: str, device: str,
                  representative: bool) -> dict:  # fmt: skip
     """Peak bytes (``MemTracker``) and host seconds of fwd+bwd under fake tensors."""
@@ -89,7 +75,7 @@ def measure_fake(tokens: int, dim: int, vocab: int, chunk: int | None, dtype: st
 
     torch_dtype = getattr(torch, dtype)
     mode = representative_tiles() if representative else nullcontext()
-    with _every_label(), mode, FakeTensorMode():
+    with all_labelled(), mode, FakeTensorMode():
         hidden = torch.empty(1, tokens, dim, device=device, dtype=torch_dtype, requires_grad=True)
         weight = torch.empty(vocab, dim, device=device, dtype=torch_dtype, requires_grad=True)
         labels = torch.zeros(1, tokens, device=device, dtype=torch.int64)

@@ -293,7 +293,7 @@ def built_step(
                 if fake or device.type == "cpu":  # (a real CUDA run uses the real kernels)
                     stack.enter_context(planning_kernels())
                 if fake:
-                    stack.enter_context(_all_labelled())
+                    stack.enter_context(all_labelled())
                     if representative:
                         stack.enter_context(representative_tiles())
                     stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
@@ -443,7 +443,7 @@ def run_step(model, optimizer, job, batch: _Batch) -> Iterator[str]:
 
 
 @contextmanager
-def _all_labelled() -> Iterator[None]:
+def all_labelled() -> Iterator[None]:
     """``nonzero`` has no size under fake tensors (it depends on values): the loss's one
     use of it, selecting the labelled tokens, gets every index. The planned batch labels
     every token (the most the loss can hold), so that is what the op would return."""
