@@ -142,18 +142,34 @@ class Measurements:
         self._running.clear()
         if executor is None:
             return
-        processes = list(getattr(executor, "_processes", {}).values())
+        # the pool's own dict of workers (a worker it starts after this point lands in it
+        # too) and the thread that manages them, which shutdown() lets go of
+        processes = getattr(executor, "_processes", None) or {}
+        manager = getattr(executor, "_executor_manager_thread", None)
         executor.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.join()
+        _stop(list(processes.values()))
+        if manager is not None:
+            manager.join(MANAGER_JOIN_S)  # it sees its workers gone and ends
+        _stop(list(processes.values()))  # any it started meanwhile
 
     def __enter__(self) -> Measurements:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+#: seconds to wait for the pool's manager thread once its workers are stopped
+MANAGER_JOIN_S = 30.0
+
+
+def _stop(processes) -> None:
+    """Terminate worker processes and wait until each has exited (a no-op for those
+    already stopped)."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join()
 
 
 def _timed_runs(target: Target, layout: Layout, seq_len: int):
