@@ -233,12 +233,8 @@ def measure(
     :class:`usp.planner.tracker.PlanningTracker`; torch's ``FSDPMemTracker`` gives the
     same footprint, slower). ``representative``: memory-periodic token loops run their
     first and last tile only (:mod:`usp.models.tiling`; the same footprint, faster)."""
-    with built_step(target, layout, layers=layers, fake=True, representative=representative) as (
-        job,
-        model,
-        optimizer,
-        batch,
-    ):
+    step = built_step(target, layout, layers=layers, fake=True, representative=representative)
+    with step as (job, model, optimizer, batch):
         phases = _tracked_steps(job, model, optimizer, batch, tracker)
     return _footprint(phases, batch.device, model.config.num_hidden_layers, target.device)
 
