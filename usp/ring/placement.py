@@ -65,18 +65,13 @@ def packed_placement(
     against three and two between pieces) and a ring of one runs the local kernel, with
     no varlen boundaries and no accumulators -- the long-document fine-tune's case."""
     device = torch.device(device)
-    if len(documents.lengths) == 1:
-        segments = {}
-        if allgather:
-            segments = {c: _segments(documents, ring_rank, c, False, device) for c in (False, True)}
-        return RankPlacement(documents, ring_rank, device, False, None, segments)
-    bounds = documents.piece_bounds
+    packed = len(documents.lengths) > 1
     segments = {}
     if allgather:
-        segments = {c: _segments(documents, ring_rank, c, True, device) for c in (False, True)}
-    return RankPlacement(
-        documents, ring_rank, device, True, PackedDocs.build(bounds, bounds, device), segments
-    )
+        segments = {c: _segments(documents, ring_rank, c, packed, device) for c in (False, True)}
+    bounds = documents.piece_bounds
+    piece_docs = PackedDocs.build(bounds, bounds, device) if packed else None
+    return RankPlacement(documents, ring_rank, device, packed, piece_docs, segments)
 
 
 def single_rank_placement(seq_len: int, device) -> RankPlacement:
