@@ -17,8 +17,9 @@ from usp.train.trainer import train
 STEPS = 4
 
 
-def base_config(**train) -> dict:
-    """A tiny job: 2-layer preset, generated documents, 64-token sequences."""
+def base_config(*, data: dict | None = None, **train) -> dict:
+    """A tiny job: 2-layer preset, generated documents, 64-token sequences; ``data`` and
+    ``train`` override keys of those sections."""
     return {
         "cluster": {"nodes": 1, "gpus_per_node": 4},
         "parallel": {"ulysses": 2, "ring": 2, "dp": 1},
@@ -28,6 +29,7 @@ def base_config(**train) -> dict:
             "synthetic_documents": 64,
             "synthetic_length": 24,
             "document_multiple": 8,  # fits every layout of these tests: same data everywhere
+            **(data or {}),
         },
         "train": {
             "steps": STEPS,

@@ -23,6 +23,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from train_cases import base_config
 from usp_cases import topology
 
 from usp.plan import Plan
@@ -40,35 +41,9 @@ STEPS = 3
 def job_config(**train) -> dict:
     """Accumulation on every layout (4 micro-batches in one process, 2 per dp replica),
     clipping active, weight decay and non-default Adam settings."""
-    return {
-        "cluster": {"nodes": 1, "gpus_per_node": 4},
-        "parallel": {"ulysses": 2, "ring": 2, "dp": 1},
-        "model": {"preset": "tiny"},
-        "data": {
-            "source": "synthetic",
-            "synthetic_documents": 48,
-            "synthetic_length": 24,
-            "document_multiple": 8,
-        },
-        "train": {
-            "steps": STEPS,
-            "global_batch": 8,
-            "seq_len": 64,
-            "micro_batch": 2,
-            "lr": 3e-3,
-            "warmup_steps": 1,
-            "min_lr_ratio": 0.2,
-            "weight_decay": 0.1,
-            "adam_betas": [0.9, 0.95],
-            "adam_eps": 1e-7,
-            "grad_clip": 1.0,
-            "seed": 5,
-            "dtype": "float32",
-            "checkpoint_interval": 0,
-            "export": True,
-            **train,
-        },
-    }
+    options = {"steps": STEPS, "global_batch": 8, "adam_betas": [0.9, 0.95], "grad_clip": 1.0,
+               "seed": 5, "checkpoint_interval": 0, "export": True}  # fmt: skip
+    return base_config(data={"synthetic_documents": 48}, **{**options, **train})
 
 
 # ----------------------------------------------------------------------------- the reference
