@@ -5,7 +5,8 @@ backend selection (callers did both once, e.g. ``prepare_call`` or a ring call's
 Dense: rows that see no key never reach a kernel; causal Sq < Sk goes to a square-only
 backend as a full block plus a square causal block merged by LSE; calls with fewer keys
 than a backend's ``min_seqlen_k`` run on ``math``. Packed: the backend's varlen kernel,
-or one dense call per document.
+or one dense call per document. :class:`PreparedDense` and :class:`DocumentCalls` make
+those decisions once for a call shape that runs many times (a ring's blocks).
 """
 
 from __future__ import annotations
@@ -116,11 +117,36 @@ def _backward_rows_that_see_keys(
     return dq, torch.cat([dk_full, dk_diag], dim=1), torch.cat([dv_full, dv_diag], dim=1)
 
 
+class PreparedDense:
+    """A dense call of one shape with its decisions made once (empty rows, the causal
+    split, ``math`` below a key minimum): a ring runs each block shape at every step,
+    and a packed call each document shape at every block. ``forward``/``backward`` are
+    :func:`dense_forward`/:func:`dense_backward` on tensors of that shape."""
+
+    __slots__ = ("impl", "spec", "scale", "_direct", "_acc")
+
+    def __init__(self, impl: Backend, spec: AttentionSpec, scale: float):
+        self.impl, self.spec, self.scale = impl, spec, scale
+        plain = (
+            spec.seqlen_q > 0 and empty_row_count(spec.seqlen_q, spec.seqlen_k, spec.causal) == 0
+        )
+        # every row sees a key and no split: the kernel's own call, nothing around it
+        self._direct = _kernel(impl, spec) if plain and not _needs_split(impl, spec) else None
+        self._acc = accumulation_dtype(spec.dtype)
+
+    def forward(self, q, k, v):
+        if self._direct is None:
+            return dense_forward(self.impl, q, k, v, self.spec, self.scale)
+        out, lse = self._direct.forward(q, k, v, self.spec, self.scale)
+        return out, lse.to(self._acc)
+
+    def backward(self, dout, q, k, v, out, lse) -> Grads:
+        if self._direct is None:
+            return dense_backward(self.impl, dout, q, k, v, out, lse, self.spec, self.scale)
+        return self._direct.backward(dout, q, k, v, out, lse, self.spec, self.scale)
+
+
 # ------------------------------------------------------------------ packed documents
-def _lens(q, k) -> tuple[int, int]:
-    return q.shape[0], k.shape[0]
-
-
 def _doc_spec(spec: AttentionSpec, len_q: int, len_k: int) -> AttentionSpec:
     # built directly: dataclasses.replace costs several times more, once per document
     return AttentionSpec(
@@ -130,13 +156,14 @@ def _doc_spec(spec: AttentionSpec, len_q: int, len_k: int) -> AttentionSpec:
 
 
 def docs_forward(impl: Backend, q, k, v, docs: PackedDocs, spec: AttentionSpec, scale: float):
-    """Run a validated packed call on a chosen backend: its varlen kernel, or one dense
-    call per document."""
+    """Run a validated packed call (q [Tq, H, D], k/v [Tk, Hkv, D]) on a chosen backend:
+    its varlen kernel, or one dense call per document."""
     if impl.supports_varlen:
         return impl.varlen_forward(
             q, k, v, docs.cu_q, docs.cu_k, docs.max_q, docs.max_k, spec, scale
         )
-    return _per_document_forward(impl, q, k, v, docs, spec, scale)
+    out, lse = DocumentCalls(impl, docs, spec, scale).forward(q[None], k[None], v[None])
+    return out[0], lse[0]
 
 
 def docs_backward(
@@ -146,72 +173,64 @@ def docs_backward(
         return impl.varlen_backward(
             dout, q, k, v, out, lse, docs.cu_q, docs.cu_k, docs.max_q, docs.max_k, spec, scale
         )
-    return _per_document_backward(impl, dout, q, k, v, out, lse, docs, spec, scale)
+    batched = (x[None] for x in (dout, q, k, v, out, lse))
+    return tuple(g[0] for g in DocumentCalls(impl, docs, spec, scale).backward(*batched))
 
 
-def _whole(docs: PackedDocs, len_q: int, len_k: int) -> bool:
-    """One document holding every q row and every k row: one dense call, nothing to copy."""
-    return (
-        len(docs.bounds_q) == 2
-        and len_q > 0
-        and docs.bounds_q[1] - docs.bounds_q[0] == len_q
-        and (docs.bounds_k[1] - docs.bounds_k[0] == len_k)
-    )
+class DocumentCalls:
+    """One dense call per document of a packed call, on [1, T, h, D] tensors (for
+    backends without a varlen kernel). Built once per call shape: each document's
+    :class:`PreparedDense` and its rows are worked out here, not per document and call."""
 
+    __slots__ = ("_whole", "_documents", "_empty_q", "_out_shape_heads", "_acc")
 
-def _per_document_forward(impl: Backend, q, k, v, docs: PackedDocs, spec, scale):
-    if _whole(docs, q.shape[0], k.shape[0]):  # [n, h, D] -> [1, n, h, D] and back
-        out, lse = dense_forward(
-            impl, q[None], k[None], v[None], _doc_spec(spec, *_lens(q, k)), scale
-        )
-        return out[0], lse[0]
-    out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
-    lse = torch.empty(
-        (spec.num_heads, q.shape[0]), dtype=accumulation_dtype(q.dtype), device=q.device
-    )
-    for (q0, q1), (k0, k1) in docs.pairs():
-        if q1 == q0:
-            continue
-        doc_out, doc_lse = dense_forward(
-            impl,
-            q[None, q0:q1],
-            k[None, k0:k1],
-            v[None, k0:k1],
-            _doc_spec(spec, q1 - q0, k1 - k0),
-            scale,
-        )
-        out[q0:q1] = doc_out[0]
-        lse[:, q0:q1] = doc_lse[0]
-    return out, lse
+    def __init__(self, impl: Backend, docs: PackedDocs, spec: AttentionSpec, scale: float):
+        len_q, len_k = spec.seqlen_q, spec.seqlen_k
+        self._acc = accumulation_dtype(spec.dtype)
+        self._out_shape_heads = spec.num_heads
+        # one document holding every q row and every k row: one dense call, nothing to copy
+        whole = len(docs.bounds_q) == 2 and len_q > 0
+        whole = whole and docs.bounds_q[1] - docs.bounds_q[0] == len_q
+        whole = whole and docs.bounds_k[1] - docs.bounds_k[0] == len_k
+        self._whole = PreparedDense(impl, _doc_spec(spec, len_q, len_k), scale) if whole else None
+        # (q0, n_q, k0, n_k, call) per document with query rows; the key rows of
+        # documents without any (their dK/dV rows are zero)
+        self._documents, self._empty_q = [], []
+        for (q0, q1), (k0, k1) in docs.pairs():
+            if q1 == q0:
+                self._empty_q.append((k0, k1 - k0))
+            else:
+                call = PreparedDense(impl, _doc_spec(spec, q1 - q0, k1 - k0), scale)
+                self._documents.append((q0, q1 - q0, k0, k1 - k0, call))
 
+    def forward(self, q, k, v):
+        """q [1, Tq, H, D], k/v [1, Tk, Hkv, D] -> out [1, Tq, H, D], lse [1, H, Tq]."""
+        if self._whole is not None:
+            return self._whole.forward(q, k, v)
+        out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+        lse = torch.empty((1, self._out_shape_heads, q.shape[1]), dtype=self._acc, device=q.device)
+        for q0, n_q, k0, n_k, call in self._documents:
+            doc_out, doc_lse = call.forward(
+                q.narrow(1, q0, n_q), k.narrow(1, k0, n_k), v.narrow(1, k0, n_k)
+            )
+            out.narrow(1, q0, n_q).copy_(doc_out)
+            lse.narrow(2, q0, n_q).copy_(doc_lse)
+        return out, lse
 
-def _per_document_backward(
-    impl: Backend, dout, q, k, v, out, lse, docs: PackedDocs, spec, scale
-) -> Grads:
-    if _whole(docs, q.shape[0], k.shape[0]):  # the kernel's gradients as they are
-        grads = dense_backward(
-            impl, dout[None], q[None], k[None], v[None], out[None], lse[None],
-            _doc_spec(spec, *_lens(q, k)), scale,
-        )  # fmt: skip
-        return tuple(g[0] for g in grads)
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    for (q0, q1), (k0, k1) in docs.pairs():
-        if q1 == q0:
-            dk[k0:k1] = 0
-            dv[k0:k1] = 0
-            continue
-        grads = dense_backward(
-            impl,
-            dout[None, q0:q1],
-            q[None, q0:q1],
-            k[None, k0:k1],
-            v[None, k0:k1],
-            out[None, q0:q1],
-            lse[None, :, q0:q1],
-            _doc_spec(spec, q1 - q0, k1 - k0),
-            scale,
-        )
-        dq[q0:q1], dk[k0:k1], dv[k0:k1] = (g[0] for g in grads)
-    return dq, dk, dv
+    def backward(self, dout, q, k, v, out, lse) -> Grads:
+        """The gradients of :meth:`forward` (lse [1, H, Tq])."""
+        if self._whole is not None:  # the kernel's gradients as they are
+            return self._whole.backward(dout, q, k, v, out, lse)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for k0, n_k in self._empty_q:
+            dk.narrow(1, k0, n_k).zero_()
+            dv.narrow(1, k0, n_k).zero_()
+        for q0, n_q, k0, n_k, call in self._documents:
+            doc_dq, doc_dk, doc_dv = call.backward(
+                dout.narrow(1, q0, n_q), q.narrow(1, q0, n_q), k.narrow(1, k0, n_k),
+                v.narrow(1, k0, n_k), out.narrow(1, q0, n_q), lse.narrow(2, q0, n_q),
+            )  # fmt: skip
+            dq.narrow(1, q0, n_q).copy_(doc_dq)
+            dk.narrow(1, k0, n_k).copy_(doc_dk)
+            dv.narrow(1, k0, n_k).copy_(doc_dv)
+        return dq, dk, dv

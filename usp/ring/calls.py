@@ -2,9 +2,12 @@
 
 A ring call is validated once (``prepare_ring``); its :class:`BlockKernels` holds what
 that resolved for the kernels: the softmax scale and, per block shape, the backend that
-runs it and the block's spec. The ring steps then go straight to the dispatcher
-(``usp.kernels.dispatch``): no validation, no backend selection, no scale default per
-block, layer or step.
+runs it and the block's spec, and per block shape a :class:`PreparedDense` call whose
+decisions (empty rows, causal split, ``math`` fallback) are made once. The ring steps
+then go straight to the kernels: no validation, no backend selection, no scale default
+and no dispatch decision per block, layer or step. Packed calls on a backend without a
+varlen kernel keep one :class:`DocumentCalls` per block shape (each document's call and
+rows worked out once for the whole ring pass).
 
 :class:`DenseCalls` and :class:`PackedCalls` expose ``forward(q, k, v, causal) ->
 (out, lse)`` and ``backward(dout, q, k, v, out, lse, causal) -> (dq, dk, dv)`` on
@@ -21,7 +24,7 @@ import torch
 
 from usp.kernels import ops
 from usp.kernels.backends.base import Backend
-from usp.kernels.dispatch import dense_backward, dense_forward, docs_backward, docs_forward
+from usp.kernels.dispatch import DocumentCalls, PreparedDense, docs_backward, docs_forward
 from usp.kernels.docs import PackedDocs
 from usp.kernels.selection import select_backend
 from usp.kernels.spec import AttentionSpec
@@ -35,13 +38,14 @@ class BlockKernels:
     :meth:`resolve` picks the backend of a block shape once and remembers it.
     """
 
-    __slots__ = ("backend", "scale", "_template", "_resolved")
+    __slots__ = ("backend", "scale", "_template", "_resolved", "_prepared")
 
     def __init__(self, template: AttentionSpec, backend: str, scale: float):
         self.backend = backend
         self.scale = scale
         self._template = template
         self._resolved: dict[tuple, tuple[Backend, AttentionSpec]] = {}
+        self._prepared: dict[tuple, PreparedDense] = {}
 
     def resolve(
         self, seqlen_q: int, seqlen_k: int, heads: int, kv_heads: int, causal: bool, varlen: bool
@@ -59,66 +63,84 @@ class BlockKernels:
             self._resolved[key] = hit
         return hit
 
+    def dense(self, seqlen_q: int, seqlen_k: int, heads: int, kv_heads: int, causal: bool):
+        """The :class:`PreparedDense` call of a dense block shape, made once."""
+        key = (seqlen_q, seqlen_k, heads, kv_heads, causal)
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            impl, spec = self.resolve(seqlen_q, seqlen_k, heads, kv_heads, causal, False)
+            prepared = self._prepared[key] = PreparedDense(impl, spec, self.scale)
+        return prepared
+
 
 class DenseCalls:
     def __init__(self, kernels: BlockKernels):
         self.kernels = kernels
 
     def forward(self, q, k, v, causal):
-        impl, spec = self.kernels.resolve(
-            q.shape[1], k.shape[1], q.shape[2], k.shape[2], causal, False
-        )
         if torch.compiler.is_compiling():  # one opaque op of the graph
+            impl, _ = self.kernels.resolve(*_shape(q, k), causal, False)
             return ops.dense_forward_op(q, k, v, impl.name, causal, self.kernels.scale)
-        return dense_forward(impl, q, k, v, spec, self.kernels.scale)
+        return self.kernels.dense(*_shape(q, k), causal).forward(q, k, v)
 
     def backward(self, dout, q, k, v, out, lse, causal):
-        impl, spec = self.kernels.resolve(
-            q.shape[1], k.shape[1], q.shape[2], k.shape[2], causal, False
-        )
         if torch.compiler.is_compiling():
+            impl, _ = self.kernels.resolve(*_shape(q, k), causal, False)
             return ops.dense_backward_op(
                 dout, q, k, v, out, lse, impl.name, causal, self.kernels.scale
             )
-        return dense_backward(impl, dout, q, k, v, out, lse, spec, self.kernels.scale)
+        return self.kernels.dense(*_shape(q, k), causal).backward(dout, q, k, v, out, lse)
+
+
+def _shape(q, k) -> tuple[int, int, int, int]:
+    """(Sq, Sk, H, Hkv) of [B, S, h, D] blocks."""
+    return q.shape[1], k.shape[1], q.shape[2], k.shape[2]
 
 
 class PackedCalls:
-    """Varlen calls with fixed document boundaries for q rows and k rows (batch 1)."""
+    """Varlen calls with fixed document boundaries for q rows and k rows (batch 1): the
+    backend's varlen kernel, or its :class:`DocumentCalls` (one per block shape, made
+    once, since every block of the call has the same documents)."""
 
     def __init__(self, kernels: BlockKernels, docs: PackedDocs):
         self.kernels = kernels
         self.docs = docs
+        self._per_document: dict[tuple, DocumentCalls] = {}
+
+    def _documents(self, impl: Backend, spec: AttentionSpec) -> DocumentCalls:
+        key = (spec.seqlen_q, spec.seqlen_k, spec.num_heads, spec.num_kv_heads, spec.causal)
+        calls = self._per_document.get(key)
+        if calls is None:
+            calls = DocumentCalls(impl, self.docs, spec, self.kernels.scale)
+            self._per_document[key] = calls
+        return calls
 
     def forward(self, q, k, v, causal):
-        impl, spec = self.kernels.resolve(
-            q.shape[1], k.shape[1], q.shape[2], k.shape[2], causal, True
-        )
+        impl, spec = self.kernels.resolve(*_shape(q, k), causal, True)
+        d, scale = self.docs, self.kernels.scale
         if torch.compiler.is_compiling():
-            d = self.docs
             out, lse = ops.docs_forward_op(
                 q[0], k[0], v[0], d.cu_q, d.cu_k, list(d.bounds_q), list(d.bounds_k), impl.name,
-                causal, self.kernels.scale,
+                causal, scale,
             )  # fmt: skip
+        elif impl.supports_varlen:
+            out, lse = docs_forward(impl, q[0], k[0], v[0], d, spec, scale)
         else:
-            out, lse = docs_forward(impl, q[0], k[0], v[0], self.docs, spec, self.kernels.scale)
+            return self._documents(impl, spec).forward(q, k, v)
         return out[None], lse[None]
 
     def backward(self, dout, q, k, v, out, lse, causal):
-        impl, spec = self.kernels.resolve(
-            q.shape[1], k.shape[1], q.shape[2], k.shape[2], causal, True
-        )
+        impl, spec = self.kernels.resolve(*_shape(q, k), causal, True)
+        d, scale = self.docs, self.kernels.scale
         if torch.compiler.is_compiling():
-            d = self.docs
             grads = ops.docs_backward_op(
                 dout[0], q[0], k[0], v[0], out[0], lse[0], d.cu_q, d.cu_k, list(d.bounds_q),
-                list(d.bounds_k), impl.name, causal, self.kernels.scale,
+                list(d.bounds_k), impl.name, causal, scale,
             )  # fmt: skip
+        elif impl.supports_varlen:
+            grads = docs_backward(impl, dout[0], q[0], k[0], v[0], out[0], lse[0], d, spec, scale)
         else:
-            grads = docs_backward(
-                impl, dout[0], q[0], k[0], v[0], out[0], lse[0], self.docs, spec,
-                self.kernels.scale,
-            )  # fmt: skip
+            return self._documents(impl, spec).backward(dout, q, k, v, out, lse)
         return tuple(g[None] for g in grads)
 
 

@@ -37,35 +37,102 @@ def _plan(cfg: RingConfig, local_len: int):
     return blocks, calls_for(cfg, cfg.placement.piece_docs)
 
 
+class _Rows:
+    """The row ranges of one tensor that a ring call's blocks read or write, each view
+    made once per call: the blocks of every step use the same two or three ranges (all
+    rows, a zigzag half, a piece), and each view is an op of host time."""
+
+    __slots__ = ("tensor", "_dim", "_views")
+
+    def __init__(self, tensor: torch.Tensor, dim: int = 1):
+        self.tensor = tensor
+        self._dim = dim  # the row dimension: 1 for [B, L, ...], 2 for an LSE [B, H, L]
+        self._views: dict[tuple, torch.Tensor] = {}
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        if rows == ALL:
+            return self.tensor
+        key = (rows.start, rows.stop)
+        view = self._views.get(key)
+        if view is None:
+            start, stop, _ = rows.indices(self.tensor.shape[self._dim])
+            view = self._views[key] = self.tensor.narrow(self._dim, start, stop - start)
+        return view
+
+
+class _Pair:
+    """A [2, B, L, Hkv, D] ring message (K and V, or dK and dV) with the row views of
+    its two halves."""
+
+    __slots__ = ("tensor", "first", "second")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.first, self.second = _Rows(tensor[0]), _Rows(tensor[1])
+
+
+class _DoubleBuffer:
+    """The message a step computes on (``current``) and the ``spare`` buffer the next
+    one arrives in while it does; they swap at each exchange."""
+
+    __slots__ = ("current", "spare")
+
+    def __init__(self, message: torch.Tensor, exchanges: bool):
+        self.current = _Pair(message)
+        self.spare = _Pair(torch.empty_like(message)) if exchanges else None
+
+    def start(self, ring: RingExchange):
+        return ring.start(self.current.tensor, self.spare.tensor)
+
+    def finish(self, pending, keep_spare: bool) -> None:
+        """Wait for ``pending`` (its message arrived in ``spare``; our send finished too,
+        so what we sent becomes the spare, or is dropped when no receive is left)."""
+        pending.wait()
+        self.current, self.spare = self.spare, (self.current if keep_spare else None)
+
+
+def _start_accumulator(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """A kernel's output as the accumulator it starts (the kernels return fresh tensors
+    that nothing else holds, so one in the accumulators' dtype is used as it is)."""
+    return x if x.dtype == acc else x.to(acc)
+
+
 def p2p_forward(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, L, H, D], k/v [B, L, Hkv, D] (local) -> out [B, L, H, D], lse [B, H, L]."""
     ring = RingExchange(cfg.group, cfg.stats)
     acc = accumulation_dtype(q.dtype)
-    kv = torch.stack([k, v])  # [2, B, L, Hkv, D]: one message per step
-    spare = torch.empty_like(kv) if ring.size > 1 else None
+    kv = _DoubleBuffer(torch.stack([k, v]), ring.size > 1)  # [2, B, L, Hkv, D]: one message
     blocks, calls = _plan(cfg, q.shape[1])
-    out = lse = None  # float32 accumulators [B, L, H, D] and [B, H, L]
+    q_rows = _Rows(q)
+    out = lse = None  # float32 accumulators [B, L, H, D] and [B, H, L], and their rows
     for step in range(ring.size):
-        pending = ring.start(kv, spare) if step + 1 < ring.size else None
+        pending = kv.start(ring) if step + 1 < ring.size else None
+        held = kv.current
         for block in blocks(ring.rank, _kv_rank(ring, step)):
             block_out, block_lse = calls.forward(
-                _rows(q, block.q_rows), _rows(kv[0], block.kv_rows), _rows(kv[1], block.kv_rows),
+                q_rows[block.q_rows], held.first[block.kv_rows], held.second[block.kv_rows],
                 block.causal,
             )  # fmt: skip
             if out is None and block.q_rows == ALL:  # the first block sees every row: start there
-                out, lse = block_out.to(acc, copy=True), block_lse.to(acc, copy=True)
+                out, lse = (
+                    _Rows(_start_accumulator(block_out, acc)),
+                    _Rows(_start_accumulator(block_lse, acc), dim=2),
+                )
             else:
                 if out is None:
-                    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)
-                    lse = torch.full(lse_shape(q), float("-inf"), dtype=acc, device=q.device)
-                merge_into(out[:, block.q_rows], lse[:, :, block.q_rows], block_out, block_lse)
+                    out = _Rows(
+                        torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)
+                    )
+                    lse = _Rows(
+                        torch.full(lse_shape(q), float("-inf"), dtype=acc, device=q.device), dim=2
+                    )
+                merge_into(out[block.q_rows], lse[block.q_rows], block_out, block_lse)
             del block_out, block_lse  # merged: not alive during the next block's kernel
+        del held
         if pending is not None:
-            spare, kv = kv, pending.wait()  # our send finished too: reuse its buffer
-            if step + 2 >= ring.size:
-                spare = None  # no receive left to post into it
+            kv.finish(pending, keep_spare=step + 2 < ring.size)
     del kv
-    return out.to(q.dtype), lse
+    return out.tensor.to(q.dtype), lse.tensor
 
 
 def lse_shape(q: torch.Tensor) -> tuple[int, int, int]:
@@ -73,17 +140,12 @@ def lse_shape(q: torch.Tensor) -> tuple[int, int, int]:
     return (q.shape[0], q.shape[2], q.shape[1])
 
 
-def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
-    """``x[:, rows]`` without making a view for all rows."""
-    return x if rows == ALL else x[:, rows]
-
-
-def _add_block_grads(dkv: torch.Tensor, block_grads) -> None:
+def _add_block_grads(dkv: _Pair, block_grads) -> None:
     """dkv [2, B, L, Hkv, D] += one step's (kv_rows, dk, dv) blocks (a function of its
     own, so that no loop variable keeps the last block alive into the next step)."""
     for kv_rows, dk_block, dv_block in block_grads:
-        _rows(dkv[0], kv_rows).add_(dk_block)
-        _rows(dkv[1], kv_rows).add_(dv_block)
+        dkv.first[kv_rows].add_(dk_block)
+        dkv.second[kv_rows].add_(dv_block)
 
 
 def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
@@ -93,37 +155,38 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
     the float32 dQ, ``own`` and two ``travelling`` dK/dV accumulators, two K/V blocks and
     one step's kernel outputs are alive at once."""
     ring = RingExchange(cfg.group, cfg.stats)
-    local_len = q.shape[1]
     acc = accumulation_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = torch.stack([k, v])
-    kv_spare = torch.empty_like(kv) if ring.size > 1 else None
+    dq = _Rows(torch.zeros(q.shape, dtype=acc, device=q.device))
+    dout, q_rows, out, lse = _Rows(dout), _Rows(q), _Rows(out), _Rows(lse, dim=2)
+    kv = _DoubleBuffer(torch.stack([k, v]), ring.size > 1)
     # dK/dV in float32: ``own`` keeps this rank's contribution to its own block (step 0);
     # the accumulator of every other block starts at the owner's next rank, collects
     # one contribution per step, and reaches the owner after r-1 hops. Two buffers
     # (from step 1 on): the accumulator being added to and sent, and the one the next
     # arrives in.
-    own = torch.zeros((2,) + k.shape, dtype=acc, device=k.device)
-    travelling: list[torch.Tensor | None] = [None, None]
+    own = _Pair(torch.zeros((2,) + k.shape, dtype=acc, device=k.device))
+    travelling: list[_Pair] = []
     current, dkv_pending = 0, None
-    blocks, calls = _plan(cfg, local_len)
+    blocks, calls = _plan(cfg, q.shape[1])
     for step in range(ring.size):
-        kv_pending = ring.start(kv, kv_spare) if step + 1 < ring.size else None
+        kv_pending = kv.start(ring) if step + 1 < ring.size else None
+        held = kv.current
         block_grads = []
         for block in blocks(ring.rank, _kv_rank(ring, step)):
             rows, kv_rows = block.q_rows, block.kv_rows
             dq_block, dk_block, dv_block = calls.backward(
-                _rows(dout, rows), _rows(q, rows), _rows(kv[0], kv_rows), _rows(kv[1], kv_rows),
-                _rows(out, rows), lse if rows == ALL else lse[:, :, rows], block.causal,
+                dout[rows], q_rows[rows], held.first[kv_rows], held.second[kv_rows], out[rows],
+                lse[rows], block.causal,
             )  # fmt: skip
-            _rows(dq, rows).add_(dq_block)
+            dq[rows].add_(dq_block)
             del dq_block  # added: not alive during the next block's kernel
-            block_grads.append((block.kv_rows, dk_block, dv_block))
+            block_grads.append((kv_rows, dk_block, dv_block))
             del dk_block, dv_block
+        del held
         if step == 0:
             dkv = own
         elif step == 1:
-            travelling = [torch.zeros_like(own), torch.empty_like(own)]
+            travelling = [_Pair(torch.zeros_like(own.tensor)), _Pair(torch.empty_like(own.tensor))]
             dkv = travelling[current]
         else:
             dkv_pending.wait()  # this block's accumulator arrived in travelling[current]
@@ -131,19 +194,17 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
         _add_block_grads(dkv, block_grads)
         del block_grads
         if step > 0:
-            dkv_pending = ring.start(dkv, travelling[1 - current])
+            dkv_pending = ring.start(dkv.tensor, travelling[1 - current].tensor)
             current = 1 - current
         del dkv
         if kv_pending is not None:
-            kv_spare, kv = kv, kv_pending.wait()
-            if step + 2 >= ring.size:
-                kv_spare = None  # no receive left to post into it
+            kv.finish(kv_pending, keep_spare=step + 2 < ring.size)
     del kv
     if dkv_pending is not None:
         dkv_pending.wait()  # everyone else's contributions to this rank's block
-        own += travelling[current]
+        own.tensor.add_(travelling[current].tensor)
     del travelling, dkv_pending
     # copies even for float32: dk and dv must not be views of one shared buffer
-    dk, dv = own[0].to(k.dtype, copy=True), own[1].to(v.dtype, copy=True)
+    dk, dv = own.tensor[0].to(k.dtype, copy=True), own.tensor[1].to(v.dtype, copy=True)
     del own
-    return dq.to(q.dtype), dk, dv
+    return dq.tensor.to(q.dtype), dk, dv
