@@ -38,7 +38,7 @@ def rows(
     only: list[tuple] | None = None,
 ):
     from usp.planner import search
-    from usp.planner.measure import Layout, Target
+    from usp.planner.footprint import Layout, Target
     from usp.train.components import model_source
     from usp.train.config import load_train_config
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from usp.models import PRESETS
-from usp.planner.measure import Layout, Target, measure
+from usp.planner.footprint import Layout, Target
+from usp.planner.measure import measure
 from usp.planner.validate import real_peak
 from usp.train.config import train_config_from_dict
 

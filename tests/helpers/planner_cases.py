@@ -2,7 +2,7 @@
 tests/planner/*)."""
 
 from usp.models import PRESETS
-from usp.planner.measure import Target
+from usp.planner.footprint import Target
 from usp.train.config import load_train_config
 
 TINY = """

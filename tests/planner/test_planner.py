@@ -8,7 +8,8 @@ import torch
 from planner_cases import target_of, write_config
 
 from usp.cli import main
-from usp.planner.measure import Layout, measure, measure_scaled
+from usp.planner.footprint import Layout
+from usp.planner.measure import measure, measure_scaled
 from usp.planner.traffic import fsdp_traffic
 from usp.planner.validate import real_peak
 from usp.train.config import load_train_config
@@ -242,7 +243,7 @@ class LinearMemory:
         pass
 
     def footprint(self, layout, seq_len):
-        from usp.planner.measure import Footprint, Phase
+        from usp.planner.footprint import Footprint, Phase
 
         self.asked.append(seq_len)
         device = self.base + self.device_per_token * seq_len
@@ -291,7 +292,7 @@ def test_a_pessimistic_line_is_corrected_by_measuring(tmp_path):
     memory): the search measures again from the nearest points and still ends on the
     exact boundary."""
     from usp.planner import search
-    from usp.planner.measure import Footprint, Phase
+    from usp.planner.footprint import Footprint, Phase
 
     class Bent(LinearMemory):
         def footprint(self, layout, seq_len):

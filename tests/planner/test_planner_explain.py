@@ -5,7 +5,8 @@ import pytest
 from planner_cases import target_of, write_config
 
 from usp.planner.explain import NOT_CREATED, explain, main, text
-from usp.planner.measure import Layout, measure
+from usp.planner.footprint import Layout
+from usp.planner.measure import measure
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 

@@ -13,7 +13,8 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from usp.cli import main
 from usp.errors import InputError
-from usp.planner.measure import Layout, measure, measure_scaled
+from usp.planner.footprint import Layout
+from usp.planner.measure import measure, measure_scaled
 from usp.planner.pool import Measurements, WorkerError, default_jobs
 from usp.planner.tracker import PlanningTracker, returns_no_tensor
 

@@ -34,7 +34,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from usp.planner.measure import CATEGORIES, Layout, Target, _phase_peak, built_step, run_step
+from usp.planner.footprint import CATEGORIES, Layout, Target, phase_footprint
+from usp.planner.measure import built_step, run_step
 
 _USP_ROOT = str(Path(__file__).resolve().parents[1])  # .../usp
 _SKIP_FILES = (str(Path(__file__).resolve()),)
@@ -67,7 +68,7 @@ class Live:
     op: str
     where: str
     module: str
-    category: str  # the tracker's (see usp.planner.measure.CATEGORIES)
+    category: str  # the tracker's (see usp.planner.footprint.CATEGORIES)
     dtype: torch.dtype | None
     shape: tuple[int, ...]
 
@@ -225,7 +226,7 @@ def explain(target: Target, layout: Layout, *, layers: int = 3) -> list[Explaine
     """Every phase of one rank's step (``layers`` decoder layers), its peak attributed."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from usp.planner.measure import _phase_footprint
+    from usp.planner.tracker import phase_peak
 
     explained = []
     with built_step(target, layout, layers=layers, fake=True) as (job, model, optimizer, batch):
@@ -235,8 +236,8 @@ def explain(target: Target, layout: Layout, *, layers: int = 3) -> list[Explaine
             log = AllocationLog(tracker, batch.device)
             with log:
                 for phase in run_step(model, optimizer, job, batch):
-                    snapshot = _phase_peak(tracker)
-                    peak = _phase_footprint(snapshot, batch.device)
+                    snapshot = phase_peak(tracker)
+                    peak = phase_footprint(snapshot, batch.device)
                     live = group(log.at_peak)
                     explained.append(
                         Explained(phase, peak.device, peak.breakdown, tuple(live), tokens)

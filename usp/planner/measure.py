@@ -23,7 +23,7 @@ for byte.
 
 Depth: ``layers`` decoder layers are built (default: the model's). Each phase's peak
 (every forward, every backward, the optimizer) is affine in the depth once the depth is
-at least the first of :data:`SCALING_DEPTHS` (every layer adds its parameter, gradient and
+at least the first of :data:`usp.planner.footprint.SCALING_DEPTHS` (every layer adds its parameter, gradient and
 optimizer shards and its saved activations, and the peak stays in the same place), so
 :func:`measure_scaled` measures two small depths and extrapolates each phase, which
 ``tests/planner/test_planner.py`` checks byte for byte against a full-depth run.
@@ -36,162 +36,37 @@ rounding is ignored). On a CUDA build it runs on ``cuda`` fake tensors, and tens
 step keeps on the host (offloaded activations) are counted as host memory. On the CPU
 stand-in, the host copies of ``activation_checkpointing = "offload"``
 (:class:`usp.models.offload.HostOffloader`) go to the ``meta`` device instead, which the
-tracker counts apart: they are the step's host memory (:data:`HOST_STAND_IN`), and the
-device peak is what stays on the device.
+tracker counts apart: they are the step's host memory
+(:data:`usp.planner.footprint.HOST_STAND_IN`), and the device peak is what stays on the
+device. What a step gives (:class:`usp.planner.footprint.Footprint`) and the depth line
+are in :mod:`usp.planner.footprint`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from usp.models.tiling import representative_tiles
+from usp.planner.footprint import (
+    HOST_STAND_IN,
+    Footprint,
+    Layout,
+    Target,
+    footprint_of,
+    from_runs,
+    scaling_runs,
+)
 from usp.planner.kernels import planning_backend, planning_kernels
 from usp.process_groups.fake import fake_world
 
-#: the memory tracker's categories -> the planner's breakdown
-CATEGORIES = {
-    "Sharded Param": "parameters",
-    "Unsharded Param": "parameters_gathered",
-    "Buffer": "buffers",
-    "Sharded Grad": "gradients",
-    "Unsharded Grad": "gradients_unsharded",
-    "OptState": "optimizer_state",
-    "Activation": "activations",
-    "Temp": "temporaries",
-    "All Gather": "comm_all_gather",
-    "Reduce Scatter": "comm_reduce_scatter",
-    "Inputs": "inputs",
-}
-#: where a CUDA step planned on CPU fake tensors keeps its host copies (see above)
-HOST_STAND_IN = torch.device("meta")
 #: micro-batches run per step at most: the second holds what accumulation holds
 MAX_MICRO_BATCHES = 2
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to run the job: the grid and the activation-memory options."""
-
-    ulysses: int
-    ring: int
-    dp: int
-    activation_checkpointing: bool | str = False
-    mlp_tile_tokens: int = 0
-
-    @property
-    def sp(self) -> int:
-        return self.ulysses * self.ring
-
-
-@dataclass(frozen=True)
-class Target:
-    """What is planned: a parsed training config (its [train], [attention] and
-    [parallel] placement), the full model, the cluster shape and the device type."""
-
-    job: object  # usp.train.config.TrainJobConfig
-    model: object  # usp.models.LlamaConfig, full depth
-    world_size: int
-    ranks_per_node: int
-    device: str  # "cuda" or "cpu"
-
-    @property
-    def seq_len(self) -> int:
-        return self.job.train.seq_len
-
-    def at(self, seq_len: int) -> Target:
-        """The same target at another sequence length."""
-        return replace(self, job=self.job.with_overrides(seq_len=seq_len))
-
-
-@dataclass(frozen=True)
-class Phase:
-    """The peak of one phase of a step (a forward, a backward, the optimizer), in bytes.
-    ``breakdown`` splits the device peak by what the bytes held at that moment."""
-
-    device: int
-    host: int
-    breakdown: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Footprint:
-    """One rank's memory in a step: the peak of each phase, in step order."""
-
-    phases: tuple[Phase, ...]
-    layers: int
-    #: False when host and device are one memory (a CPU run: everything is device
-    #: memory, an offload's copies included). A CUDA step planned on the CPU stand-in
-    #: counts the offload's host copies apart (on :data:`HOST_STAND_IN`)
-    host_separated: bool = True
-
-    @property
-    def peak(self) -> Phase:
-        """The phase with the highest device peak."""
-        return max(self.phases, key=lambda p: p.device)
-
-    @property
-    def peak_device(self) -> int:
-        return self.peak.device
-
-    @property
-    def peak_host(self) -> int:
-        return max(p.host for p in self.phases)
-
-    @property
-    def breakdown(self) -> dict[str, int]:
-        return self.peak.breakdown
-
-
-def scale_depth(low: Footprint, high: Footprint, layers: int) -> Footprint:
-    """Extrapolate two depths' footprints to ``layers``: every phase's peak (and each
-    part of its breakdown) is affine in the depth, so it continues the line through the
-    two; the step's peak is then the highest phase at that depth."""
-    if len(low.phases) != len(high.phases) or high.layers <= low.layers:
-        raise ValueError("scale_depth needs two footprints of the same step at two depths")
-    steps = high.layers - low.layers
-
-    def line(a: int, b: int) -> int:
-        return a + (b - a) * (layers - low.layers) // steps
-
-    phases = tuple(
-        Phase(
-            line(a.device, b.device),
-            line(a.host, b.host),
-            {k: line(a.breakdown.get(k, 0), v) for k, v in b.breakdown.items()},
-        )
-        for a, b in zip(low.phases, high.phases)
-    )
-    return Footprint(phases, layers, host_separated=high.host_separated)
-
-
-#: the depths measured to extrapolate a deeper model from. From 3 layers on, the backward
-#: peak sits in the second layer's backward (the first and the last layer are special:
-#: the embedding's gradient, the last layer's parameters kept gathered), so 3 and 4 are
-#: the shallowest depths on the backward's line (checked against 6 layers in the tests).
-#: Known limit: a forward's peak can still move between 3 and 4 layers (seen for
-#: Llama-3.1-70B on u8 x r8: 12.09, 12.24, then +0.38 GiB a layer), so a forward phase is
-#: underestimated there; it stays below the backward's peak in every case measured
-SCALING_DEPTHS = (3, 4)
-
-
-def scaling_runs(model) -> tuple[int | None, ...]:
-    """The depths :func:`measure_scaled` runs for ``model``: :data:`SCALING_DEPTHS`, or
-    the full depth (``None``) for a model no deeper than the second."""
-    return (None,) if model.num_hidden_layers <= SCALING_DEPTHS[1] else SCALING_DEPTHS
-
-
-def from_runs(model, runs: list[Footprint]) -> Footprint:
-    """The full-depth footprint from the runs of :func:`scaling_runs`, in that order."""
-    if len(runs) == 1:
-        return runs[0]
-    low, high = runs
-    return scale_depth(low, high, model.num_hidden_layers)
 
 
 def measure_scaled(target: Target, layout: Layout) -> Footprint:
@@ -236,7 +111,7 @@ def measure(
     step = built_step(target, layout, layers=layers, fake=True, representative=representative)
     with step as (job, model, optimizer, batch):
         phases = _tracked_steps(job, model, optimizer, batch, tracker)
-    return _footprint(phases, batch.device, model.config.num_hidden_layers, target.device)
+    return footprint_of(phases, batch.device, model.config.num_hidden_layers, target.device)
 
 
 @contextmanager
@@ -398,13 +273,6 @@ def _first_optimizer_step(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _phase_peak(tracker) -> dict:
-    """:func:`usp.planner.tracker.phase_peak` (the name this module's callers import)."""
-    from usp.planner.tracker import phase_peak
-
-    return phase_peak(tracker)
-
-
 def run_step(model, optimizer, job, batch: _Batch) -> Iterator[str]:
     """The arithmetic of ``usp.train.trainer._train_step`` without its host reads (the
     loss and the gradient norm as Python floats): micro-batch forward/backward with the
@@ -452,27 +320,3 @@ def all_labelled() -> Iterator[None]:
     table = fake_impls.op_implementations_dict
     with mock.patch.dict(table, {torch.ops.aten.nonzero.default: every_index}):
         yield
-
-
-def _footprint(phases: list[dict], device: torch.device, layers: int, planned: str) -> Footprint:
-    return Footprint(
-        tuple(_phase_footprint(snapshot, device) for snapshot in phases),
-        layers,
-        host_separated=planned != "cpu",
-    )
-
-
-def _phase_footprint(snapshot: dict, device: torch.device) -> Phase:
-    peak_device, peak_host, breakdown = 0, 0, {}
-    for dev, snap in snapshot.items():
-        dev = torch.device(dev)
-        total = int(snap.get("Total", 0))
-        if dev.type == device.type:
-            peak_device = total
-            for key, value in snap.items():
-                name = CATEGORIES.get(getattr(key, "value", key))
-                if name is not None:
-                    breakdown[name] = breakdown.get(name, 0) + int(value)
-        elif dev.type == "cpu" or dev == HOST_STAND_IN:
-            peak_host += total
-    return Phase(peak_device, peak_host, breakdown)

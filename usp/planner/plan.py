@@ -10,7 +10,7 @@ import torch
 from usp.config import AUTO, ConfigError
 from usp.errors import HeadLayoutError
 from usp.planner import search
-from usp.planner.measure import Target
+from usp.planner.footprint import Target
 from usp.planner.pool import Measurements
 from usp.planner.report import PlanResult
 

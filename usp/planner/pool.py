@@ -1,7 +1,7 @@
 """The plan's measurements, in this process or in worker processes (``usp plan --jobs``).
 
 A plan measures many independent steps: a layout at a sequence length, at the depths of
-:func:`usp.planner.measure.scaling_runs`, each a pure function of those (fake tensors:
+:func:`usp.planner.footprint.scaling_runs`, each a pure function of those (fake tensors:
 nothing depends on data, on the process or on what ran before). :class:`Measurements`
 holds them by ``(layout, seq_len)``. With ``jobs = 1`` each is measured here when it is
 first asked for (:meth:`Measurements.footprint`), in the order the search asks. With
@@ -32,7 +32,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 
 from usp.errors import InputError, UspError
-from usp.planner.measure import Footprint, Layout, Target, from_runs, measure, scaling_runs
+from usp.planner.footprint import Footprint, Layout, Target, from_runs, scaling_runs
+from usp.planner.measure import measure
 
 #: how worker processes start: a fresh interpreter (torch is not fork-safe once loaded)
 START_METHOD = "spawn"
@@ -173,7 +174,7 @@ def _stop(processes) -> None:
 
 
 def _timed_runs(target: Target, layout: Layout, seq_len: int):
-    """The runs of :func:`usp.planner.measure.scaling_runs`, in order (in one process the
+    """The runs of :func:`usp.planner.footprint.scaling_runs`, in order (in one process the
     second reuses most of the fake-tensor cache the first filled: same shapes but for
     the layer count), and the CPU seconds they took: ``(footprints, seconds)``."""
     started = time.process_time()

@@ -18,8 +18,9 @@ import math
 from dataclasses import dataclass, field
 
 from usp.config import ConfigError
+from usp.planner.footprint import Footprint, Layout, Target
 from usp.planner.kernels import planning_backend
-from usp.planner.measure import Footprint, Layout, Target, measure_scaled
+from usp.planner.measure import measure_scaled
 from usp.planner.traffic import fsdp_traffic, step_traffic, traffic_formula
 
 GIB = 2**30

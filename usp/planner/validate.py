@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from usp.planner.measure import Layout, Target, built_step, run_step
+from usp.planner.footprint import Layout, Target
+from usp.planner.measure import built_step, run_step
 
 
 def _storage_bytes(tensors) -> int:
