@@ -14,6 +14,9 @@
 #   plan_check     benchmarks/plan_check.py: usp plan's fake-tensor memory estimate of 4
 #                  layers of Llama-3.1-8B at 64k tokens (one of 8 ranks) against
 #                  torch.cuda.max_memory_allocated of the same step; fails beyond 10%
+#   host_overhead  benchmarks/host_overhead.py --device auto (cuda): the host time of one
+#                  usp_attention layer call beyond its kernels (bf16, auto backend, fake
+#                  group), the GPU time it spans, and its aten ops
 #
 #   bash benchmarks/gpu_check.sh [RESULTS_DIR]     # default: results/
 #
@@ -106,6 +109,7 @@ step emulate 180 "$PYTHON" benchmarks/emulate.py --out "$OUT"
 script_step peers 90 benchmarks/peers.py benchmarks/peers.py --out "$OUT"
 script_step train_emulate 90 benchmarks/train_emulate.py benchmarks/train_emulate.py --out "$OUT"
 script_step plan_check 120 benchmarks/plan_check.py benchmarks/plan_check.py --out "$OUT"
+step host_overhead 60 "$PYTHON" benchmarks/host_overhead.py --device auto --repeats 100 --out "$OUT"
 
 # ------------------------------------------------------------------ summary
 json_string() { # a JSON string literal of $1

@@ -1,6 +1,7 @@
 """Host overhead of one ``usp_attention`` layer call (forward + backward), per grid.
 
     python benchmarks/host_overhead.py [--repeats 200] [--grids 8x1 4x2 1x8]
+    python benchmarks/host_overhead.py --device cuda --out results/   # on a GPU (or auto)
 
 One process acts as rank 0 of a world of 8 (PyTorch's ``fake`` process-group backend:
 collectives return at once, so nothing is spent communicating) and runs the real
@@ -27,63 +28,86 @@ What is reported per layer call (median over ``--repeats`` calls, ``perf_counter
 
 Tiny shapes make the kernels cheap, so the overhead dominates and is what this
 measures; it is not a throughput benchmark (see ``emulate.py``).
+
+``--device cuda`` runs the same calls on the GPU in bf16 with ``--backend auto`` (by
+default): the times are then host times, the GPU running behind (nothing waits for it
+inside a repeat; each repeat ends with a synchronize outside the timed part), and
+``device_ms`` is the GPU time the call spans (CUDA events around it): close to
+``total_ms`` when the call is host-bound. The fake group skips ``batch_isend_irecv``,
+which NCCL needs, so a real NCCL ring pays more per exchange than this shows.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import usp
 from usp.kernels.backends import registry
+from usp.options import BACKEND_NAMES, BACKENDS
 from usp.process_groups.fake import fake_world
 
 HEADS, KV_HEADS, HEAD_DIM, LOCAL_LEN, WORLD = 8, 2, 16, 16, 8
 #: document lengths of the packed case (fractions of the global sequence)
 DOC_SHARES = (0.5, 0.25, 0.25)
 _KERNEL_METHODS = ("forward", "backward", "varlen_forward", "varlen_backward")
+CPU = torch.device("cpu")
 
 
 class KernelTimer:
-    """Accumulates the time spent inside a backend's kernel methods while installed."""
+    """Accumulates the time spent inside the backends' kernel methods while installed
+    (every backend class, since ``auto`` and the fallbacks can reach any of them; a
+    kernel method that calls another backend's counts once)."""
 
     def __init__(self):
         self.seconds = 0.0
         self.calls = 0
-        self.inside = False  # in a kernel call (what OpCounter leaves out)
+        self.depth = 0  # > 0 inside a kernel call (what OpCounter leaves out)
+
+    @property
+    def inside(self) -> bool:
+        return self.depth > 0
 
     def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
 
     @contextmanager
-    def installed(self, backend_name: str):
-        impl = registry.get(backend_name)
-        cls = type(impl)
-        originals = {name: getattr(cls, name) for name in _KERNEL_METHODS}
+    def installed(self):
+        classes = {type(registry.get(name)) for name in BACKEND_NAMES}
+        originals = {
+            (cls, name): cls.__dict__[name]
+            for cls in classes
+            for name in _KERNEL_METHODS
+            if name in cls.__dict__
+        }
 
         def timed(original):
             def wrapper(*args, **kwargs):
-                start, self.inside = time.perf_counter(), True
+                start = time.perf_counter()
+                self.depth += 1
                 try:
                     return original(*args, **kwargs)
                 finally:
-                    self.seconds += time.perf_counter() - start
-                    self.calls += 1
-                    self.inside = False
+                    self.depth -= 1
+                    if self.depth == 0:
+                        self.seconds += time.perf_counter() - start
+                        self.calls += 1
 
             return wrapper
 
-        for name, original in originals.items():
+        for (cls, name), original in originals.items():
             setattr(cls, name, timed(original))
         try:
             yield self
         finally:
-            for name, original in originals.items():
+            for (cls, name), original in originals.items():
                 setattr(cls, name, original)
 
 
@@ -110,43 +134,68 @@ def _document_bounds(seq_len: int, multiple: int) -> torch.Tensor:
     return torch.tensor(bounds, dtype=torch.int32)
 
 
-def measure(ulysses: int, ring: int, packed: bool, repeats: int, warmup: int, backend: str):
-    """One grid, per layer call: median total seconds, median kernel seconds, the smallest
-    overhead (total - kernel) of any repeat, the number of kernel calls and of aten ops."""
+def measure(
+    ulysses: int, ring: int, packed: bool, repeats: int, warmup: int, backend: str,
+    device: torch.device = CPU,
+) -> dict:  # fmt: skip
+    """One grid, per layer call: median total and kernel milliseconds, their difference,
+    the smallest overhead of any repeat, the kernel calls and aten ops, and on CUDA the
+    median GPU time the call spans (``device_ms``; None on the CPU)."""
     timer = KernelTimer()
-    with fake_world(WORLD, 0, torch.device("cpu")):
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    with fake_world(WORLD, 0, device):
         topo = usp.build_topology(ulysses, ring, ranks_per_node=WORLD)
         try:
             plan = usp.Plan(topo, layout="zigzag", ring_impl="p2p", backend=backend)
             seq_len = LOCAL_LEN * WORLD
             gen = torch.Generator().manual_seed(0)
-            q = torch.randn(1, LOCAL_LEN, HEADS, HEAD_DIM, generator=gen).requires_grad_()
-            k = torch.randn(1, LOCAL_LEN, KV_HEADS, HEAD_DIM, generator=gen).requires_grad_()
-            v = torch.randn(1, LOCAL_LEN, KV_HEADS, HEAD_DIM, generator=gen).requires_grad_()
-            dout = torch.randn(1, LOCAL_LEN, HEADS, HEAD_DIM, generator=gen)
+
+            def tensor(heads: int, grad: bool = True) -> torch.Tensor:
+                x = torch.randn(1, LOCAL_LEN, heads, HEAD_DIM, generator=gen)
+                return x.to(device, dtype).requires_grad_(grad)
+
+            q, k, v = tensor(HEADS), tensor(KV_HEADS), tensor(KV_HEADS)
+            dout = tensor(HEADS, grad=False)
             documents = None
             if packed:
-                documents = plan.pack(_document_bounds(seq_len, 2 * WORLD))
-            totals, kernels, calls = [], [], 0
-            with timer.installed(backend):
+                documents = plan.pack(_document_bounds(seq_len, 2 * WORLD), device=device)
+            totals, kernels, spans, calls = [], [], [], 0
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+            with timer.installed():
                 for i in range(warmup + repeats):
                     timer.reset()
+                    if cuda:
+                        events[0].record()
                     start = time.perf_counter()
                     out = plan.attention(q, k, v, causal=True, packed=documents)
                     torch.autograd.grad(out, (q, k, v), dout)
                     elapsed = time.perf_counter() - start
+                    if cuda:  # outside the timed part: the next repeat starts on an idle GPU
+                        events[1].record()
+                        torch.cuda.synchronize()
                     if i >= warmup:
                         totals.append(elapsed)
                         kernels.append(timer.seconds)
                         calls = timer.calls
+                        if cuda:
+                            spans.append(events[0].elapsed_time(events[1]) / 1e3)
             counter = OpCounter(timer)
-            with timer.installed(backend), counter:
+            with timer.installed(), counter:
                 out = plan.attention(q, k, v, causal=True, packed=documents)
                 torch.autograd.grad(out, (q, k, v), dout)
         finally:
             topo.destroy()
-    overheads = [t - k for t, k in zip(totals, kernels)]
-    return statistics.median(totals), statistics.median(kernels), min(overheads), calls, counter.ops
+    total, kernel = statistics.median(totals), statistics.median(kernels)
+    return {
+        "total_ms": total * 1e3,
+        "kernel_ms": kernel * 1e3,
+        "overhead_ms": (total - kernel) * 1e3,
+        "best_overhead_ms": min(t - k for t, k in zip(totals, kernels)) * 1e3,
+        "kernel_calls": calls,
+        "aten_ops": counter.ops,
+        "device_ms": statistics.median(spans) * 1e3 if cuda else None,
+    }
 
 
 def parse_grid(text: str) -> tuple[int, int]:
@@ -161,41 +210,50 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--grids", nargs="+", type=parse_grid, default=[(8, 1), (4, 2), (1, 8)])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--backend", default="cpu", choices=("cpu", "math"))
+    parser.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda", "auto"), help="auto: cuda if visible"
+    )
+    parser.add_argument(
+        "--backend", default=None, choices=BACKENDS, help="default: cpu on the CPU, auto on CUDA"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="directory for host_overhead.json")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU visible to torch; this machine has none")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    backend = args.backend or ("auto" if device.type == "cuda" else "cpu")
     torch.set_num_threads(1)
     rows = []
-    print(
-        f"host overhead per usp_attention layer call (fwd+bwd), rank 0 of a fake world of "
-        f"{WORLD}, {HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, {LOCAL_LEN} tokens/rank, "
-        f"float32, causal, zigzag, p2p, backend {args.backend}, torch {torch.__version__}"
+    dtype = "bf16" if device.type == "cuda" else "float32"
+    setup = (
+        f"rank 0 of a fake world of {WORLD}, {HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, "
+        f"{LOCAL_LEN} tokens/rank, {dtype}, causal, zigzag, p2p, {device.type}, backend "
+        f"{backend}, torch {torch.__version__}"
     )
+    print(f"host overhead per usp_attention layer call (fwd+bwd), {setup}")
     print(
         f"{'case':<10} {'total ms':>9} {'kernel ms':>10} {'overhead ms':>12} "
         f"{'best ovh ms':>12} {'calls':>6} {'aten ops':>9}"
+        + (f" {'device ms':>10}" if device.type == "cuda" else "")
     )
     for packed in (False, True):
         for u, r in args.grids:
-            total, kernel, best, calls, ops = measure(
-                u, r, packed, args.repeats, args.warmup, args.backend
-            )
-            row = {
-                "ulysses": u,
-                "ring": r,
-                "packed": packed,
-                "total_ms": total * 1e3,
-                "kernel_ms": kernel * 1e3,
-                "overhead_ms": (total - kernel) * 1e3,
-                "best_overhead_ms": best * 1e3,
-                "kernel_calls": calls,
-                "aten_ops": ops,
-            }
+            row = {"ulysses": u, "ring": r, "packed": packed}
+            row.update(measure(u, r, packed, args.repeats, args.warmup, backend, device))
             rows.append(row)
             case = f"u{u}xr{r}" + (" pk" if packed else "")
             print(
                 f"{case:<10} {row['total_ms']:>9.3f} {row['kernel_ms']:>10.3f} "
-                f"{row['overhead_ms']:>12.3f} {row['best_overhead_ms']:>12.3f} {calls:>6} {ops:>9}"
+                f"{row['overhead_ms']:>12.3f} {row['best_overhead_ms']:>12.3f} "
+                f"{row['kernel_calls']:>6} {row['aten_ops']:>9}"
+                + (f" {row['device_ms']:>10.3f}" if row["device_ms"] is not None else "")
             )
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        payload = {"setup": setup, "rows": rows}
+        (args.out / "host_overhead.json").write_text(json.dumps(payload, indent=1))
     return rows
 
 

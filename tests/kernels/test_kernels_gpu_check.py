@@ -115,6 +115,7 @@ STEPS = [
     "peers",
     "train_emulate",
     "plan_check",
+    "host_overhead",
 ]
 
 

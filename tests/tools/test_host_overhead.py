@@ -4,18 +4,26 @@ process-group backend; no default group before or after)."""
 
 from __future__ import annotations
 
+import json
 import math
 
+import pytest
+import torch
 import torch.distributed as dist
 from usp_cases import load_benchmark
 
 host_overhead = load_benchmark("host_overhead")
 
 
-def test_host_overhead_rows():
+def test_host_overhead_rows(tmp_path):
     assert not dist.is_initialized()
-    rows = host_overhead.main(["--repeats", "2", "--warmup", "1", "--grids", "8x1", "1x8"])
+    rows = host_overhead.main(
+        ["--repeats", "2", "--warmup", "1", "--grids", "8x1", "1x8", "--out", str(tmp_path)]
+    )
     assert not dist.is_initialized(), "the fake world must be torn down"
+    saved = json.loads((tmp_path / "host_overhead.json").read_text())
+    assert saved["rows"] == rows and "backend cpu" in saved["setup"]
+    assert all(row["device_ms"] is None for row in rows)  # GPU time: on CUDA only
     assert [(r["ulysses"], r["ring"], r["packed"]) for r in rows] == [
         (8, 1, False), (1, 8, False), (8, 1, True), (1, 8, True),
     ]  # fmt: skip
@@ -40,3 +48,12 @@ def test_host_overhead_rows():
     for row in rows:
         case = (row["ulysses"], row["ring"], row["packed"])
         assert row["aten_ops"] <= budgets[case], (case, row["aten_ops"], budgets[case])
+
+
+def test_cuda_without_a_gpu_is_refused_with_the_reason(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("there is a GPU here")
+    with pytest.raises(SystemExit) as exit_info:
+        host_overhead.main(["--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "--device cuda needs a CUDA GPU visible to torch" in capsys.readouterr().err
