@@ -18,7 +18,7 @@ def usp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    topology,
+    plan,
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
@@ -31,7 +31,7 @@ def usp_attention(
     """Exact attention over the sequence sharded across the SP group.
 
     q [B, S/P, H, D], k/v [B, S/P, Hkv, D] (P = ulysses * ring) -> [B, S/P, H, D].
-    ``topology``: a :class:`usp.Plan` (its layout, ring_impl and backend are the
+    ``plan``: a :class:`usp.Plan` (its layout, ring_impl and backend are the
     defaults) or a :class:`usp.Topology` (defaults: zigzag, p2p, auto); the keyword
     arguments override them for this call. ``causal`` is False by default, as in
     ``torch.nn.functional.scaled_dot_product_attention`` and flash-attn.
@@ -41,9 +41,9 @@ def usp_attention(
     Attention is then block-diagonal by document, causal inside each document when
     ``causal``. ``verify``: agree on the call across the SP ranks before anything is sent
     (default: on for gloo, off for NCCL; see :mod:`usp.call_check`).
-    Bytes moved are counted in ``topology.comm_stats``. Second derivatives are refused.
+    Bytes moved are counted in ``plan.comm_stats``. Second derivatives are refused.
     """
-    plan = as_plan(topology, layout=layout, ring_impl=ring_impl, backend=backend)
+    plan = as_plan(plan, layout=layout, ring_impl=ring_impl, backend=backend)
     return attend(
         plan, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=cu_seqlens, verify=verify
     )
@@ -52,11 +52,12 @@ def usp_attention(
 class UspAttention(nn.Module):
     """``nn.Module`` form of :func:`usp_attention` (no parameters: it replaces the
     ``softmax(QK^T)V`` core of an attention layer, after projections and RoPE).
-    Defaults as the function: ``causal=False``."""
+    ``plan``: a Plan or a Topology, as for the function. Defaults as the function:
+    ``causal=False``."""
 
     def __init__(
         self,
-        topology,
+        plan,
         *,
         causal: bool = False,
         softmax_scale: float | None = None,
@@ -65,7 +66,7 @@ class UspAttention(nn.Module):
         backend: str | None = None,
     ):
         super().__init__()
-        self.plan = as_plan(topology, layout=layout, ring_impl=ring_impl, backend=backend)
+        self.plan = as_plan(plan, layout=layout, ring_impl=ring_impl, backend=backend)
         if not isinstance(causal, bool):
             raise AttentionInputError(f"causal must be a bool, got {causal!r}")
         self.causal = causal

@@ -60,12 +60,13 @@ def _transformers():
     return transformers
 
 
-def register(topology, *, name: str = "usp", **attention_options) -> str:
+def register(plan, *, name: str = "usp", **attention_options) -> str:
     """Register USP attention in ``transformers.AttentionInterface`` under ``name`` and
     return the name (give it as ``attn_implementation=``; register before building the
-    model). ``topology``: a Topology, a Plan or None; ``attention_options`` (``layout``,
-    ``ring_impl``, ``backend``) go into the plan. Registering a name again replaces it
-    (transformers keeps one global table): use one name per plan.
+    model). ``plan``: a Plan (or a Topology, or None for one process, made into a Plan
+    here); ``attention_options`` (``layout``, ``ring_impl``, ``backend``) go into the
+    plan. Registering a name again replaces it (transformers keeps one global table):
+    use one name per plan.
 
     Also registers a usp mask function under ``name`` in transformers'
     ``AttentionMaskInterface`` (:func:`usp.models.hf_inputs.padding_mask_function`): it
@@ -74,7 +75,7 @@ def register(topology, *, name: str = "usp", **attention_options) -> str:
     transformers = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
 
-    plan = as_plan(topology, **attention_options)
+    plan = as_plan(plan, **attention_options)
     if not isinstance(name, str) or not name or name.startswith(_BUILTIN_PREFIXES):
         raise ValueError(
             f"name {name!r} would shadow one of transformers' own attention implementations "
