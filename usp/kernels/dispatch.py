@@ -182,12 +182,12 @@ class DocumentCalls:
     backends without a varlen kernel). Built once per call shape: each document's
     :class:`PreparedDense` and its rows are worked out here, not per document and call."""
 
-    __slots__ = ("_whole", "_documents", "_empty_q", "_out_shape_heads", "_acc")
+    __slots__ = ("_whole", "_documents", "_empty_q", "_heads", "_acc")
 
     def __init__(self, impl: Backend, docs: PackedDocs, spec: AttentionSpec, scale: float):
         len_q, len_k = spec.seqlen_q, spec.seqlen_k
         self._acc = accumulation_dtype(spec.dtype)
-        self._out_shape_heads = spec.num_heads
+        self._heads = spec.num_heads
         # one document holding every q row and every k row: one dense call, nothing to copy
         whole = len(docs.bounds_q) == 2 and len_q > 0
         whole = whole and docs.bounds_q[1] - docs.bounds_q[0] == len_q
@@ -208,7 +208,7 @@ class DocumentCalls:
         if self._whole is not None:
             return self._whole.forward(q, k, v)
         out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
-        lse = torch.empty((1, self._out_shape_heads, q.shape[1]), dtype=self._acc, device=q.device)
+        lse = torch.empty((1, self._heads, q.shape[1]), dtype=self._acc, device=q.device)
         for q0, n_q, k0, n_k, call in self._documents:
             doc_out, doc_lse = call.forward(
                 q.narrow(1, q0, n_q), k.narrow(1, k0, n_k), v.narrow(1, k0, n_k)

@@ -104,7 +104,7 @@ def p2p_forward(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
     kv = _DoubleBuffer(torch.stack([k, v]), ring.size > 1)  # [2, B, L, Hkv, D]: one message
     blocks, calls = _plan(cfg, q.shape[1])
     q_rows = _Rows(q)
-    out = lse = None  # float32 accumulators [B, L, H, D] and [B, H, L], and their rows
+    out_rows = lse_rows = None  # float32 accumulators [B, L, H, D] and [B, H, L]
     for step in range(ring.size):
         pending = kv.start(ring) if step + 1 < ring.size else None
         held = kv.current
@@ -113,26 +113,22 @@ def p2p_forward(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
                 q_rows[block.q_rows], held.first[block.kv_rows], held.second[block.kv_rows],
                 block.causal,
             )  # fmt: skip
-            if out is None and block.q_rows == ALL:  # the first block sees every row: start there
-                out, lse = (
-                    _Rows(_start_accumulator(block_out, acc)),
-                    _Rows(_start_accumulator(block_lse, acc), dim=2),
-                )
+            if out_rows is None and block.q_rows == ALL:  # the first block sees every row
+                out_rows = _Rows(_start_accumulator(block_out, acc))
+                lse_rows = _Rows(_start_accumulator(block_lse, acc), dim=2)
             else:
-                if out is None:
-                    out = _Rows(
-                        torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)
-                    )
-                    lse = _Rows(
-                        torch.full(lse_shape(q), float("-inf"), dtype=acc, device=q.device), dim=2
-                    )
-                merge_into(out[block.q_rows], lse[block.q_rows], block_out, block_lse)
+                if out_rows is None:
+                    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)
+                    lse = torch.full(lse_shape(q), float("-inf"), dtype=acc, device=q.device)
+                    out_rows, lse_rows = _Rows(out), _Rows(lse, dim=2)
+                    del out, lse
+                merge_into(out_rows[block.q_rows], lse_rows[block.q_rows], block_out, block_lse)
             del block_out, block_lse  # merged: not alive during the next block's kernel
         del held
         if pending is not None:
             kv.finish(pending, keep_spare=step + 2 < ring.size)
     del kv
-    return out.tensor.to(q.dtype), lse.tensor
+    return out_rows.tensor.to(q.dtype), lse_rows.tensor
 
 
 def lse_shape(q: torch.Tensor) -> tuple[int, int, int]:
@@ -156,8 +152,8 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
     one step's kernel outputs are alive at once."""
     ring = RingExchange(cfg.group, cfg.stats)
     acc = accumulation_dtype(q.dtype)
-    dq = _Rows(torch.zeros(q.shape, dtype=acc, device=q.device))
-    dout, q_rows, out, lse = _Rows(dout), _Rows(q), _Rows(out), _Rows(lse, dim=2)
+    dq_rows = _Rows(torch.zeros(q.shape, dtype=acc, device=q.device))
+    dout_rows, q_rows, out_rows, lse_rows = _Rows(dout), _Rows(q), _Rows(out), _Rows(lse, dim=2)
     kv = _DoubleBuffer(torch.stack([k, v]), ring.size > 1)
     # dK/dV in float32: ``own`` keeps this rank's contribution to its own block (step 0);
     # the accumulator of every other block starts at the owner's next rank, collects
@@ -175,10 +171,10 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
         for block in blocks(ring.rank, _kv_rank(ring, step)):
             rows, kv_rows = block.q_rows, block.kv_rows
             dq_block, dk_block, dv_block = calls.backward(
-                dout[rows], q_rows[rows], held.first[kv_rows], held.second[kv_rows], out[rows],
-                lse[rows], block.causal,
+                dout_rows[rows], q_rows[rows], held.first[kv_rows], held.second[kv_rows],
+                out_rows[rows], lse_rows[rows], block.causal,
             )  # fmt: skip
-            dq[rows].add_(dq_block)
+            dq_rows[rows].add_(dq_block)
             del dq_block  # added: not alive during the next block's kernel
             block_grads.append((kv_rows, dk_block, dv_block))
             del dk_block, dv_block
@@ -207,4 +203,4 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
     # copies even for float32: dk and dv must not be views of one shared buffer
     dk, dv = own.tensor[0].to(k.dtype, copy=True), own.tensor[1].to(v.dtype, copy=True)
     del own
-    return dq.tensor.to(q.dtype), dk, dv
+    return dq_rows.tensor.to(q.dtype), dk, dv
