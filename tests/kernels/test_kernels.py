@@ -252,6 +252,11 @@ def test_sliding_window(poisoned_allocations, device, backend, seqlens, causal):
 # them, fewer keys than queries in the last (its first 5 rows see nothing when causal)
 DOCS_Q = [1, 13, 0, 29, 6, 9]
 DOCS_K = [1, 20, 0, 29, 11, 4]
+# documents of repeated (q, k) lengths, which the CPU runs as batched calls: a contiguous
+# run (5, 5) x 3, an interleaved group (3, 6) x 3, a group whose causal rows partly see
+# no key (6, 2) x 2, a single (7, 7) and a document without queries
+GROUPED_Q = [5, 5, 5, 3, 6, 7, 3, 0, 6, 3]
+GROUPED_K = [5, 5, 5, 6, 2, 7, 6, 4, 2, 6]
 
 
 def cumulative(lengths) -> torch.Tensor:
@@ -278,13 +283,16 @@ def packed_reference(q, k, v, dout, lens_q, lens_k, **options):
 @pytest.mark.parametrize("device,backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "docs_q,docs_k", [(DOCS_Q, DOCS_K), (GROUPED_Q, GROUPED_K)], ids=["distinct", "grouped"]
+)
 def test_varlen_matches_per_document_reference(
-    poisoned_allocations, device, backend, causal, dtype
+    poisoned_allocations, device, backend, causal, dtype, docs_q, docs_k
 ):
     spec = AttentionSpec(
         1,
-        sum(DOCS_Q),
-        sum(DOCS_K),
+        sum(docs_q),
+        sum(docs_k),
         4,
         2,
         64,
@@ -295,17 +303,17 @@ def test_varlen_matches_per_document_reference(
         varlen=True,
     )
     require(backend, spec)
-    cu_q, cu_k = cumulative(DOCS_Q), cumulative(DOCS_K)
+    cu_q, cu_k = cumulative(docs_q), cumulative(docs_k)
     gen = torch.Generator().manual_seed(11)
-    q = torch.randn(sum(DOCS_Q), 4, 64, generator=gen, dtype=torch.float64)
-    k = torch.randn(sum(DOCS_K), 2, 64, generator=gen, dtype=torch.float64)
-    v = torch.randn(sum(DOCS_K), 2, 64, generator=gen, dtype=torch.float64)
+    q = torch.randn(sum(docs_q), 4, 64, generator=gen, dtype=torch.float64)
+    k = torch.randn(sum(docs_k), 2, 64, generator=gen, dtype=torch.float64)
+    v = torch.randn(sum(docs_k), 2, 64, generator=gen, dtype=torch.float64)
     dout = torch.randn_like(q)
-    ref_out, ref_lse, ref_grads = packed_reference(q, k, v, dout, DOCS_Q, DOCS_K, causal=causal)
+    ref_out, ref_lse, ref_grads = packed_reference(q, k, v, dout, docs_q, docs_k, causal=causal)
     on = lambda t: t.to(device)  # noqa: E731
     cast = [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
     out, lse = attention_varlen_forward(
-        *cast[:3], on(cu_q), on(cu_k), max(DOCS_Q), max(DOCS_K), causal=causal, backend=backend
+        *cast[:3], on(cu_q), on(cu_k), max(docs_q), max(docs_k), causal=causal, backend=backend
     )
     out_tol, lse_tol, grad_tol = TOLERANCE[device, dtype]
     assert lse.shape == (4, q.shape[0])
@@ -318,8 +326,8 @@ def test_varlen_matches_per_document_reference(
         ref_lse.float().to(device),
         on(cu_q),
         on(cu_k),
-        max(DOCS_Q),
-        max(DOCS_K),
+        max(docs_q),
+        max(docs_k),
         causal=causal,
         backend=backend,
     )

@@ -40,11 +40,12 @@ def test_host_overhead_rows(tmp_path):
     assert all(p["kernel_calls"] > dense[(p["ulysses"], p["ring"])] for p in packed)
     # host work per layer call, as aten ops outside the kernels (forward + backward): a
     # count, so it can be asserted where a time could not. Measured on torch 2.13: 108 /
-    # 160 dense and 371 / 1359 packed at u8 x r1 / u1 x r8 (the ring's were 279 and 2678
+    # 160 dense and 362 / 1308 packed at u8 x r1 / u1 x r8 (the ring's were 279 and 2678
     # while each block made its own views and a merge took 13 ops, and each document of
     # a packed block took the batch dimension off and put it back). The budgets leave
-    # less than one op per ring merge or per document call, so either coming back fails.
-    budgets = {(8, 1, False): 110, (1, 8, False): 165, (8, 1, True): 380, (1, 8, True): 1400}
+    # less than one op per ring merge or per kernel call of a packed layer call (12 and
+    # 68: documents of one length run as one call), so either coming back fails.
+    budgets = {(8, 1, False): 110, (1, 8, False): 165, (8, 1, True): 370, (1, 8, True): 1350}
     for row in rows:
         case = (row["ulysses"], row["ring"], row["packed"])
         assert row["aten_ops"] <= budgets[case], (case, row["aten_ops"], budgets[case])

@@ -147,10 +147,10 @@ class PreparedDense:
 
 
 # ------------------------------------------------------------------ packed documents
-def _doc_spec(spec: AttentionSpec, len_q: int, len_k: int) -> AttentionSpec:
+def _doc_spec(spec: AttentionSpec, len_q: int, len_k: int, batch: int = 1) -> AttentionSpec:
     # built directly: dataclasses.replace costs several times more, once per document
     return AttentionSpec(
-        1, len_q, len_k, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.dtype,
+        batch, len_q, len_k, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.dtype,
         spec.device, spec.causal, spec.window,
     )  # fmt: skip
 
@@ -177,12 +177,64 @@ def docs_backward(
     return tuple(g[0] for g in DocumentCalls(impl, docs, spec, scale).backward(*batched))
 
 
-class DocumentCalls:
-    """One dense call per document of a packed call, on [1, T, h, D] tensors (for
-    backends without a varlen kernel). Built once per call shape: each document's
-    :class:`PreparedDense` and its rows are worked out here, not per document and call."""
+class _DocumentRows:
+    """The rows of ``count`` documents of one length in a packed tensor's token dim: a
+    contiguous run from ``start``, or (documents apart) an index of their rows."""
 
-    __slots__ = ("_whole", "_documents", "_empty_q", "_heads", "_acc")
+    __slots__ = ("count", "length", "start", "index")
+
+    def __init__(self, starts: list[int], length: int, device: torch.device):
+        self.count, self.length = len(starts), length
+        run = all(b - a == length for a, b in zip(starts, starts[1:]))
+        self.start = starts[0] if run else None
+        self.index = None
+        if not run:
+            offsets = torch.arange(length, device=device)
+            self.index = (torch.tensor(starts, device=device)[:, None] + offsets).reshape(-1)
+
+    def _rows(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.index is None:
+            return x.narrow(dim, self.start, self.count * self.length)
+        return x.index_select(dim, self.index)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, T, h, D] -> the documents as a batch [count, length, h, D]."""
+        return self._rows(x, 1).reshape((self.count, self.length) + x.shape[2:])
+
+    def take_lse(self, lse: torch.Tensor) -> torch.Tensor:
+        """lse [1, H, T] -> [count, H, length]."""
+        return self._rows(lse, 2).reshape(lse.shape[1], self.count, self.length).transpose(0, 1)
+
+    def put(self, x: torch.Tensor, value: torch.Tensor) -> None:
+        """x [1, T, h, D] (contiguous): the documents' rows = value [count, length, h, D]."""
+        if self.index is None:
+            x.narrow(1, self.start, self.count * self.length).view(value.shape).copy_(value)
+        else:
+            x.index_copy_(1, self.index, value.reshape((1, -1) + value.shape[2:]))
+
+    def put_lse(self, lse: torch.Tensor, value: torch.Tensor) -> None:
+        """lse [1, H, T] (contiguous): the documents' rows = value [count, H, length]."""
+        by_head = value.transpose(0, 1)  # [H, count, length]
+        if self.index is None:
+            rows = lse.narrow(2, self.start, self.count * self.length)
+            rows.view(by_head.shape).copy_(by_head)
+        else:
+            lse.index_copy_(2, self.index, by_head.reshape(1, lse.shape[1], -1))
+
+
+class DocumentCalls:
+    """Dense calls per document of a packed call, on [1, T, h, D] tensors (for backends
+    without a varlen kernel). Built once per call shape: each document's
+    :class:`PreparedDense` and its rows are worked out here, not per document and call.
+
+    On the CPU, documents of the same (q, k) lengths run as one batched call (their rows
+    gathered into a batch, the results put back): a packed batch of many short documents
+    padded to a multiple has few distinct lengths, and a kernel call costs far more host
+    time than the gather. Attention is per document either way, so the result is the
+    same. Elsewhere (CUDA: the gather's index would be a host-to-device copy per call)
+    each document is its own call."""
+
+    __slots__ = ("_whole", "_documents", "_groups", "_empty_q", "_heads", "_acc")
 
     def __init__(self, impl: Backend, docs: PackedDocs, spec: AttentionSpec, scale: float):
         len_q, len_k = spec.seqlen_q, spec.seqlen_k
@@ -193,15 +245,27 @@ class DocumentCalls:
         whole = whole and docs.bounds_q[1] - docs.bounds_q[0] == len_q
         whole = whole and docs.bounds_k[1] - docs.bounds_k[0] == len_k
         self._whole = PreparedDense(impl, _doc_spec(spec, len_q, len_k), scale) if whole else None
-        # (q0, n_q, k0, n_k, call) per document with query rows; the key rows of
-        # documents without any (their dK/dV rows are zero)
-        self._documents, self._empty_q = [], []
+        # documents with query rows by their (q, k) lengths; the key rows of documents
+        # without any (their dK/dV rows are zero)
+        by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        self._empty_q = []
         for (q0, q1), (k0, k1) in docs.pairs():
             if q1 == q0:
                 self._empty_q.append((k0, k1 - k0))
             else:
-                call = PreparedDense(impl, _doc_spec(spec, q1 - q0, k1 - k0), scale)
-                self._documents.append((q0, q1 - q0, k0, k1 - k0, call))
+                by_shape.setdefault((q1 - q0, k1 - k0), []).append((q0, k0))
+        batching = spec.device.type == "cpu"
+        self._documents = []  # (q0, n_q, k0, n_k, call): one call per document
+        self._groups = []  # (q rows, k rows, call): one batched call per group
+        for (n_q, n_k), starts in by_shape.items():
+            if batching and len(starts) > 1:
+                call = PreparedDense(impl, _doc_spec(spec, n_q, n_k, len(starts)), scale)
+                q_rows = _DocumentRows([q0 for q0, _ in starts], n_q, spec.device)
+                k_rows = _DocumentRows([k0 for _, k0 in starts], n_k, spec.device)
+                self._groups.append((q_rows, k_rows, call))
+            else:
+                call = PreparedDense(impl, _doc_spec(spec, n_q, n_k), scale)
+                self._documents.extend((q0, n_q, k0, n_k, call) for q0, k0 in starts)
 
     def forward(self, q, k, v):
         """q [1, Tq, H, D], k/v [1, Tk, Hkv, D] -> out [1, Tq, H, D], lse [1, H, Tq]."""
@@ -215,13 +279,18 @@ class DocumentCalls:
             )
             out.narrow(1, q0, n_q).copy_(doc_out)
             lse.narrow(2, q0, n_q).copy_(doc_lse)
+        for q_rows, k_rows, call in self._groups:  # [G, n, h, D] batches of documents
+            group_out, group_lse = call.forward(q_rows.take(q), k_rows.take(k), k_rows.take(v))
+            q_rows.put(out, group_out)
+            q_rows.put_lse(lse, group_lse)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse) -> Grads:
         """The gradients of :meth:`forward` (lse [1, H, Tq])."""
         if self._whole is not None:  # the kernel's gradients as they are
             return self._whole.backward(dout, q, k, v, out, lse)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # contiguous whatever the inputs' strides: the groups' results are put by view
+        dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
         for k0, n_k in self._empty_q:
             dk.narrow(1, k0, n_k).zero_()
             dv.narrow(1, k0, n_k).zero_()
@@ -233,4 +302,12 @@ class DocumentCalls:
             dq.narrow(1, q0, n_q).copy_(doc_dq)
             dk.narrow(1, k0, n_k).copy_(doc_dk)
             dv.narrow(1, k0, n_k).copy_(doc_dv)
+        for q_rows, k_rows, call in self._groups:
+            group_dq, group_dk, group_dv = call.backward(
+                q_rows.take(dout), q_rows.take(q), k_rows.take(k), k_rows.take(v),
+                q_rows.take(out), q_rows.take_lse(lse),
+            )  # fmt: skip
+            q_rows.put(dq, group_dq)
+            k_rows.put(dk, group_dk)
+            k_rows.put(dv, group_dv)
         return dq, dk, dv
