@@ -58,3 +58,18 @@ def test_cuda_without_a_gpu_is_refused_with_the_reason(capsys):
         host_overhead.main(["--device", "cuda"])
     assert exit_info.value.code == 2
     assert "--device cuda needs a CUDA GPU visible to torch" in capsys.readouterr().err
+
+
+def test_device_auto_without_a_gpu_and_another_backend(tmp_path):
+    """``--device auto`` (what gpu_check.sh passes) runs on the CPU where there is no GPU;
+    ``--backend math`` is the backend every kernel call goes to."""
+    if torch.cuda.is_available():
+        pytest.skip("there is a GPU here: auto would pick it")
+    argv = ["--device", "auto", "--backend", "math", "--grids", "8x1", "--repeats", "1"]
+    rows = host_overhead.main([*argv, "--warmup", "0", "--out", str(tmp_path)])
+    setup = json.loads((tmp_path / "host_overhead.json").read_text())["setup"]
+    assert "float32" in setup and ", cpu, backend math," in setup
+    # a ring of one: one forward and one backward call, dense; packed: per group of
+    # documents of one length (the math backend has no varlen kernel either)
+    assert [r["kernel_calls"] for r in rows] == [2, 12]
+    assert all(r["device_ms"] is None for r in rows)
