@@ -37,8 +37,11 @@ from usp.kernels import (
     attention_varlen_backward,
     attention_varlen_forward,
     merge_pair,
+    packed_backward,
+    packed_forward,
 )
 from usp.kernels.backends import registry
+from usp.kernels.docs import PackedDocs
 from usp.kernels.selection import unsupported_reason
 
 TOLERANCE = {  # (device type, dtype): (out, lse, grads)
@@ -539,3 +542,31 @@ def test_flash_window_and_varlen_calls_on_meta_tensors():
     assert out.shape == qv.shape and lse.shape == (8, tokens)
     grads = impl.varlen_backward(qv, qv, kv, kv, out, lse, cu, cu, 30, 30, spec, 0.125)
     assert [g.shape for g in grads] == [qv.shape, kv.shape, kv.shape]
+
+
+def test_a_batchs_per_document_calls_are_built_once_and_reused():
+    """Backends without a varlen kernel keep what they work out from the boundaries in
+    the PackedDocs (one batch serves every layer, forward and backward): the second
+    call and the backward reuse it, and the results are the ones a fresh one gives."""
+    bounds = cumulative(GROUPED_Q).tolist()
+    docs = PackedDocs.build(bounds, bounds, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(bounds[-1], 4, 16, generator=gen)
+    k, v = (torch.randn(bounds[-1], 2, 16, generator=gen) for _ in range(2))
+    out, lse = packed_forward(q, k, v, docs, causal=True, backend="cpu")
+    assert len(docs.per_document) == 1
+    (calls,) = docs.per_document.values()
+    again, _ = packed_forward(q, k, v, docs, causal=True, backend="cpu")
+    grads = packed_backward(
+        torch.ones_like(out), q, k, v, out, lse, docs, causal=True, backend="cpu"
+    )
+    assert list(docs.per_document.values()) == [calls]  # the same object, nothing rebuilt
+    fresh = PackedDocs.build(bounds, bounds, torch.device("cpu"))
+    assert torch.equal(again, out)
+    assert torch.equal(packed_forward(q, k, v, fresh, causal=True, backend="cpu")[0], out)
+    fresh_grads = packed_backward(
+        torch.ones_like(out), q, k, v, out, lse, fresh, causal=True, backend="cpu"
+    )
+    assert all(torch.equal(a, b) for a, b in zip(grads, fresh_grads))
+    packed_forward(q, k, v, docs, causal=False, backend="cpu")  # another call shape
+    assert len(docs.per_document) == 2

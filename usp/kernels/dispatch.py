@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch._guards import active_fake_mode
 
 from usp.kernels.backends.base import Backend, Grads
 from usp.kernels.backends.math import MathBackend
@@ -162,7 +163,7 @@ def docs_forward(impl: Backend, q, k, v, docs: PackedDocs, spec: AttentionSpec, 
         return impl.varlen_forward(
             q, k, v, docs.cu_q, docs.cu_k, docs.max_q, docs.max_k, spec, scale
         )
-    out, lse = DocumentCalls(impl, docs, spec, scale).forward(q[None], k[None], v[None])
+    out, lse = document_calls(impl, docs, spec, scale).forward(q[None], k[None], v[None])
     return out[0], lse[0]
 
 
@@ -174,7 +175,23 @@ def docs_backward(
             dout, q, k, v, out, lse, docs.cu_q, docs.cu_k, docs.max_q, docs.max_k, spec, scale
         )
     batched = (x[None] for x in (dout, q, k, v, out, lse))
-    return tuple(g[0] for g in DocumentCalls(impl, docs, spec, scale).backward(*batched))
+    return tuple(g[0] for g in document_calls(impl, docs, spec, scale).backward(*batched))
+
+
+def document_calls(
+    impl: Backend, docs: PackedDocs, spec: AttentionSpec, scale: float
+) -> DocumentCalls:
+    """The :class:`DocumentCalls` of ``docs`` for a call shape, built once per batch: kept
+    in ``docs.per_document``, since one batch's boundaries serve every layer, forward and
+    backward. Under fake tensors (the planner) it is built per call, so that no fake
+    index tensor outlives its mode in a cache."""
+    if active_fake_mode() is not None:
+        return DocumentCalls(impl, docs, spec, scale)
+    key = (impl.name, spec, scale)
+    calls = docs.per_document.get(key)
+    if calls is None:
+        calls = docs.per_document[key] = DocumentCalls(impl, docs, spec, scale)
+    return calls
 
 
 class _DocumentRows:

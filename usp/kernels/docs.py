@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,9 @@ class PackedDocs:
     ``bounds_*`` are the Python boundaries (for per-document loops), ``cu_*`` the int32
     tensors on the compute device (for native varlen kernels), ``max_*`` the longest
     document: a call reads nothing back from the device and copies nothing to it.
+    ``per_document`` holds what backends without a varlen kernel work out from the
+    boundaries per call shape (:func:`usp.kernels.dispatch.document_calls`), so every
+    layer of the batch, forward and backward, reuses it.
     """
 
     bounds_q: tuple[int, ...]
@@ -35,6 +38,7 @@ class PackedDocs:
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    per_document: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, bounds_q, bounds_k, device, *, cu_q=None, cu_k=None) -> PackedDocs:

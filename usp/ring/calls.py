@@ -6,8 +6,8 @@ runs it and the block's spec, and per block shape a :class:`PreparedDense` call 
 decisions (empty rows, causal split, ``math`` fallback) are made once. The ring steps
 then go straight to the kernels: no validation, no backend selection, no scale default
 and no dispatch decision per block, layer or step. Packed calls on a backend without a
-varlen kernel keep one :class:`DocumentCalls` per block shape (each document's call and
-rows worked out once for the whole ring pass).
+varlen kernel use one ``DocumentCalls`` per block shape (each document's call and rows
+worked out once per batch, kept with its :class:`PackedDocs`).
 
 :class:`DenseCalls` and :class:`PackedCalls` expose ``forward(q, k, v, causal) ->
 (out, lse)`` and ``backward(dout, q, k, v, out, lse, causal) -> (dq, dk, dv)`` on
@@ -24,7 +24,7 @@ import torch
 
 from usp.kernels import ops
 from usp.kernels.backends.base import Backend
-from usp.kernels.dispatch import DocumentCalls, PreparedDense, docs_backward, docs_forward
+from usp.kernels.dispatch import PreparedDense, docs_backward, docs_forward, document_calls
 from usp.kernels.docs import PackedDocs
 from usp.kernels.selection import select_backend
 from usp.kernels.spec import AttentionSpec
@@ -99,21 +99,12 @@ def _shape(q, k) -> tuple[int, int, int, int]:
 
 class PackedCalls:
     """Varlen calls with fixed document boundaries for q rows and k rows (batch 1): the
-    backend's varlen kernel, or its :class:`DocumentCalls` (one per block shape, made
-    once, since every block of the call has the same documents)."""
+    backend's varlen kernel, or the ``DocumentCalls`` of the block shape (built
+    once per batch, see :func:`usp.kernels.dispatch.document_calls`)."""
 
     def __init__(self, kernels: BlockKernels, docs: PackedDocs):
         self.kernels = kernels
         self.docs = docs
-        self._per_document: dict[tuple, DocumentCalls] = {}
-
-    def _documents(self, impl: Backend, spec: AttentionSpec) -> DocumentCalls:
-        key = (spec.seqlen_q, spec.seqlen_k, spec.num_heads, spec.num_kv_heads, spec.causal)
-        calls = self._per_document.get(key)
-        if calls is None:
-            calls = DocumentCalls(impl, self.docs, spec, self.kernels.scale)
-            self._per_document[key] = calls
-        return calls
 
     def forward(self, q, k, v, causal):
         impl, spec = self.kernels.resolve(*_shape(q, k), causal, True)
@@ -126,7 +117,7 @@ class PackedCalls:
         elif impl.supports_varlen:
             out, lse = docs_forward(impl, q[0], k[0], v[0], d, spec, scale)
         else:
-            return self._documents(impl, spec).forward(q, k, v)
+            return document_calls(impl, d, spec, scale).forward(q, k, v)
         return out[None], lse[None]
 
     def backward(self, dout, q, k, v, out, lse, causal):
@@ -140,7 +131,7 @@ class PackedCalls:
         elif impl.supports_varlen:
             grads = docs_backward(impl, dout[0], q[0], k[0], v[0], out[0], lse[0], d, spec, scale)
         else:
-            return self._documents(impl, spec).backward(dout, q, k, v, out, lse)
+            return document_calls(impl, d, spec, scale).backward(dout, q, k, v, out, lse)
         return tuple(g[None] for g in grads)
 
 
