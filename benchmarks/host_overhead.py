@@ -53,6 +53,7 @@ import usp
 from usp.kernels.backends import registry
 from usp.options import BACKEND_NAMES, BACKENDS
 from usp.process_groups.fake import fake_world
+from usp.train.components import default_compute_dtype
 
 HEADS, KV_HEADS, HEAD_DIM, LOCAL_LEN, WORLD = 8, 2, 16, 16, 8
 #: document lengths of the packed case (fractions of the global sequence)
@@ -143,7 +144,7 @@ def measure(
     median GPU time the call spans (``device_ms``; None on the CPU)."""
     timer = KernelTimer()
     cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = default_compute_dtype(device)  # what training computes in
     with fake_world(WORLD, 0, device):
         topo = usp.build_topology(ulysses, ring, ranks_per_node=WORLD)
         try:
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     backend = args.backend or ("auto" if device.type == "cuda" else "cpu")
     torch.set_num_threads(1)
     rows = []
-    dtype = "bf16" if device.type == "cuda" else "float32"
+    dtype = str(default_compute_dtype(device)).removeprefix("torch.")
     setup = (
         f"rank 0 of a fake world of {WORLD}, {HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, "
         f"{LOCAL_LEN} tokens/rank, {dtype}, causal, zigzag, p2p, {device.type}, backend "

@@ -273,8 +273,13 @@ def load_weights(model, source: ModelSource, device: torch.device) -> None:
 
 def compute_dtype(job: TrainJobConfig, device: torch.device) -> torch.dtype:
     if job.train.dtype == AUTO:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return default_compute_dtype(device)
     return DTYPES[job.train.dtype]
+
+
+def default_compute_dtype(device: torch.device) -> torch.dtype:
+    """``dtype = "auto"``: bf16 on CUDA, float32 elsewhere."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def build_optimizer(job: TrainJobConfig, model: torch.nn.Module) -> torch.optim.AdamW:
