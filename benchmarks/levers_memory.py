@@ -4,7 +4,7 @@
     python benchmarks/levers_memory.py --tokens 16384 --dim 1024 --intermediate 3584
     python benchmarks/levers_memory.py --device cuda --layers 4   # adds the offload rows
 
-MLP rows: forward + backward of one Llama SwiGLU MLP (``usp.models.llama.MLP``) on
+MLP rows: forward + backward of one Llama SwiGLU MLP (``usp.models.decoder.MLP``) on
 ``[1, tokens, dim]`` inputs, untiled and with each ``--tiles`` value. The peak is the
 largest number of bytes allocated at once during the step above what was allocated
 before it, measured independently of usp: on CPU from ``torch.profiler``'s memory events
@@ -23,8 +23,9 @@ import time
 
 import torch
 
-from usp.models import Llama, LlamaConfig, shift_labels
-from usp.models.llama import MLP
+from usp.models import Levers, Llama, LlamaConfig, shift_labels
+from usp.models.decoder import MLP
+from usp.models.levers import tile_mlp
 
 MIB = 2**20
 
@@ -66,7 +67,7 @@ def mlp_row(args, tile: int, device) -> dict:
     )
     torch.manual_seed(0)
     mlp = MLP(config).to(device)
-    mlp.tile_tokens = tile
+    tile_mlp(mlp, tile)
     x = torch.randn(1, args.tokens, args.dim, device=device, requires_grad=True)
     result = {}
 
@@ -90,7 +91,8 @@ def offload_row(args, mode, device) -> dict:
         num_key_value_heads=8,
     )
     torch.manual_seed(0)
-    model = Llama(config, activation_checkpointing=mode, loss_chunk_tokens=1024).to(device)
+    model = Llama(config).to(device)
+    Levers(activation_checkpointing=mode, loss_chunk_tokens=1024).apply(model)
     ids = torch.randint(0, 1024, (1, args.tokens), device=device)
     labels = shift_labels(ids)
     result = {}

@@ -3,8 +3,8 @@
     python benchmarks/levers_plan.py examples/configs/llama3_8b_1m.toml \\
         --seq-lens 1048576,4194304 --grid 1x8
 
-For every ``(activation_checkpointing, mlp_tile_tokens)`` option the config's ``[train]``
-accepts (``usp.planner.search.memory_options``), one rank's step on the grid ``--grid``
+For every lever set the planner searches on the grid (``usp.planner.search.lever_options``;
+``--attention-head-chunks`` sets the head chunks of every row), one rank's step on the grid ``--grid``
 (ulysses x ring, dp 1) is measured by the planner (``measure_scaled``: fake tensors, two
 shallow depths extrapolated to the model's) at each ``--seq-lens`` length, and the
 longest sequence that fits on that grid is searched (``search.max_seq_len``, as ``usp
@@ -42,21 +42,22 @@ def rows(
     from usp.train.components import model_source
     from usp.train.config import load_train_config
 
-    job = load_train_config(config).with_overrides(
-        seq_len=max(seq_lens), attention_head_chunks=head_chunks
-    )
+    job = load_train_config(config, seq_len=max(seq_lens))
     cluster = _cluster(job, gpu_memory_gib)
-    target = Target(
-        job, model_source(job).config, cluster.world_size, cluster.gpus_per_node, device
-    )
+    model = model_source(job).config
+    target = Target(job, model, cluster.world_size, cluster.gpus_per_node, device)
     cache: dict = {}
     out = []
-    for checkpointing, tile in search.memory_options(job):
+    options = search.lever_options(model, (*grid, 1), cluster.gpus_per_node)
+    if head_chunks is not None:
+        options = list(dict.fromkeys(o.replace(attention_head_chunks=head_chunks) for o in options))
+    for levers in options:
+        checkpointing, tile = levers.activation_checkpointing, levers.mlp_tile_tokens
         if only is not None and (checkpointing, tile) not in only:
             continue
-        layout = Layout(grid[0], grid[1], 1, checkpointing, tile)
+        layout = Layout(grid[0], grid[1], 1, levers)
         row = {"activation_checkpointing": checkpointing, "mlp_tile_tokens": tile,
-               "attention_head_chunks": job.train.attention_head_chunks}  # fmt: skip
+               "attention_head_chunks": levers.attention_head_chunks}  # fmt: skip
         for s in seq_lens:
             fp = search._footprint_at(target, layout, cache, s)
             row[s] = (fp.peak_device / GIB, fp.peak_host / GIB, fp.breakdown)
@@ -93,7 +94,7 @@ def main(argv=None):
     p.add_argument("--grid", default="1x8", help="ulysses x ring")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--gpu-memory-gib", type=float, help="default: the config's GPU's")
-    p.add_argument("--attention-head-chunks", type=int, help="overrides [train]")
+    p.add_argument("--attention-head-chunks", type=int, help="the head chunks of every row")
     p.add_argument("--only", help='options to run, e.g. "offload:8192,true:0" (default: every one)')
     args = p.parse_args(argv)
     seq_lens = [int(s) for s in args.seq_lens.split(",")]

@@ -3,7 +3,7 @@
     python benchmarks/mlp_fake.py      # Llama-3.1-8B's MLP, 131,072 tokens, tiles of 8192
     python benchmarks/mlp_fake.py --tokens 4096 --dim 64 --intermediate 224 --tile 512
 
-One ``usp.models.llama.MLP`` (bf16 weights, ``tile_tokens = --tile``) runs forward and
+One ``usp.models.decoder.MLP`` (bf16 weights, tiled by ``tile_mlp(mlp, --tile)``) runs forward and
 backward on a fake ``[1, tokens, dim]`` input under ``FakeTensorMode``, counted by
 torch's ``MemTracker`` (the planner's tools; nothing is computed or allocated). Rows:
 with and without :func:`usp.models.tiling.representative_tiles` (the first and the
@@ -27,7 +27,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint
 
 from usp.models import LlamaConfig
-from usp.models.llama import MLP
+from usp.models.decoder import MLP
+from usp.models.levers import tile_mlp
 from usp.models.tiling import representative_tiles
 
 GIB = 2**30
@@ -46,7 +47,7 @@ def run_once(args, *, representative: bool, layer_checkpoint: bool) -> tuple[flo
         mlp = MLP(config)
         for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):  # (no .to() of fakes)
             linear.weight = torch.nn.Parameter(linear.weight.to(torch.bfloat16))
-        mlp.tile_tokens = args.tile
+        tile_mlp(mlp, args.tile)
         x = torch.randn(1, args.tokens, args.dim, dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn(1, args.tokens, args.dim, dtype=torch.bfloat16)
         tracker = MemTracker()

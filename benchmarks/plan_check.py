@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from usp.models import PRESETS
+from usp.models import PRESETS, Levers
 from usp.planner.footprint import Layout, Target
 from usp.planner.measure import measure
 from usp.planner.validate import real_peak
@@ -57,8 +57,8 @@ def main(argv=None) -> int:
     job = job_for(args, device)
     model = PRESETS[args.preset].replace(num_hidden_layers=args.layers)
     target = Target(job, model, args.world, args.world, device)
-    layout = Layout(args.ulysses, args.ring, args.world // (args.ulysses * args.ring),
-                    not args.no_activation_checkpointing)  # fmt: skip
+    levers = Levers(activation_checkpointing=not args.no_activation_checkpointing)
+    layout = Layout(args.ulysses, args.ring, args.world // (args.ulysses * args.ring), levers)
     estimate = measure(target, layout)
     real = real_peak(target, layout)
     ratio = estimate.peak_device / real

@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 import usp
-from usp.models import PRESETS, Llama, shift_labels
+from usp.models import PRESETS, Levers, Llama, shift_labels, training_flops
 from usp.process_groups.fake import fake_world
-from usp.train.metrics import peak_tflops, training_flops
+from usp.train.metrics import peak_tflops
 from usp.train.parallelize import fully_shard_model
 
 GIB = 2**30
@@ -61,7 +61,8 @@ def build(args, device: torch.device):
     full = PRESETS[args.preset]
     config = full.replace(num_hidden_layers=args.layers or full.num_hidden_layers)
     with torch.device("meta"):
-        model = Llama(config, plan, activation_checkpointing=not args.no_activation_checkpointing)
+        model = Llama(config, plan)
+    Levers(activation_checkpointing=not args.no_activation_checkpointing).apply(model)
     sharded = fully_shard_model(model, topo, compute_dtype=DTYPES[args.dtype])
     model.to_empty(device=device)
     _randomise(model, seed=0)

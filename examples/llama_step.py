@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import usp
-from usp.models import IGNORE_INDEX, Llama, shard_batch
+from usp.models import IGNORE_INDEX, Levers, Llama, shard_batch
 
 DOCUMENTS = [
     "Ulysses trades sequence for heads inside a node.",
@@ -81,9 +81,8 @@ def main() -> int:
     plan = usp.Plan.from_config(args.config)
     path, temporary = checkpoint_path(args)
     device = plan.default_device()
-    model = Llama.from_pretrained(
-        path, plan, device=device, activation_checkpointing=args.activation_checkpointing
-    )
+    model = Llama.from_pretrained(path, plan, device=device)
+    Levers(activation_checkpointing=args.activation_checkpointing).apply(model)
     batch = byte_batch(plan, model.config.vocab_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.model_kwargs().items()}

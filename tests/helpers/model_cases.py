@@ -45,6 +45,45 @@ YARN_ROPE = {
 }
 IGNORE = -100
 
+#: per model family: transformers' config class and the tiny shape's family settings,
+#: each away from the family's defaults where one changes the computation
+FAMILY_CASES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),  # q/k/v biases
+    # per-head q/k norms; head_dim 8 != hidden / heads = 4; biases on all four projections
+    "qwen3": ("Qwen3Config", {"attention_bias": True}),
+    "mistral": ("MistralConfig", {"sliding_window": 4096}),  # a window longer than any sequence
+}
+
+
+def family_config(family: str, **changes):
+    """usp's config of the tiny shape in ``family``."""
+    from usp.models import family_named
+
+    _, extras = FAMILY_CASES[family]
+    return family_named(family).config_class(**{**TINY, **extras, **changes})
+
+
+def write_family_checkpoint(directory: Path, family: str, *, seed=0, tied=False, **changes):
+    """A random tiny model of ``family`` saved by transformers (float32 safetensors), with
+    norm weights away from 1 and random biases, so that no gradient is trivial."""
+    import transformers
+
+    class_name, extras = FAMILY_CASES[family]
+    config = getattr(transformers, class_name)(
+        **{**TINY, **extras, **changes}, tie_word_embeddings=tied
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+    model.save_pretrained(directory)
+    return Path(directory)
+
 
 def hf_config(*, tied=False, rope_scaling=None, **changes):
     import transformers
@@ -78,16 +117,16 @@ def _rms_norm_float64(self, x):
 
 
 def load_hf_reference(directory: Path, dtype=torch.float64, attn_implementation="sdpa"):
-    """transformers' own model from ``directory``: float64, SDPA attention (float64 all
-    through; eager's softmax is float32), RMSNorm in float64."""
+    """transformers' own model from ``directory`` (any family): float64, SDPA attention
+    (float64 all through; eager's softmax is float32), RMSNorm in float64."""
     import transformers
 
-    model = transformers.LlamaForCausalLM.from_pretrained(
+    model = transformers.AutoModelForCausalLM.from_pretrained(
         directory, dtype=dtype, attn_implementation=attn_implementation
     )
     if dtype == torch.float64:
         for module in model.modules():
-            if type(module).__name__ == "LlamaRMSNorm":
+            if type(module).__name__.endswith("RMSNorm"):
                 module.forward = types.MethodType(_rms_norm_float64, module)
     return model
 

@@ -1,7 +1,8 @@
-"""The activation-memory levers of usp.models.Llama in one process: the tiled MLP
-(``mlp_tile_tokens``) and activation checkpoint offload (``activation_checkpointing =
-"offload"``). Multi-rank and trainer (FSDP2) coverage: test_models_dist.py,
-test_train_dist.py.
+"""The memory levers (``usp.models.Levers``, applied to a model from outside) in one
+process: the tiled MLP (``mlp_tile_tokens``), activation checkpointing and its offload
+(``activation_checkpointing = "offload"``), head chunks and the loss chunk; on every
+model family and on an HF transformers model. Multi-rank and trainer (FSDP2) coverage:
+test_models_dist.py, test_train_dist.py.
 
 Tolerances: float64 tiled vs untiled 1e-12 relative (only the order of the weight
 gradient sums differs); float32 1e-5. Offload vs on-device checkpointing: bit-equal.
@@ -18,8 +19,9 @@ import torch
 from model_cases import TINY, relative_error
 from usp_cases import load_benchmark
 
-from usp.models import Llama, LlamaConfig, shift_labels
-from usp.models.llama import MLP
+from usp.models import FAMILIES, LeverError, Levers, Llama, LlamaConfig, levers_of, shift_labels
+from usp.models.decoder import MLP
+from usp.models.levers import tile_mlp
 from usp.models.offload import ACTIVATION_CHECKPOINTING
 
 #: the benchmark's measurement (torch.profiler memory events), tested here too
@@ -29,9 +31,10 @@ profiled_peak = load_benchmark("levers_memory").profiled_peak
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
-def _step(config, state, ids, dtype, **options) -> dict:
-    model = Llama(config, loss_chunk_tokens=7, **options).to(dtype)
+def _step(config, state, ids, dtype, *, model_class=Llama, **options) -> dict:
+    model = model_class(config).to(dtype)
     model.load_state_dict(state)
+    Levers(loss_chunk_tokens=7, **options).apply(model)
     with torch.no_grad():
         logits = model(ids)
     loss = model(ids, labels=shift_labels(ids))
@@ -71,7 +74,7 @@ def test_offload_moves_each_layer_input_off_the_device_tensor():
     config = LlamaConfig(**{**TINY, "num_hidden_layers": 3})
     ids = torch.randint(0, TINY["vocab_size"], (1, 16))
     for mode, expect_alive in ((True, 3), ("offload", 0)):
-        model = Llama(config, activation_checkpointing=mode)
+        model = Levers(activation_checkpointing=mode).apply(Llama(config))
         inputs = []
         hooks = [
             layer.register_forward_pre_hook(
@@ -96,33 +99,87 @@ def test_tiled_mlp_holds_one_tile_of_intermediate_activations():
     x = torch.randn(1, 2048, 16, requires_grad=True)
     peaks = {}
     for tile in (0, 256):
-        mlp.tile_tokens = tile
+        tile_mlp(mlp, tile)
 
         def step():
             mlp(x).square().sum().backward()
 
         peaks[tile] = profiled_peak(step)
-    mlp.tile_tokens = 4096  # one tile holds every token: the untiled pass itself
     with torch.no_grad():
-        assert torch.equal(mlp(x), mlp.swiglu(x))
+        tile_mlp(mlp, 0)
+        plain = mlp(x)
+        tile_mlp(mlp, 4096)  # one tile holds every token: the untiled pass itself
+        assert torch.equal(mlp(x), plain)
     one_intermediate = 2048 * 512 * 4  # bytes of one [tokens, intermediate] float32 tensor
     assert peaks[0] >= 3 * one_intermediate, peaks  # gate, up, silu(gate) * up at least
     assert peaks[256] <= peaks[0] / 3, peaks
 
 
 def test_option_errors_name_the_valid_values():
-    config = LlamaConfig(**TINY)
     with pytest.raises(ValueError, match="false, true or 'offload'.*got 'host'"):
-        Llama(config, activation_checkpointing="host")
+        Levers(activation_checkpointing="host")
     with pytest.raises(ValueError, match="false, true or 'offload'.*got 1"):
-        Llama(config, activation_checkpointing=1)
+        Levers(activation_checkpointing=1)
     for bad in (-1, 2.0, True):
-        with pytest.raises(ValueError, match="mlp_tile_tokens must be an integer >= 0"):
-            Llama(config, mlp_tile_tokens=bad)
-    model = Llama(config, activation_checkpointing="offload", mlp_tile_tokens=8)
-    assert (model.activation_checkpointing, model.mlp_tile_tokens) == ("offload", 8)
-    assert all(layer.mlp.tile_tokens == 8 for layer in model.model.layers)
-    assert "activation_checkpointing=offload, mlp_tile_tokens=8" in repr(model)
+        with pytest.raises(LeverError, match="mlp_tile_tokens must be an integer >= 0"):
+            Levers(mlp_tile_tokens=bad)
+    for bad in (0, 2.0, True):
+        with pytest.raises(LeverError, match="attention_head_chunks must be an integer >= 1"):
+            Levers(attention_head_chunks=bad)
+    with pytest.raises(LeverError, match="loss_chunk_tokens must be a positive integer"):
+        Levers(loss_chunk_tokens=0)
+    model = Levers("offload", 8).apply(Llama(LlamaConfig(**TINY)))
+    assert levers_of(model) == Levers(activation_checkpointing="offload", mlp_tile_tokens=8)
+    assert levers_of(model).describe() == "checkpointing offload, MLP tiles 8, loss chunks 1024"
+    assert all(layer.mlp.forward.tile == 8 for layer in model.model.layers)
+
+
+def test_levers_leave_parameter_names_and_apply_again():
+    """Applied from outside: the state dict keys stay HF's; a second apply replaces the
+    first (here: back to none), and the model is then the plain model again."""
+    config = LlamaConfig(**TINY)
+    model = Llama(config)
+    keys = list(model.state_dict())
+    Levers(True, 5, 2, None).apply(model)
+    assert list(model.state_dict()) == keys
+    assert model.loss_chunk_tokens is None
+    Levers().apply(model)
+    for layer in model.model.layers:
+        assert "forward" not in vars(layer) and "forward" not in vars(layer.mlp)
+        assert layer.self_attn.head_chunks == 1
+    assert model.loss_chunk_tokens == Levers().loss_chunk_tokens
+
+
+def test_levers_refuse_a_compiled_layer_and_a_non_swiglu_mlp():
+    model = Llama(LlamaConfig(**TINY))
+    layer = model.model.layers[0]
+    layer.forward = torch.compile(layer.forward)
+    with pytest.raises(LeverError, match="apply levers before compiling"):
+        Levers(activation_checkpointing=True).apply(model)
+    mlp = MLP(LlamaConfig(**TINY))
+    mlp.act_fn = torch.nn.GELU()
+    with pytest.raises(LeverError, match="needs a SwiGLU MLP"):
+        tile_mlp(mlp, 4)
+
+
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES])
+def test_every_family_takes_every_lever(family):
+    """Each family's model with all levers on equals its plain model (float64)."""
+    from model_cases import family_config
+
+    f = next(f for f in FAMILIES if f.name == family)
+    torch.manual_seed(0)
+    config = family_config(family)
+    state = {k: v.double() for k, v in f.build(config).state_dict().items()}
+    ids = torch.randint(0, config.vocab_size, (1, 24))
+    plain = _step(config, state, ids, torch.float64, model_class=f.model_class)
+    levered = _step(
+        config, state, ids, torch.float64, model_class=f.model_class,
+        activation_checkpointing="offload", mlp_tile_tokens=5, attention_head_chunks=2,
+    )  # fmt: skip
+    errors = [relative_error(levered["loss"], plain["loss"])]
+    errors += [relative_error(g, plain["grads"][n]) for n, g in levered["grads"].items()]
+    assert max(errors) <= 1e-12, (family, max(errors))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -142,11 +199,10 @@ def test_attention_head_chunks_give_the_same_numbers(dtype):
 
 
 def test_attention_head_chunks_must_divide_the_kv_heads():
-    config = LlamaConfig(**TINY)  # 2 KV heads
-    for bad in (0, 3, 2.0, True):
-        with pytest.raises(ValueError, match=r"must divide the 2 KV heads .*one of \[1, 2\]"):
-            Llama(config, attention_head_chunks=bad)
-    model = Llama(config, attention_head_chunks=2)
-    assert model.attention_head_chunks == 2
+    model = Llama(LlamaConfig(**TINY))  # 2 KV heads
+    for bad in (3, 4):
+        with pytest.raises(LeverError, match=r"must divide the 2 KV heads .*one of \[1, 2\]"):
+            Levers(attention_head_chunks=bad).apply(model)
+    Levers(attention_head_chunks=2).apply(model)
+    assert levers_of(model).attention_head_chunks == 2
     assert all(layer.self_attn.head_chunks == 2 for layer in model.model.layers)
-    assert "attention_head_chunks=2" in repr(model)

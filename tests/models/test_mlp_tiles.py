@@ -1,4 +1,4 @@
-"""The tiled MLP (usp.models.mlp_tiles, ``MLP.tile_tokens``) in one process: values and
+"""The tiled MLP (usp.models.mlp_tiles, tiled by ``usp.models.levers.tile_mlp``: the lever ``mlp_tile_tokens``) in one process: values and
 gradients against the untiled MLP through plain autograd, frozen weights, the no-grad
 path, autocast, torch.compile, its memory (real, from the profiler's events) and the
 planner's representative tiles under fake tensors (identical peaks, fewer tiles run).
@@ -27,7 +27,8 @@ from torch.utils.checkpoint import checkpoint
 from benchmarks import mlp_fake
 from benchmarks.levers_memory import profiled_peak
 from usp.models import LlamaConfig
-from usp.models.llama import MLP
+from usp.models.decoder import MLP
+from usp.models.levers import tile_mlp
 from usp.models.mlp_tiles import tiled_swiglu
 from usp.models.tiling import representative_tiles
 
@@ -42,7 +43,7 @@ def _mlp(dim=32, intermediate=48, dtype=torch.float64, seed=0) -> MLP:
 
 def _run(mlp: MLP, x: torch.Tensor, grad: torch.Tensor, tile: int) -> dict:
     """Output, input gradient and the weight gradients of one forward + backward."""
-    mlp.tile_tokens = tile
+    tile_mlp(mlp, tile)
     mlp.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_(x.requires_grad)
     out = mlp(x)
@@ -78,7 +79,7 @@ def _per_tile_checkpoint(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
     """What the tiled MLP replaced: each tile under torch.utils.checkpoint, concatenated
     (its weight gradients: each tile's product rounded, then added in AccumulateGrad)."""
     flat = x.reshape(-1, x.shape[-1])
-    out = [checkpoint(mlp.swiglu, t, use_reentrant=False) for t in flat.split(mlp.tile_tokens)]
+    out = [checkpoint(MLP.forward, mlp, t, use_reentrant=False) for t in flat.split(mlp.forward.tile)]
     return torch.cat(out).view(x.shape)
 
 
@@ -113,7 +114,7 @@ def test_a_strided_input_and_an_expanded_gradient():
     x = torch.randn(19, 2, 32, dtype=torch.float64).transpose(0, 1)  # [2, 19, 32], strided
     runs = {}
     for tile in (0, 4):
-        mlp.tile_tokens = tile
+        tile_mlp(mlp, tile)
         mlp.zero_grad(set_to_none=True)
         leaf = x.detach().requires_grad_()
         out = mlp(leaf)
@@ -130,11 +131,11 @@ def test_at_most_one_tile_of_tokens_is_the_untiled_mlp():
     grad = torch.randn(2, 8, 32, dtype=torch.float64)
     plain = _run(mlp, x, grad, 0)
     for tile in (16, 17, 100):
-        mlp.tile_tokens = tile
+        tile_mlp(mlp, tile)
         assert "Tiled" not in type(mlp(x).grad_fn).__name__
         got = _run(mlp, x, grad, tile)
         assert all(torch.equal(got[n], v) for n, v in plain.items()), tile
-    mlp.tile_tokens = 15
+    tile_mlp(mlp, 15)
     assert type(mlp(x).grad_fn).__name__ == "_TiledSwiGLUBackward"
 
 
@@ -153,7 +154,7 @@ def test_frozen_weights_and_input_get_no_gradient(frozen, x_grad):
     for name in frozen:
         getattr(mlp, name).weight.requires_grad_(False)
     if len(frozen) == 3 and not x_grad:  # nothing needs a gradient: no graph at all
-        mlp.tile_tokens = 4
+        tile_mlp(mlp, 4)
         assert mlp(x.detach()).grad_fn is None
         return
     got = _run(mlp, x.detach().requires_grad_(x_grad), grad, 4)
@@ -168,8 +169,8 @@ def test_frozen_weights_and_input_get_no_gradient(frozen, x_grad):
 def test_no_grad_runs_the_tiles_and_keeps_no_graph():
     mlp = _mlp()
     x = torch.randn(2, 19, 32, dtype=torch.float64, requires_grad=True)
-    want = mlp.swiglu(x).detach()
-    mlp.tile_tokens = 4
+    want = MLP.forward(mlp, x).detach()
+    tile_mlp(mlp, 4)
     with torch.no_grad():
         out = mlp(x)
     assert out.grad_fn is None and not out.requires_grad
@@ -209,7 +210,7 @@ def test_real_peak_is_one_tiles_work_above_the_results():
     tokens, dim 512, intermediate 1792, tiles of 4096, benchmarks/levers_memory.py.)"""
     tokens, dim, intermediate, tile = 2048, 16, 512, 256
     mlp = _mlp(dim=dim, intermediate=intermediate, dtype=torch.float32)
-    mlp.tile_tokens = tile
+    tile_mlp(mlp, tile)
     x = torch.randn(1, tokens, dim, requires_grad=True)
     grad = torch.randn(1, tokens, dim)
 
@@ -241,7 +242,7 @@ def _fake_peak(tokens, tile, *, layer_checkpoint, representative, dtype=torch.bf
         mlp = MLP(LlamaConfig(**{**TINY, "hidden_size": 64, "intermediate_size": 224}))
         for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):  # (no .to() of fakes)
             linear.weight = torch.nn.Parameter(linear.weight.to(dtype))
-        mlp.tile_tokens = tile
+        tile_mlp(mlp, tile)
         x = torch.randn(1, tokens, 64, dtype=dtype, requires_grad=True)
         grad = torch.randn(1, tokens, 64, dtype=dtype)
         tracker, counter = MemTracker(), _CountMatmuls()
@@ -276,7 +277,7 @@ def test_tiled_mlp_compiles_fullgraph():
     """torch.compile(fullgraph, aot_eager) of the tiled MLP: the autograd function is
     traced whole (forward and its backward), equal to eager."""
     mlp = _mlp(dtype=torch.float32)
-    mlp.tile_tokens = 5
+    tile_mlp(mlp, 5)
     x = torch.randn(2, 13, 32, requires_grad=True)
     torch._dynamo.reset()
     compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")

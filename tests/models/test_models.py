@@ -30,11 +30,13 @@ import usp
 from usp.models import (
     PRESETS,
     CheckpointError,
+    Levers,
     Llama,
     LlamaConfig,
     ModelConfigError,
     count_labels,
     cross_entropy_sum,
+    levers_of,
     shard_batch,
     shift_labels,
     sp_cross_entropy,
@@ -86,11 +88,12 @@ DROP = object()  # a key removed from the config
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM is not supported"),
-        ({"architectures": None, "model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
-        ({"attention_bias": True}, "attention_bias=true is not supported"),
-        ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+        ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel is not a usp model family"),
+        ({"architectures": None, "model_type": "gpt2"}, "model_type 'gpt2' is not a usp model"),
+        ({"mlp_bias": True}, "mlp_bias=True is not supported by usp's llama model"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ({"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
         ({"num_key_value_heads": 3}, "multiple of num_key_value_heads(3)"),
         ({"vocab_size": DROP}, "missing required key(s) vocab_size"),
@@ -100,10 +103,11 @@ def test_config_errors_name_what_is_supported(change, message):
     raw = {**hf_config().to_dict(), "architectures": ["LlamaForCausalLM"], **change}
     raw = {k: v for k, v in raw.items() if v is not DROP}
     with pytest.raises(ModelConfigError) as err:
-        LlamaConfig.from_hf_dict(raw)
+        usp.models.config_from_hf(raw)  # the family registry, then the family's reader
     assert message in str(err.value)
     if "architectures" in change or "model_type" in change:
         assert "LlamaForCausalLM" in str(err.value) and "usp.models.hf.register" in str(err.value)
+        assert "Qwen3ForCausalLM" in str(err.value)  # every family is named
 
 
 def test_presets():
@@ -115,8 +119,10 @@ def test_presets():
     with torch.device("meta"):
         big = Llama.from_config("llama3.1-8b")  # shapes only
     assert sum(p.numel() for p in big.parameters()) == 8_030_261_248  # Llama-3.1-8B's count
-    with pytest.raises(KeyError, match="known: tiny"):
+    with pytest.raises(KeyError, match="unknown llama preset 'llama-9'; known: tiny"):
         Llama.from_config("llama-9")
+    with pytest.raises(KeyError, match="unknown llama preset 'qwen3-8b'"):  # another family's
+        Llama.from_config("qwen3-8b")
 
 
 # ------------------------------------------------------------------ labels
@@ -142,11 +148,12 @@ def test_native_matches_transformers_single_process(checkpoints, kind):
     ids = global_batch(2, 24, seed=11)
     labels = sft_labels(ids, [5])
     expected = hf_reference(checkpoints[kind], ids, labels)
-    for dtype, tol, options in (
-        (torch.float64, (1e-12, 1e-12, 1e-12), {"backend": "math", "loss_chunk_tokens": 3}),
-        (torch.float32, (1e-4, 1e-5, 1e-4), {"loss_chunk_tokens": None}),
+    for dtype, tol, options, loss_chunk in (
+        (torch.float64, (1e-12, 1e-12, 1e-12), {"backend": "math"}, 3),
+        (torch.float32, (1e-4, 1e-5, 1e-4), {}, None),
     ):
         model = Llama.from_pretrained(checkpoints[kind], dtype=dtype, **options)
+        Levers(loss_chunk_tokens=loss_chunk).apply(model)
         assert all(p.dtype == dtype for p in model.parameters())
         with torch.no_grad():
             logits = model(ids)
@@ -181,8 +188,9 @@ def test_activation_checkpointing_keeps_gradients(checkpoints):
     labels = shift_labels(ids)
     grads = []
     for recompute in (False, True):
-        model = Llama.from_pretrained(checkpoints["plain"], activation_checkpointing=recompute)
-        assert model.activation_checkpointing is recompute
+        model = Llama.from_pretrained(checkpoints["plain"])
+        Levers(activation_checkpointing=recompute).apply(model)
+        assert levers_of(model).activation_checkpointing is recompute
         model(ids, labels=labels).backward()
         grads.append(_grads(model))
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
@@ -301,9 +309,15 @@ def test_checkpoint_errors(tmp_path, checkpoints):
         json.dumps({"architectures": ["MistralForCausalLM"], "model_type": "mistral"})
     )
     with pytest.raises(
-        ModelConfigError, match="MistralForCausalLM is not supported.*supported: LlamaForCausalLM"
+        ModelConfigError,
+        match="architecture MistralForCausalLM is not a llama model.*usp.models.from_pretrained",
     ):
         Llama.from_pretrained(mistral)
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelConfigError, match="GPT2LMHeadModel is not a usp model family"):
+        usp.models.from_pretrained(gpt2)
 
     from safetensors.torch import load_file, save_file
 

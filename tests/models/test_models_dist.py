@@ -35,7 +35,13 @@ from usp_cases import topology
 pytest.importorskip("transformers", reason="the reference is HF transformers' Llama")
 pytest.importorskip("safetensors", reason="checkpoints are safetensors files")
 
-from usp.models import Llama, LlamaConfig, count_labels, shard_batch  # noqa: E402
+from usp.models import (  # noqa: E402
+    Levers,
+    Llama,
+    LlamaConfig,
+    count_labels,
+    shard_batch,
+)
 from usp.plan import Plan  # noqa: E402
 
 TOL_LOGITS, TOL_LOSS, TOL_GRAD = 1e-4, 1e-5, 1e-4
@@ -87,12 +93,12 @@ def _run_model(model, plan, ids, labels, cu, *, pack_first=True) -> dict:
 def native_case(ckpt, ids, labels, cu, grid, options, *, dtype="float32", compare_ac=False):
     u, r = grid
     plan = Plan(topology(u, r), **options.get("plan", {}))
-    model = Llama.from_pretrained(
-        ckpt, plan, dtype=getattr(torch, dtype), **options.get("model", {})
-    )
+    model = Llama.from_pretrained(ckpt, plan, dtype=getattr(torch, dtype))
+    levers = Levers(**options.get("levers", {}))
+    levers.apply(model)
     result = _run_model(model, plan, ids, labels, cu, pack_first=options.get("pack_first", True))
     if compare_ac:  # the same model with per-layer recomputation: identical gradients
-        model.activation_checkpointing = not model.activation_checkpointing
+        levers.replace(activation_checkpointing=not levers.activation_checkpointing).apply(model)
         again = _run_model(model, plan, ids, labels, cu)
         result["ac_grad_diff"] = max(
             (again["grads"][n] - g).abs().max().item() for n, g in result["grads"].items()
@@ -156,7 +162,7 @@ def test_native_packed_sft_contiguous_allgather_4_ranks(distributed, checkpoints
     expected = hf_reference(checkpoints["tied-llama3"], ids, labels, cu)
     options = {
         "plan": {"layout": "contiguous", "ring_impl": "allgather"},
-        "model": {"activation_checkpointing": True, "loss_chunk_tokens": 5},
+        "levers": {"activation_checkpointing": True, "loss_chunk_tokens": 5},
         "pack_first": False,
     }
     results = distributed.run(
@@ -180,7 +186,7 @@ def levers_case(ckpt, ids, labels, grid):
     model = Llama.from_pretrained(ckpt, plan, dtype=torch.float32)
     results = {}
     for ac, tile in LEVERS:
-        model.activation_checkpointing, model.mlp_tile_tokens = ac, tile
+        Levers(activation_checkpointing=ac, mlp_tile_tokens=tile).apply(model)
         results[(ac, tile)] = _run_model(model, plan, ids, labels, None)
     return results if dist.get_rank() == 0 else None
 
@@ -214,10 +220,10 @@ def test_memory_levers_4_ranks(distributed, checkpoints):
 def head_chunks_case(ckpt, ids, labels, grid, options):
     """One model with attention_head_chunks 1, then 2: logits, losses, summed gradients."""
     plan = Plan(topology(*grid))
-    model = Llama.from_pretrained(ckpt, plan, dtype=torch.float32, **options)
+    model = Llama.from_pretrained(ckpt, plan, dtype=torch.float32)
     results = {}
     for chunks in (1, 2):
-        model.attention_head_chunks = chunks
+        Levers(**options, attention_head_chunks=chunks).apply(model)
         results[chunks] = _run_model(model, plan, ids, labels, None)
     return results if dist.get_rank() == 0 else None
 
@@ -252,7 +258,7 @@ def test_yarn_checkpoint_float64_4_ranks(distributed, checkpoints):
     ids = global_batch(1, 64, seed=15)
     labels = sft_labels(ids, [2, 5], cu)
     expected = hf_reference(checkpoints["yarn"], ids, labels, cu)
-    options = {"plan": {"backend": "math"}, "model": {"loss_chunk_tokens": 9}}
+    options = {"plan": {"backend": "math"}, "levers": {"loss_chunk_tokens": 9}}
     results = distributed.run(
         native_case, str(checkpoints["yarn"]), ids, labels, cu, (2, 2), options,
         dtype="float64", world_size=4, timeout=240,
@@ -265,9 +271,8 @@ def exactness_case(ckpt, ids, labels, cu, grid):
     """float64, math backend: SP against the same model in one process (no HF in between)."""
     u, r = grid
     # a Topology plus attention options (the model builds its Plan)
-    model = Llama.from_pretrained(
-        ckpt, topology(u, r), dtype=torch.float64, loss_chunk_tokens=None, backend="math"
-    )
+    model = Llama.from_pretrained(ckpt, topology(u, r), dtype=torch.float64, backend="math")
+    Levers(loss_chunk_tokens=None).apply(model)
     plan = model.plan
     assert (plan.topology, plan.backend) == (topology(u, r), "math")
     sp = _run_model(model, plan, ids, labels, cu)

@@ -28,7 +28,7 @@ from model_cases import (
     write_hf_checkpoint,
 )
 
-from usp.models import Llama, LlamaConfig, ModelConfigError
+from usp.models import Levers, Llama, LlamaConfig, ModelConfigError
 from usp.models.rope import attention_factor, inverse_frequencies
 
 transformers = pytest.importorskip("transformers", reason="the reference is HF transformers")
@@ -100,9 +100,8 @@ def test_extended_checkpoint_matches_transformers_float64(checkpoints, tmp_path,
     config = original.with_positions(**settings)
     changes = original.position_changes(config)
     assert {c.split(":")[0] for c in changes} == set(settings)
-    model = Llama.from_pretrained(
-        directory, dtype=torch.float64, config=config, backend="math", loss_chunk_tokens=5
-    )
+    model = Llama.from_pretrained(directory, dtype=torch.float64, config=config, backend="math")
+    Levers(loss_chunk_tokens=5).apply(model)
     assert model.config == config
     exported = model.save_pretrained(tmp_path / "extended")
     written = json.loads((exported / "config.json").read_text())

@@ -8,6 +8,7 @@ import torch
 from planner_cases import target_of, write_config
 
 from usp.cli import main
+from usp.models import Levers
 from usp.planner.footprint import Layout
 from usp.planner.measure import measure, measure_scaled
 from usp.planner.traffic import fsdp_traffic
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 # ----------------------------------------------------------------------------- depth
 @pytest.mark.parametrize(
     "layout, checkpointing",
-    [(Layout(2, 2, 1, True), True), (Layout(1, 2, 2, False), False)],
+    [(Layout(2, 2, 1, Levers(True)), True), (Layout(1, 2, 2, Levers(False)), False)],
 )
 def test_scaled_depth_equals_a_full_depth_run(tmp_path, layout, checkpointing):
     """Measured at 3 and 4 layers and extrapolated to 6, every phase's peak (and each
@@ -41,7 +42,7 @@ def test_scaled_depth_equals_a_full_depth_run(tmp_path, layout, checkpointing):
 # ----------------------------------------------------------------------------- real step
 @pytest.mark.parametrize(
     "layout, ring_impl",
-    [(Layout(2, 2, 1, True), "p2p"), (Layout(1, 4, 1, False), "allgather")],
+    [(Layout(2, 2, 1, Levers(True)), "p2p"), (Layout(1, 4, 1, Levers(False)), "allgather")],
 )
 def test_estimate_matches_what_a_real_cpu_step_allocates(tmp_path, layout, ring_impl):
     """The same step run for real, its peak from torch.profiler's allocator events (not
@@ -63,8 +64,8 @@ def test_offloaded_layer_inputs_count_as_host_memory_not_device(tmp_path):
     layers, seq_len, world = 3, 1024, 4
     path = write_config(tmp_path, layers=layers, seq_len=seq_len)
     target = target_of(path, world, device="cuda")
-    on_device = measure(target, Layout(2, 2, 1, True))
-    offloaded = measure(target, Layout(2, 2, 1, "offload"))
+    on_device = measure(target, Layout(2, 2, 1, Levers(True)))
+    offloaded = measure(target, Layout(2, 2, 1, Levers("offload")))
     per_layer = (seq_len // world) * target.model.hidden_size * 2  # bf16 [tokens, hidden]
     forward, backward = 0, 1  # phases: forward 0, backward 0, clip, optimizer
     assert on_device.phases[forward].device - offloaded.phases[forward].device == (
@@ -81,7 +82,9 @@ def test_offloaded_layer_inputs_count_as_host_memory_not_device(tmp_path):
     assert offloaded.host_separated and on_device.host_separated
     # the same measured at depth 3 and 4 and extrapolated: the host line continues too
     deep = write_config(tmp_path, layers=6, seq_len=seq_len)
-    scaled = measure_scaled(target_of(deep, world, device="cuda"), Layout(2, 2, 1, "offload"))
+    scaled = measure_scaled(
+        target_of(deep, world, device="cuda"), Layout(2, 2, 1, Levers("offload"))
+    )
     assert scaled.peak_host == 6 * per_layer
 
 
@@ -267,7 +270,7 @@ def test_the_longest_sequence_is_where_the_first_limit_binds(
     from usp.planner import search
 
     target = target_of(write_config(tmp_path, gpus=2, seq_len=256), 2)
-    layout = Layout(1, 2, 1, True)
+    layout = Layout(1, 2, 1, Levers(True))
     multiple = search.sequence_multiple(layout, target.job)  # 4: zigzag on a ring of 2
     cluster = search.Cluster(1, 2, gpu_memory_gib=1.0, host_memory_gib=2.0)
     measured = LinearMemory(device_per_token, host_per_token, base=3 * 2**20)
@@ -302,7 +305,7 @@ def test_a_pessimistic_line_is_corrected_by_measuring(tmp_path):
             return Footprint((Phase(device, 0),), layers=2)
 
     target = target_of(write_config(tmp_path, gpus=2, seq_len=256), 2)
-    layout = Layout(1, 2, 1, True)
+    layout = Layout(1, 2, 1, Levers(True))
     cluster = search.Cluster(1, 2, gpu_memory_gib=1.0, host_memory_gib=2.0)
     measured = Bent(0, 0)
     longest, _ = search.max_seq_len(target, [layout], cluster, measured, rounds=6)

@@ -4,6 +4,7 @@ source line and module, adding up to the planner's own numbers."""
 import pytest
 from planner_cases import target_of, write_config
 
+from usp.models import Levers
 from usp.planner.explain import NOT_CREATED, explain, main, text
 from usp.planner.footprint import Layout
 from usp.planner.measure import measure
@@ -17,7 +18,9 @@ def target(tmp_path):
     return target_of(path, 4, "cuda")
 
 
-@pytest.mark.parametrize("layout", [Layout(2, 2, 1, True), Layout(1, 4, 1, "offload", 64)])
+@pytest.mark.parametrize(
+    "layout", [Layout(2, 2, 1, Levers(True)), Layout(1, 4, 1, Levers("offload", 64))]
+)
 def test_every_byte_of_each_phase_peak_is_attributed(target, layout):
     """Each phase's groups add up to the tracker's peak, and per category to the planner's
     breakdown, byte for byte; only what existed before the step (the optimizer state
@@ -38,7 +41,7 @@ def test_every_byte_of_each_phase_peak_is_attributed(target, layout):
     # the tokens of this rank: 1024 / 4; its layer input [1, 256, 64] in bf16 is there
     assert backward.tokens == 256
     sources = {i.where.split(":")[0] for i in backward.live}
-    assert "usp/models/llama.py" in sources
+    assert "usp/models/decoder.py" in sources
 
 
 def test_the_command_prints_the_peak_table(tmp_path, capsys):
@@ -52,7 +55,7 @@ def test_the_command_prints_the_peak_table(tmp_path, capsys):
 
 
 def test_text_of_a_named_phase(target):
-    explained = explain(target, Layout(2, 2, 1, False), layers=2)
+    explained = explain(target, Layout(2, 2, 1, Levers(False)), layers=2)
     assert text(explained, phase="forward 0", top=3).startswith("peak of forward 0:")
 
 
@@ -64,13 +67,13 @@ def test_the_norm_keeps_no_float32_copy_of_its_input(target, monkeypatch):
     hidden], exactly, and the backward's by at least as much."""
     import dataclasses
 
-    import usp.models.llama as llama
+    import usp.models.decoder as decoder
     from usp.models.norm import rms_norm_reference
 
     target = dataclasses.replace(target, job=target.job.with_overrides(seq_len=4096))
-    layout = Layout(1, 4, 1, True)
+    layout = Layout(1, 4, 1, Levers(True))
     ours = measure(target, layout)
-    monkeypatch.setattr(llama, "rms_norm", rms_norm_reference)
+    monkeypatch.setattr(decoder, "rms_norm", rms_norm_reference)
     plain = measure(target, layout)
     saved = (4096 // 4) * target.model.hidden_size * 4
     forward, backward = 0, 1
@@ -93,9 +96,9 @@ def test_attention_head_chunks_lower_the_planned_backward_peak(target):
     model = target.model.replace(num_attention_heads=16, num_key_value_heads=4, head_dim=64)
     peaks = {}
     for chunks in (1, 2, 4):
-        job = target.job.with_overrides(seq_len=4096, attention_head_chunks=chunks)
+        job = target.job.with_train(seq_len=4096)
         planned = measure(dataclasses.replace(target, job=job, model=model),
-                          Layout(1, 4, 1, "offload", 256))  # fmt: skip
+                          Layout(1, 4, 1, Levers("offload", 256, chunks)))  # fmt: skip
         peaks[chunks] = [p.device for p in planned.phases]
     forward, backward = 0, 1
     assert peaks[4][forward] <= peaks[2][forward] <= peaks[1][forward]
@@ -117,10 +120,12 @@ def test_levers_plan_script_measures_each_option(target, tmp_path):
                          "--gpu-memory-gib", "0.004", "--only", "true:0"])  # fmt: skip
     assert len(table) == 1 and table[0]["activation_checkpointing"] is True
     job = target.job.with_overrides(seq_len=512)
-    planned = measure_scaled(dataclasses_replace(target, job), Layout(1, 4, 1, True))
+    planned = measure_scaled(dataclasses_replace(target, job), Layout(1, 4, 1, Levers(True)))
     assert table[0][512][0] * 2**30 == planned.peak_device
     longest = table[0]["longest"]
-    assert longest > 0 and longest % search.sequence_multiple(Layout(1, 4, 1, True), job) == 0
+    assert (
+        longest > 0 and longest % search.sequence_multiple(Layout(1, 4, 1, Levers(True)), job) == 0
+    )
 
 
 def dataclasses_replace(target, job):

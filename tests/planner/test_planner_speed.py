@@ -13,6 +13,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from usp.cli import main
 from usp.errors import InputError
+from usp.models import Levers
 from usp.planner.footprint import Layout
 from usp.planner.measure import measure, measure_scaled
 from usp.planner.pool import Measurements, WorkerError, default_jobs
@@ -48,9 +49,9 @@ class CountingTracker(PlanningTracker):
 @pytest.mark.parametrize(
     "layout, device, global_batch",
     [
-        (Layout(2, 2, 1, True), "cpu", 1),
-        (Layout(1, 4, 1, "offload", 64), "cuda", 1),  # bf16, host stand-in, MLP tiles
-        (Layout(4, 1, 1, False), "cuda", 2),  # two micro-batches
+        (Layout(2, 2, 1, Levers(True)), "cpu", 1),
+        (Layout(1, 4, 1, Levers("offload", 64)), "cuda", 1),  # bf16, host stand-in, MLP tiles
+        (Layout(4, 1, 1, Levers(False)), "cuda", 2),  # two micro-batches
     ],
 )
 def test_planning_tracker_footprint_equals_the_plain_trackers(
@@ -65,7 +66,7 @@ def test_planning_tracker_footprint_equals_the_plain_trackers(
     assert CountingTracker.fast > 100  # the fast path ran (every .device query is one)
     assert fast == plain
     assert fast.peak_device > 0 and len(fast.phases) == 2 * global_batch + 2
-    if layout.activation_checkpointing == "offload":
+    if layout.levers.activation_checkpointing == "offload":
         assert fast.peak_host > 0
 
 
@@ -89,9 +90,9 @@ def _ops_and_footprint(target, layout, representative):
 @pytest.mark.parametrize(
     "layout, device, global_batch",
     [
-        (Layout(2, 2, 1, True), "cpu", 1),
-        (Layout(1, 4, 1, "offload", 8192), "cuda", 1),  # bf16, host stand-in, MLP tiles
-        (Layout(4, 1, 1, False), "cuda", 2),  # two micro-batches
+        (Layout(2, 2, 1, Levers(True)), "cpu", 1),
+        (Layout(1, 4, 1, Levers("offload", 8192)), "cuda", 1),  # bf16, host stand-in, MLP tiles
+        (Layout(4, 1, 1, Levers(False)), "cuda", 2),  # two micro-batches
     ],
 )
 def test_representative_tiles_give_the_full_loops_footprint(tmp_path, layout, device, global_batch):
@@ -127,13 +128,16 @@ def test_the_plan_does_not_depend_on_the_number_of_jobs(tmp_path, capsys):
         plans.append(json.loads(out))
         plans[-1].pop("seconds")
     assert plans[0] == plans[1]
-    assert len(plans[0]["candidates"]) == 10 and plans[0]["max_seq_len"] > 512
+    # 2 grids x 5 lever sets, and on u1 x r2 (2 KV heads per ring) one with head chunks
+    assert len(plans[0]["candidates"]) == 11 and plans[0]["max_seq_len"] > 512
+    chunked = [c for c in plans[0]["candidates"] if c["attention_head_chunks"] > 1]
+    assert [(c["ulysses"], c["attention_head_chunks"]) for c in chunked] == [(1, 2)]
 
 
 def test_scaled_footprints_from_workers_equal_the_in_process_ones(tmp_path):
     """Depth-scaled (3 and 4 layers of 6, both in one worker), two lengths, two jobs."""
     target = target_of(write_config(tmp_path, layers=6, seq_len=256), 4)
-    layout = Layout(2, 2, 1, True)
+    layout = Layout(2, 2, 1, Levers(True))
     with Measurements(target, jobs=2) as measured:
         measured.want(layout, 256)
         measured.want(layout, 512, urgent=True)
@@ -164,10 +168,10 @@ def test_an_error_in_a_worker_ends_the_plan_as_it_does_in_process(tmp_path, caps
 
 def test_a_worker_that_dies_ends_the_plan_with_a_message(tmp_path):
     target = target_of(write_config(tmp_path, seq_len=256), 4)
-    layout = Layout(2, 2, 1, True)
+    layout = Layout(2, 2, 1, Levers(True))
     measured = Measurements(target, jobs=2)
     measured.want(layout, 256)
-    measured.want(Layout(1, 4, 1, True), 256)
+    measured.want(Layout(1, 4, 1, Levers(True)), 256)
     for process in list(measured._executor._processes.values()):
         os.kill(process.pid, signal.SIGKILL)
     with pytest.raises(WorkerError, match="worker process died .* rerun with --jobs 1"):
@@ -191,7 +195,7 @@ def test_the_search_also_takes_a_plain_dict_as_its_cache(tmp_path):
 
     target = target_of(write_config(tmp_path, gpus=2, seq_len=256), 2)
     cluster = search.Cluster(1, 2, 0.01, 64.0)
-    layouts = [Layout(1, 2, 1, True)]
+    layouts = [Layout(1, 2, 1, Levers(True))]
     cache: dict = {}
     with Measurements(target, jobs=1) as measured:
         assert search.evaluate(target, layouts[0], cluster, cache) == search.evaluate(

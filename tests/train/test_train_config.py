@@ -228,6 +228,7 @@ def test_position_settings_for_presets_and_checkpoints(tmp_path):
 
 
 def test_memory_levers_reach_the_model(tmp_path):
+    from usp.models import Levers, levers_of
     from usp.plan import Plan
     from usp.train.components import build_model
 
@@ -240,8 +241,13 @@ def test_memory_levers_reach_the_model(tmp_path):
     )
     assert (job.train.activation_checkpointing, job.train.mlp_tile_tokens) == ("offload", 96)
     model = build_model(job, model_source(job), Plan(None))
-    assert (model.activation_checkpointing, model.mlp_tile_tokens) == ("offload", 96)
-    assert job.train.attention_head_chunks == model.attention_head_chunks == 2
+    assert levers_of(model) == Levers("offload", 96, 2)
+    assert all(layer.mlp.forward.tile == 96 for layer in model.model.layers)
+    assert all(layer.self_attn.head_chunks == 2 for layer in model.model.layers)
+    # a head count the plan's ring cannot split: the [train] key in the message
+    three = load_train_config(write(tmp_path, with_line("train", "attention_head_chunks = 3")))
+    with pytest.raises(ConfigError, match=r"\[train\] attention_head_chunks must divide the 2"):
+        build_model(three, model_source(three), Plan(None))
     plain = load_train_config(write(tmp_path, MINIMAL))
     assert (plain.train.activation_checkpointing, plain.train.mlp_tile_tokens) == (False, 0)
     assert plain.train.attention_head_chunks == 1

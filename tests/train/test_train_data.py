@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import usp
-from usp.models import IGNORE_INDEX, PRESETS, Llama, shift_labels
+from usp.models import IGNORE_INDEX, PRESETS, shift_labels
 from usp.train.data import (
     ByteTokenizer,
     DataError,
@@ -30,10 +30,8 @@ from usp.train.data import (
 from usp.train.metrics import (
     MetricsWriter,
     Progress,
-    matmul_params,
     plot_loss,
     read_metrics,
-    training_flops,
 )
 from usp.train.schedule import WarmupCosine
 
@@ -259,14 +257,26 @@ def test_warmup_then_cosine_to_the_floor():
 
 
 # ----------------------------------------------------------------------------- metrics
-def test_flops_count_every_matmul_and_causal_attention():
-    config = PRESETS["tiny"]
-    model = Llama(config, None)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_flops_count_every_matmul_and_causal_attention(family):
+    """usp.models.model_counts, the one home of the arithmetic: the parameters in a
+    matmul are every Linear's weight (an untied output projection included: the tiny
+    configs are untied; qwen3's per-head norms and qwen2's biases are not matmuls), the
+    total is the model's parameter count, and the FLOPs are 6 per matmul parameter per
+    token plus causal attention's."""
+    from model_cases import family_config
+
+    from usp.models import family_named, model_counts, training_flops
+
+    config = family_config(family)
+    model = family_named(family).build(config)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert matmul_params(config) == linear  # untied: lm_head is a Linear
+    counts = model_counts(config)
+    assert counts.matmul == linear
+    assert counts.total == sum(p.numel() for p in model.parameters())
     h, d, layers = config.num_attention_heads, config.attention_head_dim, config.num_hidden_layers
     expected = 6 * linear * 30 + 6 * layers * h * d * (10**2 + 20**2)
-    assert training_flops(config, [10, 20]) == expected
+    assert training_flops(config, [10, 20]) == expected == counts.training_flops([10, 20])
 
 
 def test_metrics_file_keeps_steps_before_a_resume(tmp_path):

@@ -1,21 +1,41 @@
-"""Models under USP: a native Llama-3-family model, HF checkpoints, HF transformers'
-attention plug-in (:mod:`usp.models.hf`), and the SP-correct loss.
+"""Models under USP: decoder-only model families (Llama, Qwen2/2.5, Qwen3, Mistral) built
+natively, HF checkpoints, HF transformers' attention plug-in (:mod:`usp.models.hf`), the
+SP-correct loss and the memory levers.
 
     plan = usp.Plan(topology)                                 # or usp.Plan(None)
-    model = usp.models.Llama.from_pretrained("llama-3.2-1b/", plan, dtype=torch.bfloat16)
+    model = usp.models.from_pretrained("llama-3.2-1b/", plan, dtype=torch.bfloat16)
+    usp.models.Levers(activation_checkpointing=True).apply(model)   # optional
     labels = usp.models.shift_labels(input_ids)               # shift the GLOBAL batch first
     loss = model(plan.shard(input_ids), labels=plan.shard(labels))
     loss.backward()   # sum the gradients over the SP group (FSDP/DDP over dp x sp does it)
 
-transformers is imported only by :mod:`usp.models.hf`; safetensors only when a
+The family registry (:mod:`usp.models.family`) is what the rest of usp asks about a
+model. transformers is imported only by :mod:`usp.models.hf`; safetensors only when a
 checkpoint is read or written.
 """
 
+from pathlib import Path
+
 from usp.models.batch import ShardedBatch, shard_batch
-from usp.models.checkpoint import CheckpointError
-from usp.models.config import LlamaConfig, ModelConfigError
+from usp.models.checkpoint import CheckpointError, checkpoint_dir
+from usp.models.config import DecoderConfig, ModelConfigError, read_config_json
+from usp.models.counts import ModelCounts, model_counts, training_flops
+from usp.models.decoder import CausalLM
+from usp.models.family import (
+    FAMILIES,
+    PRESETS,
+    ModelFamily,
+    config_from_file,
+    config_from_hf,
+    decoder_layers,
+    family_for_hf,
+    family_named,
+    family_of,
+    preset,
+)
 from usp.models.labels import IGNORE_INDEX, shift_labels
-from usp.models.llama import Llama
+from usp.models.levers import LeverError, Levers, levers_of
+from usp.models.llama import Llama, LlamaConfig
 from usp.models.loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     count_labels,
@@ -23,22 +43,56 @@ from usp.models.loss import (
     sp_cross_entropy,
     sp_normalise,
 )
-from usp.models.presets import PRESETS, preset
+from usp.models.mistral import Mistral, MistralConfig
+from usp.models.qwen2 import Qwen2, Qwen2Config
+from usp.models.qwen3 import Qwen3, Qwen3Config
+
+
+def from_pretrained(path: str | Path, plan=None, **kwargs) -> CausalLM:
+    """Load a local HF-format directory as the model of the family its ``config.json``
+    names (see :meth:`usp.models.decoder.CausalLM.from_pretrained` for ``kwargs``)."""
+    config_file = checkpoint_dir(path) / "config.json"
+    family = family_for_hf(read_config_json(config_file), source=str(config_file))
+    return family.from_pretrained(path, plan, **kwargs)
+
 
 __all__ = [
     "DEFAULT_LOSS_CHUNK_TOKENS",
+    "FAMILIES",
     "IGNORE_INDEX",
     "PRESETS",
-    "ShardedBatch",
+    "CausalLM",
     "CheckpointError",
+    "DecoderConfig",
+    "LeverError",
+    "Levers",
     "Llama",
     "LlamaConfig",
+    "Mistral",
+    "MistralConfig",
     "ModelConfigError",
+    "ModelCounts",
+    "ModelFamily",
+    "Qwen2",
+    "Qwen2Config",
+    "Qwen3",
+    "Qwen3Config",
+    "ShardedBatch",
+    "config_from_file",
+    "config_from_hf",
     "count_labels",
     "cross_entropy_sum",
+    "decoder_layers",
+    "family_for_hf",
+    "family_named",
+    "family_of",
+    "from_pretrained",
+    "levers_of",
+    "model_counts",
     "preset",
     "shard_batch",
     "shift_labels",
     "sp_cross_entropy",
     "sp_normalise",
+    "training_flops",
 ]

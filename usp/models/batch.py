@@ -22,7 +22,7 @@ class ShardedBatch:
     packed: PackedSequence | None
 
     def model_kwargs(self) -> dict:
-        """Keyword arguments of ``usp.models.Llama`` (besides ``input_ids``)."""
+        """Keyword arguments of a usp model (besides ``input_ids``)."""
         return {"labels": self.labels, "position_ids": self.position_ids, "cu_seqlens": self.packed}
 
     def hf_kwargs(self) -> dict:
@@ -44,14 +44,21 @@ def shard_batch(
     cu_seqlens: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
     with_labels: bool = True,
+    shift: bool = True,
+    device: torch.device | str | None = None,
 ) -> ShardedBatch:
-    """Shard a global batch ``input_ids`` [B, S] for this rank.
+    """Shard a global batch ``input_ids`` [B, S] for this rank: the one path from a global
+    batch to a rank's shard (the trainer, the planner and the HF helpers use it).
 
     ``labels``: HF's convention, targets aligned with the tokens (e.g. the tokens with
     ``ignore_index`` on prompt positions); ``None`` means the tokens themselves. They are
     shifted on the *global* sequence (:func:`usp.models.shift_labels`, honouring
-    ``cu_seqlens``) and then sharded like the tokens. ``cu_seqlens``: int32 boundaries of
-    a packed sequence (B = 1; collective: every SP rank calls this with the same ones).
+    ``cu_seqlens``) and then sharded like the tokens; ``shift=False``: ``labels`` are
+    already the globally shifted targets (a packer's output), sharded as they are.
+    ``cu_seqlens``: int32 boundaries of a packed sequence (B = 1; collective: every SP
+    rank calls this with the same ones). ``device``: where the shards, the positions and
+    the packed sequence's tensors go (default: ``input_ids``' device); the global batch
+    is sharded where it is, so only a rank's share moves.
     """
     plan = as_plan(plan)
     if input_ids.dim() != 2:
@@ -60,16 +67,19 @@ def shard_batch(
         raise ValueError(
             f"labels shape {tuple(labels.shape)} differs from input_ids shape {tuple(input_ids.shape)}"
         )
-    packed = None if cu_seqlens is None else plan.pack(cu_seqlens, device=input_ids.device)
+    if with_labels and not shift and labels is None:
+        raise ValueError("shift=False needs the shifted labels (labels=...)")
+    device = input_ids.device if device is None else torch.device(device)
+    packed = None if cu_seqlens is None else plan.pack(cu_seqlens, device=device)
     shifted = None
     if with_labels:
         source = input_ids if labels is None else labels
-        shifted = plan.shard(
-            shift_labels(source, cu_seqlens=cu_seqlens, ignore_index=ignore_index), packed=packed
-        )
-    positions = plan.position_ids(input_ids.shape[1], packed=packed, device=input_ids.device)
+        if shift:
+            source = shift_labels(source, cu_seqlens=cu_seqlens, ignore_index=ignore_index)
+        shifted = plan.shard(source, packed=packed).to(device)
+    positions = plan.position_ids(input_ids.shape[1], packed=packed, device=device)
     return ShardedBatch(
-        input_ids=plan.shard(input_ids, packed=packed),
+        input_ids=plan.shard(input_ids, packed=packed).to(device),
         labels=shifted,
         position_ids=positions.expand(input_ids.shape[0], -1),
         packed=packed,

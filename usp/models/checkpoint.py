@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from usp.errors import CheckpointError  # noqa: F401 - re-exported here
-from usp.models.config import LlamaConfig, ModelConfigError
+from usp.models.config import DecoderConfig, ModelConfigError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -81,7 +81,7 @@ def weight_files(directory: Path) -> list[Path]:
     return shards
 
 
-def _config_dtype(config: LlamaConfig) -> torch.dtype | None:
+def _config_dtype(config: DecoderConfig) -> torch.dtype | None:
     name = config.extra.get("torch_dtype") or config.extra.get("dtype")
     value = getattr(torch, name, None) if isinstance(name, str) else None
     return value if isinstance(value, torch.dtype) and value.is_floating_point else None
@@ -94,10 +94,11 @@ def _few(names, limit: int = 5) -> str:
 
 
 def load_pretrained(cls, path, topology=None, *, dtype=None, device=None, config=None, **kwargs):
-    """``cls.from_pretrained``: see :meth:`usp.models.Llama.from_pretrained`."""
+    """``cls.from_pretrained`` (``cls`` a family's model class): see
+    :meth:`usp.models.decoder.CausalLM.from_pretrained`."""
     safe_open, _ = _safetensors()
     directory = checkpoint_dir(path)
-    file_config = LlamaConfig.from_json_file(directory / CONFIG_FILE)
+    file_config = cls.config_class.from_json_file(directory / CONFIG_FILE)
     if config is None:
         config = file_config
     else:  # new position settings only (context extension); the architecture is the file's
@@ -143,8 +144,8 @@ def load_pretrained(cls, path, topology=None, *, dtype=None, device=None, config
         problems.append(f"{len(unexpected)} unexpected key(s): {_few(unexpected)}")
     if problems:
         raise CheckpointError(
-            f"checkpoint {directory} does not match a Llama model with its {CONFIG_FILE}: "
-            + "; ".join(problems)
+            f"checkpoint {directory} does not match a {file_config.family} model with its "
+            f"{CONFIG_FILE}: " + "; ".join(problems)
         )
     model.load_state_dict(state, strict=True, assign=True)
     return model

@@ -24,13 +24,22 @@ def check_heads(plan: Plan, num_heads: int, num_kv_heads: int) -> None:
 
 def ring_kv_heads(plan: Plan, num_heads: int, num_kv_heads: int) -> int:
     """The KV heads each rank's ring attends to: after KV replication, / ulysses."""
-    if plan.topology is None or plan.ulysses_degree == 1:
+    if plan.topology is None:
         return num_kv_heads
-    replication = kv_replication_for(
+    return kv_heads_per_ring(
         num_heads, num_kv_heads, plan.ulysses_degree, plan.sp_degree,
         plan.topology.rank_map.ranks_per_node,
     )  # fmt: skip
-    return num_kv_heads * replication // plan.ulysses_degree
+
+
+def kv_heads_per_ring(
+    num_heads: int, num_kv_heads: int, ulysses: int, sp: int, ranks_per_node: int
+) -> int:
+    """:func:`ring_kv_heads` from the degrees alone (the planner's grids)."""
+    if ulysses == 1:
+        return num_kv_heads
+    replication = kv_replication_for(num_heads, num_kv_heads, ulysses, sp, ranks_per_node)
+    return num_kv_heads * replication // ulysses
 
 
 def pack_once(plan: Plan, cu_seqlens, input_ids: torch.Tensor) -> PackedSequence | None:

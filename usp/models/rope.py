@@ -17,17 +17,17 @@ import math
 
 import torch
 
-from usp.models.config import LlamaConfig
+from usp.models.config import DecoderConfig
 
 
-def _plain_frequencies(config: LlamaConfig, device=None) -> torch.Tensor:
+def _plain_frequencies(config: DecoderConfig, device=None) -> torch.Tensor:
     """float32 [head_dim / 2]: theta ** -(2i / head_dim)."""
     dim = config.attention_head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     return 1.0 / (config.rope_theta**exponents)
 
 
-def inverse_frequencies(config: LlamaConfig, device=None) -> torch.Tensor:
+def inverse_frequencies(config: DecoderConfig, device=None) -> torch.Tensor:
     """float32 [head_dim / 2]: the rotation speed of each pair of dims."""
     scaling = config.rope_scaling
     if scaling is not None and scaling["rope_type"] == "yarn":
@@ -40,7 +40,7 @@ def inverse_frequencies(config: LlamaConfig, device=None) -> torch.Tensor:
     return _llama3_scaling(inv_freq, scaling)
 
 
-def attention_factor(config: LlamaConfig) -> float:
+def attention_factor(config: DecoderConfig) -> float:
     """The factor cos and sin are multiplied by (YaRN's attention scaling; 1 otherwise)."""
     scaling = config.rope_scaling
     if scaling is None or scaling["rope_type"] != "yarn":

@@ -1,7 +1,7 @@
 """What is live at a phase's peak, tensor by tensor: the planner's step, attributed.
 
 :func:`explain` runs the same step as :func:`usp.planner.measure.measure` (the same
-``built_step`` and ``run_step``, under ``FakeTensorMode`` and torch's ``FSDPMemTracker``)
+``built_step``, the trainer's own step, under ``FakeTensorMode`` and torch's ``FSDPMemTracker``)
 with one more dispatch mode on top, :class:`AllocationLog`, which records every storage
 an op creates during the step: its bytes, the aten op, the module running (its FQN, and
 whether it ran in backward or in an activation-checkpoint recompute), the autograd node
@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from usp.planner.footprint import CATEGORIES, Layout, Target, phase_footprint
-from usp.planner.measure import built_step, run_step
+from usp.planner.measure import built_step
 
 _USP_ROOT = str(Path(__file__).resolve().parents[1])  # .../usp
 _SKIP_FILES = (str(Path(__file__).resolve()),)
@@ -229,15 +229,15 @@ def explain(target: Target, layout: Layout, *, layers: int = 3) -> list[Explaine
     from usp.planner.tracker import phase_peak
 
     explained = []
-    with built_step(target, layout, layers=layers, fake=True) as (job, model, optimizer, batch):
-        tracker = FSDPMemTracker(model, optimizer)
-        tokens = batch.input_ids.numel()
+    with built_step(target, layout, layers=layers, fake=True) as built:
+        tracker = FSDPMemTracker(built.model, built.optimizer)
+        tokens = built.batches[0].input_ids.numel()
         with tracker:
-            log = AllocationLog(tracker, batch.device)
+            log = AllocationLog(tracker, built.device)
             with log:
-                for phase in run_step(model, optimizer, job, batch):
+                for phase in built.phases():
                     snapshot = phase_peak(tracker)
-                    peak = phase_footprint(snapshot, batch.device)
+                    peak = phase_footprint(snapshot, built.device)
                     live = group(log.at_peak)
                     explained.append(
                         Explained(phase, peak.device, peak.breakdown, tuple(live), tokens)
@@ -290,7 +290,7 @@ def text(explained: Sequence[Explained], *, top: int = 20, phase: str | None = N
 
 def main(argv: Sequence[str] | None = None) -> int:
     from usp.errors import UspError
-    from usp.train.components import model_source
+    from usp.train.components import levers_of, model_source
     from usp.train.config import load_train_config
 
     p = argparse.ArgumentParser(
@@ -313,10 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=20)
     args = p.parse_args(argv)
     try:
-        job = load_train_config(args.config)
-        job = job.with_overrides(
-            seq_len=args.seq_len, attention_head_chunks=args.attention_head_chunks
-        )
+        job = load_train_config(args.config, seq_len=args.seq_len)
         cluster = job.topology.cluster
         world = cluster.nodes * cluster.gpus_per_node
         ring = args.ring or world // (args.ulysses * args.dp)
@@ -324,7 +321,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.activation_checkpointing, args.activation_checkpointing
         )
         target = Target(job, model_source(job).config, world, cluster.gpus_per_node, args.device)
-        layout = Layout(args.ulysses, ring, args.dp, checkpointing, args.mlp_tile_tokens)
+        levers = levers_of(job).replace(
+            activation_checkpointing=checkpointing, mlp_tile_tokens=args.mlp_tile_tokens
+        )
+        if args.attention_head_chunks is not None:
+            levers = levers.replace(attention_head_chunks=args.attention_head_chunks)
+        layout = Layout(args.ulysses, ring, args.dp, levers)
         explained = explain(target, layout, layers=args.layers)
     except UspError as err:
         print(f"explain: error: {err}", file=sys.stderr)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from usp.models import Levers
+
 #: the memory tracker's categories -> the planner's breakdown
 CATEGORIES = {
     "Sharded Param": "parameters",
@@ -33,13 +35,13 @@ HOST_STAND_IN = torch.device("meta")
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run the job: the grid and the activation-memory options."""
+    """One way to run the job: the grid and the memory levers (the object the trainer
+    applies, :class:`usp.models.Levers`)."""
 
     ulysses: int
     ring: int
     dp: int
-    activation_checkpointing: bool | str = False
-    mlp_tile_tokens: int = 0
+    levers: Levers = field(default_factory=Levers)
 
     @property
     def sp(self) -> int:
@@ -52,7 +54,7 @@ class Target:
     [parallel] placement), the full model, the cluster shape and the device type."""
 
     job: object  # usp.train.config.TrainJobConfig
-    model: object  # usp.models.LlamaConfig, full depth
+    model: object  # the model's config (a usp.models.DecoderConfig), full depth
     world_size: int
     ranks_per_node: int
     device: str  # "cuda" or "cpu"
@@ -63,7 +65,7 @@ class Target:
 
     def at(self, seq_len: int) -> Target:
         """The same target at another sequence length."""
-        return replace(self, job=self.job.with_overrides(seq_len=seq_len))
+        return replace(self, job=self.job.with_train(seq_len=seq_len))
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ from usp.planner.footprint import (
 )
 from usp.planner.kernels import planning_backend, planning_kernels
 from usp.process_groups.fake import fake_world
+from usp.train.step import clip_gradients
 
 #: micro-batches run per step at most: the second holds what accumulation holds
 MAX_MICRO_BATCHES = 2
@@ -83,17 +84,6 @@ def stand_in_device(device: str) -> torch.device:
     return torch.device("cpu")
 
 
-def job_for(target: Target, layout: Layout):
-    """The target's config with this layout's grid and memory options, as ``usp train``
-    would read them (so they are validated by the trainer's own config checks)."""
-    options = {"activation_checkpointing": layout.activation_checkpointing}
-    if layout.mlp_tile_tokens:
-        options["mlp_tile_tokens"] = layout.mlp_tile_tokens
-    return target.job.with_overrides(
-        ulysses=layout.ulysses, ring=layout.ring, dp=layout.dp, **options
-    )
-
-
 def measure(
     target: Target,
     layout: Layout,
@@ -109,9 +99,36 @@ def measure(
     same footprint, slower). ``representative``: memory-periodic token loops run their
     first and last tile only (:mod:`usp.models.tiling`; the same footprint, faster)."""
     step = built_step(target, layout, layers=layers, fake=True, representative=representative)
-    with step as (job, model, optimizer, batch):
-        phases = _tracked_steps(job, model, optimizer, batch, tracker)
-    return footprint_of(phases, batch.device, model.config.num_hidden_layers, target.device)
+    with step as built:
+        phases = _tracked_steps(built, tracker)
+    return footprint_of(phases, built.device, built.layers, target.device)
+
+
+@dataclass(frozen=True)
+class BuiltStep:
+    """One rank's training step as ``usp train`` builds it (:func:`built_step`)."""
+
+    step: object  # usp.train.step.TrainStep (its model and optimizer)
+    batches: list  # the micro-batches run (usp.models.ShardedBatch each; at most 2)
+    num_labels: int  # the step's label count (every micro-batch's labels)
+    device: torch.device
+    layers: int
+
+    @property
+    def model(self):
+        return self.step.model
+
+    @property
+    def optimizer(self):
+        return self.step.optimizer
+
+    def phases(self) -> Iterator[str]:
+        """Run the step (the trainer's :meth:`usp.train.step.TrainStep.phases`, the update
+        always applied); yields each phase's name as it ends."""
+        from usp.train.step import StepOutcome
+
+        outcome = StepOutcome(torch.zeros((), dtype=torch.float64, device=self.device))
+        yield from self.step.phases(self.batches, self.num_labels, outcome)
 
 
 @contextmanager
@@ -124,17 +141,19 @@ def built_step(
     representative: bool = True,
 ):
     """Everything one rank of ``usp train`` builds for this layout, on the ``fake``
-    process group: yields ``(job, model, optimizer, batch)`` for :func:`run_step`.
-    ``representative`` (fake only): inside :func:`usp.models.tiling.representative_tiles`.
-    ``fake=False`` builds real tensors (a small step run for real, to check the
-    planner against); on the CPU the planning kernels serve attention either way (the
-    same aten ops; the real backend would read the uninitialised data the fake process
-    group delivers), on CUDA a real run uses the real backends."""
+    process group: yields a :class:`BuiltStep` whose ``step`` is the trainer's own
+    :class:`usp.train.step.TrainStep`. ``representative`` (fake only): inside
+    :func:`usp.models.tiling.representative_tiles`. ``fake=False`` builds real tensors
+    (a small step run for real, to check the planner against); on the CPU the planning
+    kernels serve attention either way (the same aten ops; the real backend would read
+    the uninitialised data the fake process group delivers), on CUDA a real run uses
+    the real backends."""
     import usp
     from usp.train import components
     from usp.train.parallelize import fully_shard_model
+    from usp.train.step import TrainStep
 
-    job = job_for(target, layout)
+    job = target.job
     config = target.model
     if layers is not None:
         config = config.replace(num_hidden_layers=layers)
@@ -159,7 +178,7 @@ def built_step(
                 backend=planning_backend(target.device, attention.backend),
                 verify_calls=False,
             )
-            batch = _batch(job, plan, device, layout, fake)  # host-side packing: real tensors
+            batches, num_labels = _batches(job, plan, device, layout)  # host-side packing
             with ExitStack() as stack:
                 if fake or device.type == "cpu":  # (a real CUDA run uses the real kernels)
                     stack.enter_context(planning_kernels())
@@ -168,7 +187,8 @@ def built_step(
                     if representative:
                         stack.enter_context(representative_tiles())
                     stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-                model = components.build_model(job, components.ModelSource(config, None), plan)
+                source = components.ModelSource(config, None)
+                model = components.build_model(job, source, plan, layout.levers)
                 if fake and _host_stand_in(target, device):
                     _offload_to(model, HOST_STAND_IN)
                 dtype = components.compute_dtype(job, torch.device(target.device))
@@ -177,7 +197,14 @@ def built_step(
                     _randomise(sharded.module)
                 optimizer = components.build_optimizer(job, sharded.module)
                 _first_optimizer_step(sharded.module, optimizer)
-                yield job, sharded.module, optimizer, batch
+                step = TrainStep(
+                    sharded.module,
+                    optimizer,
+                    loss_scale=sharded.loss_scale,
+                    grad_clip=job.train.grad_clip,
+                    clip=_clip_local_shards if fake else clip_gradients,
+                )
+                yield BuiltStep(step, batches, num_labels, device, config.num_hidden_layers)
         finally:
             topo.destroy()
 
@@ -188,14 +215,13 @@ def _host_stand_in(target: Target, device: torch.device) -> bool:
 
 
 def _offload_to(model, host: torch.device) -> None:
-    """Send the activation offload's host copies of every offloader in ``model`` to
-    ``host`` (a no-op for a model without one)."""
-    from usp.models.offload import HostOffloader
+    """Send the activation offload's host copies to ``host`` (a no-op for a model
+    without ``activation_checkpointing = "offload"``)."""
+    from usp.models.levers import offloader_of
 
-    for module in model.modules():
-        offloader = getattr(module, "offloader", None)
-        if isinstance(offloader, HostOffloader):
-            offloader.host_device = host
+    offloader = offloader_of(model)
+    if offloader is not None:
+        offloader.host_device = host
 
 
 def _randomise(model) -> None:
@@ -206,50 +232,44 @@ def _randomise(model) -> None:
             (p.to_local() if hasattr(p, "to_local") else p).normal_(0.0, 0.02)
 
 
-@dataclass(frozen=True)
-class _Batch:
-    """This rank's share of one micro-batch (one document filling the packed row) and
-    how many micro-batches a step runs."""
+def _batches(job, plan, device: torch.device, layout: Layout) -> tuple[list, int]:
+    """The step's micro-batches for this rank, sharded as the trainer shards them
+    (:func:`usp.models.shard_batch`, outside fake mode: the boundaries are host values
+    the layout reads): one document filling the packed row, every token labelled (the
+    most the loss can hold); at most :data:`MAX_MICRO_BATCHES` (the second holds what
+    accumulation holds). Returns them and the step's label count."""
+    from usp.models import shard_batch
 
-    packed: object  # usp.PackedSequence
-    input_ids: torch.Tensor  # [1, row / sp]
-    labels: torch.Tensor  # [1, row / sp]
-    position_ids: torch.Tensor  # [row / sp], what the model would compute from ``packed``
-    num_labels: int
-    micro_batches: int
-    device: torch.device
-    fake: bool  # measured under fake tensors (see :func:`_clip_local_shards`)
-
-
-def _batch(job, plan, device: torch.device, layout: Layout, fake: bool) -> _Batch:
-    """Packed and sharded as the trainer does (``plan.pack``, ``plan.shard``), outside
-    fake mode: the boundaries are host values the layout reads."""
     row = job.train.micro_batch * job.train.seq_len  # a forward's packed row
     micro_batches = min(job.gradient_accumulation(layout.dp), MAX_MICRO_BATCHES)
     tokens = torch.zeros(1, row, dtype=torch.long)
-    packed = plan.pack(torch.tensor([0, row], dtype=torch.int32), device=device)
-    ids = plan.shard(tokens, packed=packed)  # [1, row] -> [1, row / sp]
-    positions = plan.position_ids(row, packed=packed, device=device)
-    labels = ids.clone()
-    return _Batch(packed, ids, labels, positions, row * micro_batches, micro_batches, device, fake)
+    batch = shard_batch(
+        plan,
+        tokens,
+        labels=tokens,
+        cu_seqlens=torch.tensor([0, row], dtype=torch.int32),
+        shift=False,
+        device=device,
+    )  # fmt: skip  ([1, row] -> [1, row / sp])
+    return [batch] * micro_batches, row * micro_batches
 
 
-def _tracked_steps(job, model, optimizer, batch: _Batch, tracker_class=None) -> list[dict]:
+def _tracked_steps(built: BuiltStep, tracker_class=None) -> list[dict]:
     """The step's peak snapshot per phase (forward, backward of each micro-batch; the
     optimizer), after a first optimizer step has created AdamW's state."""
     from usp.planner.tracker import PlanningTracker, phase_peak
 
-    tracker = (tracker_class or PlanningTracker)(model, optimizer)
+    tracker = (tracker_class or PlanningTracker)(built.model, built.optimizer)
     phases = []
     with tracker:
-        for phase in run_step(model, optimizer, job, batch):
+        for phase in built.phases():
             phases.append(phase_peak(tracker))
             if phase.startswith("backward"):  # the next micro-batch's forward: a new pass
                 tracker.reset_mod_stats()  # (per-module statistics only)
     return phases
 
 
-def _clip_local_shards(model, max_norm: float) -> None:
+def _clip_local_shards(model, max_norm: float) -> torch.Tensor:
     """Gradient-norm clipping as ``clip_grad_norm_`` does it on FSDP's DTensor gradients
     (a norm per local shard, one scalar all-reduce, every shard scaled in place), on the
     local shards. Under fake tensors ``clip_grad_norm_`` itself materialises whole
@@ -262,6 +282,7 @@ def _clip_local_shards(model, max_norm: float) -> None:
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in local:
         g.mul_(coefficient.to(g.dtype))
+    return total
 
 
 def _first_optimizer_step(model, optimizer) -> None:
@@ -271,39 +292,6 @@ def _first_optimizer_step(model, optimizer) -> None:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def run_step(model, optimizer, job, batch: _Batch) -> Iterator[str]:
-    """The arithmetic of ``usp.train.trainer._train_step`` without its host reads (the
-    loss and the gradient norm as Python floats): micro-batch forward/backward with the
-    gradient sync of the last only, clipping, AdamW, zeroed gradients. (FSDP sums the
-    gradients itself on this torch, so the trainer's loss scale is 1.) Yields the name
-    of each phase as it ends."""
-    from usp.train.parallelize import set_gradient_sync
-
-    for i in range(batch.micro_batches):
-        input_ids, labels = batch.input_ids.to(batch.device), batch.labels.to(batch.device)
-        set_gradient_sync(model, i == batch.micro_batches - 1)
-        loss = model(
-            input_ids,
-            labels=labels,
-            position_ids=batch.position_ids,
-            cu_seqlens=batch.packed,
-            num_items_in_batch=batch.num_labels,
-        )
-        yield f"forward {i}"
-        loss.backward()
-        del loss
-        yield f"backward {i}"
-    max_norm = job.train.grad_clip if job.train.grad_clip > 0 else float("inf")
-    if batch.fake:
-        _clip_local_shards(model, max_norm)
-    else:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    yield "clip"
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    yield "optimizer"
 
 
 @contextmanager

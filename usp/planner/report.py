@@ -46,8 +46,9 @@ def candidate_json(c: Candidate) -> dict:
         "ulysses": layout.ulysses,
         "ring": layout.ring,
         "dp": layout.dp,
-        "activation_checkpointing": layout.activation_checkpointing,
-        "mlp_tile_tokens": layout.mlp_tile_tokens,
+        "activation_checkpointing": layout.levers.activation_checkpointing,
+        "mlp_tile_tokens": layout.levers.mlp_tile_tokens,
+        "attention_head_chunks": layout.levers.attention_head_chunks,
         "tokens_per_rank": c.seq_len // layout.sp,
         "peak_device_gib": round(c.peak_device_gib, 3),
         "peak_host_gib": round(c.peak_host_gib, 3),
@@ -89,17 +90,18 @@ def _checkpointing(value) -> str:
 
 def table(result: PlanResult) -> str:
     header = (
-        f"{'#':>2} {'ulysses':>7} {'ring':>4} {'dp':>3} {'ckpt':>9} {'tile':>5} "
+        f"{'#':>2} {'ulysses':>7} {'ring':>4} {'dp':>3} {'ckpt':>9} {'tile':>5} {'heads':>5} "
         f"{'tokens/rank':>11} {'device GiB':>10} {'host GiB':>8} {'fits':>4} "
         f"{'step s (est.)':>13} {'comm GB':>8}"
     )
     lines = [header]
     for i, c in enumerate(result.candidates[:TABLE_ROWS], 1):
-        layout = c.layout
+        layout, levers = c.layout, c.layout.levers
         comm = sum(c.comm_bytes.values()) / 1e9
         lines.append(
             f"{i:>2} {layout.ulysses:>7} {layout.ring:>4} {layout.dp:>3} "
-            f"{_checkpointing(layout.activation_checkpointing):>9} {layout.mlp_tile_tokens:>5} "
+            f"{_checkpointing(levers.activation_checkpointing):>9} {levers.mlp_tile_tokens:>5} "
+            f"{levers.attention_head_chunks:>5} "
             f"{c.seq_len // layout.sp:>11,} {c.peak_device_gib:>10.1f} {c.peak_host_gib:>8.1f} "
             f"{'yes' if c.fits else 'no':>4} {c.step_time_s:>13.2f} {comm:>8.1f}"
         )
@@ -119,11 +121,19 @@ def paste_lines(c: Candidate) -> str:
         "",
         "[train]",
         f"seq_len = {c.seq_len}",
-        f"activation_checkpointing = {_checkpointing(layout.activation_checkpointing)}",
+        *lever_lines(layout.levers),
     ]
-    if layout.mlp_tile_tokens:
-        lines.append(f"mlp_tile_tokens = {layout.mlp_tile_tokens}")
     return "\n".join(lines)
+
+
+def lever_lines(levers) -> list[str]:
+    """The ``[train]`` lines that set ``levers`` (defaults left out but checkpointing)."""
+    lines = [f"activation_checkpointing = {_checkpointing(levers.activation_checkpointing)}"]
+    if levers.mlp_tile_tokens:
+        lines.append(f"mlp_tile_tokens = {levers.mlp_tile_tokens}")
+    if levers.attention_head_chunks > 1:
+        lines.append(f"attention_head_chunks = {levers.attention_head_chunks}")
+    return lines
 
 
 def breakdown(c: Candidate) -> str:
@@ -167,10 +177,7 @@ def text(result: PlanResult) -> str:
         m = result.max_seq_layout
         lines.append(
             f"longest sequence that fits: {result.max_seq_len:,} tokens "
-            f"(ulysses {m.ulysses} x ring {m.ring}, activation_checkpointing = "
-            f"{_checkpointing(m.activation_checkpointing)}"
-            + (f", mlp_tile_tokens = {m.mlp_tile_tokens}" if m.mlp_tile_tokens else "")
-            + ")"
+            f"(ulysses {m.ulysses} x ring {m.ring}, {', '.join(lever_lines(m.levers))})"
         )
     lines += [f"note: {n}" for n in result.notes]
     lines.append(f"({result.seconds:.1f} s)")

@@ -1,10 +1,9 @@
 """The search: every way to run a job on a cluster, each measured, fitted and timed.
 
-:func:`candidates` lists every valid ``(ulysses, ring, dp)`` for the model's heads and
+:func:`layouts` lists every valid ``(ulysses, ring, dp)`` for the model's heads and
 the nodes (:class:`usp.process_groups.rank_math.RankMap` validates each, so Ulysses
-groups stay inside nodes unless the config allows otherwise) times every
-activation-memory option the trainer's config accepts (:data:`MEMORY_OPTIONS`, one
-line per lever). :func:`evaluate` measures each one's memory (the scaled step of
+groups stay inside nodes unless the config allows otherwise) times the memory levers
+(:class:`usp.models.Levers`, the object the trainer applies; :data:`LEVER_STEPS`). :func:`evaluate` measures each one's memory (the scaled step of
 :mod:`usp.planner.measure`, through the plan's :class:`usp.planner.pool.Measurements`,
 in process or in workers), checks it against the device's and the host's memory, and
 estimates its step time (:func:`step_time`). :func:`max_seq_len` finds the longest
@@ -18,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from usp.config import ConfigError
+from usp.models import Levers, model_counts
 from usp.planner.footprint import Footprint, Layout, Target
 from usp.planner.kernels import planning_backend
 from usp.planner.measure import measure_scaled
@@ -26,15 +26,18 @@ from usp.planner.traffic import fsdp_traffic, step_traffic, traffic_formula
 GIB = 2**30
 GB = 1e9
 
-#: ``([train] activation_checkpointing, [train] mlp_tile_tokens)`` pairs the search
-#: tries, least recomputation first. A lever the trainer's config does not accept
-#: (yet) is left out by :func:`memory_options`, so a new one is one line here.
-MEMORY_OPTIONS: tuple[tuple[bool | str, int], ...] = (
-    (False, 0),
-    (True, 0),
-    ("offload", 0),
-    (True, 8192),
-    ("offload", 8192),
+#: the memory levers the search tries, least recomputation first, as
+#: ``(activation_checkpointing, mlp_tile_tokens, attention_head_chunks)``;
+#: :data:`EVERY_HEAD` chunks = one KV head per ring pass (as many as the grid's ring
+#: attends to). The loss chunk is the config's (``Levers`` default), not searched.
+EVERY_HEAD = "every head"
+LEVER_STEPS: tuple[tuple[bool | str, int, int | str], ...] = (
+    (False, 0, 1),
+    (True, 0, 1),
+    ("offload", 0, 1),
+    (True, 8192, 1),
+    ("offload", 8192, 1),
+    ("offload", 8192, EVERY_HEAD),
 )
 
 #: the part of a device's memory a plan may use: the rest is for the CUDA context, the
@@ -97,19 +100,22 @@ class Candidate:
 
 
 # ----------------------------------------------------------------------------- candidates
-def memory_options(job) -> list[tuple[bool | str, int]]:
-    """The :data:`MEMORY_OPTIONS` the trainer's ``[train]`` section accepts."""
-    accepted = []
-    for checkpointing, tile in MEMORY_OPTIONS:
-        options = {"activation_checkpointing": checkpointing}
-        if tile:
-            options["mlp_tile_tokens"] = tile
-        try:
-            job.with_overrides(**options)
-        except (ConfigError, TypeError):
-            continue
-        accepted.append((checkpointing, tile))
-    return accepted
+def lever_options(model, grid: tuple[int, int, int], ranks_per_node: int) -> list[Levers]:
+    """The :data:`LEVER_STEPS` for one ``(ulysses, ring, dp)`` grid, as
+    :class:`usp.models.Levers` (a step whose head chunks equal the previous step's is
+    left out)."""
+    from usp.models.plans import kv_heads_per_ring
+
+    u, r, _ = grid
+    local = kv_heads_per_ring(
+        model.num_attention_heads, model.num_key_value_heads, u, u * r, ranks_per_node
+    )
+    options: list[Levers] = []
+    for checkpointing, tile, chunks in LEVER_STEPS:
+        levers = Levers(checkpointing, tile, local if chunks == EVERY_HEAD else chunks)
+        if levers not in options:
+            options.append(levers)
+    return options
 
 
 def grids(model, cluster: Cluster, job) -> list[tuple[int, int, int]]:
@@ -138,9 +144,9 @@ def grids(model, cluster: Cluster, job) -> list[tuple[int, int, int]]:
 
 def layouts(model, cluster: Cluster, job) -> list[Layout]:
     return [
-        Layout(u, r, dp, checkpointing, tile)
+        Layout(u, r, dp, levers)
         for u, r, dp in grids(model, cluster, job)
-        for checkpointing, tile in memory_options(job)
+        for levers in lever_options(model, (u, r, dp), cluster.gpus_per_node)
     ]
 
 
@@ -166,7 +172,8 @@ def comm_bytes(target: Target, layout: Layout) -> dict[str, int]:
         heads, batch=1, seqlen=row, ulysses=layout.ulysses, ring=layout.ring,
         ring_impl=job.topology.attention.ring_impl, item_bytes=compute, acc_bytes=4,
     )  # fmt: skip
-    per_layer, other = _parameter_counts(model)
+    counts = model_counts(model)
+    per_layer, other = counts.per_layer, counts.other
     fsdp = fsdp_traffic(
         per_layer, other, model.num_hidden_layers, world=target.world_size,
         compute_bytes=compute, reduce_bytes=4,
@@ -176,7 +183,7 @@ def comm_bytes(target: Target, layout: Layout) -> dict[str, int]:
         fsdp,
         layers=model.num_hidden_layers,
         micro_batches=job.gradient_accumulation(layout.dp),
-        recompute=bool(layout.activation_checkpointing),
+        recompute=bool(layout.levers.activation_checkpointing),
     )
 
 
@@ -187,32 +194,22 @@ class _Heads:
     head_dim: int
 
 
-def _parameter_counts(model) -> tuple[int, int]:
-    h, hd = model.hidden_size, model.attention_head_dim
-    q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * model.intermediate_size + 2 * h
-    other = h * model.vocab_size * (1 if model.tie_word_embeddings else 2) + h
-    return per_layer, other
-
-
 def step_time(target: Target, layout: Layout, cluster: Cluster, sent: dict[str, int]) -> float:
     """Estimated seconds per optimizer step on one rank: FLOPs at the kernels'
     throughput plus communication over the links. Matmuls (x4/3 with activation
     checkpointing's recompute, x1 + 2/3 more for a tiled MLP's) overlap FSDP's
     collectives (prefetch); attention overlaps the p2p ring (double buffering); the
     Ulysses all-to-alls and the allgather ring's collectives are serial."""
-    from usp.train.metrics import matmul_params
-
     model, job = target.model, target.job
+    counts = model_counts(model)
     row = job.train.micro_batch * job.train.seq_len
     rows = job.gradient_accumulation(layout.dp)
     sp = layout.sp
-    gemm = 6 * matmul_params(model) * row * rows / sp
-    attention = 6 * model.num_hidden_layers * model.num_attention_heads
-    attention *= model.attention_head_dim * row * row * rows / sp
-    if layout.activation_checkpointing:
+    gemm = 6 * counts.matmul * row * rows / sp
+    attention = counts.attention_flops(row * row) * rows / sp
+    if layout.levers.activation_checkpointing:
         gemm, attention = gemm * 4 / 3, attention * 4 / 3
-    if layout.mlp_tile_tokens:
+    if layout.levers.mlp_tile_tokens:
         gemm *= 1.2  # the MLP's forward once more (it is ~2/3 of a layer's matmuls)
     if target.device == "cuda":
         backend = planning_backend("cuda", job.topology.attention.backend)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from usp.planner.footprint import Layout, Target
-from usp.planner.measure import built_step, run_step
+from usp.planner.measure import built_step
 
 
 def _storage_bytes(tensors) -> int:
@@ -37,11 +37,12 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
-def _live_tensors(model, optimizer, batch) -> list[torch.Tensor]:
-    tensors = list(model.parameters()) + list(model.buffers())
-    for state in optimizer.state.values():
+def _live_tensors(built) -> list[torch.Tensor]:
+    tensors = list(built.model.parameters()) + list(built.model.buffers())
+    for state in built.optimizer.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    tensors += [batch.input_ids, batch.labels, batch.position_ids]
+    for batch in built.batches:
+        tensors += [batch.input_ids, batch.labels, batch.position_ids]
     return tensors
 
 
@@ -56,19 +57,19 @@ def _peak_of_events(events) -> int:
 def real_peak(target: Target, layout: Layout, *, layers: int | None = None) -> int:
     """Bytes: the highest memory one real step of ``layout`` allocated on this rank
     (after a first optimizer step, as the planner measures it)."""
-    with built_step(target, layout, layers=layers, fake=False) as (job, model, optimizer, batch):
-        if batch.device.type == "cuda":
+    with built_step(target, layout, layers=layers, fake=False) as built:
+        if built.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            for _phase in run_step(model, optimizer, job, batch):
+            for _phase in built.phases():
                 pass
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated()
         from torch.profiler import ProfilerActivity, profile
 
-        baseline = _storage_bytes(_live_tensors(model, optimizer, batch))
+        baseline = _storage_bytes(_live_tensors(built))
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            for _phase in run_step(model, optimizer, job, batch):
+            for _phase in built.phases():
                 pass
         events = [
             e.nbytes()

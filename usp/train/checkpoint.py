@@ -31,25 +31,16 @@ from usp.errors import CheckpointError
 
 META_FILE = "usp_meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-# The LlamaConfig fields that decide the parameters' shapes.
-SHAPE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "attention_head_dim",
-    "tie_word_embeddings",
-)
 
 
 class CheckpointShapeError(CheckpointError):
     """A checkpoint written for another model shape (no other checkpoint can help)."""
 
 
-def model_shape(config) -> dict[str, int | bool]:
-    return {name: getattr(config, name) for name in SHAPE_FIELDS}
+def model_shape(config) -> dict[str, int | bool | str]:
+    """What decides the parameters' shapes: the family and its shape fields
+    (:meth:`usp.models.DecoderConfig.shape`)."""
+    return config.shape()
 
 
 @dataclass(frozen=True)
@@ -205,7 +196,8 @@ class Checkpointer:
             raise CheckpointError(
                 f"{path} is not a complete checkpoint ({META_FILE}: not an object)"
             )
-        saved = meta.get("model", {})
+        saved = dict(meta.get("model", {}))
+        saved.setdefault("family", "llama")  # checkpoints of usp before the family registry
         if saved != self.shape:
             diffs = [
                 f"{k} {saved.get(k)!r} (checkpoint) != {v!r} (this run)"
@@ -263,7 +255,7 @@ def export_hf(
     directory) are copied along, so the export is a complete model directory."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from usp.models import Llama
+    from usp.models import family_of
 
     if dist.is_initialized():
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -275,7 +267,7 @@ def export_hf(
     if dtype is not None:
         full = {k: v.to(dtype) for k, v in full.items()}
     with torch.device("meta"):
-        plain = Llama(model_config, None)
+        plain = family_of(model_config).build(model_config, None)
     plain.load_state_dict(full, strict=True, assign=True)
     out = plain.save_pretrained(directory)
     if copy_from is not None:

@@ -190,7 +190,7 @@ def summary(result) -> str:
         )
     if result.export_dir:
         lines.append(
-            f"  HF export:  {result.export_dir} (usp.models.Llama.from_pretrained, transformers)"
+            f"  HF export:  {result.export_dir} (usp.models.from_pretrained, transformers)"
         )
     lines += [f"  note: {n}" for n in result.notes]
     return "\n".join(lines)

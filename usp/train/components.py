@@ -11,7 +11,15 @@ import torch
 
 from usp import options
 from usp.config import ConfigError, UspConfig
-from usp.models import PRESETS, LlamaConfig, ModelConfigError
+from usp.models import (
+    PRESETS,
+    CheckpointError,
+    LeverError,
+    Levers,
+    ModelConfigError,
+    config_from_file,
+    family_of,
+)
 from usp.plan import Plan
 from usp.process_groups import Topology
 from usp.train.config import AUTO, TrainJobConfig
@@ -31,15 +39,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # ----------------------------------------------------------------------------- model shape
 @dataclass(frozen=True)
 class ModelSource:
-    config: object  # usp.models.LlamaConfig
+    config: object  # a usp.models.DecoderConfig of one family (usp.models.family)
     directory: Path | None  # the HF checkpoint directory, None for a preset
     #: "name: old -> new" for each [model] position setting that changed the config
     changes: tuple[str, ...] = ()
 
 
 def model_source(job: TrainJobConfig) -> ModelSource:
-    """The model's :class:`LlamaConfig` from ``[model]`` (a preset, or the directory's
-    ``config.json``), without loading weights."""
+    """The model's config from ``[model]`` (a preset, or the directory's ``config.json``,
+    read by the family it names), without loading weights."""
     m = job.model
     if m.preset is not None:
         if m.preset not in PRESETS:
@@ -60,7 +68,7 @@ def model_source(job: TrainJobConfig) -> ModelSource:
     if not config_file.is_file():
         raise job.error(f"[model] path {directory} has no config.json (not an HF checkpoint)")
     try:
-        source = ModelSource(LlamaConfig.from_json_file(config_file), directory)
+        source = ModelSource(config_from_file(config_file), directory)
     except ModelConfigError as err:
         raise job.error(f"[model] {err}") from None
     return _with_positions(job, source)
@@ -68,8 +76,6 @@ def model_source(job: TrainJobConfig) -> ModelSource:
 
 def _with_positions(job: TrainJobConfig, source: ModelSource) -> ModelSource:
     """``source`` with the ``[model]`` position settings applied (context extension)."""
-    from usp.models import ModelConfigError
-
     if not job.model.position_settings:
         return source
     try:
@@ -220,30 +226,44 @@ def build_dataset(
 
 
 # ----------------------------------------------------------------------------- model
-def build_model(job: TrainJobConfig, source: ModelSource, plan):
-    """The model before parallelisation. A preset: float32 on the CPU, initialised from
-    ``[train] seed`` identically on every rank. A checkpoint in one process: loaded on the
-    CPU. A checkpoint in a distributed run: built on the meta device (no memory), to be
-    sharded first and filled by :func:`load_weights` (rank 0 reads the files once and
-    broadcasts, so a node holds one copy of the weights, not one per rank). With
-    ``[train] compile`` each decoder layer is compiled (:func:`compile_layers`)."""
-    from usp.models import Llama
+def levers_of(job: TrainJobConfig) -> Levers:
+    """The memory levers ``[train]`` asks for, as one :class:`usp.models.Levers`."""
+    t = job.train
+    try:
+        return Levers(
+            activation_checkpointing=t.activation_checkpointing,
+            mlp_tile_tokens=t.mlp_tile_tokens,
+            attention_head_chunks=t.attention_head_chunks,
+        )
+    except LeverError as err:
+        raise job.error(f"[train] {err}") from None
 
-    options = {
-        "activation_checkpointing": job.train.activation_checkpointing,
-        "mlp_tile_tokens": job.train.mlp_tile_tokens,
-        "attention_head_chunks": job.train.attention_head_chunks,
-    }
+
+def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers | None = None):
+    """The model of the source's family before parallelisation, with ``levers`` applied
+    (default: ``[train]``'s, :func:`levers_of`). A preset: float32 on the CPU,
+    initialised from ``[train] seed`` identically on every rank. A checkpoint in one
+    process: loaded on the CPU. A checkpoint in a distributed run: built on the meta
+    device (no memory), to be sharded first and filled by :func:`load_weights` (rank 0
+    reads the files once and broadcasts, so a node holds one copy of the weights, not
+    one per rank). With ``[train] compile`` each decoder layer is compiled
+    (:func:`compile_layers`)."""
+    family = family_of(source.config)
+    levers = levers_of(job) if levers is None else levers
     if source.directory is None:
         torch.manual_seed(job.train.seed)
-        model = Llama(source.config, plan, **options)
+        model = family.build(source.config, plan)
     elif plan.topology is None:
-        model = Llama.from_pretrained(
-            source.directory, plan, dtype=torch.float32, config=source.config, **options
+        model = family.from_pretrained(
+            source.directory, plan, dtype=torch.float32, config=source.config
         )
     else:
         with torch.device("meta"):
-            model = Llama(source.config, plan, **options)
+            model = family.build(source.config, plan)
+    try:
+        levers.apply(model)
+    except LeverError as err:
+        raise job.error(f"[train] {err}") from None
     if job.train.compile:  # [train] compile: each decoder layer, from outside the model
         compile_layers(model)
     return model
@@ -257,13 +277,15 @@ def load_weights(model, source: ModelSource, device: torch.device) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from usp.comm.agreement import agree
-    from usp.models import CheckpointError, Llama, ModelConfigError
 
     model.to_empty(device=device)
     full, error = {}, None
     if dist.get_rank() == 0:
         try:
-            full = Llama.from_pretrained(source.directory, None, dtype=torch.float32).state_dict()
+            loaded = family_of(source.config).from_pretrained(
+                source.directory, None, dtype=torch.float32
+            )
+            full = loaded.state_dict()
         except (CheckpointError, ModelConfigError, OSError) as err:
             error = CheckpointError(str(err))
     agree(dist.group.WORLD, f"loading {source.directory}", [], error, (CheckpointError,))

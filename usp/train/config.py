@@ -11,7 +11,7 @@ A training config is a TOML file::
     # path = "/models/Llama-3.1-8B"  a local HF checkpoint directory (config.json, safetensors)
     # rope_theta, rope_scaling, max_position_embeddings: optional position settings
     # (context extension), for a checkpoint too; the architecture stays the config.json's
-    [model.overrides]             # optional, presets only: LlamaConfig fields
+    [model.overrides]             # optional, presets only: the family config's fields
     num_hidden_layers = 2
 
     [data]
@@ -39,6 +39,7 @@ the file and the ``[section] key``. Paths are resolved relative to the config fi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,7 @@ from usp.config import (
 )
 from usp.config import ModelConfig as HeadCounts  # a topology-only file's [model]
 from usp.config.schema import SECTIONS as TOPOLOGY_SCHEMA
+from usp.models.rope_config import POSITION_FIELDS
 
 TOPOLOGY_SECTIONS = ("cluster", "parallel", "attention")
 TRAIN_SECTIONS = ("model", "data", "train")
@@ -108,7 +110,7 @@ class ModelSection:
         if self.preset is not None:
             _string("model", "preset", self.preset)
         if not isinstance(self.overrides, dict):
-            _fail("model", "overrides", "a table of LlamaConfig fields", self.overrides)
+            _fail("model", "overrides", "a table of the preset's config fields", self.overrides)
         if self.overrides and self.path is not None:
             raise ConfigError(
                 "[model] overrides only apply to a preset; a checkpoint's shape comes from "
@@ -138,8 +140,7 @@ class ModelSection:
     @property
     def position_settings(self) -> dict[str, Any]:
         """The position settings given (rope_theta, rope_scaling, max_position_embeddings)."""
-        names = ("rope_theta", "rope_scaling", "max_position_embeddings")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in POSITION_FIELDS if getattr(self, k) is not None}
 
 
 @dataclass(frozen=True)
@@ -314,6 +315,13 @@ class TrainJobConfig:
                 f"!= global_batch({t.global_batch})"
             )
         return t.gradient_accumulation
+
+    def with_train(self, **changes: Any) -> TrainJobConfig:
+        """This job with ``[train]`` fields changed as objects (checked by
+        :class:`TrainSection`; nothing re-parsed), its tables updated to match."""
+        train = dataclasses.replace(self.train, **changes)
+        tables = {**self.tables, "train": {**self.tables.get("train", {}), **changes}}
+        return dataclasses.replace(self, train=train, tables=tables)
 
     def with_overrides(self, **overrides: Any) -> TrainJobConfig:
         """The file re-read with ``overrides`` (any key of :data:`OVERRIDE_KEYS`:

@@ -14,39 +14,16 @@ import os
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
+from usp.models import levers_of
+
 # Dense bf16 tensor-core peak per device, for the MFU estimate (vendor figures, TFLOP/s).
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}
-
-
-# ----------------------------------------------------------------------------- FLOPs
-def matmul_params(config) -> int:
-    """Parameters that take part in a matmul per token (decoder layers and the output
-    projection; the embedding lookup is not a matmul)."""
-    h, layers = config.hidden_size, config.num_hidden_layers
-    hd = config.attention_head_dim
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
-    return layers * per_layer + h * config.vocab_size
-
-
-def training_flops(config, document_lengths: list[int]) -> float:
-    """Forward + backward FLOPs of one packed row (backward = 2x forward; activation
-    recomputation is not counted, as usual for MFU).
-
-    Matmuls: ``6 * matmul_params`` per token. Causal attention per document of ``n``
-    tokens and layer: ``QK^T`` and ``PV`` cost ``2 * n^2 * head_dim`` each per head, half
-    of it visible -> forward ``2 * n^2 * H * head_dim``, times 3 for forward + backward.
-    """
-    tokens = sum(document_lengths)
-    square = sum(n * n for n in document_lengths)
-    attention = 6 * config.num_hidden_layers * config.num_attention_heads
-    attention *= config.attention_head_dim * square
-    return 6 * matmul_params(config) * tokens + attention
 
 
 def peak_tflops(device_name: str) -> float | None:
@@ -276,13 +253,27 @@ def device_peak_tflops(job, device) -> float | None:
     return peak_tflops(torch.cuda.get_device_name(device))
 
 
-def step_row(step, loss, grad_norm, lr, batch, seconds, job, config, world, device, peak) -> dict:
+@dataclass(frozen=True)
+class StepTiming:
+    """One finished optimizer step as the log shows it."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    seconds: float
+
+
+def step_row(timing: StepTiming, batch, job, counts, world, device, peak) -> dict:
+    """The ``metrics.jsonl`` row of a step. ``counts``: the model's
+    :class:`usp.models.ModelCounts` (for MFU); ``peak``: the device's TFLOP/s or None."""
     tokens = job.train.global_batch * job.train.seq_len
+    seconds = timing.seconds
     row = {
-        "step": step,
-        "loss": loss,
-        "grad_norm": grad_norm,
-        "lr": lr,
+        "step": timing.step,
+        "loss": timing.loss,
+        "grad_norm": timing.grad_norm,
+        "lr": timing.lr,
         "tokens": tokens,
         "label_tokens": batch.num_labels,
         "tokens_per_s": tokens / seconds,
@@ -290,7 +281,7 @@ def step_row(step, loss, grad_norm, lr, batch, seconds, job, config, world, devi
         "step_time_s": seconds,
     }
     if peak is not None:
-        flops = training_flops(config, batch.document_lengths)
+        flops = counts.training_flops(batch.document_lengths)
         row["mfu"] = flops / seconds / world / (peak * 1e12)
     if device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
@@ -307,10 +298,13 @@ def print_header(job, plan, source, dataset, model, state, newest, stream) -> No
     dp = 1 if plan.topology is None else plan.topology.dp_degree
     accumulation = job.gradient_accumulation(dp)
     what = source.directory or f'preset "{job.model.preset}"'
+    config = source.config
     lines = [
         f"usp train: {job.source or 'config'}",
         f"  plan:  {plan.describe()}",
-        f"  model: {what}, {params / 1e6:.2f}M parameters, {source.config.num_hidden_layers} layers",
+        f"  model: {what} ({config.family}), {params / 1e6:.2f}M parameters, "
+        f"{config.num_hidden_layers} layers",
+        f"  levers: {levers_of(model).describe()}",
         *(f"  data:  {line}" for line in dataset.summary(t.steps * t.global_batch)),
         f"  batch: {t.global_batch} sequences/step = dp {dp} x micro_batch {t.micro_batch} x "
         f"accumulation {accumulation}",

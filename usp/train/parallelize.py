@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from usp.models.family import decoder_layers
+
 
 @dataclass(frozen=True)
 class ShardedModel:
@@ -49,7 +51,8 @@ def mixed_precision(compute_dtype: torch.dtype, param_dtype: torch.dtype):
 def fully_shard_model(
     model: nn.Module, topology, *, compute_dtype: torch.dtype | None = None
 ) -> ShardedModel:
-    """Shard ``model`` (a :class:`usp.models.Llama`) over ``topology.dp_sp_mesh``.
+    """Shard ``model`` (a usp model of any family, or an HF causal LM: its decoder layers
+    from :func:`usp.models.decoder_layers`) over ``topology.dp_sp_mesh``.
 
     ``compute_dtype``: None or the parameters' dtype runs in that dtype; another (bf16)
     adds a :class:`MixedPrecisionPolicy` with float32 reduction. Parameters on the CPU are
@@ -62,7 +65,7 @@ def fully_shard_model(
     policy = mixed_precision(compute_dtype or param_dtype, param_dtype)
     if policy is not None:
         options["mp_policy"] = policy
-    layers = model.model.layers
+    layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # the last layer's parameters are needed again right away in backward: keep them
         fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **options)
@@ -86,12 +89,12 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 
 def compile_layers(model: nn.Module) -> int:
-    """``torch.compile`` each decoder layer of ``model`` (a :class:`usp.models.Llama`) in
+    """``torch.compile`` each decoder layer of ``model`` (:func:`usp.models.decoder_layers`) in
     place; returns how many. Only the layer's ``forward`` is compiled (default options:
     a graph break where a collective or a host-side check needs one), so parameter names,
     checkpoints and the hooks around a layer (FSDP's gathers, activation checkpointing)
     stay as they are. Apply before or after :func:`fully_shard_model`."""
-    layers = model.model.layers
+    layers = decoder_layers(model)
     for layer in layers:
         layer.forward = torch.compile(layer.forward)
     return len(layers)

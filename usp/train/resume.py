@@ -25,11 +25,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from usp.errors import CheckpointError, RankDisagreementError
+from usp.models.rope_config import POSITION_FIELDS
 from usp.train.checkpoint import CheckpointShapeError
 
 # [train] keys whose change alters which data a step sees
 REFUSED_TRAIN_KEYS = ("seed", "seq_len", "global_batch")
-ROPE_FIELDS = ("rope_theta", "rope_scaling", "max_position_embeddings")
 
 
 def _sha256(path: Path) -> str:
@@ -49,7 +49,7 @@ def run_record(job, model_config, document_multiple: int, files=()) -> dict[str,
     data["document_multiple_used"] = document_multiple
     train = dataclasses.asdict(job.train)
     train["adam_betas"] = list(train["adam_betas"])
-    rope = {name: getattr(model_config, name, None) for name in ROPE_FIELDS}
+    rope = {name: getattr(model_config, name, None) for name in POSITION_FIELDS}
     return {"train": train, "data": data, "rope": rope}
 
 

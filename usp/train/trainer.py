@@ -3,22 +3,22 @@
 Callable in-process (tests run it on gloo ranks without torchrun); ``usp train`` wraps
 it with process-group set-up and teardown (:mod:`usp.train.cli`).
 
-One optimizer step:
+One optimizer step (:class:`usp.train.step.TrainStep`, which ``usp plan`` also runs):
 
 1. the loader hands this dp replica its micro-batches (global, unsharded packed rows)
    and the label count ``N`` of the whole global batch;
-2. per micro-batch: ``plan.pack`` validates the document boundaries once (the SP ranks
-   agree on them), ``plan.shard`` takes this rank's tokens and labels, and the model
+2. each micro-batch is sharded for this rank (:func:`usp.models.shard_batch`: ``plan.pack``
+   validates the document boundaries once, the SP ranks agree on them) and the model
    returns its loss with ``num_items_in_batch=N`` -- so the micro-batch losses of all
    replicas add up to the step's mean loss and the SUM of all ranks' gradients is its
    exact gradient (FSDP reduces by summation, see :mod:`usp.train.parallelize`);
-3. the gradient's global norm is taken (and clipped), AdamW steps, the schedule sets the
-   next learning rate; the step's loss is summed over the dp replicas for the log.
+3. the gradient's global norm is taken (and clipped), the ranks agree that loss and
+   norm are finite, AdamW steps, the schedule sets the next learning rate; the step's
+   loss is summed over the dp replicas for the log.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,6 +28,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
+from usp.models import model_counts, shard_batch
 from usp.plan import Plan
 from usp.train import components
 from usp.train.checkpoint import (
@@ -52,14 +53,16 @@ from usp.train.lock import OutputLock, OutputLockedError, check_output_dir
 from usp.train.metrics import (
     MetricsWriter,
     Progress,
+    StepTiming,
     device_peak_tflops,
     plot_loss,
     print_header,
     step_row,
 )
-from usp.train.parallelize import fully_shard_model, set_gradient_sync
+from usp.train.parallelize import fully_shard_model
 from usp.train.resume import agree_on_checkpoints, check_resume, load_with_fallback, run_record
 from usp.train.schedule import WarmupCosine
+from usp.train.step import TrainStep
 
 
 @dataclass
@@ -152,6 +155,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
     else:
         model, loss_scale = model.to(device), 1.0
     optimizer = components.build_optimizer(job, model)
+    train_step = TrainStep(model, optimizer, loss_scale=loss_scale, grad_clip=job.train.grad_clip)
     schedule = WarmupCosine(
         job.train.lr, job.train.steps, job.train.warmup_steps, job.train.min_lr_ratio
     )
@@ -189,6 +193,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
         else None
     )
     peak = device_peak_tflops(job, device)
+    counts = model_counts(source.config)  # parameter and FLOP counts, for MFU
     world = 1 if topology is None else topology.world_size
     step, skipped = state.step, []
 
@@ -209,14 +214,15 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
             batch = loader.next_step()
             with collective_phase(f"step {step + 1}", timeout):
                 loss, grad_norm, applied, stop_now = _train_step(
-                    model, optimizer, plan, batch, loss_scale, job, device, stop, distributed
+                    train_step, plan, batch, job, device, stop, distributed
                 )
             _synchronize(device)
             seconds = time.perf_counter() - started
             step += 1
             row = step_row(
-                step, loss, grad_norm, lr, batch, seconds, job, source.config, world, device, peak
-            )
+                StepTiming(step, loss, grad_norm, lr, seconds), batch, job, counts, world, device,
+                peak,
+            )  # fmt: skip
             if not applied:
                 row["skipped"] = True
                 skipped.append(step)
@@ -258,7 +264,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
             model,
             source.config,
             out / "hf",
-            dtype=components.compute_dtype(job, device),  # bf16 on CUDA, as HF ships Llama
+            dtype=components.compute_dtype(job, device),  # bf16 on CUDA, as HF ships these models
             copy_from=source.directory,
         )
         result.export_dir = None if exported is None else out / "hf"  # as the user named it
@@ -374,58 +380,58 @@ def _agree_on_setup(plan, error: BaseException | None) -> None:
     agree(dist.group.WORLD, "usp train set-up", [], error, user_errors())
 
 
-def _train_step(
-    model, optimizer, plan, batch: StepBatch, loss_scale, job, device, stop, distributed
-):
-    """Forward/backward over the micro-batches, clip, AdamW. Returns the step's global
-    mean loss and the gradient's global norm before clipping (Python floats), whether the
-    update was applied (not when the loss or the norm is non-finite on any rank) and
-    whether any rank got a stop signal (one agreement all-reduce, before the update)."""
-    total = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no sync
-    last = len(batch.micro_batches) - 1
-    for i, micro in enumerate(batch.micro_batches):
-        packed = plan.pack(micro.cu_seqlens, device=device)
-        input_ids = plan.shard(micro.input_ids, packed=packed).to(device)  # [1, S] -> [1, S/P]
-        labels = plan.shard(micro.labels, packed=packed).to(device)
-        set_gradient_sync(model, i == last)
-        loss = model(
-            input_ids, labels=labels, cu_seqlens=packed, num_items_in_batch=batch.num_labels
+def _train_step(train_step: TrainStep, plan, batch: StepBatch, job, device, stop, distributed):
+    """One optimizer step (:class:`usp.train.step.TrainStep`) on this dp replica's
+    micro-batches. Returns the step's global mean loss and the gradient's global norm
+    before clipping (Python floats), whether the update was applied (not when the loss
+    or the norm is non-finite on any rank) and whether any rank got a stop signal (one
+    agreement all-reduce, before the update)."""
+    batches = [
+        shard_batch(
+            plan,
+            micro.input_ids,
+            labels=micro.labels,
+            cu_seqlens=micro.cu_seqlens,
+            shift=False,
+            device=device,
+        )  # fmt: skip  ([1, S] -> [1, S/P]; plan.pack: the SP ranks agree on the documents)
+        for micro in batch.micro_batches
+    ]
+    agreed = {}
+
+    def decide(outcome) -> bool:
+        total = outcome.loss
+        topology = plan.topology
+        if topology is not None and topology.dp_degree > 1:
+            # every SP rank holds its replica's loss; the replicas' losses add up
+            dist.all_reduce(total, group=topology.dp_group)
+        loss, norm, non_finite, stop_now = agree_on_step(
+            float(total), float(outcome.grad_norm), stop.name, device, distributed
         )
-        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
-        total += loss.detach().to(torch.float64)
-    max_norm = job.train.grad_clip if job.train.grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
-        grad_norm = grad_norm.full_tensor()
-    topology = plan.topology
-    if topology is not None and topology.dp_degree > 1:
-        # every SP rank holds its replica's loss; the replicas' losses add up
-        dist.all_reduce(total, group=topology.dp_group)
-    loss_value, norm_value, non_finite, stop_now = agree_on_step(
-        float(total), float(grad_norm), stop.name, device, distributed
-    )
-    if not non_finite and norm_value == 0.0 and batch.num_labels > 0:
-        # the global norm (the same on every rank): no learning signal from any of the
-        # step's label tokens. A model that diverged into saturation (lr far too high)
-        # stays there; training on would only report a flat loss and exit 0
-        optimizer.zero_grad(set_to_none=True)
-        raise TrainingDivergedError(
-            f"the gradient norm is exactly 0 with {batch.num_labels} label tokens in the "
-            f"step: the model no longer learns (saturated or dead; lr {job.train.lr:g} too "
-            "high?); the update was not applied"
-        )
-    if not non_finite:
-        try:
-            optimizer.step()
-        except RuntimeError as err:  # AdamW's step size itself overflows (lr ~1e38)
-            if "overflow" not in str(err):
-                raise
+        agreed.update(loss=loss, norm=norm, stop=stop_now)
+        if not non_finite and norm == 0.0 and batch.num_labels > 0:
+            # the global norm (the same on every rank): no learning signal from any of the
+            # step's label tokens. A model that diverged into saturation (lr far too high)
+            # stays there; training on would only report a flat loss and exit 0
+            train_step.optimizer.zero_grad(set_to_none=True)
             raise TrainingDivergedError(
-                f"the optimizer step overflowed ({err}) at lr {optimizer.param_groups[0]['lr']:g}:"
-                f" [train] lr (now {job.train.lr:g}) is far too high; nothing was saved"
-            ) from None
-    optimizer.zero_grad(set_to_none=True)
-    return loss_value, norm_value, not non_finite, stop_now
+                f"the gradient norm is exactly 0 with {batch.num_labels} label tokens in the "
+                f"step: the model no longer learns (saturated or dead; lr {job.train.lr:g} too "
+                "high?); the update was not applied"
+            )
+        return not non_finite
+
+    try:
+        outcome = train_step.run(batches, batch.num_labels, decide=decide, device=device)
+    except RuntimeError as err:  # AdamW's step size itself overflows (lr ~1e38)
+        if "overflow" not in str(err):
+            raise
+        lr = train_step.optimizer.param_groups[0]["lr"]
+        raise TrainingDivergedError(
+            f"the optimizer step overflowed ({err}) at lr {lr:g}:"
+            f" [train] lr (now {job.train.lr:g}) is far too high; nothing was saved"
+        ) from None
+    return agreed["loss"], agreed["norm"], outcome.applied, agreed["stop"]
 
 
 def _synchronize(device: torch.device) -> None:

@@ -1,0 +1,227 @@
+"""Memory levers as one object applied to a model from outside.
+
+A :class:`Levers` names every activation-memory option a decoder model has under usp;
+``Levers(...).apply(model)`` sets them on a usp model (any family) or an HF causal LM
+whose decoder layers usp can find (:func:`usp.models.family.decoder_layers`). The model
+files hold architecture only; the trainer applies the ``[train]`` levers, and the
+planner's search space is this class's values (:mod:`usp.planner.search`).
+
+* ``activation_checkpointing``: ``False``, ``True`` (each decoder layer keeps only its
+  input; backward re-runs it, collectives included: non-reentrant
+  ``torch.utils.checkpoint``) or ``"offload"`` (that input lives in host memory between
+  forward and recompute: :mod:`usp.models.offload`). Applied by wrapping each layer's
+  ``forward`` (parameter names, hooks and FSDP2 wrapping stay as they are); apply before
+  ``torch.compile`` and before FSDP2.
+* ``mlp_tile_tokens``: 0 (off) or N: each SwiGLU MLP runs over tiles of N local tokens,
+  each recomputed in backward (:mod:`usp.models.mlp_tiles`), so only one tile's
+  ``[N, intermediate]`` activations exist. Needs ``gate_proj``/``up_proj``/``down_proj``
+  without bias and SiLU (every family here; an HF MLP that differs is refused).
+* ``attention_head_chunks``: 1 (off) or N dividing the KV heads each rank's ring attends
+  to (Hkv after KV replication, / ulysses): the ring runs once per group of those
+  heads, so its float32 accumulators and K/V buffers exist for one group at a time
+  (:mod:`usp.ring.heads`).
+* ``loss_chunk_tokens``: rows per chunk of the output projection in the loss
+  (:mod:`usp.models.loss`; ``None``: one unchunked pass).
+
+Every option computes the same numbers (up to float rounding of sums over tiles).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from usp.errors import InputError
+from usp.models.family import decoder_layers
+from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, check_chunk_tokens
+from usp.models.mlp_tiles import tiled_swiglu
+from usp.models.offload import HostOffloader, check_activation_checkpointing
+from usp.models.plans import ring_kv_heads
+
+
+class LeverError(InputError):
+    """A lever this model (or this plan) cannot take; the message says which values can."""
+
+
+@dataclass(frozen=True)
+class Levers:
+    """The memory levers of one model (see the module docstring for each)."""
+
+    activation_checkpointing: bool | str = False
+    mlp_tile_tokens: int = 0
+    attention_head_chunks: int = 1
+    loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS
+
+    def __post_init__(self) -> None:
+        try:
+            check_activation_checkpointing(self.activation_checkpointing)
+            check_chunk_tokens(self.loss_chunk_tokens)
+        except ValueError as err:
+            raise LeverError(str(err)) from None
+        if not _count(self.mlp_tile_tokens, minimum=0):
+            raise LeverError(
+                f"mlp_tile_tokens must be an integer >= 0 (0: untiled; N: tiles of N local "
+                f"tokens), got {self.mlp_tile_tokens!r}"
+            )
+        if not _count(self.attention_head_chunks, minimum=1):
+            raise LeverError(
+                f"attention_head_chunks must be an integer >= 1, got {self.attention_head_chunks!r}"
+            )
+
+    def replace(self, **changes) -> Levers:
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line, e.g. ``checkpointing offload, MLP tiles 8192, head chunks 2``."""
+        parts = [f"checkpointing {_mode(self.activation_checkpointing)}"]
+        if self.mlp_tile_tokens:
+            parts.append(f"MLP tiles {self.mlp_tile_tokens}")
+        if self.attention_head_chunks > 1:
+            parts.append(f"head chunks {self.attention_head_chunks}")
+        chunk = self.loss_chunk_tokens
+        parts.append("loss unchunked" if chunk is None else f"loss chunks {chunk}")
+        return ", ".join(parts)
+
+    # ------------------------------------------------------------------ applying
+    def check(self, model: nn.Module, plan=None) -> None:
+        """A :class:`LeverError` when ``model`` (on ``plan``) cannot take these levers."""
+        config = model.config
+        plan = plan if plan is not None else getattr(model, "plan", None)
+        if self.attention_head_chunks > 1:
+            if plan is None:
+                raise LeverError("attention_head_chunks > 1 needs the model's usp.Plan")
+            local = ring_kv_heads(
+                plan, config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+                or config.num_attention_heads,
+            )  # fmt: skip
+            if local % self.attention_head_chunks:
+                divisors = [n for n in range(1, local + 1) if local % n == 0]
+                raise LeverError(
+                    f"attention_head_chunks must divide the {local} KV heads each rank's ring "
+                    f"attends to (KV heads after replication / ulysses): one of {divisors}, got "
+                    f"{self.attention_head_chunks!r}"
+                )
+        if self.mlp_tile_tokens:
+            for layer in decoder_layers(model):
+                _swiglu_weights(layer.mlp)
+
+    def apply(self, model: nn.Module, plan=None) -> nn.Module:
+        """Set these levers on ``model`` (in place; returns it). Applying again replaces
+        the previous levers. ``plan``: the plan the model runs on (a usp model's own by
+        default; an HF model's is the one its attention was registered with)."""
+        self.check(model, plan)
+        offloader = None
+        if self.activation_checkpointing == "offload":
+            offloader = getattr(model, "usp_offloader", None) or HostOffloader()
+            model.usp_offloader = offloader  # the planner redirects its host copies
+        for layer in decoder_layers(model):
+            _wrap(layer, _Checkpointed, self.activation_checkpointing, offloader)
+            _wrap(layer.mlp, _TiledMLP, self.mlp_tile_tokens)
+            layer.self_attn.head_chunks = self.attention_head_chunks
+        model.loss_chunk_tokens = self.loss_chunk_tokens
+        model.usp_levers = self
+        return model
+
+
+def tile_mlp(mlp: nn.Module, tile: int) -> nn.Module:
+    """Tile one SwiGLU MLP module as ``mlp_tile_tokens = tile`` tiles every layer's
+    (``0``: untiled again); returns it."""
+    if not _count(tile, minimum=0):
+        raise LeverError(f"tile must be an integer >= 0, got {tile!r}")
+    if tile:
+        _swiglu_weights(mlp)
+    _wrap(mlp, _TiledMLP, tile)
+    return mlp
+
+
+def levers_of(model: nn.Module) -> Levers:
+    """The levers last applied to ``model`` (the defaults if none were)."""
+    return getattr(model, "usp_levers", Levers())
+
+
+def offloader_of(model: nn.Module) -> HostOffloader | None:
+    """The host offloader of a model with ``activation_checkpointing = "offload"``."""
+    return getattr(model, "usp_offloader", None)
+
+
+def _count(value, *, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _mode(value) -> str:
+    return "offload" if value == "offload" else ("on" if value else "off")
+
+
+# ---------------------------------------------------------------------- forward wrappers
+class _LeverForward:
+    """A module's ``forward`` replaced by a lever; ``inner`` is the forward it wraps."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+
+def _wrap(module: nn.Module, kind: type[_LeverForward], setting, *args) -> None:
+    """Give ``module`` a ``kind`` forward for ``setting`` (none when falsy), over its
+    plain forward (a previous lever's wrapper is taken off first)."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, _LeverForward):
+        del module.forward  # back to the class's forward
+    elif current is not None:
+        raise LeverError(
+            f"{type(module).__name__}.forward was replaced by something else (torch.compile?): "
+            "apply levers before compiling"
+        )
+    if setting:
+        module.forward = kind(module.forward, setting, *args)
+
+
+class _Checkpointed(_LeverForward):
+    """A decoder layer's forward under non-reentrant activation checkpointing; with
+    ``"offload"`` its input hidden states (the first argument) are saved in host memory."""
+
+    def __init__(self, inner, mode, offloader: HostOffloader | None):
+        super().__init__(inner)
+        self.offloader = offloader if mode == "offload" else None
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():  # nothing is saved: nothing to recompute
+            return self.inner(*args, **kwargs)
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        held = self.offloader.hold(hidden) if self.offloader else contextlib.nullcontext()
+        with held:  # keep only the layer's input; backward re-runs it (and its collectives)
+            return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+
+class _TiledMLP(_LeverForward):
+    """A SwiGLU MLP's forward over tiles of ``tile`` local tokens (inputs of at most
+    ``tile`` tokens run the plain MLP)."""
+
+    def __init__(self, inner, tile: int):
+        super().__init__(inner)
+        self.tile = tile
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[:-1].numel() <= self.tile:
+            return self.inner(x)
+        # the Linears' own weights, as their forward reads them (under FSDP2: the
+        # unsharded parameters, set by the decoder layer's pre-forward hook)
+        weights = _swiglu_weights(self.inner.__self__)
+        return tiled_swiglu(x, *weights, self.tile)  # [B, S/P, dim]
+
+
+def _swiglu_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate, up, down) weights of a bias-free SiLU-gated MLP, or a LeverError."""
+    linears = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    act = getattr(mlp, "act_fn", nn.SiLU())
+    if not all(isinstance(m, nn.Linear) and m.bias is None for m in linears) or not isinstance(
+        act, nn.SiLU
+    ):
+        raise LeverError(
+            f"mlp_tile_tokens needs a SwiGLU MLP (gate_proj, up_proj, down_proj without bias, "
+            f"SiLU); {type(mlp).__name__} is not one: use mlp_tile_tokens = 0"
+        )
+    return linears[0].weight, linears[1].weight, linears[2].weight

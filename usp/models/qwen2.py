@@ -1,0 +1,108 @@
+"""The Qwen2 / Qwen2.5 family: the shared decoder with a bias on the q, k and v
+projections (none on the output projection), as transformers' ``Qwen2Attention``.
+
+Qwen2.5's sliding window (``use_sliding_window``, ``sliding_window``,
+``max_window_layers``, ``layer_types``) is off in the published checkpoints; where a
+config turns it on, documents longer than the window are refused (usp computes full
+causal attention: :meth:`usp.models.config.DecoderConfig.check_window`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from usp.models.config import DecoderConfig
+from usp.models.decoder import Attention, CausalLM
+
+#: transformers' defaults for a Qwen config.json's missing keys (Qwen2Config, Qwen3Config)
+QWEN_HF_DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768,
+    "num_key_value_heads": 32,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+}
+
+
+def qwen_attention_window(config) -> int | None:
+    """The window some layer of a Qwen2/Qwen3 config attends within, as transformers
+    reads the config: only with ``use_sliding_window``, on the layers ``layer_types``
+    marks ``sliding_attention`` (default: those from ``max_window_layers`` on)."""
+    if not config.use_sliding_window or config.sliding_window is None:
+        return None
+    types = config.layer_types or [
+        "sliding_attention" if i >= config.max_window_layers else "full_attention"
+        for i in range(config.num_hidden_layers)
+    ]
+    return config.sliding_window if "sliding_attention" in types else None
+
+
+@dataclass(frozen=True)
+class Qwen2Config(DecoderConfig):
+    """Qwen2 / Qwen2.5 hyper-parameters (HF ``config.json`` names)."""
+
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    max_position_embeddings: int = 32768
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    max_window_layers: int = 28
+    layer_types: tuple[str, ...] | None = None
+
+    family: ClassVar[str] = "qwen2"
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen2ForCausalLM",)
+    model_type: ClassVar[str] = "qwen2"
+    hf_defaults: ClassVar[dict[str, Any]] = QWEN_HF_DEFAULTS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+
+    @property
+    def attention_window(self) -> int | None:
+        return qwen_attention_window(self)
+
+
+_QWEN25 = {"vocab_size": 152064, "bos_token_id": 151643, "eos_token_id": 151643}
+
+#: the published Qwen2.5 shapes (config.json of Qwen/Qwen2.5-7B and -72B)
+PRESETS: dict[str, Qwen2Config] = {
+    "qwen2.5-7b": Qwen2Config(
+        **_QWEN25,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,  # not divisible by 8: the hybrid's case (u=4 or 7 x ring)
+        num_key_value_heads=4,
+        max_position_embeddings=131072,
+        sliding_window=131072,
+    ),
+    "qwen2.5-72b": Qwen2Config(
+        **_QWEN25,
+        hidden_size=8192,
+        intermediate_size=29568,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        sliding_window=131072,
+        max_window_layers=80,
+    ),
+}
+
+
+class Qwen2Attention(Attention):
+    @staticmethod
+    def projection_bias(config) -> tuple[bool, bool]:
+        return True, False  # q, k, v carry a bias; the output projection does not
+
+
+class Qwen2(CausalLM):
+    """A Qwen2 / Qwen2.5 causal LM (see :class:`usp.models.decoder.CausalLM`)."""
+
+    config_class = Qwen2Config
+    presets = PRESETS
+    attention_class = Qwen2Attention

@@ -1,0 +1,90 @@
+"""The Qwen3 family: the shared decoder with a per-head RMSNorm of q and k before RoPE
+(``q_norm``/``k_norm``, over ``head_dim``, which the config gives and which need not be
+``hidden_size / heads``), as transformers' ``Qwen3Attention``; ``attention_bias`` on all
+four projections; tied embeddings at small sizes. The whole family is this file and its
+entry in :data:`usp.models.family.FAMILIES`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from usp.models.config import DecoderConfig
+from usp.models.decoder import Attention, CausalLM, RMSNorm
+from usp.models.qwen2 import QWEN_HF_DEFAULTS, qwen_attention_window
+
+
+@dataclass(frozen=True)
+class Qwen3Config(DecoderConfig):
+    """Qwen3 hyper-parameters (HF ``config.json`` names)."""
+
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    max_window_layers: int = 28
+    layer_types: tuple[str, ...] | None = None
+
+    family: ClassVar[str] = "qwen3"
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen3ForCausalLM",)
+    model_type: ClassVar[str] = "qwen3"
+    hf_defaults: ClassVar[dict[str, Any]] = {**QWEN_HF_DEFAULTS, "head_dim": 128}
+    shape_fields: ClassVar[tuple[str, ...]] = ("attention_bias",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+
+    @property
+    def attention_window(self) -> int | None:
+        return qwen_attention_window(self)
+
+
+#: the published Qwen3-8B shape (config.json of Qwen/Qwen3-8B) and a tiny one for tests
+PRESETS: dict[str, Qwen3Config] = {
+    "qwen3-8b": Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
+    # byte vocabulary; head_dim 32 != hidden / heads = 16; tied embeddings
+    "qwen3-tiny": Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        max_position_embeddings=65536,
+    ),
+}
+
+
+class Qwen3Attention(Attention):
+    def __init__(self, config: Qwen3Config, plan):
+        super().__init__(config, plan)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # over each head's dims
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def project(self, x):
+        q, k, v = super().project(x)  # [B, S/P, H or Hkv, D]
+        return self.q_norm(q), self.k_norm(k), v
+
+
+class Qwen3(CausalLM):
+    """A Qwen3 causal LM (see :class:`usp.models.decoder.CausalLM`)."""
+
+    config_class = Qwen3Config
+    presets = PRESETS
+    attention_class = Qwen3Attention
