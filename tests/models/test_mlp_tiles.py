@@ -79,7 +79,9 @@ def _per_tile_checkpoint(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
     """What the tiled MLP replaced: each tile under torch.utils.checkpoint, concatenated
     (its weight gradients: each tile's product rounded, then added in AccumulateGrad)."""
     flat = x.reshape(-1, x.shape[-1])
-    out = [checkpoint(MLP.forward, mlp, t, use_reentrant=False) for t in flat.split(mlp.forward.tile)]
+    out = [
+        checkpoint(MLP.forward, mlp, t, use_reentrant=False) for t in flat.split(mlp.forward.tile)
+    ]
     return torch.cat(out).view(x.shape)
 
 
