@@ -56,6 +56,11 @@ def write_config(tmp_path, *, gpus=4, layers=2, seq_len=512, global_batch=1,
 
 def target_of(path, world, device="cpu"):
     """What ``usp plan`` plans for ``path`` on one node of ``world`` ranks."""
-    job = load_train_config(path)
+    return target_of_job(load_train_config(path), world, device)
+
+
+def target_of_job(job, world, device="cpu"):
+    """What ``usp plan`` plans for a parsed job of the tiny preset on one node of
+    ``world`` ranks."""
     model = PRESETS["tiny"].replace(**job.model.overrides)
     return Target(job, model, world, world, device)

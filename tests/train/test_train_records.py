@@ -87,6 +87,76 @@ def test_split_drop_and_error():
     assert short.describe() == "no document longer than seq_len(16)"
 
 
+def truncated(doc: Document, seq_len: int) -> tuple[list[Document], LengthReport]:
+    report = LengthReport("truncate", seq_len)
+    return fit_document(doc, report, where="x"), report
+
+
+def test_truncate_keeps_a_completion_that_fits_exactly_among_the_last_tokens():
+    """The boundary: seq_len - 1 trained tokens fit exactly after the kept BOS, so the
+    prompt's start is cut and every trained token stays; one trained token more and the
+    end is cut instead (the first seq_len tokens)."""
+    exact = pair(9, 14)  # 25 tokens; trained: 14 + EOS = 15 = seq_len - 1, indices 10..24
+    (kept,), report = truncated(exact, 16)
+    assert kept.tokens.tolist() == [TOK.bos_id, *exact.tokens[-15:].tolist()]
+    assert kept.target.tolist() == [False] + [True] * 15, "all 15 trained tokens kept"
+    assert (report.cut_start, report.cut_end) == (1, 0)
+    over = pair(9, 15)  # 16 trained tokens: more than seq_len - 1 can hold after the BOS
+    (kept,), report = truncated(over, 16)
+    assert torch.equal(kept.tokens, over.tokens[:16]) and int(kept.target.sum()) == 6
+    assert (report.cut_start, report.cut_end) == (0, 1)
+    # the shortest too-long document: seq_len + 1 tokens, trained from index 2 on (fits)
+    tokens = torch.arange(50, 67)  # 17 tokens
+    target = torch.tensor([False, False] + [True] * 15)
+    (kept,), report = truncated(Document(tokens, target), 16)
+    assert kept.tokens.tolist() == [50, *range(52, 67)] and bool(kept.target[1:].all())
+    assert report.cut_start == 1
+    # trained from index 1 on: 16 trained tokens do not fit, the last one is cut
+    (kept,), report = truncated(Document(tokens, torch.tensor([False] + [True] * 16)), 16)
+    assert kept.tokens.tolist() == list(range(50, 66)) and report.cut_end == 1
+
+
+def test_long_document_boundaries_of_every_policy():
+    """seq_len tokens fit as they are under every policy (the same object, nothing
+    reported); seq_len + 1 is too long: dropped, refused, truncated to seq_len; split cuts
+    pieces of exactly seq_len. A document with no trained token left is dropped by truncate and counted;
+    under 2 tokens is skipped by every policy."""
+    fits = Document(torch.arange(16), torch.ones(16, dtype=torch.bool))
+    longer = Document(torch.arange(17), torch.ones(17, dtype=torch.bool))
+    for policy in ("truncate", "split", "drop", "error"):
+        report = LengthReport(policy, 16)
+        assert fit_document(fits, report, where="x")[0] is fits, policy
+        assert (report.too_long, report.longest) == (0, 0), policy
+    split = LengthReport("split", 16)  # (a 1-token last piece trains nothing: not used here)
+    two_more = Document(torch.arange(18), torch.ones(18, dtype=torch.bool))
+    assert [p.tokens.tolist() for p in fit_document(two_more, split, where="x")] == [
+        list(range(16)),
+        [16, 17],
+    ]
+    assert (split.too_long, split.longest, split.pieces) == (1, 18, 2)
+    twice = Document(torch.arange(32), torch.ones(32, dtype=torch.bool))
+    assert [len(p) for p in fit_document(twice, LengthReport("split", 16), where="x")] == [16, 16]
+    drop = LengthReport("drop", 16)
+    assert fit_document(longer, drop, where="x") == [] and drop.too_long == 1
+    with pytest.raises(
+        DataError, match=r"^y: a document of 17 tokens is longer than seq_len\(16\)"
+    ):
+        fit_document(longer, LengthReport("error", 16), where="y")
+    (kept,), report = truncated(longer, 16)
+    assert kept.tokens.tolist() == list(range(16)) and report.cut_end == 1
+    # no trained token at all (a prompt without completion), too long: nothing to keep
+    untrained = Document(torch.arange(40), torch.zeros(40, dtype=torch.bool))
+    assert truncated(untrained, 16)[0] == []
+    assert truncated(untrained, 16)[1].emptied == 1
+    # only the first token is flagged: it is never predicted (nothing comes before it)
+    first_only = Document(torch.arange(40), torch.tensor([True] + [False] * 39))
+    assert truncated(first_only, 16)[0] == []
+    for policy in ("truncate", "split", "drop", "error"):
+        report = LengthReport(policy, 16)
+        one = Document(torch.tensor([7]), torch.tensor([True]))
+        assert fit_document(one, report, where="x") == [] and report.short == 1, policy
+
+
 def test_policy_from_a_file_names_the_line(tmp_path):
     path = write_jsonl(
         tmp_path / "d.jsonl",

@@ -83,6 +83,26 @@ def padding_problem(plan, attention_mask: torch.Tensor, *, causal: bool) -> str 
     return None
 
 
+def window_problem(plan, local_size, kv_length, kv_offset) -> str | None:
+    """Why a mask of attention limited to ``local_size`` tokens cannot be served, or None.
+
+    transformers' sliding-window and chunked masks (``create_sliding_window_causal_mask``,
+    ``create_chunked_causal_mask``, the bidirectional sliding window) give the mask
+    function ``local_size``; USP attention has no window, so it is exact only when the
+    window holds the whole (global) sequence."""
+    if local_size is None:
+        return None
+    total = (kv_offset + kv_length) * plan.sp_degree
+    if local_size >= total:
+        return None
+    return (
+        f"a mask of attention limited to {local_size} tokens (a sliding-window or chunked "
+        f"attention layer: config.sliding_window / attention_chunk_size) for a sequence of "
+        f"{total} tokens; USP attention computes full causal or bidirectional attention "
+        f"only: give sequences of at most {local_size} tokens or use attn_implementation='sdpa'"
+    )
+
+
 class PaddingSeen:
     """Whether the current forward's 2-D mask had (right) padding, set by the mask
     function before the layers run; the attention function refuses it for a layer
@@ -96,12 +116,19 @@ def padding_mask_function(plan, name: str, seen: PaddingSeen):
     """The mask function registered with attention ``name``: checks the 2-D padding mask
     (once per forward) and returns None, so the layers get no mask. Under SP the ranks
     agree on the verdict, so a refusal is raised on every rank. A mask built with
-    transformers' bidirectional mask function counts as non-causal whatever the config."""
+    transformers' bidirectional mask function counts as non-causal whatever the config.
+    A sliding-window or chunked mask whose window is shorter than the sequence is refused
+    (:func:`window_problem`)."""
     from transformers.masking_utils import bidirectional_mask_function
 
     def usp_padding_mask(*args, attention_mask=None, config=None, mask_function=None, **kwargs):
         problem = None
         seen.padded = False
+        window = window_problem(
+            plan, kwargs.get("local_size"), kwargs.get("kv_length", 0), kwargs.get("kv_offset", 0)
+        )  # the same on every rank (shapes and config): no agreement needed
+        if window is not None:
+            raise HFInputError(_padding_message(name, window))
         if attention_mask is not None:
             causal = bool(getattr(config, "is_causal", True))
             causal = causal and mask_function is not bidirectional_mask_function
