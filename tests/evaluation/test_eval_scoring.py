@@ -116,9 +116,16 @@ def test_passkey_sequences_have_the_length_the_key_and_the_depth():
 
 
 def _fake_checks(scores, prompt):
-    """A passkey trial passes iff its key is even (the schedule and the sums under test)."""
+    """A passkey trial passes iff its key is even (the schedule and the sums under test):
+    SP rank 0 always reports a pass, the others the truth, so only the checks summed
+    over the SP group decide right."""
     passed = int(prompt.key % 2 == 0)
+    if _FAKE_SP_RANK[0] == 0:
+        passed = 1
     return torch.tensor([passed, 1], dtype=torch.int64)
+
+
+_FAKE_SP_RANK = [0]  # set by the body on every rank
 
 
 def _run_checks_on_ranks(ulysses, ring, settings, stream, target, fake_passkey):
@@ -127,6 +134,7 @@ def _run_checks_on_ranks(ulysses, ring, settings, stream, target, fake_passkey):
     plan = usp.Plan(topology(ulysses, ring), verify_calls=False)
     model = tiny_model(plan)
     original = runner.passkey_checks
+    _FAKE_SP_RANK[0] = plan.topology.sp_rank
     if fake_passkey:
         runner.passkey_checks = _fake_checks
     try:

@@ -292,3 +292,16 @@ def test_the_builtin_chart_draws_the_eval_points(tmp_path):
     write_line_chart(tmp_path / "b.png", xs, ys, points=([2, 4], [2.8, 2.4]))
     assert _pixels_of((tmp_path / "a.png").read_bytes(), SECOND) == 0
     assert _pixels_of((tmp_path / "b.png").read_bytes(), SECOND) > 25, "dots, line, legend"
+
+
+def test_usp_topo_checks_the_eval_files_too(tmp_path, capsys):
+    from usp.cli import main
+
+    (tmp_path / "job.toml").write_text(
+        "[cluster]\nnodes = 1\ngpus_per_node = 4\n[parallel]\nulysses = 2\nring = 2\n"
+        '[model]\npreset = "tiny"\n[data]\nsource = "synthetic"\n'
+        "[train]\nsteps = 1\nglobal_batch = 1\nseq_len = 64\n"
+        '[eval]\nfiles = ["held/*.jsonl"]\nevery = 1\n'
+    )
+    assert main(["topo", str(tmp_path / "job.toml")]) == 2
+    assert "[eval] files pattern 'held/*.jsonl' matches no file" in capsys.readouterr().err

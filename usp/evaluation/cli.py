@@ -178,8 +178,19 @@ def evaluate_target(args, job, settings: EvalSettings, user_errors):
         c.num_attention_heads, c.num_key_value_heads, c.attention_head_dim
     )
     plan = Plan.from_config(topology_config, topology="build", verify_calls=False)
+    try:
+        return _evaluate_on_plan(args, job, settings, user_errors, target, plan)
+    except user_errors:
+        plan.topology.destroy()  # raised on every rank alike: they can tear down together
+        raise
+
+
+def _evaluate_on_plan(args, job, settings, user_errors, target, plan):
     error, loaded = None, None
     try:
+        out = output_dir(args, target)
+        if plan.topology.rank == 0:
+            _make_output_dir(out)
         tokenizer = eval_tokenizer(target, job, args.tokenizer)
         stream, target_flags, data = held_out_stream(tokenizer, data=args.data, job=job)
         notes = check_settings(settings, plan, tokenizer, stream.numel())
@@ -198,6 +209,7 @@ def evaluate_target(args, job, settings: EvalSettings, user_errors):
         "ranks": plan.topology.world_size,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "data": f"{data}, {stream.numel()} tokens ({int(target_flags.sum())} carry a loss)",
+        "output": str(out),
         "lengths": list(settings.lengths),
         "buckets": settings.buckets,
         **results,
@@ -223,9 +235,29 @@ def _topology_config(args, job):
     )
 
 
+def output_dir(args, target) -> Path:
+    """``--output``, else ``eval/`` in the training output or the HF directory."""
+    if args.output:
+        return Path(args.output)
+    if target.checkpoint is not None and target.path == target.checkpoint:  # a step_N
+        return target.checkpoint.parent.parent / "eval" / target.checkpoint.name
+    return target.path / "eval"
+
+
+def _make_output_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".usp-eval-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"the output directory {out} is not writable ({err}); choose another with --output"
+        ) from None
+
+
 def _write(report: dict, args) -> None:
-    out = Path(args.output) if args.output else Path(args.target) / "eval"
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(report["output"])
     report["files"] = {"eval.json": str(out / "eval.json"), **write_plots(report, out)}
     (out / "eval.json").write_text(to_json(report))
     if args.json:

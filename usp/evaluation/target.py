@@ -30,7 +30,8 @@ from usp.errors import CheckpointError, DataError, ModelConfigError
 from usp.models import Llama, LlamaConfig
 from usp.train.checkpoint import META_FILE, Checkpointer
 from usp.train.components import model_source
-from usp.train.data import build_tokenizer, read_jsonl, resolve_files, synthetic_documents
+from usp.train.data import build_tokenizer, read_jsonl, synthetic_documents
+from usp.train.evaluate import resolve_held_out
 
 #: the seed offset of generated held-out documents (a synthetic [data] trains on seed s)
 HELD_OUT_SEED_OFFSET = 1_000_003
@@ -167,9 +168,9 @@ def held_out_stream(tokenizer, *, data: list[str] | None = None, job=None):
     ``[eval] files``, else, for a synthetic ``[data]``, freshly generated documents of
     that task (another seed than the training set's). Training files are never used."""
     if data:
-        files = resolve_files(data, Path.cwd(), key="--data")
+        files = resolve_held_out(data, Path.cwd(), "--data")
     elif job is not None and job.eval is not None:
-        files = resolve_files(job.eval.files, job.config_dir, key="[eval] files")
+        files = resolve_held_out(job.eval.files, job.config_dir, "[eval] files")
     elif job is not None and job.data.source == "synthetic":
         d, seed = job.data, job.train.seed + HELD_OUT_SEED_OFFSET
         docs = synthetic_documents(

@@ -126,10 +126,20 @@ def prepare_held_out(job, train_inputs: DataInputs) -> DataInputs | None:
     if job.eval is None:
         return None
     try:
-        files = tuple(resolve_files(job.eval.files, job.config_dir, key="[eval] files"))
+        files = tuple(resolve_held_out(job.eval.files, job.config_dir, "[eval] files"))
     except DataError as err:
         raise job.error(str(err)) from None
     return dataclasses.replace(train_inputs, files=files, shuffle=False, synthetic=None)
+
+
+def resolve_held_out(patterns, base: Path, key: str) -> list[Path]:
+    """Held-out files as :func:`usp.train.data.resolve_files` finds them, with errors
+    that name ``key`` (``[eval] files``, ``--data``) rather than ``[data] files``."""
+    try:
+        return resolve_files(patterns, base, key=key)
+    except DataError as err:
+        text = str(err)
+        raise DataError(text if text.startswith(key) else f"{key}: {text}") from None
 
 
 def overlap_note(inputs: DataInputs, train_inputs: DataInputs) -> str | None:
