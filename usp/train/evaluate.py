@@ -64,16 +64,16 @@ class HeldOut:
         per_replica = self.global_batch // self.dp_degree
         for start in range(0, self.sequences, self.global_batch):
             for offset in range(0, per_replica, self.micro_batch):
-
-                def share(replica: int, start=start, offset=offset) -> range:
-                    first = start + replica * per_replica + offset
-                    return range(first, min(first + self.micro_batch, self.sequences))
-
-                if not any(share(r) for r in range(self.dp_degree)):
+                first = start + offset  # replica r's micro-batch begins r * per_replica later
+                if not any(self._share(first + r * per_replica) for r in range(self.dp_degree)):
                     continue
-                mine = share(self.dp_rank)
+                mine = self._share(first + self.dp_rank * per_replica)
                 rows = [self.dataset.sequence(i) for i in mine] or [self._padding_row()]
                 yield micro_batch_of(rows)  # the loader's own concatenation and shift
+
+    def _share(self, first: int) -> range:
+        """The eval sequences of the micro-batch that begins at ``first`` (maybe none)."""
+        return range(first, min(first + self.micro_batch, self.sequences))
 
     def _padding_row(self) -> PackedRow:
         n = self.dataset.seq_len
