@@ -220,3 +220,17 @@ def test_flag_values_are_checked(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["eval", *argv])
         assert message in capsys.readouterr().err
+
+
+def test_without_matplotlib_the_plots_are_skipped_with_the_reason(
+    one_process, monkeypatch, tmp_path
+):
+    from usp.evaluation.report import write_plots
+
+    report, _ = one_process["checkpoint"]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    files = write_plots(report, tmp_path)
+    assert set(files) == {"perplexity.png", "passkey.png"}
+    assert all(v == "skipped: matplotlib is not installed (pip install matplotlib, or usp[plot])"
+               for v in files.values()), files  # fmt: skip
+    assert not list(tmp_path.iterdir())
