@@ -12,6 +12,7 @@ import argparse
 
 from usp.cli.topo import add_parser as add_topo_parser
 from usp.cli.train import add_parser as add_train_parser
+from usp.evaluation.cli import add_parser as add_eval_parser
 from usp.planner.cli import add_parser as add_plan_parser
 
 # New subcommands: import their add_parser above and append it here.
@@ -19,6 +20,7 @@ SUBCOMMANDS = (
     add_topo_parser,
     add_train_parser,
     add_plan_parser,
+    add_eval_parser,
 )
 
 

@@ -26,6 +26,11 @@ A training config is a TOML file::
     seq_len = 1024
     ...
 
+    [eval]                        # optional: a held-out loss during training
+    files = ["heldout.jsonl"]     # formats as [data] files; tokenised and packed the same way
+    every = 50                    # steps between evaluations (and after the last step)
+    # max_batches = 4             # at most this many batches of global_batch sequences
+
 ``[cluster]``, ``[parallel]`` and ``[attention]`` go to :func:`usp.config.config_from_dict`
 (with the model's head counts as its ``[model]``, so ``ulysses = "auto"`` and the head
 checks see the real model: :func:`usp.train.components.topology_config`). Here
@@ -70,6 +75,7 @@ from usp.models.rope_config import POSITION_FIELDS
 
 TOPOLOGY_SECTIONS = ("cluster", "parallel", "attention")
 TRAIN_SECTIONS = ("model", "data", "train")
+OPTIONAL_SECTIONS = ("eval",)
 DATA_SOURCES = ("jsonl", "synthetic")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -252,9 +258,45 @@ class TrainSection:
         _bool(s, "compile", self.compile)
 
 
-_SECTIONS: dict[str, type] = {"model": ModelSection, "data": DataSection, "train": TrainSection}
+@dataclass(frozen=True)
+class EvalSection:
+    """A held-out loss during training (:mod:`usp.train.evaluate`): the documents of
+    ``files`` (the formats of ``[data] files``) go through the training data's tokenizer,
+    ``long_documents`` policy and packing (in file order, not shuffled) and are never
+    trained on; every ``every`` optimizer steps, and after the last one, the mean loss
+    over all their label tokens is computed (forward only) and written to
+    ``metrics.jsonl``. ``max_batches``: evaluate only the first N batches of
+    ``[train] global_batch`` packed sequences (None: all of them)."""
+
+    files: tuple[str, ...]
+    every: int
+    max_batches: int | None = None
+
+    def __post_init__(self) -> None:
+        files = (self.files,) if isinstance(self.files, str) else self.files
+        if not (
+            isinstance(files, (list, tuple)) and files and all(isinstance(f, str) for f in files)
+        ):
+            _fail("eval", "files", "a path or a non-empty list of paths", self.files)
+        object.__setattr__(self, "files", tuple(files))
+        _int("eval", "every", self.every, minimum=1)
+        if self.max_batches is not None:
+            _int("eval", "max_batches", self.max_batches, minimum=1)
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether an evaluation follows optimizer step ``step`` of a run of ``last_step``."""
+        return step % self.every == 0 or step == last_step
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "data": DataSection,
+    "train": TrainSection,
+    "eval": EvalSection,
+}
 # Overrides (command-line flags, keyword arguments): every key of the topology sections,
-# [data] and [train]; the model is named in the file.
+# [data] and [train]; the model is named in the file. ([eval] is not among the flat names:
+# its ``files`` would make [data]'s ambiguous.)
 OVERRIDE_KEYS: dict[str, str] = override_keys(
     {
         **{name: TOPOLOGY_SCHEMA[name] for name in TOPOLOGY_SECTIONS},
@@ -273,6 +315,7 @@ class TrainJobConfig:
     model: ModelSection
     data: DataSection
     train: TrainSection
+    eval: EvalSection | None = None  # None: no [eval] section, no held-out loss
     source: str | None = None
     #: the TOML structure as written, with the applied overrides
     tables: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -346,11 +389,13 @@ def train_config_from_dict(
     """Build a :class:`TrainJobConfig` from the TOML structure (a dict of sections)."""
     try:
         data = apply_overrides(data, overrides, OVERRIDE_KEYS)
-        unknown = [name for name in data if name not in TOPOLOGY_SECTIONS + TRAIN_SECTIONS]
+        known = TOPOLOGY_SECTIONS + TRAIN_SECTIONS + OPTIONAL_SECTIONS
+        unknown = [name for name in data if name not in known]
         if unknown:
-            expected = ", ".join(f"[{s}]" for s in TOPOLOGY_SECTIONS + TRAIN_SECTIONS)
+            expected = ", ".join(f"[{s}]" for s in known)
             raise ConfigError(f"unknown section [{unknown[0]}]; expected {expected}")
         sections = {name: _section(name, data) for name in TRAIN_SECTIONS}
+        sections.update({name: _section(name, data) for name in OPTIONAL_SECTIONS if name in data})
     except ConfigError as e:
         raise ConfigError(located(source, str(e))) from None
     # The topology's [model] (head counts, checked against the Ulysses degree) comes from

@@ -1,5 +1,6 @@
 """What a run shows while it runs and leaves behind: a progress display on rank 0,
-``metrics.jsonl`` (one JSON object per optimizer step) and ``loss.png``.
+``metrics.jsonl`` (one JSON object per optimizer step, and one per ``[eval]`` evaluation,
+told apart by its ``eval_loss``) and ``loss.png``.
 
 tqdm, rich and matplotlib are optional and imported lazily: without them the progress is
 printed as plain lines and the plot is drawn by :mod:`usp.train.png_chart` (standard
@@ -124,8 +125,13 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def summary(row: dict[str, Any]) -> str:
-    """The short form of one step's metrics shown by the progress display."""
+def _number(value: Any, spec: str) -> str:
+    return "nan" if value is None else format(value, spec)  # null in a row: non-finite
+
+
+def summary(row: dict[str, Any], evaluation: dict[str, Any] | None = None) -> str:
+    """The short form of one step's metrics shown by the progress display, with the
+    latest ``evaluation`` row's loss."""
     parts = [f"loss {row['loss']:.4f}", f"grad_norm {row['grad_norm']:.3g}"]
     if row.get("skipped"):
         parts.append("SKIPPED (non-finite: the update was not applied)")
@@ -135,7 +141,18 @@ def summary(row: dict[str, Any]) -> str:
         parts.append(f"mfu {100 * row['mfu']:.1f}%")
     if "peak_memory_gib" in row:
         parts.append(f"mem {row['peak_memory_gib']:.1f}GiB")
+    if evaluation is not None:
+        parts.append(f"eval_loss {_number(evaluation['eval_loss'], '.4f')}@{evaluation['step']}")
     return "  ".join(parts)
+
+
+def eval_summary(row: dict[str, Any]) -> str:
+    """The line an ``[eval]`` evaluation prints."""
+    return (
+        f"eval after step {row['step']}: eval_loss {_number(row['eval_loss'], '.4f')} "
+        f"(perplexity {_number(row['eval_perplexity'], '.4g')}) over {row['eval_tokens']:,} "
+        f"label tokens in {row['eval_sequences']} sequences, {row['eval_time_s']:.1f} s"
+    )
 
 
 class Progress:
@@ -148,6 +165,7 @@ class Progress:
         self._start_time, self._start_step = time.perf_counter(), start
         self._bar = None
         self._rich = None
+        self._evaluation: dict[str, Any] | None = None  # the latest [eval] row
         if self.stream.isatty():
             self._bar = _tqdm_bar(total, start, self.stream)
             if self._bar is None:
@@ -162,18 +180,30 @@ class Progress:
 
     def update(self, row: dict[str, Any]) -> None:
         step = row["step"]
+        line = summary(row, self._evaluation)
         if self._bar is not None:
-            self._bar.set_postfix_str(summary(row), refresh=False)
+            self._bar.set_postfix_str(line, refresh=False)
             self._bar.update(1)
         elif self._rich is not None:
             progress, task = self._rich
-            progress.update(task, advance=1, description=summary(row))
+            progress.update(task, advance=1, description=line)
         elif step % self.log_interval == 0 or step == self.total:
             print(
-                f"step {step}/{self.total}  {summary(row)}  eta {_duration(self.eta(step))}",
+                f"step {step}/{self.total}  {line}  eta {_duration(self.eta(step))}",
                 file=self.stream,
                 flush=True,
             )
+
+    def evaluation(self, row: dict[str, Any]) -> None:
+        """An ``[eval]`` row: one line now; its loss joins the later progress lines."""
+        self._evaluation = row
+        line = eval_summary(row)
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)
+        elif self._rich is not None:
+            self._rich[0].console.print(line, highlight=False, markup=False)
+        else:
+            print(line, file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -210,15 +240,18 @@ def _rich_progress(total: int, start: int, stream: TextIO):
 
 # ----------------------------------------------------------------------------- plot
 def plot_loss(metrics_path: Path, png_path: Path) -> str | None:
-    """Write the loss curve (matplotlib when installed, else the built-in PNG chart);
-    returns None on success, else why it was not written."""
+    """Write the loss curve, with the ``[eval]`` losses as points on a second line
+    (matplotlib when installed, else the built-in PNG chart); returns None on success,
+    else why it was not written."""
     rows = read_metrics(metrics_path) if metrics_path.exists() else []
     if not rows:
         return "no steps were logged"
+    evals = [r for r in rows if isinstance(r.get("eval_loss"), (int, float))]
     rows = [r for r in rows if isinstance(r.get("loss"), (int, float))]  # null: non-finite
     if not rows:
         return "no finite loss was logged"
     steps, losses = [r["step"] for r in rows], [r["loss"] for r in rows]
+    eval_points = ([r["step"] for r in evals], [r["eval_loss"] for r in evals])
     try:
         import matplotlib
 
@@ -227,10 +260,13 @@ def plot_loss(metrics_path: Path, png_path: Path) -> str | None:
     except ImportError:
         from usp.train.png_chart import write_line_chart
 
-        write_line_chart(png_path, steps, losses)
+        write_line_chart(png_path, steps, losses, points=eval_points if evals else None)
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, losses, linewidth=1.2)
+    ax.plot(steps, losses, linewidth=1.2, label="training loss")
+    if evals:
+        ax.plot(*eval_points, "o-", markersize=4, linewidth=1.0, label="eval loss ([eval])")
+        ax.legend()
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (mean over label tokens)")
     ax.set_title(metrics_path.parent.name)

@@ -4,6 +4,7 @@
 matplotlib (tens of MB) is not installed. This draws one line chart (axes, grid, tick
 labels, the curve) into an RGB buffer and encodes it (zlib + the PNG chunk format).
 Labels use a 3x5 pixel font that knows digits, ``. - +`` and the letters of its labels.
+A second series (the ``[eval]`` losses) is drawn as dots joined by a thinner line.
 """
 
 from __future__ import annotations
@@ -30,16 +31,22 @@ _GLYPHS = {
     "-": ("...", "...", "###", "...", "..."),
     "+": ("...", ".#.", "###", ".#.", "..."),
     " ": ("...", "...", "...", "...", "..."),
+    "a": ("...", "##.", "..#", "###", "###"),
     "e": ("...", "###", "###", "#..", "###"),
+    "i": (".#.", "...", ".#.", ".#.", ".#."),
     "l": ("#..", "#..", "#..", "#..", "###"),
+    "n": ("...", "##.", "#.#", "#.#", "#.#"),
     "o": ("...", "###", "#.#", "#.#", "###"),
     "p": ("...", "###", "#.#", "###", "#.."),
+    "r": ("...", "###", "#..", "#..", "#.."),
     "s": ("...", "###", "##.", ".##", "###"),
     "t": (".#.", "###", ".#.", ".#.", ".##"),
+    "v": ("...", "#.#", "#.#", "#.#", ".#."),
 }
 _SCALE = 2  # font pixels per glyph pixel
 
 WHITE, BLACK, GRID, LINE = (255, 255, 255), (40, 40, 40), (225, 225, 225), (31, 119, 180)
+SECOND = (255, 127, 14)  # the second series (eval losses)
 
 
 class _Canvas:
@@ -125,15 +132,26 @@ def _label(value: float) -> str:
 
 
 def write_line_chart(
-    path: Path, xs: Sequence[float], ys: Sequence[float], *, width: int = 720, height: int = 420
+    path: Path,
+    xs: Sequence[float],
+    ys: Sequence[float],
+    *,
+    points: tuple[Sequence[float], Sequence[float]] | None = None,
+    width: int = 720,
+    height: int = 420,
 ) -> None:
-    """A PNG line chart of ``ys`` against ``xs`` (x axis "step", y axis "loss")."""
+    """A PNG line chart of ``ys`` against ``xs`` (x axis "step", y axis "loss");
+    ``points``: a second series ``(xs, ys)`` (dots, labelled "eval" against "train")."""
     if not xs or len(xs) != len(ys):
         raise ValueError("write_line_chart needs as many x as y values, at least one")
+    second_x, second_y = points if points is not None else ((), ())
+    if len(second_x) != len(second_y):
+        raise ValueError("write_line_chart's points need as many x as y values")
+    finite_second = [y for y in second_y if math.isfinite(y)]
     left, right, top, bottom = 70, 20, 20, 50
     canvas = _Canvas(width, height)
-    x_low, x_high = min(xs), max(xs)
-    y_low, y_high = min(ys), max(ys)
+    x_low, x_high = min([*xs, *second_x]), max([*xs, *second_x])
+    y_low, y_high = min([*ys, *finite_second]), max([*ys, *finite_second])
     if x_high == x_low:
         x_low, x_high = x_low - 1, x_high + 1
     pad = (y_high - y_low) * 0.05 or abs(y_high) * 0.05 or 1.0
@@ -158,9 +176,20 @@ def write_line_chart(
     canvas.line(left, top + plot_h - 1, left + plot_w - 1, top + plot_h - 1, BLACK)
     canvas.text(left + plot_w // 2 - text_width("step") // 2, height - 18, "step")
     canvas.text(8, top, "loss")
-    points = [(px(x), py(y)) for x, y in zip(xs, ys) if math.isfinite(y)]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+    curve = [(px(x), py(y)) for x, y in zip(xs, ys) if math.isfinite(y)]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
         canvas.line(x0, y0, x1, y1, LINE, width=2)
-    if len(points) == 1:
-        canvas.line(*points[0], *points[0], LINE, width=3)
+    if len(curve) == 1:
+        canvas.line(*curve[0], *curve[0], LINE, width=3)
+    if points is not None:
+        dots = [(px(x), py(y)) for x, y in zip(second_x, second_y) if math.isfinite(y)]
+        for (x0, y0), (x1, y1) in zip(dots, dots[1:]):
+            canvas.line(x0, y0, x1, y1, SECOND)
+        for x, y in dots:
+            canvas.line(x - 2, y - 2, x - 2, y - 2, SECOND, width=5)  # a 5x5 dot
+        legend_x = left + plot_w - 8 - text_width("train") - 16
+        for row, (name, color) in enumerate((("train", LINE), ("eval", SECOND))):
+            y = top + 8 + 14 * row
+            canvas.line(legend_x, y + 4, legend_x + 10, y + 4, color, width=2)
+            canvas.text(legend_x + 14, y, name)
     Path(path).write_bytes(canvas.png())

@@ -40,6 +40,7 @@ from usp.train.checkpoint import (
 )
 from usp.train.config import AUTO, TrainJobConfig
 from usp.train.data import DataLoader, StepBatch
+from usp.train.evaluate import evaluate, load_held_out, prepare_held_out
 from usp.train.guard import (
     StopSignal,
     TrainingDivergedError,
@@ -71,6 +72,7 @@ class TrainResult:
 
     output_dir: Path
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    evaluations: list[dict[str, Any]] = field(default_factory=list)  # this run's [eval] rows
     start_step: int = 0
     checkpoint: Path | None = None
     export_dir: Path | None = None
@@ -142,7 +144,9 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
     topology = plan.topology
     rank0 = _rank0(plan)
     distributed = topology is not None and dist.is_initialized()
-    device, source, dataset, checkpointer, candidates, resume_note = setup
+    device, source, dataset, checkpointer, candidates, resume_note, eval_inputs = setup
+    # [eval] (None without it): its own documents, never trained (usp.train.evaluate)
+    held_out = load_held_out(job, eval_inputs, dataset, topology=topology, cache_root=out / "cache")
     dataset = components.load_dataset(job, dataset, topology=topology, cache_root=out / "cache")
 
     model = components.build_model(job, source, plan)
@@ -179,6 +183,8 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
     result = TrainResult(out, start_step=state.step)
     if rank0:
         print_header(job, plan, source, dataset, model, state, newest, stream)
+        for line in held_out.summary(job.eval.every) if held_out is not None else []:
+            print(f"  eval:  {line}", file=stream, flush=True)
         for note in [lock.note if lock else None, resume_note]:
             if note:
                 print(f"  note: {note}", file=stream, flush=True)
@@ -230,6 +236,13 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
             if writer is not None:
                 writer.write(row)
                 progress.update(row)
+            if held_out is not None and job.eval.due(step, job.train.steps):
+                with collective_phase(f"the evaluation after step {step}", timeout):
+                    evaluated = evaluate(model, plan, held_out, device).row(step)
+                result.evaluations.append(evaluated)
+                if writer is not None:
+                    writer.write(evaluated)
+                    progress.evaluation(evaluated)
             if len(skipped) > job.train.max_skipped_steps:
                 raise TrainingDivergedError(
                     diverged_message(job, step, loss, grad_norm, skipped, checkpointer)
@@ -307,6 +320,7 @@ def _setup(job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed: b
     dp = 1 if plan.topology is None else plan.topology.dp_degree
     job.gradient_accumulation(dp)  # checks the batch arithmetic
     dataset = components.prepare_data(job, source, document_multiple)  # tokenised in _run
+    eval_inputs = prepare_held_out(job, dataset)  # [eval]: None without it
     rank0 = _rank0(plan)
     record = run_record(job, source.config, document_multiple, dataset.files) if rank0 else None
     checkpointer = Checkpointer(
@@ -342,7 +356,7 @@ def _setup(job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed: b
             f"[train] dtype = {job.train.dtype!r}: a single process without a topology runs in "
             "float32; launch with torchrun for mixed precision"
         )
-    return device, source, dataset, checkpointer, candidates, note
+    return device, source, dataset, checkpointer, candidates, note, eval_inputs
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

@@ -153,10 +153,10 @@ def _text(record: dict, key: str, where: str) -> str:
 
 
 # ----------------------------------------------------------------------------- files
-def resolve_files(patterns: Sequence[str], base: Path) -> list[Path]:
-    """``[data] files`` as paths: relative ones to ``base`` (the config's directory); a
-    pattern with ``*``, ``?`` or ``[`` is a glob (``**`` recursive), expanded sorted, and
-    must match at least one file."""
+def resolve_files(patterns: Sequence[str], base: Path, *, key: str = "[data] files") -> list[Path]:
+    """``[data] files`` (or another ``key``'s) as paths: relative ones to ``base`` (the
+    config's directory); a pattern with ``*``, ``?`` or ``[`` is a glob (``**``
+    recursive), expanded sorted, and must match at least one file."""
     paths: list[Path] = []
     seen: dict[Path, str] = {}
     for pattern in patterns:
@@ -166,7 +166,7 @@ def resolve_files(patterns: Sequence[str], base: Path) -> list[Path]:
             matches = [Path(p) for p in sorted(glob.glob(str(full), recursive=True))]
             matches = [p for p in matches if not p.is_dir()]
             if not matches:
-                raise DataError(f"[data] files pattern {pattern!r} matches no file ({full})")
+                raise DataError(f"{key} pattern {pattern!r} matches no file ({full})")
         else:
             if full.is_dir():
                 raise DataError(

@@ -1,0 +1,236 @@
+"""``usp eval`` on what ``usp train`` leaves: the training output (its newest DCP
+checkpoint) and the HF export, as one process (the command itself, in-process) and on 4
+gloo ranks (the same set-up, agreement and checks on the harness's ranks): the same
+perplexities and passkey accuracies; failures are one clear error on every rank."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import string
+import sys
+
+import pytest
+import torch
+
+from usp.cli import build_parser, main
+from usp.evaluation.cli import evaluate_target, prepare
+from usp.train.config import load_train_config
+from usp.train.trainer import train, user_errors
+
+TIMEOUT = 180
+
+CONFIG = """
+[cluster]
+nodes = 1
+gpus_per_node = "auto"
+
+[parallel]
+ulysses = "auto"
+ring = "auto"
+
+[model]
+preset = "tiny"
+
+[data]
+source = "synthetic"
+synthetic_documents = 32
+synthetic_length = 24
+document_multiple = 8
+
+[train]
+steps = 2
+global_batch = 2
+seq_len = 64
+lr = 3e-3
+export = true
+
+[eval]
+files = ["held.jsonl"]
+every = 2
+"""
+
+FLAGS = ["--lengths", "192,256", "--passkey", "--trials", "2", "--depths", "0,0.5,1"]
+FLAGS += ["--buckets", "4", "--windows", "2", "--seed", "7", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step run in one process: checkpoints/step_000002 and hf/."""
+    tmp = tmp_path_factory.mktemp("trained")
+    rng = random.Random(5)
+    texts = ["".join(rng.choices(string.ascii_lowercase + " .", k=200)) for _ in range(4)]
+    (tmp / "held.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (tmp / "job.toml").write_text(CONFIG)
+    out = tmp / "run"
+    train(load_train_config(tmp / "job.toml"), None, output_dir=out, stream=io.StringIO())
+    assert (out / "checkpoints" / "step_000002").is_dir() and (out / "hf").is_dir()
+    return tmp, out
+
+
+def _targets(tmp, out) -> dict[str, list[str]]:
+    """The demo's two outputs as usp eval sees them (the HF export without a config)."""
+    config = str(tmp / "job.toml")
+    return {
+        "checkpoint": [str(out), "--config", config],
+        "hf": [str(out / "hf"), "--tokenizer", "byte", "--data", str(tmp / "held.jsonl")],
+    }
+
+
+def _usp_eval(argv) -> int:
+    """The command in this process (a world of 1)."""
+    threads = torch.get_num_threads()
+    try:
+        return main(["eval", *argv])
+    finally:
+        torch.set_num_threads(threads)  # the command shares the machine's cores out
+
+
+@pytest.fixture(scope="module")
+def one_process(trained, tmp_path_factory):
+    """``usp eval ... --json`` in this process on both targets: (report, output dir)."""
+    tmp, out = trained
+    reports = {}
+    for name, argv in _targets(tmp, out).items():
+        where = tmp_path_factory.mktemp(f"eval_{name}")
+        stdout, saved = io.StringIO(), sys.stdout  # module scope: no capsys
+        sys.stdout = stdout
+        try:
+            status = _usp_eval([*argv, *FLAGS, "--json", "--output", str(where)])
+        finally:
+            sys.stdout = saved
+        assert status == 0
+        reports[name] = (json.loads(stdout.getvalue()), where)
+    return reports
+
+
+def test_json_has_lengths_perplexity_by_bucket_and_passkey_by_depth(one_process):
+    report, where = one_process["checkpoint"]
+    assert "step_000002" in report["target"] and report["ranks"] == 1
+    assert report["lengths"] == [192, 256]
+    for length in ("192", "256"):
+        ppl = report["perplexity"][length]
+        assert ppl["bucket_starts"] == [0, int(length) // 4, int(length) // 2, 3 * int(length) // 4]
+        assert len(ppl["values"]) == 4 and all(v > 1 for v in ppl["values"])
+        assert set(report["passkey"][length]) == {"0", "0.5", "1"}
+        assert all(0 <= a <= 1 for a in report["passkey"][length].values())
+    assert report["perplexity"]["256"]["windows"] == 2 and report["passkey_trials"] == 2
+    assert json.loads((where / "eval.json").read_text())["perplexity"] == report["perplexity"]
+    plots = report["files"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert plots["passkey.png"].startswith("skipped: matplotlib is not installed"), plots
+    else:
+        assert (where / "passkey.png").stat().st_size > 0
+        assert (where / "perplexity.png").stat().st_size > 0
+
+
+def test_the_hf_export_gives_the_checkpoints_results(one_process):
+    # the export is float32 on CPU; --data names the [eval] file, --tokenizer the bytes
+    (a, _), (b, _) = one_process["checkpoint"], one_process["hf"]
+    assert a["perplexity"] == b["perplexity"] and a["passkey"] == b["passkey"]
+
+
+def _evaluate_on_ranks(argv):
+    args = build_parser().parse_args(["eval", *argv])
+    settings, job, _ = prepare(args)
+    report, plan = evaluate_target(args, job, settings, user_errors())
+    plan.topology.destroy()
+    return report
+
+
+def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
+    for length, ours in a["perplexity"].items():
+        theirs = b["perplexity"][length]
+        assert ours["tokens"] == theirs["tokens"] and ours["windows"] == theirs["windows"]
+        for x, y in zip(ours["values"] + [ours["overall"]], theirs["values"] + [theirs["overall"]]):
+            assert abs(x - y) <= tol * y, (length, x, y)
+    assert a["passkey"] == b["passkey"]
+
+
+@pytest.mark.parametrize("target", ["checkpoint", "hf"])
+def test_4_ranks_give_the_one_process_results(trained, one_process, distributed, target):
+    tmp, out = trained
+    argv = [*_targets(tmp, out)[target], *FLAGS, "--device", "cpu"]
+    if target == "hf":
+        argv += ["--ulysses", "1", "--ring", "2", "--dp", "2"]  # 2 replicas of sp 2
+    else:
+        argv += ["--ulysses", "2", "--ring", "2"]  # over the config's "auto"
+    reports = distributed.run(_evaluate_on_ranks, argv, world_size=4, timeout=TIMEOUT)
+    assert all(r["perplexity"] == reports[0]["perplexity"] for r in reports)
+    assert all(r["passkey"] == reports[0]["passkey"] for r in reports)
+    assert reports[0]["ranks"] == 4
+    grid = "dp 0/2, ring 0/2, ulysses 0/1" if target == "hf" else "dp 0/1, ring 0/2, ulysses 0/2"
+    assert grid in reports[0]["plan"], reports[0]["plan"]
+    _close(reports[0], one_process[target][0])
+
+
+def _error_on_ranks(argv_of_rank):
+    import torch.distributed as dist
+
+    args = build_parser().parse_args(["eval", *argv_of_rank[dist.get_rank()]])
+    settings, job, _ = prepare(args)
+    try:
+        evaluate_target(args, job, settings, user_errors())
+    except user_errors() as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def test_data_missing_on_one_rank_is_one_error_everywhere(trained, distributed):
+    tmp, out = trained
+    argv = [str(out / "hf"), "--tokenizer", "byte", "--lengths", "64"]
+    per_rank = [argv + ["--data", str(tmp / ("gone.jsonl" if r == 2 else "held.jsonl"))]
+                for r in range(4)]  # fmt: skip
+    messages = distributed.run(_error_on_ranks, per_rank, world_size=4, timeout=60)
+    assert all(m == messages[0] for m in messages), messages
+    assert "usp eval set-up failed on rank 2 of 4" in messages[0], messages[0]
+    assert "gone.jsonl does not exist" in messages[0], messages[0]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["{tmp}/held.jsonl", "--lengths", "64"], "is not a directory"),
+        (["{out}", "--lengths", "64"], "pass --config with the training config"),
+        (["{out}/hf", "--tokenizer", "byte", "--lengths", "64"], "needs held-out documents"),
+        (["{out}/hf", "--lengths", "64", "--data", "{tmp}/held.jsonl"], "--tokenizer byte|PATH"),
+        (["{out}", "--config", "{tmp}/job.toml", "--lengths", "63"], "not a multiple of 2"),
+        (["{out}", "--config", "{tmp}/job.toml", "--lengths", "2000"], "fewer than one window"),
+        (["{out}", "--config", "{tmp}/job.toml", "--lengths", "96", "--passkey"], "at least 163"),
+    ],
+)
+def test_errors_say_what_to_give(trained, capsys, argv, message):
+    tmp, out = trained
+    argv = [a.format(tmp=tmp, out=out) for a in argv]
+    status = _usp_eval(argv)
+    stderr = capsys.readouterr().err
+    assert status == 2 and message in stderr, stderr
+    assert stderr.count("\n") == 1, "one line, no traceback"
+
+
+def test_flag_values_are_checked(capsys):
+    for argv, message in [
+        (["x", "--lengths", "4096,abc"], "comma-separated integers"),
+        (["x", "--lengths", "4096", "--depths", "0,2"], "numbers in [0, 1]"),
+        (["x", "--lengths", "4096", "--trials", "0"], "expected an integer >= 1"),
+    ]:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["eval", *argv])
+        assert message in capsys.readouterr().err
+
+
+def test_without_matplotlib_the_plots_are_skipped_with_the_reason(
+    one_process, monkeypatch, tmp_path
+):
+    from usp.evaluation.report import write_plots
+
+    report, _ = one_process["checkpoint"]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    files = write_plots(report, tmp_path)
+    assert set(files) == {"perplexity.png", "passkey.png"}
+    assert all(v == "skipped: matplotlib is not installed (pip install matplotlib, or usp[plot])"
+               for v in files.values()), files  # fmt: skip
+    assert not list(tmp_path.iterdir())

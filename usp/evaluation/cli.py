@@ -1,0 +1,267 @@
+"""``usp eval TARGET --lengths 4096,16384 [--passkey] [--json]``: the long-context check
+of a trained model, forward only, in one process or under torchrun (lengths beyond one
+device: every rank holds the model, the sequence is split over ulysses x ring).
+
+    torchrun --nproc-per-node 4 -m usp eval runs/cpu_finetune --config examples/configs/cpu_finetune.toml --lengths 256,1024 --passkey
+
+Set-up (resolving TARGET, the tokenizer, the held-out data, the lengths, the weights)
+runs on every rank and ends in an agreement, so an error on one rank is the same error
+on every rank (exit status 2, printed once per node). Rank 0 writes ``eval.json`` (and
+the plots) into ``--output`` (default ``TARGET/eval``) and prints the table, or the JSON
+with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from usp.cli.args import int_or_auto, positive_int
+from usp.comm.agreement import agree
+from usp.config import AUTO, ConfigError, config_from_dict
+from usp.evaluation.report import table, to_json, write_plots
+from usp.evaluation.runner import DEFAULT_DEPTHS, EvalSettings, check_settings, run_checks
+from usp.evaluation.target import eval_tokenizer, held_out_stream, load_model, resolve_target
+from usp.plan import Plan
+from usp.train.cli import _init_process_group, _teardown  # usp train's, shared
+from usp.train.components import DTYPES, default_compute_dtype
+from usp.train.config import load_train_config
+from usp.train.trainer import user_errors as user_error_kinds
+
+EXIT_DONE, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers (e.g. 4096,16384), got {text!r}"
+        ) from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _depth_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers in [0, 1] (e.g. 0,0.5,1), got {text!r}"
+        ) from None
+    if not values or any(not 0 <= v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers in [0, 1], got {text!r}")
+    return values
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``eval`` on the ``usp`` command line (``set_defaults(run=run)``)."""
+    p = subparsers.add_parser(
+        "eval",
+        help="long-context check of a trained model: perplexity by position, passkey retrieval",
+        description="Forward-only evaluation of a training output directory (its newest "
+        "checkpoint) or an HF model directory at several sequence lengths, under torchrun "
+        "for lengths beyond one device: torchrun --nproc-per-node N -m usp eval TARGET ...",
+    )
+    p.add_argument("target", help="training output directory, one checkpoint, or HF directory")
+    p.add_argument("--config", help="the training config (required for a training output)")
+    p.add_argument(
+        "--data", nargs="+", metavar="FILE", help="held-out JSONL files (default: [eval] files)"
+    )
+    p.add_argument("--lengths", type=_int_list, required=True, help="e.g. 4096,16384")
+    p.add_argument("--passkey", action="store_true", help="also run passkey retrieval")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--buckets", type=positive_int, default=8, help="position buckets (8)")
+    p.add_argument("--windows", type=positive_int, default=4, help="windows per length (4)")
+    p.add_argument(
+        "--depths", type=_depth_list, default=DEFAULT_DEPTHS, help="passkey depths (0,.25,...,1)"
+    )
+    p.add_argument("--trials", type=positive_int, default=4, help="passkeys per cell (4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the passkeys (0)")
+    p.add_argument("--tokenizer", help='"byte" or a tokenizer.json (default: the model\'s)')
+    p.add_argument("--output", help="where eval.json and the plots go (default: TARGET/eval)")
+    p.add_argument("--ulysses", type=int_or_auto, help='Ulysses degree, int or "auto"')
+    p.add_argument("--ring", type=int_or_auto, help='ring degree, int or "auto"')
+    p.add_argument("--dp", type=int_or_auto, help="replicas sharing the sequences (default 1)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default=AUTO, help="bf16 on CUDA")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``usp eval`` command; returns the exit status."""
+    try:
+        settings, job, device = prepare(args)
+    except ConfigError as err:
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print(f"usp eval: error: {err}", file=sys.stderr)
+        return EXIT_USER
+    user_errors = user_error_kinds()
+    topology, synchronised = None, True
+    try:
+        timeout = job.train.collective_timeout_s if job is not None else 600.0
+        _init_process_group(device, timeout)
+        report, plan = evaluate_target(args, job, settings, user_errors)
+        topology = plan.topology
+        if topology.rank == 0:
+            _write(report, args)
+        return EXIT_DONE
+    except KeyboardInterrupt:
+        synchronised = False
+        raise
+    except Exception as err:  # noqa: BLE001 - report, then exit with a status
+        synchronised = isinstance(err, user_errors)
+        if not synchronised or int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            prefix = f"usp eval [rank {os.environ.get('RANK', 0)}]: error: "
+            text = str(err) if synchronised else "".join(traceback.format_exception(err))
+            print(prefix + text, file=sys.stderr, flush=True)
+        return EXIT_USER if synchronised else EXIT_INTERNAL
+    finally:
+        if synchronised:
+            _teardown(topology)
+
+
+def prepare(args: argparse.Namespace):
+    """``(settings, job, device type)`` from the flags (no process group yet); a
+    :class:`ConfigError` for a bad flag or config."""
+    settings = EvalSettings(
+        tuple(args.lengths),
+        buckets=args.buckets,
+        windows=args.windows,
+        passkey=args.passkey,
+        depths=tuple(args.depths),
+        trials=args.trials,
+        seed=args.seed,
+    )
+    job = _job(args)
+    return settings, job, _device(args, job)
+
+
+def _job(args):
+    if args.config is None:
+        return None
+    return load_train_config(
+        args.config, ulysses=args.ulysses, ring=args.ring, dp=args.dp, device=args.device
+    )
+
+
+def _device(args, job) -> str:
+    wanted = args.device or (job.train.device if job is not None else AUTO)
+    if wanted == AUTO:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "the device is cuda (--device or [train] device) but CUDA is not available"
+        )
+    return wanted
+
+
+def evaluate_target(args, job, settings: EvalSettings, user_errors):
+    """Every rank: resolve, agree, build the plan, load, agree, run the checks. Returns
+    ``(report, plan)``; the report is the same on every rank."""
+    error, target = None, None
+    try:
+        target = resolve_target(args.target, job)
+    except user_errors as err:
+        error = err
+    agree(dist.group.WORLD, "usp eval: reading TARGET", [], error, user_errors)
+    c = target.config
+    topology_config = _topology_config(args, job).with_heads(
+        c.num_attention_heads, c.num_key_value_heads, c.attention_head_dim
+    )
+    plan = Plan.from_config(topology_config, topology="build", verify_calls=False)
+    try:
+        return _evaluate_on_plan(args, job, settings, user_errors, target, plan)
+    except user_errors:
+        plan.topology.destroy()  # raised on every rank alike: they can tear down together
+        raise
+
+
+def _evaluate_on_plan(args, job, settings, user_errors, target, plan):
+    error, loaded = None, None
+    try:
+        out = output_dir(args, target)
+        if plan.topology.rank == 0:
+            _make_output_dir(out)
+        tokenizer = eval_tokenizer(target, job, args.tokenizer)
+        stream, target_flags, data = held_out_stream(tokenizer, data=args.data, job=job)
+        notes = check_settings(settings, plan, tokenizer, stream.numel())
+        device = plan.default_device()
+        dtype = default_compute_dtype(device) if args.dtype == AUTO else DTYPES[args.dtype]
+        model = load_model(target, plan, device, dtype)
+        loaded = model, tokenizer, stream, target_flags, data, notes
+    except user_errors as err:
+        error = err
+    agree(dist.group.WORLD, "usp eval set-up", [], error, user_errors)
+    model, tokenizer, stream, target_flags, data, notes = loaded
+    results = run_checks(model, plan, stream, target_flags, tokenizer, settings)
+    report = {
+        "target": target.describe(),
+        "plan": plan.describe(),
+        "ranks": plan.topology.world_size,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "data": f"{data}, {stream.numel()} tokens ({int(target_flags.sum())} carry a loss)",
+        "output": str(out),
+        "lengths": list(settings.lengths),
+        "buckets": settings.buckets,
+        **results,
+        "notes": notes,
+    }
+    if settings.passkey:
+        report["passkey_depths"] = list(settings.depths)
+        report["passkey_trials"] = settings.trials
+        report["passkey_seed"] = settings.seed
+    return report, plan
+
+
+def _topology_config(args, job):
+    if job is not None:
+        return job.topology  # with the --ulysses/--ring/--dp overrides already applied
+    parallel = {
+        "ulysses": args.ulysses or AUTO,
+        "ring": args.ring or AUTO,
+        "dp": args.dp or 1,
+    }
+    return config_from_dict(
+        {"cluster": {"nodes": AUTO, "gpus_per_node": AUTO}, "parallel": parallel}
+    )
+
+
+def output_dir(args, target) -> Path:
+    """``--output``, else ``eval/`` in the training output or the HF directory."""
+    if args.output:
+        return Path(args.output)
+    if target.checkpoint is not None and target.path == target.checkpoint:  # a step_N
+        return target.checkpoint.parent.parent / "eval" / target.checkpoint.name
+    return target.path / "eval"
+
+
+def _make_output_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".usp-eval-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"the output directory {out} is not writable ({err}); choose another with --output"
+        ) from None
+
+
+def _write(report: dict, args) -> None:
+    out = Path(report["output"])
+    report["files"] = {"eval.json": str(out / "eval.json"), **write_plots(report, out)}
+    (out / "eval.json").write_text(to_json(report))
+    if args.json:
+        sys.stdout.write(to_json(report))
+    else:
+        print(table(report))
+    sys.stdout.flush()
