@@ -12,8 +12,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Register ``train`` on the ``usp`` command line (``set_defaults(run=run)``)."""
     p = subparsers.add_parser(
         "train",
-        help="fine-tune a Llama-3-family model under USP (launch with torchrun)",
-        description="Fine-tune a Llama-3-family model with FSDP2 over dp x (ulysses x ring). "
+        help="fine-tune a Llama, Qwen2/2.5, Qwen3 or Mistral model under USP (launch with torchrun)",
+        description="Fine-tune a Llama, Qwen or Mistral model with FSDP2 over dp x (ulysses x ring). "
         "Launch: torchrun --nproc-per-node N -m usp train CONFIG",
     )
     p.add_argument(

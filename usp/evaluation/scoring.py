@@ -41,10 +41,11 @@ class TokenScores:
 def final_hidden(model, batch: ShardedBatch) -> torch.Tensor:
     """[1, L/P, dim]: the decoder's output (after its final norm) for this rank's tokens.
 
-    The one place that knows a model's inside: ``usp.models.Llama``'s decoder
-    ``model.model`` (it takes the positions and the packed description, as the full
-    model's forward passes them) and its output projection ``model.output_weight``."""
-    return model.model(batch.input_ids, batch.position_ids, batch.packed)
+    A usp model's own ``hidden_states`` (any family) and its output projection
+    ``model.output_weight``."""
+    return model.hidden_states(
+        batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.packed
+    )
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from usp.errors import CheckpointError, DataError, ModelConfigError
-from usp.models import Llama, LlamaConfig
+from usp.models import DecoderConfig, config_from_file, family_of, from_pretrained
 from usp.train.checkpoint import META_FILE, Checkpointer
 from usp.train.components import model_source
 from usp.train.data import build_tokenizer, read_jsonl, synthetic_documents
@@ -42,7 +42,7 @@ class Target:
     """A resolved ``TARGET``: the model's config and where its weights are."""
 
     path: Path  # what the user named
-    config: LlamaConfig
+    config: DecoderConfig
     hf_dir: Path | None = None  # an HF export, or
     checkpoint: Path | None = None  # a DCP checkpoint directory (step_N)
     model_dir: Path | None = None  # where "auto" looks for tokenizer.json
@@ -98,9 +98,9 @@ def _export_hint(path: Path) -> str:
     return f"evaluate its HF export instead: usp eval {hf}" if hf.is_dir() else "train first"
 
 
-def _read_config(file: Path) -> LlamaConfig:
+def _read_config(file: Path) -> DecoderConfig:
     try:
-        return LlamaConfig.from_json_file(file)
+        return config_from_file(file)
     except ModelConfigError as err:
         raise CheckpointError(f"{file}: {err}") from None
 
@@ -108,14 +108,14 @@ def _read_config(file: Path) -> LlamaConfig:
 # ----------------------------------------------------------------------------- the model
 def load_model(target: Target, plan, device: torch.device, dtype: torch.dtype):
     """The whole model on ``device`` in ``dtype`` on every rank, in eval mode. The one
-    place ``usp eval`` builds a model (``usp.models.Llama``)."""
+    place ``usp eval`` builds a model (of the config's family)."""
     if target.hf_dir is not None:
-        model = Llama.from_pretrained(target.hf_dir, plan, dtype=dtype, device=device)
+        model = from_pretrained(target.hf_dir, plan, dtype=dtype, device=device)
         return model.eval()
     import torch.distributed.checkpoint as dcp
 
     with torch.device("meta"):
-        model = Llama(target.config, plan)
+        model = family_of(target.config).build(target.config, plan)
     model.to_empty(device=device)  # float32, as the master weights were saved
     state = {"model": model.state_dict()}
     try:

@@ -292,15 +292,7 @@ class CausalLM(nn.Module):
         ignore_index: int = IGNORE_INDEX,
     ) -> torch.Tensor:
         _check_tokens(input_ids, labels, position_ids)
-        packed = pack_once(self.plan, cu_seqlens, input_ids)
-        global_len = input_ids.shape[1] * self.plan.sp_degree
-        if self.config.attention_window is not None:
-            self._check_window(global_len, packed)
-        if position_ids is None:
-            position_ids = self.plan.position_ids(
-                global_len, packed=packed, device=input_ids.device
-            )
-        hidden = self.model(input_ids, position_ids, packed)  # [B, S/P, dim]
+        hidden = self.hidden_states(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens)
         if labels is None:
             return F.linear(hidden, self.output_weight)  # [B, S/P, V]
         return sp_cross_entropy(
@@ -312,6 +304,21 @@ class CausalLM(nn.Module):
             chunk_tokens=self.loss_chunk_tokens,
             num_items_in_batch=num_items_in_batch,
         )
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None, cu_seqlens=None
+    ) -> torch.Tensor:
+        """The final norm's output [B, S/P, dim] for this rank's tokens (what the output
+        projection, :attr:`output_weight`, turns into logits); arguments as ``forward``."""
+        packed = pack_once(self.plan, cu_seqlens, input_ids)
+        global_len = input_ids.shape[1] * self.plan.sp_degree
+        if self.config.attention_window is not None:
+            self._check_window(global_len, packed)
+        if position_ids is None:
+            position_ids = self.plan.position_ids(
+                global_len, packed=packed, device=input_ids.device
+            )
+        return self.model(input_ids, position_ids, packed)  # [B, S/P, dim]
 
     def _check_window(self, global_len: int, packed) -> None:
         """A sliding-window model is exact here only on documents within its window."""
