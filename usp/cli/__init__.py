@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from usp.cli.data import add_parser as add_data_parser
 from usp.cli.topo import add_parser as add_topo_parser
 from usp.cli.train import add_parser as add_train_parser
 from usp.planner.cli import add_parser as add_plan_parser
@@ -19,6 +20,7 @@ SUBCOMMANDS = (
     add_topo_parser,
     add_train_parser,
     add_plan_parser,
+    add_data_parser,
 )
 
 
