@@ -136,3 +136,6 @@ def test_usp_topo_takes_set(job_file, capsys):
 def test_usp_plan_takes_set(job_file, capsys):
     assert main(["plan", str(job_file), "--set", "train.lrr=1", "--jobs", "1"]) == 2
     assert "[train] unknown key 'lrr'" in capsys.readouterr().err
+    argv = ["plan", str(job_file), "--seq-len", "128", "--set", "train.seq_len=256"]
+    assert main(argv) == 2
+    assert "seq_len is given twice, by --seq-len and by --set" in capsys.readouterr().err

@@ -91,16 +91,20 @@ def located_in_settings(message: str, settings: Sequence[Setting]) -> str:
 
 
 def check_no_conflicts(
-    settings: Sequence[Setting], flags: dict[str, Any], sections: dict[str, str]
+    settings: Sequence[Setting],
+    flags: dict[str, Any],
+    sections: dict[str, str],
+    flag_names: dict[str, str] | None = None,
 ) -> None:
     """A key given by a flag (``--steps``: ``flags["steps"]``, its section from
-    ``sections``) and by ``--set`` too is refused: which one should win is a guess."""
+    ``sections``) and by ``--set`` too is refused: which one should win is a guess.
+    ``flag_names``: a flag not named ``--<key>`` (``{"output_dir": "--output"}``)."""
     for key, value in flags.items():
         if value is None or key not in sections:
             continue
         for s in settings:
             if s.path == (sections[key], key):
-                flag = "--" + key.replace("_", "-")
+                flag = (flag_names or {}).get(key, "--" + key.replace("_", "-"))
                 raise ConfigError(
                     f"[{sections[key]}] {key} is given twice, by {flag} and by --set {s.text}; "
                     "give it once"

@@ -67,9 +67,10 @@ def plan(
     from usp.train.config import load_train_config
 
     started = time.perf_counter() if started is None else started
-    job = load_train_config(config, sets=sets)
-    if seq_len is not None:
-        job = job.with_overrides(seq_len=seq_len)
+    # the flags as overrides of the file: one given by a --set too is refused
+    job = load_train_config(
+        config, sets=sets, seq_len=seq_len, nodes=nodes, gpus_per_node=gpus_per_node
+    )
     device = device or (job.train.device if job.train.device != AUTO else "cuda")
     source = model_source(job)
     model = source.config

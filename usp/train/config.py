@@ -360,7 +360,7 @@ def load_train_config(
     if not settings:
         return train_config_from_dict(data, source=source, **overrides)
     try:
-        check_no_conflicts(settings, overrides, OVERRIDE_KEYS)
+        check_no_conflicts(settings, overrides, OVERRIDE_KEYS, {"output_dir": "--output"})
         data = apply_settings(data, settings)
         return train_config_from_dict(data, source=source, **overrides)
     except ConfigError as err:
