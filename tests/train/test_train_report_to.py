@@ -5,19 +5,26 @@ library is a start-up error naming the extra. One process, ``usp train`` in-proc
 from __future__ import annotations
 
 import glob
+import io
 import json
 import os
 import struct
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
+from train_cases import base_config
+from usp_cases import topology
 
 from usp.cli import main
-from usp.train.config import load_train_config
+from usp.config import ConfigError
+from usp.train.components import build_plan
+from usp.train.config import load_train_config, train_config_from_dict
 from usp.train.metrics import MetricsWriter, read_metrics
 from usp.train.report_to import ReportingWriter, TensorBoardReporter, check_available, scalars
+from usp.train.trainer import train
 
 tensorboard = pytest.importorskip("tensorboard", reason="TensorBoard's reader checks the events")
 pytest.importorskip("wandb", reason="the W&B reporter runs through wandb")
@@ -218,3 +225,47 @@ def test_a_missing_library_names_the_extra(tmp_path, capsys, monkeypatch, name, 
     err = capsys.readouterr().err
     assert code == 2 and f'report_to = ["{name}"] needs the {name} package' in err, err
     assert not (tmp_path / "out" / "metrics.jsonl").exists(), "refused before training"
+
+
+# ----------------------------------------------------------------------------- two ranks
+def _fake_wandb(fail: bool) -> types.ModuleType:
+    """A stand-in ``wandb`` that records what the reporter asks of it."""
+    fake = types.ModuleType("wandb")
+    fake.inits, fake.logged = [], []
+
+    def init(**options):
+        if fail:
+            raise RuntimeError("api_key not configured (no-tty)")
+        fake.inits.append(options)
+        return types.SimpleNamespace(
+            id="fake-run", log=lambda values, step: fake.logged.append(step), finish=lambda: None
+        )
+
+    fake.init = init
+    return fake
+
+
+def run_wandb_on_two_ranks(out: str, fail: bool):
+    config = base_config(report_to=["wandb"])
+    config["cluster"] = {"nodes": 1, "gpus_per_node": 2}
+    config["parallel"] = {"ulysses": 1, "ring": 2, "dp": 1}
+    fake, real = _fake_wandb(fail), sys.modules.get("wandb")
+    sys.modules["wandb"] = fake
+    try:
+        job = train_config_from_dict(config)
+        train(job, build_plan(job, topology(1, 2)), output_dir=out, stop_after=2,
+              stream=io.StringIO())  # fmt: skip
+    except ConfigError as err:
+        return "error", str(err)
+    finally:
+        sys.modules["wandb"] = real
+    return "ok", len(fake.inits), fake.logged
+
+
+def test_rank_0_reports_and_a_reporter_that_fails_stops_every_rank(distributed, tmp_path):
+    ran = distributed.run(run_wandb_on_two_ranks, str(tmp_path / "ok"), False, world_size=2)
+    assert ran == [("ok", 1, [1, 2]), ("ok", 0, [])], "rank 0 only"
+    failed = distributed.run(run_wandb_on_two_ranks, str(tmp_path / "no"), True, world_size=2)
+    for kind, message in failed:  # the same error on both ranks, none left waiting
+        assert kind == "error", message
+        assert "a reporter did not start (RuntimeError: api_key not configured" in message

@@ -108,11 +108,16 @@ class WandbReporter:
 def open_reporters(report_to, out: Path, *, start_step: int, config: dict[str, Any]) -> list:
     """The reporters ``report_to`` names (rank 0), writing from ``start_step`` on."""
     made = []
-    for name in report_to:
-        if name == "tensorboard":
-            made.append(TensorBoardReporter(out, start_step))
-        else:
-            made.append(WandbReporter(out, config))
+    try:
+        for name in report_to:
+            if name == "tensorboard":
+                made.append(TensorBoardReporter(out, start_step))
+            else:
+                made.append(WandbReporter(out, config))
+    except BaseException:
+        for reporter in made:  # those that started end with the one that did not
+            reporter.close()
+        raise
     return made
 
 
@@ -146,10 +151,33 @@ class ReportingWriter:
         return getattr(self.writer, name)
 
 
-def reporting(writer, job, out: Path, *, start_step: int):
+def reporting(writer, job, out: Path, *, start_step: int, distributed: bool = False):
     """``writer`` as is without ``[train] report_to``, else wrapped in a
-    :class:`ReportingWriter` (``None`` stays ``None``: not rank 0)."""
-    if writer is None or not job.train.report_to:
+    :class:`ReportingWriter` on rank 0 (the rank with a ``writer``; ``None`` stays
+    ``None``). Every rank calls it: a reporter that does not start on rank 0 (W&B not
+    logged in, say) is the same :class:`ConfigError` on every rank (one agreement),
+    instead of rank 0 failing while the others wait for it in the first step."""
+    if not job.train.report_to:
         return writer
-    reporters = open_reporters(job.train.report_to, out, start_step=start_step, config=job.tables)
-    return ReportingWriter(writer, reporters)
+    reporters, error = [], None
+    if writer is not None:
+        try:
+            reporters = open_reporters(
+                job.train.report_to, out, start_step=start_step, config=job.tables
+            )
+        except Exception as err:  # noqa: BLE001 - any library's failure, reported alike
+            error = ConfigError(
+                f"[train] report_to = {list(job.train.report_to)}: a reporter did not start "
+                f"({type(err).__name__}: {err}); for W&B without a network or a login, set "
+                "WANDB_MODE=offline"
+            )
+            writer.close()
+    if distributed:
+        import torch.distributed as dist
+
+        from usp.comm.agreement import agree
+
+        agree(dist.group.WORLD, "starting [train] report_to", [], error, (ConfigError,))
+    elif error is not None:
+        raise error
+    return writer if writer is None else ReportingWriter(writer, reporters)

@@ -183,7 +183,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
 
     # ---------------------------------------------------------------- the loop
     writer = MetricsWriter(out / "metrics.jsonl", resume_after_step=state.step) if rank0 else None
-    writer = report_to.reporting(writer, job, out, start_step=state.step)  # [train] report_to
+    writer = report_to.reporting(writer, job, out, start_step=state.step, distributed=distributed)
     for note in writer.notes if writer else []:
         print(f"usp train: warning: {note}", file=stream, flush=True)
     progress = (

@@ -271,12 +271,10 @@ class LengthReport:
 
     def count(self, path: str, *, records: int = 0, kept: list[Document] = ()) -> None:
         """Add to ``path``'s counts: records read and the documents kept of them."""
+        added = (records, len(kept), sum(map(len, kept)), sum(map(trained_tokens, kept)))
         counts = self.files.setdefault(path, dict.fromkeys(FILE_COUNTS, 0))
-        counts["records"] += records
-        for doc in kept:
-            counts["documents"] += 1
-            counts["tokens"] += len(doc)
-            counts["trained_tokens"] += trained_tokens(doc)
+        for key, value in zip(FILE_COUNTS, added, strict=True):
+            counts[key] += value
 
 
 #: what :attr:`LengthReport.files` counts per data file
