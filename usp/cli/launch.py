@@ -86,6 +86,7 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
@@ -95,10 +96,18 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         torchrun(get_args_parser().parse_args(_torchrun_args(args, command)))
     except ChildFailedError as err:
         line, status = first_failure(err.failures)
-        sys.stdout.flush()
-        print(line, file=sys.stderr, flush=True)
-        return status
-    return 0
+    except SignalException as err:  # the launcher was signalled; torchrun stopped the workers
+        signal = int(err.sigval)
+        line = (
+            f"usp train: the launcher got {err.sigval.name}; the workers were sent it too "
+            "(any checkpoint they saved is named above; --resume continues from it)"
+        )
+        status = 128 + signal
+    else:
+        return 0
+    sys.stdout.flush()
+    print(line, file=sys.stderr, flush=True)
+    return status
 
 
 def first_failure(failures: dict) -> tuple[str, int]:
