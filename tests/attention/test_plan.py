@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from host_syncs import HostSyncs
 from reference import document_mask, reference_attention, relative_error
 from usp_cases import topology
 
@@ -223,29 +224,6 @@ def test_plan_from_config_takes_the_attention_section(distributed, tmp_path):
 
 
 # ---------------------------------------------------------------- no host syncs in a layer
-class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts ops that read a tensor's value on the host (``.item()``; on CUDA a sync)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default):
-            where = _usp_frames()
-            # the CPU-only kernel may read its CPU tensors: that is no host sync
-            if not any(f.startswith("usp/kernels/backends/cpu.py") for f in where[-1:]):
-                self.calls.append(f"{func} at {' <- '.join(reversed(where))}")
-        return func(*args, **(kwargs or {}))
-
-
-def _usp_frames() -> list[str]:
-    import traceback
-
-    frames = [f for f in traceback.extract_stack() if "/usp/" in f.filename]
-    return [f"usp/{f.filename.rsplit('/usp/', 1)[-1]}:{f.lineno}" for f in frames]
-
-
 def run_without_host_syncs(ring_impl):
     """With a PackedSequence built beforehand and per-call agreement off (the NCCL
     default), a forward and backward read no tensor values on the host and create no
@@ -273,7 +251,7 @@ def run_without_host_syncs(ring_impl):
     for name in originals:
         setattr(torch.Tensor, name, spy(name))
     try:
-        with _HostSyncs() as mode:
+        with HostSyncs() as mode:
             step()
     finally:
         for name, fn in originals.items():

@@ -188,3 +188,20 @@ def grad_errors(actual: dict, expected: dict) -> dict:
     missing = set(expected) ^ set(actual)
     assert not missing, f"parameter names differ from HF's: {sorted(missing)}"
     return {n: relative_error(actual[n], expected[n]) for n in expected}
+
+
+def rope_and_dtype(written: dict) -> dict:
+    """An exported config.json's RoPE and dtype in one form whichever transformers wrote
+    it: ``{"rope_theta", "rope_scaling" (None: plain), "dtype"}`` (5.x writes
+    ``rope_parameters`` and ``dtype``, 4.x ``rope_theta``/``rope_scaling``/``torch_dtype``)."""
+    if "rope_parameters" in written:
+        params = dict(written["rope_parameters"])
+        theta = params.pop("rope_theta")
+        scaling = None if params.get("rope_type", "default") == "default" else params
+    else:
+        theta, scaling = written["rope_theta"], written.get("rope_scaling")
+    return {
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "dtype": written.get("dtype", written.get("torch_dtype")),
+    }

@@ -22,6 +22,7 @@ from model_cases import (
     hf_reference,
     load_hf_reference,
     relative_error,
+    rope_and_dtype,
     sft_labels,
     write_hf_checkpoint,
 )
@@ -282,7 +283,8 @@ def test_save_pretrained_loads_in_transformers(tmp_path):
     model = Llama(config)
     path = model.save_pretrained(tmp_path / "ours")
     saved = json.loads((path / "config.json").read_text())
-    assert saved["architectures"] == ["LlamaForCausalLM"] and saved["torch_dtype"] == "float32"
+    assert saved["architectures"] == ["LlamaForCausalLM"]
+    assert rope_and_dtype(saved)["dtype"] == "float32"
     theirs = transformers.LlamaForCausalLM.from_pretrained(path, attn_implementation="sdpa")
     ids = global_batch(2, 24, seed=15)
     with torch.no_grad():

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from model_cases import rope_and_dtype
 from train_cases import STEPS, _relative, _train_on_ranks, assert_matches_single, base_config
 
 from usp.train.components import build_plan
@@ -384,9 +385,9 @@ def test_extend_a_checkpoints_context_and_export(distributed, tmp_path):
     assert _relative(unextended[0]["loss"], single.metrics[0]["loss"]) > 1e-3, "RoPE changed"
     for out in ("sp", "one"):
         exported = json.loads((tmp_path / out / "hf" / "config.json").read_text())
-        assert exported["rope_theta"] == 40000.0
+        assert rope_and_dtype(exported)["rope_theta"] == 40000.0
         assert exported["max_position_embeddings"] == 262144
-        assert exported["rope_scaling"] == positions["rope_scaling"]
+        assert rope_and_dtype(exported)["rope_scaling"] == positions["rope_scaling"]
 
 
 def test_bf16_mixed_precision_trains_packed_sequences_like_fp32(sp_run, distributed, tmp_path):

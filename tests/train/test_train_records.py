@@ -70,12 +70,25 @@ def test_truncate_cuts_the_end_when_the_trained_part_does_not_fit():
 
 
 def test_split_drop_and_error():
-    doc = pair(40, 5)  # 47 tokens
+    doc = pair(40, 5)  # 47 tokens: 41 of prompt, then 5 + EOS trained
     split = LengthReport("split", 16)
-    pieces = fit_document(doc, split, where="x")
-    assert [len(p) for p in pieces] == [16, 16, 15] and split.pieces == 3
-    assert torch.equal(torch.cat([p.tokens for p in pieces]), doc.tokens), "nothing lost"
-    assert "split into 3 pieces of at most 16" in split.describe()
+    (piece,) = fit_document(doc, split, where="x")
+    assert torch.equal(piece.tokens, doc.tokens[32:]), "the one piece with a trained token"
+    assert (split.pieces, split.emptied) == (3, 2), "two prompt-only pieces dropped, counted"
+    assert split.describe().endswith(
+        "split into 3 pieces of at most 16; 2 of them dropped, no trained token in them"
+    )
+    text = Document(torch.arange(4, 51), torch.ones(47, dtype=torch.bool))
+    every = LengthReport("split", 16)
+    pieces = fit_document(text, every, where="x")
+    assert [len(p) for p in pieces] == [16, 16, 15] and (every.pieces, every.emptied) == (3, 0)
+    assert torch.equal(torch.cat([p.tokens for p in pieces]), text.tokens), "nothing lost"
+    assert "split into 3 pieces of at most 16" in every.describe()
+    assert "dropped" not in every.describe()
+    tail = LengthReport("split", 16)  # a last piece of one token predicts nothing
+    text33 = Document(torch.arange(4, 37), torch.ones(33, dtype=torch.bool))
+    assert [len(p) for p in fit_document(text33, tail, where="x")] == [16, 16]
+    assert (tail.pieces, tail.emptied) == (3, 1)
     drop = LengthReport("drop", 16)
     assert fit_document(doc, drop, where="x") == [] and fit_document(pair(3, 3), drop, where="x")
     assert drop.describe() == "1 document longer than seq_len(16) (longest 47 tokens): dropped"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from usp.cli.data import add_parser as add_data_parser
 from usp.cli.topo import add_parser as add_topo_parser
 from usp.cli.train import add_parser as add_train_parser
 from usp.evaluation.cli import add_parser as add_eval_parser
@@ -21,6 +22,7 @@ SUBCOMMANDS = (
     add_train_parser,
     add_plan_parser,
     add_eval_parser,
+    add_data_parser,
 )
 
 

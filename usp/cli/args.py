@@ -41,3 +41,16 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
     return value
+
+
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """``--set SECTION.KEY=VALUE`` (repeatable): any config field (usp.config.overrides)."""
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="set any config field, checked as in the file; VALUE is a TOML value (a bare "
+        "word is a string); repeatable, e.g. --set train.lr=1e-4 --set data.long_documents=split",
+    )

@@ -13,8 +13,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from usp.cli.args import int_or_auto, positive_int
+from usp.cli.args import add_set_argument, int_or_auto, positive_int
 from usp.config import ConfigError, ResolvedConfig, UspConfig, config_from_dict, read_toml
+from usp.config.overrides import apply_settings, located_in_settings, parse_settings
 from usp.process_groups.degrees import HeadLayoutError, valid_degree_pairs
 from usp.process_groups.rank_math import (
     PLACEMENTS,
@@ -60,6 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="allow Ulysses groups to span nodes",
     )
+    add_set_argument(p)
     p.set_defaults(run=run_topo)
 
 
@@ -68,6 +70,7 @@ def run_topo(args: argparse.Namespace) -> int:
     try:
         config, notes = load_topology_config(
             args.config,
+            sets=getattr(args, "sets", None) or (),
             ulysses=args.ulysses,
             ring=args.ring,
             dp=args.dp,
@@ -79,7 +82,10 @@ def run_topo(args: argparse.Namespace) -> int:
         resolved = config.resolve(args.world_size)
         from usp.train.preflight import check_training_config  # [train]/[data], as usp train
 
-        notes = [*notes, *check_training_config(args.config, resolved)]
+        notes = [
+            *notes,
+            *check_training_config(args.config, resolved, sets=getattr(args, "sets", None) or ()),
+        ]
         if args.json and resolved.world_size > MAX_JSON_RANKS:
             raise ConfigError(
                 f"{config.source}: --json lists every rank and group; {resolved.world_size} "
@@ -96,15 +102,26 @@ def run_topo(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_topology_config(path: str, **overrides: Any) -> tuple[UspConfig, list[str]]:
-    """The topology config in ``path`` (with ``overrides``), and notes for the output.
+def load_topology_config(
+    path: str, *, sets: Sequence[str] = (), **overrides: Any
+) -> tuple[UspConfig, list[str]]:
+    """The topology config in ``path`` (with ``--set`` ``sets`` and ``overrides``), and
+    notes for the output.
 
     A training config (``[data]``/``[train]`` sections, a ``[model]`` that names a preset
     or a checkpoint directory) is read the way ``usp train`` reads it, with the model's
     real head counts when its config is at hand; otherwise without head checks, and a
     note says so.
     """
-    data = read_toml(path)
+    settings = parse_settings(sets)
+    try:
+        return _load_topology_config(path, settings, overrides)
+    except ConfigError as err:
+        raise ConfigError(located_in_settings(str(err), settings)) from None
+
+
+def _load_topology_config(path, settings, overrides) -> tuple[UspConfig, list[str]]:
+    data = apply_settings(read_toml(path), settings)
     if not is_train_config(data):
         return config_from_dict(data, source=path, **overrides), []
     job = train_config_from_dict(data, source=path)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
-from usp.cli.args import int_or_auto, positive_int
-from usp.train.cli import run
+from usp.cli.args import add_set_argument, int_or_auto, positive_int
+from usp.cli.launch import add_launch_arguments, launch, wants_launcher
+from usp.train.cli import run as run_train
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -14,7 +16,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "train",
         help="fine-tune a Llama, Qwen2/2.5, Qwen3 or Mistral model under USP (launch with torchrun)",
         description="Fine-tune a Llama, Qwen or Mistral model with FSDP2 over dp x (ulysses x ring). "
-        "Launch: torchrun --nproc-per-node N -m usp train CONFIG",
+        "Launch: torchrun --nproc-per-node N -m usp train CONFIG, or usp train CONFIG "
+        "--nproc-per-node N (torchrun's launcher in this process; the first failing rank's "
+        "error is the last line printed).",
     )
     p.add_argument(
         "config",
@@ -37,5 +41,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "differ from the checkpoint's",
     )
     p.add_argument("--device", choices=["cpu", "cuda"], help="overrides [train] device")
-    p.set_defaults(run=run)
+    add_set_argument(p)
+    add_launch_arguments(p)
+    p.set_defaults(run=functools.partial(run, parser=p))
     return p
+
+
+def run(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
+    """``usp train``: this process's part of the job, or (``--nproc-per-node``) the
+    launcher that starts every worker (:mod:`usp.cli.launch`)."""
+    return launch(parser, args) if wants_launcher(args) else run_train(args)

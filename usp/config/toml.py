@@ -70,3 +70,59 @@ def read_toml(source: str) -> dict[str, Any]:
         raise ConfigError(f"{source}: invalid TOML: {e}") from None
     except RecursionError:
         raise ConfigError(f"{source}: invalid TOML: nested too deeply") from None
+
+
+# ----------------------------------------------------------------------------- writing
+_BARE_KEY = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def _key(name: str) -> str:
+    return name if name and set(name) <= _BARE_KEY else _string(name)
+
+
+def _string(text: str) -> str:
+    # JSON's escapes are TOML's, but for DEL (which TOML wants escaped) and the
+    # surrogate pairs ensure_ascii would write (so: keep non-ASCII characters as they are)
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def toml_value_text(value: Any) -> str:
+    """One value in TOML syntax (tables inline)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return _string(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value in (float("inf"), float("-inf")):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        inner = ", ".join(f"{_key(str(k))} = {toml_value_text(v)}" for k, v in value.items())
+        return "{" + inner + "}" if inner else "{}"
+    raise ConfigError(f"cannot write {value!r} ({type(value).__name__}) as a TOML value")
+
+
+def toml_dumps(data: dict[str, Any], *, comments: dict[str, str] | None = None) -> str:
+    """The TOML text of a config structure (sections -> keys; deeper tables inline), which
+    :func:`read_toml` reads back equal. ``comments``: ``"[section] key"`` -> a comment
+    written at the end of that key's line."""
+    comments = comments or {}
+    lines: list[str] = []
+    # top-level values before the first table (after it they would belong to it)
+    ordered = sorted(data.items(), key=lambda item: isinstance(item[1], dict))
+    for section, body in ordered:
+        if not isinstance(body, dict):
+            lines.append(f"{_key(section)} = {toml_value_text(body)}")
+            continue
+        lines += ["", f"[{_key(section)}]"] if lines else [f"[{_key(section)}]"]
+        for key, value in body.items():
+            line = f"{_key(key)} = {toml_value_text(value)}"
+            note = comments.get(f"[{section}] {key}")
+            lines.append(f"{line}  # {note}" if note else line)
+    return "\n".join(lines) + "\n"

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from usp.errors import ModelConfigError  # noqa: F401 - re-exported here
+from usp.models.hf_keys import installed_form
 from usp.models.rope_config import (
     NEEDS_ORIGINAL_CONTEXT,
     POSITION_FIELDS,
@@ -262,8 +263,9 @@ class DecoderConfig:
     def to_hf_dict(self, *, dtype: str | None = None) -> dict[str, Any]:
         """An HF ``config.json`` dict that transformers loads as this family.
 
-        RoPE is written as ``rope_theta`` + ``rope_scaling``, the form every transformers
-        version reads (5.x converts it to ``rope_parameters``).
+        The keys are those the installed transformers writes (:mod:`usp.models.hf_keys`:
+        ``rope_parameters`` and ``dtype`` on 5.x; ``rope_theta`` + ``rope_scaling`` and
+        ``torch_dtype``, which every version reads, without transformers).
         """
         out = dict(self.extra)
         for key in _HF_BOOKKEEPING:
@@ -282,7 +284,7 @@ class DecoderConfig:
         )
         if dtype is not None:
             out["torch_dtype"] = dtype
-        return out
+        return installed_form(out, source_keys=self.extra)  # the user's transformers' keys
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> DecoderConfig:

@@ -7,7 +7,8 @@ Reads a ``usp train`` config (the model from its preset or its checkpoint's
 ``config.json``; the cluster from ``[cluster]``; ``[train]``/``[attention]`` as they
 are), measures one rank's real training step for every valid grid and memory option
 (:mod:`usp.planner.search`), and prints them ranked by estimated step time with the
-longest sequence that fits. Exit status: 0 a plan fits, 2 bad input or nothing fits.
+longest sequence that fits; what it measures is shown on stderr as it goes (n of m;
+``--quiet``: nothing). Exit status: 0 a plan fits, 2 bad input or nothing fits.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import sys
 import time
 
-from usp.cli.args import positive_float, positive_int
+from usp.cli.args import add_set_argument, positive_float, positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -59,6 +60,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         f"{default_jobs()}; 1 measures in this process); the result does not depend on it",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress lines on stderr while it measures"
+    )
+    add_set_argument(p)
     p.set_defaults(run=run)
     return p
 
@@ -79,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             started=started,
             jobs=args.jobs,
+            sets=getattr(args, "sets", None) or (),
+            progress=None if getattr(args, "quiet", False) else _progress,
         )
     except UspError as err:
         print(f"usp plan: error: {err}", file=sys.stderr)
@@ -88,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"usp plan: error: {nothing_fits(result)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _show(result, as_json: bool) -> None:

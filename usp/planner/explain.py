@@ -24,6 +24,7 @@ resizes in place) are grouped as "(not created by an op of the step)".
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -37,11 +38,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from usp.planner.footprint import CATEGORIES, Layout, Target, phase_footprint
 from usp.planner.measure import built_step
 
-_USP_ROOT = str(Path(__file__).resolve().parents[1])  # .../usp
-_SKIP_FILES = (str(Path(__file__).resolve()),)
+# Paths as code objects name them (not resolved: a checkout reached through a symlink
+# must match too); .../usp/ with the separator, so a sibling .../usp-venv/ is not usp.
+_USP_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_SKIP_FILES = (os.path.abspath(__file__),)
 #: the planner's own frames: an op first called from there came from autograd's
 #: built-in backward formulas or the optimizer (then the autograd node names it)
-_DRIVER_FILES = (str(Path(__file__).resolve().with_name("measure.py")),)
+_DRIVER_FILES = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "measure.py"),)
 
 
 @dataclass

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -12,7 +13,7 @@ from usp.errors import HeadLayoutError
 from usp.planner import search
 from usp.planner.footprint import Target
 from usp.planner.pool import Measurements
-from usp.planner.report import PlanResult
+from usp.planner.report import PlanResult, measurement_line, progress_intro
 
 
 def _cluster(job, nodes, gpus_per_node, gpu_memory_gib, host_memory_gib, device):
@@ -53,19 +54,23 @@ def plan(
     device: str | None = None,
     started: float | None = None,
     jobs: int = 1,
+    sets: Sequence[str] = (),
+    progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """Measure and rank every layout of ``config`` (see :mod:`usp.planner.search`), the
     measurements in ``jobs`` worker processes (1: in this one; the result is the same,
-    see :mod:`usp.planner.pool`). Raises a :class:`usp.errors.UspError` for a config, a
-    cluster or a model no layout can serve; a result without a fitting candidate is
-    returned (``best`` is None)."""
+    see :mod:`usp.planner.pool`). ``sets``: ``--set SECTION.KEY=VALUE`` settings applied
+    to the file; ``progress`` is told, line by line, what is measured (n of m). Raises a
+    :class:`usp.errors.UspError` for a config, a cluster or a model no layout can serve;
+    a result without a fitting candidate is returned (``best`` is None)."""
     from usp.train.components import model_source
     from usp.train.config import load_train_config
 
     started = time.perf_counter() if started is None else started
-    job = load_train_config(config)
-    if seq_len is not None:
-        job = job.with_overrides(seq_len=seq_len)
+    # the flags as overrides of the file: one given by a --set too is refused
+    job = load_train_config(
+        config, sets=sets, seq_len=seq_len, nodes=nodes, gpus_per_node=gpus_per_node
+    )
     device = device or (job.train.device if job.train.device != AUTO else "cuda")
     source = model_source(job)
     model = source.config
@@ -97,7 +102,9 @@ def plan(
             f"multiple of {2 * cluster.world_size}"
         )
     target = Target(job, model, cluster.world_size, cluster.gpus_per_node, device)
-    with Measurements(target, jobs) as measured:
+    if progress is not None:
+        progress(progress_intro(target, runnable, jobs))
+    with Measurements(target, jobs, progress=_measurement_lines(progress)) as measured:
         # what the longest-sequence search waits for first, then every other candidate
         # (workers measure those while the search waits for its next lengths)
         for layout in search.frontier_candidates(runnable) + runnable:
@@ -127,6 +134,13 @@ def plan(
         notes=notes,
         seconds=time.perf_counter() - started,
     )
+
+
+def _measurement_lines(progress: Callable[[str], None] | None):
+    """The pool's per-measurement hook, as lines for ``progress`` (None: none)."""
+    if progress is None:
+        return None
+    return lambda *measured: progress(measurement_line(*measured))
 
 
 def _with_cluster(job, cluster):

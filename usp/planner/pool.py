@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import pickle
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
@@ -49,17 +50,22 @@ def default_jobs() -> int:
 
 
 _Key = tuple[Layout, int]  # (layout, seq_len): the runs of every depth, in one worker
+#: told of each finished measurement: (layout, seq_len, CPU seconds, measured so far,
+#: asked for so far -- the search asks for more as it goes)
+Progress = Callable[[Layout, int, float, int, int], None]
 
 
 class Measurements:
     """Footprints of a target's layouts at full depth, by ``(layout, seq_len)``; see the
     module docstring. Use as a context manager (the workers end with it)."""
 
-    def __init__(self, target: Target, jobs: int = 1) -> None:
+    def __init__(self, target: Target, jobs: int = 1, *, progress: Progress | None = None) -> None:
         if jobs < 1:
             raise InputError(f"jobs must be >= 1 (1: measure in this process), got {jobs}")
         self.target = target
         self.jobs = jobs
+        self.progress = progress  # told of each measurement as it ends
+        self._asked: set[_Key] = set()  # every (layout, seq_len) wanted or asked for so far
         self.runs = 0  # measurements made (one per depth)
         self.cpu_seconds = 0.0  # the CPU time they took, workers' included
         self.log: list[tuple[Layout, int, float]] = []  # (layout, seq_len, CPU seconds)
@@ -73,6 +79,7 @@ class Measurements:
         """Say that :meth:`footprint` will be asked for this; ``urgent``: before what
         was wanted so far. (In process, nothing runs ahead of its :meth:`footprint`.)"""
         key = (layout, seq_len)
+        self._asked.add(key)
         if self.jobs == 1 or key in self._done or key in self._running.values():
             return
         if key in self._pending:
@@ -85,6 +92,7 @@ class Measurements:
     def footprint(self, layout: Layout, seq_len: int) -> Footprint:
         """The layout's footprint at ``seq_len`` and the model's full depth."""
         key = (layout, seq_len)
+        self._asked.add(key)
         if self.jobs == 1:
             if key not in self._done:
                 self._keep(key, _timed_runs(self.target, layout, seq_len))
@@ -127,6 +135,8 @@ class Measurements:
         self.runs += len(footprints)
         self.cpu_seconds += seconds
         self.log.append((*key, seconds))
+        if self.progress is not None:
+            self.progress(key[0], key[1], seconds, len(self._done), len(self._asked))
 
     def _pool(self) -> ProcessPoolExecutor:
         if self._executor is None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from usp.config import toml_repr
-from usp.planner.search import GIB, Candidate, Cluster
+from usp.planner.footprint import scaling_runs
+from usp.planner.search import GIB, USABLE_FRACTION, Candidate, Cluster
 
 #: rows of the human table (the JSON lists every candidate)
 TABLE_ROWS = 12
@@ -88,18 +89,78 @@ def _checkpointing(value) -> str:
     return toml_repr(value)
 
 
+#: what each column of the table means (printed under it), one line each
+COLUMNS = (
+    ("#", "rank: layouts that fit first, fastest first, then the rest by device memory; "
+     "* marks the best (the plan to paste)"),
+    ("ulysses, ring, dp", "the degrees: Ulysses all-to-all group, ring group, data-parallel "
+     "replicas ([parallel])"),
+    ("ckpt", "[train] activation_checkpointing (true: recompute each layer in backward; "
+     '"offload": its saved inputs in host memory too)'),
+    ("tile", "[train] mlp_tile_tokens (the MLP runs over tiles of that many tokens; 0: off)"),
+    ("heads", "[train] attention_head_chunks (the ring attends to that many groups of its KV "
+     "heads in turn; 1: all at once)"),
+    ("tokens/rank", "tokens of each sequence one rank holds: seq_len / (ulysses * ring)"),
+    ("device GiB", "peak device memory of one rank's real training step, measured under "
+     "fake tensors (parameters, gradients, optimizer state, activations, buffers)"),
+    ("host GiB", "peak host memory of one rank (offloaded activations); a node holds "
+     "gpus_per_node of these"),
+    ("fits", f"device GiB <= {100 * USABLE_FRACTION:.0f}% of the GPU's memory, and the "
+     "node's ranks within its host memory"),
+    ("step s (est.)", "seconds per optimizer step, estimated from FLOPs and bytes at assumed "
+     "kernel and link speeds (not measured)"),
+    ("comm GB", "bytes one rank sends per optimizer step, in 1e9 B: Ulysses all-to-alls, the "
+     "ring's K/V exchange and FSDP's all-gathers/reduce-scatters (counted, not measured)"),
+)  # fmt: skip
+
+
+def describe_layout(layout) -> str:
+    """``ulysses 2 x ring 2 x dp 1, ckpt true, tile 0, heads 1``: one layout in a line."""
+    levers = layout.levers
+    return (
+        f"ulysses {layout.ulysses} x ring {layout.ring} x dp {layout.dp}, ckpt "
+        f"{_checkpointing(levers.activation_checkpointing)}, tile {levers.mlp_tile_tokens}, "
+        f"heads {levers.attention_head_chunks}"
+    )
+
+
+def progress_intro(target, layouts: list, jobs: int) -> str:
+    """The first progress line: what ``usp plan`` is about to measure."""
+    depths = len(scaling_runs(target.model))
+    where = "in this process" if jobs == 1 else f"in {jobs} worker processes"
+    return (
+        f"usp plan: measuring one rank's training step under fake tensors for "
+        f"{len(layouts)} layouts at {target.seq_len:,} tokens ({depths} model depth(s) each, "
+        f"{where}), then the longest sequence that fits (a few more)"
+    )
+
+
+def measurement_line(layout, seq_len: int, seconds: float, done: int, asked: int) -> str:
+    """One finished measurement; ``asked`` grows while the longest-sequence search runs."""
+    return (
+        f"  [{done}/{asked}] {describe_layout(layout)} at {seq_len:,} tokens: {seconds:.1f} s CPU"
+    )
+
+
+def legend() -> str:
+    width = max(len(name) for name, _ in COLUMNS)
+    return "\n".join(f"  {name:<{width}}  {text}" for name, text in COLUMNS)
+
+
 def table(result: PlanResult) -> str:
     header = (
-        f"{'#':>2} {'ulysses':>7} {'ring':>4} {'dp':>3} {'ckpt':>9} {'tile':>5} {'heads':>5} "
+        f"{'#':>3} {'ulysses':>7} {'ring':>4} {'dp':>3} {'ckpt':>9} {'tile':>5} {'heads':>5} "
         f"{'tokens/rank':>11} {'device GiB':>10} {'host GiB':>8} {'fits':>4} "
         f"{'step s (est.)':>13} {'comm GB':>8}"
     )
     lines = [header]
+    best = result.best
     for i, c in enumerate(result.candidates[:TABLE_ROWS], 1):
         layout, levers = c.layout, c.layout.levers
         comm = sum(c.comm_bytes.values()) / 1e9
+        mark = "*" if c is best else " "
         lines.append(
-            f"{i:>2} {layout.ulysses:>7} {layout.ring:>4} {layout.dp:>3} "
+            f"{mark}{i:>2} {layout.ulysses:>7} {layout.ring:>4} {layout.dp:>3} "
             f"{_checkpointing(levers.activation_checkpointing):>9} {levers.mlp_tile_tokens:>5} "
             f"{levers.attention_head_chunks:>5} "
             f"{c.seq_len // layout.sp:>11,} {c.peak_device_gib:>10.1f} {c.peak_host_gib:>8.1f} "
@@ -163,11 +224,14 @@ def text(result: PlanResult) -> str:
         "",
         table(result),
         "",
+        "columns:",
+        legend(),
+        "",
     ]
     best = result.best
     if best is not None:
         lines += [
-            f"best: {breakdown(best)}",
+            f"best (* above): {breakdown(best)}",
             "paste into the config:",
             "",
             paste_lines(best),

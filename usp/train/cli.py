@@ -4,7 +4,9 @@ device).
     torchrun --nproc-per-node 4 -m usp train examples/configs/cpu_finetune.toml
 
 Flags override the file (``--steps``, ``--output``, ``--ulysses/--ring/--dp``,
-``--device``); ``--resume`` continues from the newest checkpoint in the output directory.
+``--device``, and ``--set SECTION.KEY=VALUE`` for any field); ``--resume`` continues from
+the newest checkpoint in the output directory. Under torchrun each failing rank also
+leaves its error line for the launcher (:mod:`usp.train.error_file`).
 Without torchrun's environment a single process runs (a world of 1). The process group is
 set up here, the topology built from the config (its shape checked against the launch),
 and everything is torn down through ``Topology.destroy()`` at the end, also after an error.
@@ -25,6 +27,7 @@ from datetime import timedelta
 
 from usp.config import AUTO
 from usp.train.components import build_plan  # the one way a job becomes a Plan
+from usp.train.error_file import write_error_file
 
 RENDEZVOUS_TIMEOUT_S = 600.0
 
@@ -87,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         job = load_train_config(
             args.config,
+            sets=getattr(args, "sets", None) or (),
             steps=args.steps,
             output_dir=args.output,
             ulysses=args.ulysses,
@@ -97,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"usp train: error: {err}", file=sys.stderr)
+        write_error_file(f"usp train: error: {err}", 2)
         return 2
     from usp.train.guard import EXIT_STATUS, CollectiveFailedError, TrainingDivergedError
     from usp.train.trainer import user_errors as user_error_kinds
@@ -109,13 +114,13 @@ def run(args: argparse.Namespace) -> int:
         topology = plan.topology
         result = _train(job, plan, args.resume, getattr(args, "resume_changed", False))
         if result.stopped_by is not None:
+            line = (
+                f"usp train: stopped by {result.stopped_by} at step {result.stopped_at}; "
+                f"checkpoint {result.checkpoint.name}; --resume continues"
+            )
             if topology.rank == 0:
-                print(
-                    f"usp train: stopped by {result.stopped_by} at step {result.stopped_at}; "
-                    f"checkpoint {result.checkpoint.name}; --resume continues",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                print(line, file=sys.stderr, flush=True)
+            write_error_file(line, EXIT_STATUS["signal"])
             return EXIT_STATUS["signal"]
         if topology.rank == 0:
             print(summary(result), flush=True)
@@ -123,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
     except CollectiveFailedError as err:
         # a peer is stalled or gone: leave at once, without waiting for it (not even in
         # the process group's destructor at interpreter exit, which can wait for it again)
-        print(f"usp train [rank {os.environ.get('RANK', 0)}]: error: {err}", file=sys.stderr)
+        line = f"usp train [rank {os.environ.get('RANK', 0)}]: error: {err}"
+        print(line, file=sys.stderr)
+        write_error_file(line, EXIT_STATUS["collective"])
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_STATUS["collective"])
@@ -135,8 +142,8 @@ def run(args: argparse.Namespace) -> int:
         # ranks can still tear down together; after anything else a peer may be stuck in
         # a collective, and only exiting lets torchrun stop the job
         synchronised = isinstance(err, user_errors)
+        prefix = f"usp train [rank {os.environ.get('RANK', 0)}]: error: "
         if _should_print(err, user_errors):
-            prefix = f"usp train [rank {os.environ.get('RANK', 0)}]: error: "
             if isinstance(err, user_errors):
                 print(prefix + str(err), file=sys.stderr, flush=True)
             else:
@@ -144,8 +151,14 @@ def run(args: argparse.Namespace) -> int:
                     prefix + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True
                 )
         if isinstance(err, TrainingDivergedError):
-            return EXIT_STATUS["diverged"]
-        return EXIT_STATUS["user"] if isinstance(err, user_errors) else EXIT_STATUS["internal"]
+            status = EXIT_STATUS["diverged"]
+        else:
+            status = (
+                EXIT_STATUS["user"] if isinstance(err, user_errors) else EXIT_STATUS["internal"]
+            )
+        what = str(err) if isinstance(err, user_errors) else f"{type(err).__name__}: {err}"
+        write_error_file(prefix + " ".join(what.split("\n")), status)
+        return status
     finally:
         if synchronised:
             _teardown(topology)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,13 @@ from usp.config import (
     read_toml,
 )
 from usp.config import ModelConfig as HeadCounts  # a topology-only file's [model]
+from usp.config.overrides import (
+    Setting,
+    apply_settings,
+    check_no_conflicts,
+    located_in_settings,
+    parse_setting,
+)
 from usp.config.schema import SECTIONS as TOPOLOGY_SCHEMA
 from usp.models.rope_config import POSITION_FIELDS
 
@@ -80,6 +88,8 @@ DATA_SOURCES = ("jsonl", "synthetic")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LONG_DOCUMENTS = ("truncate", "split", "drop", "error")
+#: [train] report_to: where metrics go besides metrics.jsonl (usp.train.report_to)
+REPORT_TO = ("tensorboard", "wandb")
 
 # The sections below validate with usp.config's field validators (one set for every
 # section), under the short local names their checks were written with.
@@ -219,6 +229,8 @@ class TrainSection:
     max_skipped_steps: int = 0  # steps with a non-finite loss/grad norm skipped before stopping
     collective_timeout_s: float = 600.0  # any collective waiting longer for a peer fails
     compile: bool = False  # torch.compile each decoder layer (usp.train.parallelize)
+    # metrics also to TensorBoard (output_dir/tensorboard) and/or W&B, from rank 0
+    report_to: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         s = "train"
@@ -256,6 +268,15 @@ class TrainSection:
         _int(s, "max_skipped_steps", self.max_skipped_steps, minimum=0)
         _number(s, "collective_timeout_s", self.collective_timeout_s, minimum=0, strict=True)
         _bool(s, "compile", self.compile)
+        report_to = (self.report_to,) if isinstance(self.report_to, str) else self.report_to
+        if not (
+            isinstance(report_to, (list, tuple))
+            and all(isinstance(r, str) and r in REPORT_TO for r in report_to)
+            and len(set(report_to)) == len(report_to)
+        ):
+            expected = "a list of distinct names among " + ", ".join(f'"{r}"' for r in REPORT_TO)
+            _fail(s, "report_to", expected, self.report_to)
+        object.__setattr__(self, "report_to", tuple(report_to))
 
 
 @dataclass(frozen=True)
@@ -377,10 +398,24 @@ class TrainJobConfig:
         return self.topology.with_heads(num_heads, num_kv_heads, head_dim)
 
 
-def load_train_config(path: str | os.PathLike, **overrides: Any) -> TrainJobConfig:
-    """Parse a training config file; ``overrides`` as in :meth:`TrainJobConfig.with_overrides`."""
+def load_train_config(
+    path: str | os.PathLike, *, sets: Sequence[str | Setting] = (), **overrides: Any
+) -> TrainJobConfig:
+    """Parse a training config file; ``sets``: ``--set SECTION.KEY=VALUE`` settings
+    (:mod:`usp.config.overrides`), written into the file's structure before it is read;
+    ``overrides`` as in :meth:`TrainJobConfig.with_overrides` (a key given by both is an
+    error)."""
     source = os.fspath(path)
-    return train_config_from_dict(read_toml(source), source=source, **overrides)
+    settings = [parse_setting(s) if isinstance(s, str) else s for s in sets]
+    data = read_toml(source)
+    if not settings:
+        return train_config_from_dict(data, source=source, **overrides)
+    try:
+        check_no_conflicts(settings, overrides, OVERRIDE_KEYS, {"output_dir": "--output"})
+        data = apply_settings(data, settings)
+        return train_config_from_dict(data, source=source, **overrides)
+    except ConfigError as err:
+        raise ConfigError(located(source, located_in_settings(str(err), settings))) from None
 
 
 def train_config_from_dict(

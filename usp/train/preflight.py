@@ -4,33 +4,41 @@ group, nothing tokenised)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 from usp.config import ConfigError, read_toml
+from usp.config.overrides import apply_settings, parse_settings
 from usp.sharding import required_multiple
 from usp.train.config import is_train_config, train_config_from_dict
 from usp.train.evaluate import prepare_held_out
 
 
-def check_training_config(path: str, resolved) -> list[str]:
-    """Raise the :class:`~usp.config.ConfigError` ``usp train`` would raise for ``path``
-    on ``resolved``'s degrees (``seq_len`` against the layout, the batch arithmetic,
-    ``document_multiple``, the data and ``[eval]`` files and the tokenizer); return notes on what could
-    not be checked here. A topology-only config returns ``[]``."""
-    data = read_toml(path)
-    if not is_train_config(data):
-        return []
-    from usp.train.components import check_lengths, model_source, prepare_data
-
-    job = train_config_from_dict(data, source=path)
+def grid_of(resolved) -> SimpleNamespace:
+    """What the length checks read of a Plan (``layout``, the degrees,
+    ``sequence_multiple``), for a resolved config without building its process groups."""
     layout = resolved.config.attention.layout
-    plan = SimpleNamespace(
+    return SimpleNamespace(
         layout=layout,
         ring_degree=resolved.ring,
         ulysses_degree=resolved.ulysses,
         sequence_multiple=required_multiple(resolved.ring, resolved.ulysses, layout),
     )
-    document_multiple = check_lengths(job, plan)
+
+
+def check_training_config(path: str, resolved, *, sets: Sequence[str] = ()) -> list[str]:
+    """Raise the :class:`~usp.config.ConfigError` ``usp train`` would raise for ``path``
+    on ``resolved``'s degrees (``seq_len`` against the layout, the batch arithmetic,
+    ``document_multiple``, the data and ``[eval]`` files and the tokenizer); return notes on what could
+    not be checked here. A topology-only config returns ``[]``. ``sets``: ``--set``
+    settings, as ``usp train`` applies them."""
+    data = apply_settings(read_toml(path), parse_settings(sets))
+    if not is_train_config(data):
+        return []
+    from usp.train.components import check_lengths, model_source, prepare_data
+
+    job = train_config_from_dict(data, source=path)
+    document_multiple = check_lengths(job, grid_of(resolved))
     job.gradient_accumulation(resolved.dp)
     try:
         source = model_source(job)

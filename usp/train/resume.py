@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -47,8 +48,8 @@ def run_record(job, model_config, document_multiple: int, files=()) -> dict[str,
     data["files"] = [str(Path(f).resolve()) for f in files]
     data["file_sha256"] = [_sha256(Path(f)) for f in data["files"]]
     data["document_multiple_used"] = document_multiple
-    train = dataclasses.asdict(job.train)
-    train["adam_betas"] = list(train["adam_betas"])
+    # as JSON has it (tuples are lists), so that a saved record compares equal to a new one
+    train = json.loads(json.dumps(dataclasses.asdict(job.train)))
     rope = {name: getattr(model_config, name, None) for name in POSITION_FIELDS}
     return {"train": train, "data": data, "rope": rope}
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from usp.models import model_counts, shard_batch
 from usp.plan import Plan
-from usp.train import components
+from usp.train import components, report_to, run_config
 from usp.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -185,12 +185,15 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
         print_header(job, plan, source, dataset, model, state, newest, stream)
         for line in held_out.summary(job.eval.every) if held_out is not None else []:
             print(f"  eval:  {line}", file=stream, flush=True)
+        config_path = run_config.save_effective_config(job, out)
+        print("\n".join(run_config.startup_lines(job, config_path)), file=stream, flush=True)
         for note in [lock.note if lock else None, resume_note]:
             if note:
                 print(f"  note: {note}", file=stream, flush=True)
 
     # ---------------------------------------------------------------- the loop
     writer = MetricsWriter(out / "metrics.jsonl", resume_after_step=state.step) if rank0 else None
+    writer = report_to.reporting(writer, job, out, start_step=state.step, distributed=distributed)
     for note in writer.notes if writer else []:
         print(f"usp train: warning: {note}", file=stream, flush=True)
     progress = (
@@ -322,6 +325,8 @@ def _setup(job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed: b
     dataset = components.prepare_data(job, source, document_multiple)  # tokenised in _run
     eval_inputs = prepare_held_out(job, dataset)  # [eval]: None without it
     rank0 = _rank0(plan)
+    if rank0:  # the libraries [train] report_to needs (rank 0 writes; the ranks agree)
+        report_to.check_available(job.train.report_to)
     record = run_record(job, source.config, document_multiple, dataset.files) if rank0 else None
     checkpointer = Checkpointer(
         out / "checkpoints",

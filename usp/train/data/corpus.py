@@ -30,7 +30,8 @@ import torch
 from usp.errors import DataError
 from usp.train.data.records import Document, LengthReport, iter_documents
 
-CACHE_VERSION = 1
+# 2: long_documents = "split" drops pieces without a trained token; per-file counts
+CACHE_VERSION = 2
 _FILES = {"tokens": ("tokens.i32", torch.int32), "target": ("target.u8", torch.bool)}
 
 

@@ -107,17 +107,21 @@ class PackedDataset:
         return epoch, index - self._starts[epoch]
 
     # -------------------------------------------------------------- sequences
-    def sequence(self, index: int) -> PackedRow:
-        """The packed sequence with global index ``index`` (>= 0)."""
+    def document_ids(self, index: int) -> list[int]:
+        """The corpus indices of the documents packed into sequence ``index``, in order."""
         if index < 0:
             raise IndexError(f"sequence index must be >= 0, got {index}")
         epoch, i = self._locate(index)
+        order, starts = self._epochs[epoch]
+        return order[starts[i] : starts[i + 1]].tolist()
+
+    def sequence(self, index: int) -> PackedRow:
+        """The packed sequence with global index ``index`` (>= 0)."""
         tokens = torch.full((self.seq_len,), self.pad_id, dtype=torch.int64)
         target = torch.zeros(self.seq_len, dtype=torch.bool)
         lengths, offset, m = [], 0, self.document_multiple
         corpus = self.documents
-        order, starts = self._epochs[epoch]
-        for doc in order[starts[i] : starts[i + 1]].tolist():
+        for doc in self.document_ids(index):
             start, length = (
                 int(corpus.offsets[doc]),
                 int(corpus.offsets[doc + 1] - corpus.offsets[doc]),

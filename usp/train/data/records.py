@@ -18,7 +18,7 @@ import glob
 import random
 import string
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -229,8 +229,11 @@ class LengthReport:
     pieces: int = 0  # split: pieces made of them
     cut_start: int = 0  # truncate: the prompt's start cut (its first token kept)
     cut_end: int = 0  # truncate: the end cut
-    emptied: int = 0  # truncate: dropped, no trained token left in the kept window
+    # dropped with no trained token left: truncate's kept window, or a piece of split
+    emptied: int = 0
     short: int = 0  # documents under 2 tokens (nothing to predict), skipped
+    #: per data file: records read, documents kept, their tokens and trained tokens
+    files: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def describe(self) -> str:
         if not self.too_long:
@@ -242,6 +245,8 @@ class LengthReport:
             )
             if self.policy == "split":
                 text = f"{head}: split into {self.pieces} pieces of at most {self.seq_len}"
+                if self.emptied:
+                    text += f"; {self.emptied} of them dropped, no trained token in them"
             elif self.policy == "drop":
                 text = f"{head}: dropped"
             else:
@@ -259,6 +264,27 @@ class LengthReport:
         for name in ("too_long", "pieces", "cut_start", "cut_end", "emptied", "short"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.longest = max(self.longest, other.longest)
+        for path, counts in other.files.items():
+            mine = self.files.setdefault(path, dict.fromkeys(FILE_COUNTS, 0))
+            for key in FILE_COUNTS:
+                mine[key] += counts.get(key, 0)
+
+    def count(self, path: str, *, records: int = 0, kept: list[Document] = ()) -> None:
+        """Add to ``path``'s counts: records read and the documents kept of them."""
+        added = (records, len(kept), sum(map(len, kept)), sum(map(trained_tokens, kept)))
+        counts = self.files.setdefault(path, dict.fromkeys(FILE_COUNTS, 0))
+        for key, value in zip(FILE_COUNTS, added, strict=True):
+            counts[key] += value
+
+
+#: what :attr:`LengthReport.files` counts per data file
+FILE_COUNTS = ("records", "documents", "tokens", "trained_tokens")
+
+
+def trained_tokens(doc: Document) -> int:
+    """Tokens whose prediction carries loss: targets after the first token (nothing in a
+    document predicts its first token)."""
+    return int(doc.target[1:].sum())
 
 
 def _slice(doc: Document, start: int, stop: int) -> Document:
@@ -272,7 +298,8 @@ def fit_document(doc: Document, report: LengthReport, *, where: str) -> list[Doc
     ``seq_len - 1`` when every trained token lies among them (a prompt's start is cut, the
     completion kept whole), else the first ``seq_len`` (the end is cut); a window left
     with no trained token is dropped. ``"split"`` cuts pieces of at most ``seq_len``
-    (later pieces start without the earlier context); ``"drop"`` skips the document;
+    (later pieces start without the earlier context) and drops (and counts) the pieces
+    with no trained token; ``"drop"`` skips the document;
     ``"error"`` refuses it.
     """
     n, seq_len = len(doc), report.seq_len
@@ -294,7 +321,9 @@ def fit_document(doc: Document, report: LengthReport, *, where: str) -> list[Doc
     if policy == "split":
         pieces = [_slice(doc, a, a + seq_len) for a in range(0, n, seq_len)]
         report.pieces += len(pieces)
-        return pieces
+        kept = [p for p in pieces if trained_tokens(p)]
+        report.emptied += len(pieces) - len(kept)  # nothing to learn from: dropped, counted
+        return kept
     trained = doc.target[1:].nonzero()
     first = int(trained[0]) + 1 if trained.numel() else n
     if n - first <= seq_len - 1:
@@ -306,7 +335,7 @@ def fit_document(doc: Document, report: LengthReport, *, where: str) -> list[Doc
     else:
         report.cut_end += 1
         kept = _slice(doc, 0, seq_len)
-    if not kept.target[1:].any():
+    if not trained_tokens(kept):
         report.emptied += 1
         return []
     return [kept]
@@ -375,7 +404,9 @@ def iter_documents(paths: Sequence[Path], tokenizer, report: LengthReport) -> It
                     except DataError as err:
                         raise DataError(f"{where}: {err}") from None
                 doc = document_from_record(record, encoder, where=where, chat=chat)
-                yield from fit_document(doc, report, where=where)
+                kept = fit_document(doc, report, where=where)
+                report.count(str(path), records=1, kept=kept)
+                yield from kept
             if error is not None:
                 raise error
 

@@ -1,0 +1,135 @@
+"""``usp train CONFIG --nproc-per-node N``: torchrun's launcher, run in this process.
+
+The same machinery as ``torchrun --nproc-per-node N -m usp train CONFIG`` (torch's
+``torch.distributed.run``: rendezvous, worker processes, their environment), with one
+difference at the end: when a worker fails, torchrun prints its failure table and a
+traceback of its own, so the one useful line sits ~40 lines up; here the first failing
+rank's usp error (:mod:`usp.train.error_file`) is the last line printed, and the exit
+status is that rank's (2 a config or data error, 3 diverged, 4 a collective failed, ...;
+128+N for a rank killed by signal N).
+
+Multi-node: ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port`` as
+torchrun has them; for anything else (elastic rendezvous, restarts) use torchrun itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from usp.cli.args import positive_int
+from usp.train.error_file import read_error_data
+
+#: the flags of the launcher form (argparse dests); a worker gets every other flag
+LAUNCH_DESTS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "launcher (instead of torchrun)",
+        "with --nproc-per-node, usp starts the worker processes itself with torchrun's "
+        "machinery and prints the first failing rank's error last",
+    )
+    group.add_argument("--nproc-per-node", type=positive_int, help="worker processes per node")
+    group.add_argument("--nnodes", type=positive_int, help="nodes (default 1)")
+    group.add_argument("--node-rank", type=int, help="this node's rank (default 0)")
+    group.add_argument("--master-addr", help="rank 0's node address (multi-node)")
+    group.add_argument("--master-port", type=int, help="rank 0's port (multi-node)")
+
+
+def wants_launcher(args: argparse.Namespace) -> bool:
+    return getattr(args, "nproc_per_node", None) is not None
+
+
+def worker_argv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The command line a worker runs (``train CONFIG`` and every flag given, but the
+    launcher's), rebuilt from ``parser``'s own options so no flag is forgotten."""
+    argv: list[str] = []
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public list
+        if isinstance(action, argparse._HelpAction) or action.dest in LAUNCH_DESTS:
+            continue
+        value = getattr(args, action.dest, None)
+        if not action.option_strings:  # the positional config path
+            argv.append(str(value))
+            continue
+        flag = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [flag] if value else []
+        elif isinstance(action, argparse._AppendAction):
+            for item in value or ():
+                argv += [flag, str(item)]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _torchrun_args(args: argparse.Namespace, command: list[str]) -> list[str]:
+    launch = ["--nproc-per-node", str(args.nproc_per_node)]
+    nodes = args.nnodes or 1
+    launch += ["--nnodes", str(nodes), "--node-rank", str(args.node_rank or 0)]
+    if args.master_addr is not None:
+        launch += ["--master-addr", args.master_addr]
+    if args.master_port is not None:
+        launch += ["--master-port", str(args.master_port)]
+    if nodes == 1 and args.master_port is None:
+        launch += ["--standalone"]  # a free port of this machine
+    return [*launch, "--module", "usp", *command]
+
+
+def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run ``usp train`` under torchrun's launcher here; the exit status (see module doc)."""
+    if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
+        print(
+            "usp train: error: --nproc-per-node starts the workers itself; under torchrun "
+            "(which already did) leave it out",
+            file=sys.stderr,
+        )
+        return 2
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    command = ["train", *worker_argv(parser, args)]
+    try:
+        torchrun(get_args_parser().parse_args(_torchrun_args(args, command)))
+    except ChildFailedError as err:
+        line, status = first_failure(err.failures)
+    except SignalException as err:  # the launcher was signalled; torchrun stopped the workers
+        signal = int(err.sigval)
+        line = (
+            f"usp train: the launcher got {err.sigval.name}; the workers were sent it too "
+            "(any checkpoint they saved is named above; --resume continues from it)"
+        )
+        status = 128 + signal
+    else:
+        return 0
+    sys.stdout.flush()
+    print(line, file=sys.stderr, flush=True)
+    return status
+
+
+def first_failure(failures: dict) -> tuple[str, int]:
+    """The line and exit status of the rank that failed first (``failures``: torchrun's
+    ``{global rank: ProcessFailure}``): usp's recorded error where a rank wrote one, else
+    what torchrun saw (a signal, an exit status)."""
+    recorded = {rank: read_error_data(f.error_file_data) for rank, f in failures.items()}
+    with_line = {rank: r for rank, r in recorded.items() if r is not None}
+    if with_line:
+        rank = min(with_line, key=lambda r: (with_line[r].time, r))
+        return with_line[rank].message, with_line[rank].status
+    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+    failure = failures[rank]
+    if failure.exitcode < 0:
+        signal = failure.signal_name()
+        return (
+            f"usp train: error: rank {rank} (pid {failure.pid}) was killed by signal "
+            f"{-failure.exitcode} ({signal}); its output above says what it was doing",
+            128 - failure.exitcode,
+        )
+    return (
+        f"usp train: error: rank {rank} (pid {failure.pid}) exited with status "
+        f"{failure.exitcode}; its output above says why",
+        failure.exitcode or 1,
+    )
