@@ -26,44 +26,47 @@ QWEN_HF_DEFAULTS: dict[str, Any] = {
 }
 
 
-def qwen_attention_window(config) -> int | None:
-    """The window some layer of a Qwen2/Qwen3 config attends within, as transformers
-    reads the config: only with ``use_sliding_window``, on the layers ``layer_types``
-    marks ``sliding_attention`` (default: those from ``max_window_layers`` on)."""
-    if not config.use_sliding_window or config.sliding_window is None:
-        return None
-    types = config.layer_types or [
-        "sliding_attention" if i >= config.max_window_layers else "full_attention"
-        for i in range(config.num_hidden_layers)
-    ]
-    return config.sliding_window if "sliding_attention" in types else None
-
-
 @dataclass(frozen=True)
-class Qwen2Config(DecoderConfig):
-    """Qwen2 / Qwen2.5 hyper-parameters (HF ``config.json`` names)."""
+class QwenWindow:
+    """Qwen's sliding-window settings (Qwen2, Qwen2.5, Qwen3), kept as config.json has
+    them and read as transformers reads them: a window only with ``use_sliding_window``,
+    on the layers ``layer_types`` marks ``sliding_attention`` (default: those from
+    ``max_window_layers`` on). A mixin of a family's config, before
+    :class:`DecoderConfig` in its bases."""
 
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1000000.0
-    max_position_embeddings: int = 32768
     use_sliding_window: bool = False
     sliding_window: int | None = None
     max_window_layers: int = 28
     layer_types: tuple[str, ...] | None = None
 
-    family: ClassVar[str] = "qwen2"
-    architectures: ClassVar[tuple[str, ...]] = ("Qwen2ForCausalLM",)
-    model_type: ClassVar[str] = "qwen2"
-    hf_defaults: ClassVar[dict[str, Any]] = QWEN_HF_DEFAULTS
-
     def __post_init__(self) -> None:
-        super().__post_init__()
+        super().__post_init__()  # DecoderConfig's checks
         if self.layer_types is not None:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
 
     @property
     def attention_window(self) -> int | None:
-        return qwen_attention_window(self)
+        if not self.use_sliding_window or self.sliding_window is None:
+            return None
+        types = self.layer_types or [
+            "sliding_attention" if i >= self.max_window_layers else "full_attention"
+            for i in range(self.num_hidden_layers)
+        ]
+        return self.sliding_window if "sliding_attention" in types else None
+
+
+@dataclass(frozen=True)
+class Qwen2Config(QwenWindow, DecoderConfig):
+    """Qwen2 / Qwen2.5 hyper-parameters (HF ``config.json`` names)."""
+
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    max_position_embeddings: int = 32768
+
+    family: ClassVar[str] = "qwen2"
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen2ForCausalLM",)
+    model_type: ClassVar[str] = "qwen2"
+    hf_defaults: ClassVar[dict[str, Any]] = QWEN_HF_DEFAULTS
 
 
 _QWEN25 = {"vocab_size": 152064, "bos_token_id": 151643, "eos_token_id": 151643}

@@ -11,36 +11,24 @@ from typing import Any, ClassVar
 
 from usp.models.config import DecoderConfig
 from usp.models.decoder import Attention, CausalLM, RMSNorm
-from usp.models.qwen2 import QWEN_HF_DEFAULTS, qwen_attention_window
+from usp.models.qwen2 import QWEN_HF_DEFAULTS, QwenWindow
 
 
 @dataclass(frozen=True)
-class Qwen3Config(DecoderConfig):
-    """Qwen3 hyper-parameters (HF ``config.json`` names)."""
+class Qwen3Config(QwenWindow, DecoderConfig):
+    """Qwen3 hyper-parameters (HF ``config.json`` names; the sliding-window fields of
+    :class:`usp.models.qwen2.QwenWindow`)."""
 
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
     max_position_embeddings: int = 40960
     attention_bias: bool = False
-    use_sliding_window: bool = False
-    sliding_window: int | None = None
-    max_window_layers: int = 28
-    layer_types: tuple[str, ...] | None = None
 
     family: ClassVar[str] = "qwen3"
     architectures: ClassVar[tuple[str, ...]] = ("Qwen3ForCausalLM",)
     model_type: ClassVar[str] = "qwen3"
     hf_defaults: ClassVar[dict[str, Any]] = {**QWEN_HF_DEFAULTS, "head_dim": 128}
     shape_fields: ClassVar[tuple[str, ...]] = ("attention_bias",)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.layer_types is not None:
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
-
-    @property
-    def attention_window(self) -> int | None:
-        return qwen_attention_window(self)
 
 
 #: the published Qwen3-8B shape (config.json of Qwen/Qwen3-8B) and a tiny one for tests
