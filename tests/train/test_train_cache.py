@@ -65,7 +65,7 @@ def test_cache_is_built_once_reused_and_keyed_by_content_and_options(tmp_path):
     (directory,) = root.iterdir()
     stamp = (directory / "tokens.i32").stat().st_mtime_ns
     again = build_corpus(inputs([path]), cache_root=root)
-    assert again.notes[-1] == f"tokenised data reused from {directory}"
+    assert again.notes[-1] == f"tokenised data reused from {directory} (checksums verified)"
     assert again.key == first.key and (directory / "tokens.i32").stat().st_mtime_ns == stamp
     assert same_corpus(again.corpus, first.corpus) and again.report == first.report
     other_options = build_corpus(inputs([path], long_documents="split"), cache_root=root)
