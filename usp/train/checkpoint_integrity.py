@@ -32,7 +32,13 @@ from usp.train.checksums import ALGORITHM, checksum_files, find_damage
 
 METADATA_FILE = ".metadata"  # DCP's (written by rank 0)
 _WRITER = re.compile(r"^__(\d+)_\d+\.distcp$")  # FileSystemWriter's per-rank shard files
-_DCP_DIR = str(Path(dcp_package.__file__).resolve().parent)
+# where DCP's modules live, as their records name them (symlinks resolved or not)
+_DCP_DIRS = tuple(
+    {
+        os.path.dirname(where(dcp_package.__file__)) + os.sep
+        for where in (os.path.abspath, os.path.realpath)
+    }
+)
 
 
 class CheckpointDamagedError(CheckpointError):
@@ -132,7 +138,7 @@ class DcpLog:
         self._formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not os.path.abspath(record.pathname).startswith(_DCP_DIR):
+        if not os.path.abspath(record.pathname).startswith(_DCP_DIRS):
             return True
         self.records += 1
         text = self._formatter.format(record)  # with the record's traceback
