@@ -427,9 +427,17 @@ def run_diverging_after_resume(config_path, out, steps):
         torch.nn.utils.clip_grad_norm_ = original
 
 
-def test_a_divergence_after_a_resume_names_the_step_before_it(distributed, tmp_path, clean_run):
+@pytest.mark.parametrize("newest", ["loads", "damaged"])
+def test_a_divergence_after_a_resume_names_the_step_before_it(
+    distributed, tmp_path, clean_run, newest
+):
+    """Diverged at the first step after loading: --resume would load the same checkpoint
+    again, so the message says which step to resume from (with the newest damaged, the
+    run loaded step 2, and there is none before it)."""
     config, clean, _ = clean_run
     out = _copy(clean, tmp_path)
+    if newest == "damaged":
+        _flip_weight_bytes(out / "checkpoints" / "step_000004")
     results = distributed.run(
         run_diverging_after_resume, str(config), str(out), 6, world_size=4, timeout=TIMEOUT
     )
@@ -438,11 +446,17 @@ def test_a_divergence_after_a_resume_names_the_step_before_it(distributed, tmp_p
     assert len(messages) == 1, messages
     (message,) = messages
     assert {r[3] for r in results} == {3}, "diverged: exit 3"
-    newest = out / "checkpoints" / "step_000004"
-    assert "This run started from step_000004 and saved no checkpoint since" in message
-    assert "--resume would load it again" in message, message
-    assert f"To resume from step 2 (step_000002) instead, move {newest} out of the way" in message
     assert "(--resume continues from it)" not in message, message
+    assert "--resume would load it again" in message, message
+    if newest == "loads":
+        loaded = out / "checkpoints" / "step_000004"
+        assert "This run started from step_000004 and saved no checkpoint since" in message
+        assert f"To resume from step 2 (step_000002) instead, move {loaded} out of the way" in (
+            message
+        )
+    else:
+        assert "This run started from step_000002 and saved no checkpoint since" in message
+        assert "there is no earlier checkpoint: start again in another --output" in message
 
 
 # ----------------------------------------------------------------------------- output paths

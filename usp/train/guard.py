@@ -167,25 +167,32 @@ def collective_phase(what: str, timeout_s: float):
 
 # ----------------------------------------------------------------------------- messages
 def newest_note(checkpointer, resumed_from=None) -> str:
-    """Which checkpoint ``--resume`` would continue from. ``resumed_from``: the one this run
-    loaded; when it is still the newest (nothing saved since), resuming would load it
-    again and may repeat what happened, so the note names the step before it instead."""
-    found = checkpointer.complete()
-    if not found:
-        return "No checkpoint was written yet"
-    newest = found[-1][1]
-    if resumed_from is None or Path(newest) != Path(resumed_from):
-        return f"The newest checkpoint is {newest.name} (--resume continues from it)"
+    """Which checkpoint ``--resume`` would continue from: the newest this run saved, else
+    ``resumed_from`` (the one it loaded; newer ones it fell back past do not load). When
+    that is ``resumed_from``, resuming would load it again and may repeat what happened,
+    so the note names the step before it instead."""
+    found = checkpointer.complete()  # (step, path), oldest first
+    saved = {Path(s.path) for s in checkpointer.saves}
+    ours = [path for _, path in found if Path(path) in saved]
+    if ours:
+        return f"The newest checkpoint is {ours[-1].name} (--resume continues from it)"
+    steps = {Path(path): step for step, path in found}
+    if resumed_from is None or Path(resumed_from) not in steps:
+        if not found:
+            return "No checkpoint was written yet"
+        return f"The newest checkpoint is {found[-1][1].name} (--resume continues from it)"
+    resumed_from = Path(resumed_from)
     again = (
-        f"This run started from {newest.name} and saved no checkpoint since: --resume would "
-        "load it again and may repeat this"
+        f"This run started from {resumed_from.name} and saved no checkpoint since: --resume "
+        "would load it again and may repeat this"
     )
-    if len(found) == 1:
-        return f"{again}; it is the only checkpoint: start again in another --output directory"
-    step, earlier = found[-2]
+    earlier = [(step, path) for step, path in found if step < steps[resumed_from]]
+    if not earlier:
+        return f"{again}; there is no earlier checkpoint: start again in another --output directory"
+    step, path = earlier[-1]
     return (
-        f"{again}. To resume from step {step} ({earlier.name}) instead, move {newest} out of "
-        f"the way (e.g. mv {newest} {newest}.diverged), then --resume"
+        f"{again}. To resume from step {step} ({path.name}) instead, move {resumed_from} out "
+        f"of the way (e.g. mv {resumed_from} {resumed_from}.diverged), then --resume"
     )
 
 
