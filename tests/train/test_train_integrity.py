@@ -272,6 +272,33 @@ def test_a_damaged_cache_in_one_process_is_rebuilt_with_a_note(tmp_path):
     assert torch.equal(again.corpus.tokens, reference)
 
 
+def test_a_damaged_cache_that_cannot_be_removed_is_one_clear_error(tmp_path, monkeypatch):
+    from usp.train.data import ByteTokenizer, DataError
+    from usp.train.data import corpus as corpus_module
+    from usp.train.data.build import DataInputs, build_corpus
+
+    config = write_job(tmp_path / "job")
+    inputs = DataInputs(
+        ByteTokenizer(), (config.parent / "train.jsonl",), 64, "truncate", 1, 0, True
+    )
+    build_corpus(inputs, cache_root=tmp_path / "cache")
+    directory = _cache_of(tmp_path)
+    _damage_cache(directory, "ids 0xFF")
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(corpus_module.shutil, "rmtree", refused)  # (root ignores modes)
+    with pytest.raises(DataError) as caught:
+        build_corpus(inputs, cache_root=tmp_path / "cache")
+    assert str(caught.value) == (
+        f"the tokenised data cache {directory} is damaged (tokens.i32 does not match the "
+        "checksum recorded when it was written (its bytes changed since)) and cannot be "
+        "removed (Permission denied); delete it and start again (it is rebuilt from the data "
+        "files)"
+    )
+
+
 DYING_BUILDER = """
 import sys, time
 from pathlib import Path
