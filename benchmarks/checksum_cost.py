@@ -1,17 +1,19 @@
 """What the integrity checksums cost (:mod:`usp.train.checksums`): hashing throughput,
 and the checksums of a checkpoint against its DCP save and load, side by side in one run.
 
-    python benchmarks/checksum_cost.py --mb 512 --threads 1 2 --repeats 3
+    python benchmarks/checksum_cost.py --mb 512 --threads 1 2 --repeats 5
 
-One process writes a state dict of ``--mb`` MB of float32 tensors (16 MiB each, like
-the shards of a large model) with ``torch.distributed.checkpoint`` into ``--dir``, then
-times ``dcp.save`` and ``dcp.load`` and, per thread count, :func:`record_checksums`
-(what every rank runs after its save) and :func:`verify_checksums` (what every rank runs
-before a load); CRC-32 and SHA-256 of the same bytes in memory show what the CPU gives
-at that moment.
-Files are hashed right after being written or read, from the page cache, as in
-training. Prints one JSON line per measurement (medians of ``--repeats``) and a summary
-line with MB/s.
+One process writes a state dict of ``--mb`` MB of float32 tensors (16 MiB each) with
+``torch.distributed.checkpoint`` into ``--dir``. Each of ``--repeats`` rounds times, one
+after the other (so a shared machine's changing load hits all alike): ``dcp.save``, then
+per thread count :func:`record_checksums` (what every rank runs right after its save:
+its files are in the page cache); ``dcp.load`` from the disk (the files dropped from the
+page cache first), then per thread count :func:`verify_checksums` followed by
+``dcp.load`` from the disk (what a resume does: the check reads the files from the disk,
+DCP then finds them in the page cache); and XXH3 (the checksums' hash), CRC-32 and
+SHA-256 of 256 MB in memory on one thread (what the CPU gives at that moment). Prints the medians (one JSON line each)
+and the checksums' cost per round as a share of the save and of the load (median, and
+the range over the rounds).
 """
 
 from __future__ import annotations
@@ -30,20 +32,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 
 from usp.train.checkpoint_integrity import record_checksums, verify_checksums
 
 
-def _median_seconds(fn, repeats: int, before=None) -> float:
-    """The median over ``repeats`` of ``fn``'s seconds (``before`` runs untimed first)."""
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+def _timed(fn, *args, **kwargs):
+    """``(seconds, fn(*args, **kwargs))``."""
+    started = time.perf_counter()
+    value = fn(*args, **kwargs)
+    return time.perf_counter() - started, value
 
 
 def _evict(directory: Path) -> None:
@@ -58,17 +56,18 @@ def _evict(directory: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Run the measurements; returns ``{what: seconds}`` (also printed, one JSON line each)."""
+    """Run the measurements; returns the median seconds of each (also printed)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=512.0, help="checkpoint size, MB")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: tmp)")
     args = parser.parse_args(argv)
     # one process on purpose: DCP's note that it assumes so is noise here
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
     root = Path(tempfile.mkdtemp(dir=args.dir, prefix="usp-checksum-cost-"))
+    threads_before = torch.get_num_threads()
     try:
         numel = 4 << 20  # 16 MiB of float32 per tensor
         count = max(1, round(args.mb * 1e6 / (numel * 4)))
@@ -76,66 +75,59 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         state = {f"w{i}": torch.randn(numel, generator=gen) for i in range(count)}
         mb = round(count * numel * 4 / 1e6, 1)
         path = root / "step"
-        target = {k: torch.empty_like(v) for k, v in state.items()}
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        blob = memoryview(os.urandom(min(int(mb * 1e6), 256 << 20)))
+        times: dict[str, list[float]] = {}
+        ratios: dict[str, list[float]] = {}  # per round: the checksums' share
 
-        def save():
-            shutil.rmtree(path, ignore_errors=True)
-            return dcp.save(state, checkpoint_id=str(path), no_dist=True)
+        def note(what: str, seconds: float) -> float:
+            times.setdefault(what, []).append(seconds)
+            return seconds
 
-        def load():
+        def verify_then_load(recorded):
+            verify_checksums(path, recorded)
             dcp.load(target, checkpoint_id=str(path), no_dist=True)
 
-        seconds = {"dcp.save": _median_seconds(save, args.repeats)}
-        metadata = save()
-        seconds["dcp.load (page cache)"] = _median_seconds(load, args.repeats)
-        seconds["dcp.load (from disk)"] = _median_seconds(load, args.repeats, lambda: _evict(path))
-        assert all(torch.equal(target[k], state[k]) for k in state)
-        for threads in args.threads:
-            torch.set_num_threads(threads)
-            recorded = record_checksums(path, metadata)[0]
-
-            def verify(recorded=recorded):
-                verify_checksums(path, recorded)
-
-            def verify_then_load(recorded=recorded):
-                verify_checksums(path, recorded)
-                load()
-
-            seconds[f"record_checksums x{threads} (after the save)"] = _median_seconds(
-                lambda: record_checksums(path, metadata), args.repeats
-            )
-            seconds[f"verify_checksums x{threads} (page cache)"] = _median_seconds(
-                verify, args.repeats
-            )
-            seconds[f"verify_checksums x{threads} + dcp.load (from disk)"] = _median_seconds(
-                verify_then_load, args.repeats, lambda: _evict(path)
-            )
-        for what, value in seconds.items():
-            print(json.dumps({"what": what, "mb": mb, "seconds": round(value, 3),
-                              "mb_per_s": round(mb / value)}))  # fmt: skip
-        # what one core gives at the moment (a shared machine's load varies): the same
-        # bytes in memory, the checksums' CRC-32 next to SHA-256
-        blob = memoryview(os.urandom(min(int(mb * 1e6), 256 << 20)))
-        speeds = {}
-        for what, fn in (("crc32", zlib.crc32), ("sha256", lambda b: hashlib.sha256(b).digest())):
-            speeds[what] = len(blob) / 1e6 / _median_seconds(lambda fn=fn: fn(blob), args.repeats)
-            print(
-                json.dumps(
-                    {"what": f"{what} in memory, one thread", "mb_per_s": round(speeds[what])}
+        for _ in range(args.repeats):
+            shutil.rmtree(path, ignore_errors=True)
+            seconds, metadata = _timed(dcp.save, state, checkpoint_id=str(path), no_dist=True)
+            save = note("dcp.save", seconds)
+            for t in args.threads:
+                torch.set_num_threads(t)
+                seconds, (recorded, _) = _timed(record_checksums, path, metadata)
+                ratios.setdefault(f"record x{t} / save", []).append(
+                    note(f"record_checksums x{t}", seconds) / save
                 )
-            )
-        t = args.threads[0]
-        save_cost = seconds[f"record_checksums x{t} (after the save)"] / seconds["dcp.save"]
-        cold = seconds["dcp.load (from disk)"]
-        load_cost = seconds[f"verify_checksums x{t} + dcp.load (from disk)"] / cold - 1
-        print(
-            f"{mb:.0f} MB, {t} thread(s): the checksums add {100 * save_cost:.0f}% to a save "
-            f"({seconds['dcp.save']:.2f} s) and {100 * load_cost:.0f}% to a load from disk "
-            f"({cold:.2f} s); one core: crc32 {speeds['crc32']:.0f} MB/s, sha256 "
-            f"{speeds['sha256']:.0f} MB/s in memory"
-        )
-        return seconds
+            _evict(path)
+            seconds, _ = _timed(dcp.load, target, checkpoint_id=str(path), no_dist=True)
+            cold = note("dcp.load from disk", seconds)
+            for t in args.threads:
+                torch.set_num_threads(t)
+                _evict(path)
+                seconds, _ = _timed(verify_then_load, recorded)
+                ratios.setdefault(f"verify x{t} + load / load - 1", []).append(
+                    note(f"verify_checksums x{t} + dcp.load from disk", seconds) / cold - 1
+                )
+            for name, fn in (
+                ("xxh3_64", xxhash.xxh3_64_digest),  # the checksums' (per 16 MiB chunk)
+                ("crc32", zlib.crc32),
+                ("sha256", hashlib.sha256),
+            ):
+                note(f"{name} of 256 MB in memory, one thread", _timed(fn, blob)[0])
+        assert all(torch.equal(target[k], state[k]) for k in state)
+        medians = {what: statistics.median(values) for what, values in times.items()}
+        for what, seconds in medians.items():
+            size = len(blob) / 1e6 if "in memory" in what else mb
+            row = {"what": what, "mb": round(size, 1), "seconds": round(seconds, 3)}
+            print(json.dumps({**row, "mb_per_s": round(size / seconds)}))
+        shares = [
+            f"{what}: {100 * statistics.median(v):.0f}% ({100 * min(v):.0f}..{100 * max(v):.0f}%)"
+            for what, v in ratios.items()
+        ]
+        print(f"{mb:.0f} MB, median (range) over {args.repeats} rounds: " + "; ".join(shares))
+        return medians
     finally:
+        torch.set_num_threads(threads_before)
         shutil.rmtree(root, ignore_errors=True)
 
 

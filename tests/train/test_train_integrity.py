@@ -35,11 +35,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from launch_cases import ROOT, free_port, run_agents, torchrun
 from usp_cases import topology
 
@@ -167,8 +167,8 @@ def clean_run(distributed, tmp_path_factory):
 # ----------------------------------------------------------------------------- checksums
 def _independent_checksum(data: bytes) -> str:
     chunks = [data[i : i + (16 << 20)] for i in range(0, len(data), 16 << 20)]
-    crcs = b"".join(zlib.crc32(c).to_bytes(4, "big") for c in chunks)
-    return hashlib.sha256(crcs).hexdigest()
+    digests = b"".join(xxhash.xxh3_64_digest(c) for c in chunks)
+    return hashlib.sha256(digests).hexdigest()
 
 
 def test_checksums_match_an_independent_computation_and_find_damage(tmp_path):
@@ -180,9 +180,9 @@ def test_checksums_match_an_independent_computation_and_find_damage(tmp_path):
     one = checksum_files([tmp_path / n for n in ("big", "empty", "small")], threads=1)
     three = checksum_files([tmp_path / n for n in ("big", "empty", "small")], threads=3)
     assert one == three, "the thread count does not change a checksum"
-    assert one[0] == {"bytes": len(data), "crc32": _independent_checksum(data)}
-    assert one[1] == {"bytes": 0, "crc32": hashlib.sha256(b"").hexdigest()}
-    assert one[2]["crc32"] == _independent_checksum(b"usp")
+    assert one[0] == {"bytes": len(data), "xxh3": _independent_checksum(data)}
+    assert one[1] == {"bytes": 0, "xxh3": hashlib.sha256(b"").hexdigest()}
+    assert one[2]["xxh3"] == _independent_checksum(b"usp")
     recorded = {"big": one[0], "small": one[2]}
     assert find_damage(tmp_path, recorded) is None
     flipped = bytearray(data)
