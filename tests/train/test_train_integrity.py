@@ -590,6 +590,8 @@ def test_under_torchrun_damage_is_reported_and_repaired_without_a_traceback(tmp_
     assert f"the tokenised data cache {cache} was damaged (tokens.i32 does not match" in text
     assert f"{name} does not match the checksum recorded when it was written" in text, text
     assert "resuming from step_000002 instead" in text, text
+    assert "note: checkpoints: 1 saved, the slowest " in text, "what --shutdown-timeout needs"
+    assert "torchrun's --shutdown-timeout must cover one step plus one save" in text, text
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2, 3, 4]
     for row, (step, loss, _) in zip(logged[2:], rows[2:]):

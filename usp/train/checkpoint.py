@@ -181,6 +181,17 @@ class Checkpointer:
         self.saves.append(SaveStats(path, size, seconds, checksum_seconds))
         return path
 
+    def saves_note(self) -> str:
+        """The slowest of this run's saves: what torchrun's --shutdown-timeout must cover
+        (with one step), so a SIGTERM's checkpoint is written before the workers are
+        killed (sizes as rank 0 knows them)."""
+        slowest = max(self.saves, key=lambda s: s.seconds)
+        return (
+            f"checkpoints: {len(self.saves)} saved, the slowest {slowest.seconds:.1f} s for "
+            f"{slowest.bytes / 1e6:,.1f} MB (checksums {slowest.checksum_seconds:.2f} s of "
+            "it); torchrun's --shutdown-timeout must cover one step plus one save"
+        )
+
     def _save_failed(self, path: Path, err: CheckpointException) -> str:
         """One message for a failed save, the same on every rank (DCP hands every rank
         the failures of all of them): which ranks failed, the first one's error, what

@@ -234,7 +234,9 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
                 result.checkpoint = save(step)
                 # a signal during the save stops the run here, with this checkpoint, not
                 # after another step that the launcher's grace period may not cover
-                if stop_now or agree_on_stop(stop.name, device, distributed):
+                with collective_phase(f"after saving the checkpoint of step {step}", timeout):
+                    stop_now = stop_now or agree_on_stop(stop.name, device, distributed)
+                if stop_now:
                     result.stopped_by = stop.name or "a signal on another rank"
                     result.stopped_at = step
                     return result
@@ -254,7 +256,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
     else:  # resumed a finished run: its last checkpoint stands
         result.checkpoint = newest
     if checkpointer.saves and rank0:
-        result.notes.append(_saves_note(checkpointer.saves))
+        result.notes.append(checkpointer.saves_note())
     if job.train.export and not _has_safetensors():
         result.notes.append("no HF export: safetensors is not installed (pip install safetensors)")
     elif job.train.export:
@@ -273,17 +275,6 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
         else:
             result.notes.append(f"no loss.png: {note}")
     return result
-
-
-def _saves_note(saves) -> str:
-    """The slowest checkpoint save: what torchrun's --shutdown-timeout must cover (with
-    one step), so a SIGTERM's checkpoint is written before the workers are killed."""
-    slowest = max(saves, key=lambda s: s.seconds)
-    return (
-        f"checkpoints: {len(saves)} saved, the slowest {slowest.seconds:.1f} s for "
-        f"{slowest.bytes / 1e6:,.1f} MB (checksums {slowest.checksum_seconds:.2f} s of it); "
-        "torchrun's --shutdown-timeout must cover one step plus one save"
-    )
 
 
 def _has_safetensors() -> bool:
