@@ -1,7 +1,7 @@
 """What the integrity checksums cost (:mod:`usp.train.checksums`): hashing throughput,
 and the checksums of a checkpoint against its DCP save and load, side by side in one run.
 
-    python benchmarks/checksum_cost.py --mb 512 --threads 1 2 --repeats 5
+    python benchmarks/checksum_cost.py --mb 512 --threads 1 2 --repeats 7
 
 One process writes a state dict of ``--mb`` MB of float32 tensors (16 MiB each) with
 ``torch.distributed.checkpoint`` into ``--dir``. Each of ``--repeats`` rounds times, one
@@ -11,9 +11,10 @@ its files are in the page cache); ``dcp.load`` from the disk (the files dropped 
 page cache first), then per thread count :func:`verify_checksums` followed by
 ``dcp.load`` from the disk (what a resume does: the check reads the files from the disk,
 DCP then finds them in the page cache); and XXH3 (the checksums' hash), CRC-32 and
-SHA-256 of 256 MB in memory on one thread (what the CPU gives at that moment). Prints the medians (one JSON line each)
-and the checksums' cost per round as a share of the save and of the load (median, and
-the range over the rounds).
+SHA-256 of 256 MB in memory on one thread (what the CPU gives at that moment). Prints
+the medians (one JSON line each) and the checksums' cost per round as a share of the
+save and of the load (median, and the range over the rounds). Results and how to read
+them: ``benchmarks/README.md``, *Checksums*.
 """
 
 from __future__ import annotations

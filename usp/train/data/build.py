@@ -7,8 +7,9 @@ resume, or a rerun with the same data); a node that cannot see rank 0's cache
 checking that its data files hash to the same key. Every rank then maps the cache.
 The process that would build a node's cache checks an existing one against its
 checksums first (:func:`usp.train.data.corpus.cache_damage`) and rebuilds a damaged one
-with a note; it also removes the temporaries of builders on its host that died. Each stage ends in an agreement (:func:`usp.comm.agreement.agree`): a bad record found
-by the builder is the same :class:`DataError` on every rank, and nothing hangs.
+with a note; it also removes the temporaries of builders on its host that died. Each
+stage ends in an agreement (:func:`usp.comm.agreement.agree`): a bad record found by the
+builder is the same :class:`DataError` on every rank, and nothing hangs.
 
 While the builder tokenises, the other ranks wait in that agreement's collective, so a
 tokenisation that takes longer than the process group's timeout fails the run; rerunning
