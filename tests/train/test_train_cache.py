@@ -15,7 +15,7 @@ from chat_cases import CONVERSATIONS, assistant_texts, write_chat_tokenizer
 from usp_cases import topology
 
 from usp.models import PRESETS
-from usp.train.data import ByteTokenizer, DataError, read_jsonl
+from usp.train.data import ByteTokenizer, DataError, load_cache, read_jsonl
 from usp.train.data.build import DataInputs, build_corpus
 from usp.train.data.corpus import Corpus
 
@@ -65,7 +65,7 @@ def test_cache_is_built_once_reused_and_keyed_by_content_and_options(tmp_path):
     (directory,) = root.iterdir()
     stamp = (directory / "tokens.i32").stat().st_mtime_ns
     again = build_corpus(inputs([path]), cache_root=root)
-    assert again.notes[-1] == f"tokenised data reused from {directory}"
+    assert again.notes[-1] == f"tokenised data reused from {directory} (checksums verified)"
     assert again.key == first.key and (directory / "tokens.i32").stat().st_mtime_ns == stamp
     assert same_corpus(again.corpus, first.corpus) and again.report == first.report
     other_options = build_corpus(inputs([path], long_documents="split"), cache_root=root)
@@ -77,15 +77,18 @@ def test_cache_is_built_once_reused_and_keyed_by_content_and_options(tmp_path):
     assert len(other_content.corpus) == 41
 
 
-def test_a_damaged_cache_is_reported(tmp_path):
+def test_a_damaged_cache_is_reported_when_mapped_and_rebuilt_by_the_next_build(tmp_path):
     path = data_file(tmp_path / "d.jsonl")
     built = build_corpus(inputs([path]), cache_root=tmp_path / "cache")
+    reference = built.corpus.tokens.clone()  # (the damage below changes what it maps)
     (directory,) = (tmp_path / "cache").iterdir()
     with open(directory / "tokens.i32", "r+b") as f:
         f.truncate(8)
     with pytest.raises(DataError, match="tokenised data cache .* is damaged .*delete that"):
-        build_corpus(inputs([path]), cache_root=tmp_path / "cache")
-    assert built.key is not None
+        load_cache(directory)  # damaged after the build checked it: mapping refuses it
+    again = build_corpus(inputs([path]), cache_root=tmp_path / "cache")
+    assert again.notes[0].startswith(f"the tokenised data cache {directory} was damaged")
+    assert torch.equal(again.corpus.tokens, reference)
 
 
 def test_the_cache_is_written_without_numpy_too(tmp_path, monkeypatch):

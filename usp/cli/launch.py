@@ -22,7 +22,12 @@ from usp.cli.args import positive_int
 from usp.train.error_file import read_error_data
 
 #: the flags of the launcher form (argparse dests); a worker gets every other flag
-LAUNCH_DESTS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
+LAUNCH_DESTS = (
+    "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "shutdown_timeout",
+)  # fmt: skip
+#: seconds the workers get after a SIGTERM before torchrun kills them: one step plus one
+#: checkpoint save (torchrun's own default, 30 s, covers only small models)
+DEFAULT_SHUTDOWN_TIMEOUT_S = 300
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +41,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--node-rank", type=int, help="this node's rank (default 0)")
     group.add_argument("--master-addr", help="rank 0's node address (multi-node)")
     group.add_argument("--master-port", type=int, help="rank 0's port (multi-node)")
+    group.add_argument(
+        "--shutdown-timeout",
+        type=positive_int,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="seconds the workers get to finish a step and save after a SIGTERM before they "
+        f"are killed (default {DEFAULT_SHUTDOWN_TIMEOUT_S}; torchrun's own is 30)",
+    )
 
 
 def wants_launcher(args: argparse.Namespace) -> bool:
@@ -74,6 +86,7 @@ def _torchrun_args(args: argparse.Namespace, command: list[str]) -> list[str]:
         launch += ["--master-port", str(args.master_port)]
     if nodes == 1 and args.master_port is None:
         launch += ["--standalone"]  # a free port of this machine
+    launch += ["--shutdown-timeout", str(args.shutdown_timeout)]
     return [*launch, "--module", "usp", *command]
 
 

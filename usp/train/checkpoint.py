@@ -4,7 +4,10 @@ export.
 Layout of ``OUTPUT/checkpoints/step_000050/``: DCP's files (every rank writes its own
 shards; multi-node runs need ``OUTPUT`` on a shared file system) and ``usp_meta.json``,
 written by rank 0 after every rank has finished, which marks the checkpoint complete and
-records the step, the world size and the model's shape. What is saved: the model and
+records the step, the world size, the model's shape and every file's size and checksum
+(:mod:`usp.train.checkpoint_integrity`: hashed by the ranks that wrote them, verified
+before a load; a damaged file fails the load naming it, and the resume falls back to
+the previous checkpoint). What is saved: the model and
 AdamW state through ``get_state_dict`` (sharded, so a checkpoint can be loaded onto
 another number of ranks), the step (which is the whole schedule state), the data
 loader's position and every rank's RNG states. Scalars are stored as tensors, so loading
@@ -19,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from usp.errors import CheckpointError
+from usp.train.checkpoint_integrity import DcpLog, record_checksums, verify_checksums
 
 META_FILE = "usp_meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -41,6 +46,17 @@ def model_shape(config) -> dict[str, int | bool | str]:
     """What decides the parameters' shapes: the family and its shape fields
     (:meth:`usp.models.DecoderConfig.shape`)."""
     return config.shape()
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """One save as rank 0 saw it: the checkpoint's bytes, the seconds of the whole save
+    and of the checksums in it (the slowest rank's)."""
+
+    path: Path
+    bytes: int
+    seconds: float
+    checksum_seconds: float
 
 
 @dataclass(frozen=True)
@@ -91,6 +107,8 @@ class Checkpointer:
         self.shape = model_shape(model_config)
         self.keep = keep
         self.run = run  # what usp_meta.json records about the run (usp.train.resume)
+        self.dcp_log = DcpLog(self.directory / "dcp.log")  # DCP's messages, off the console
+        self.saves: list[SaveStats] = []  # this process's saves (sizes on rank 0 only)
 
     # -------------------------------------------------------------- discovery
     def complete(self) -> list[tuple[int, Path]]:
@@ -115,22 +133,32 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         path = self.directory / f"step_{state.step:06d}"
+        started = time.perf_counter()
+        if _is_rank0() and path.is_dir() and not path.is_symlink():
+            # an earlier checkpoint of this step that a resume fell back past (damaged) or
+            # never completed: replaced whole, its completeness marker first
+            (path / META_FILE).unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True)
+        _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         try:
-            with _single_process_quietly():
-                dcp.save(
+            with _single_process_quietly(), self.dcp_log:
+                metadata = dcp.save(
                     self._payload(model_sd, optim_sd, state),
                     checkpoint_id=str(path),
                     no_dist=not dist.is_initialized(),
                 )
         except CheckpointException as err:  # a BaseException: DCP raises it on every rank
             raise CheckpointError(self._save_failed(path, err)) from None
-        _barrier()  # every rank's shards are on disk before the checkpoint counts as complete
+        # every rank's shards are on disk (the checksums' gather waits for all of them)
+        # before the checkpoint counts as complete
+        checksums, checksum_seconds = record_checksums(path, metadata)
         if _is_rank0():
             meta = {
                 "step": state.step,
                 "world_size": _world_size(),
                 "model": self.shape,
+                "checksums": checksums,
             }
             if self.run is not None:
                 meta["run"] = self.run
@@ -139,7 +167,21 @@ class Checkpointer:
             os.replace(tmp, path / META_FILE)
             self._prune()
         _barrier()
+        size = sum(f["bytes"] for f in checksums["files"].values()) if checksums else 0
+        seconds = time.perf_counter() - started
+        self.saves.append(SaveStats(path, size, seconds, checksum_seconds))
         return path
+
+    def saves_note(self) -> str:
+        """The slowest of this run's saves: what torchrun's --shutdown-timeout must cover
+        (with one step), so a SIGTERM's checkpoint is written before the workers are
+        killed (sizes as rank 0 knows them)."""
+        slowest = max(self.saves, key=lambda s: s.seconds)
+        return (
+            f"checkpoints: {len(self.saves)} saved, the slowest {slowest.seconds:.1f} s for "
+            f"{slowest.bytes / 1e6:,.1f} MB (checksums {slowest.checksum_seconds:.2f} s of "
+            "it); torchrun's --shutdown-timeout must cover one step plus one save"
+        )
 
     def _save_failed(self, path: Path, err: CheckpointException) -> str:
         """One message for a failed save, the same on every rank (DCP hands every rank
@@ -217,13 +259,14 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         meta = self.read_meta(path)
+        verify_checksums(path, meta.get("checksums"))  # the same error on every rank
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = TrainState(0, 0)
         payload = self._payload(model_sd, optim_sd, state)
         same_world = meta.get("world_size") == _world_size()
         if not same_world:
             del payload["rng"]  # another rank count: the saved per-rank states do not map
-        with _single_process_quietly():
+        with _single_process_quietly(), self.dcp_log:
             dcp.load(payload, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         set_state_dict(
             model,

@@ -7,7 +7,10 @@
   workers is one event) exits at once.
 - :func:`agree_on_step`: one small all-gather per step over every rank, before the
   optimizer steps: is the step's loss or gradient norm non-finite anywhere, and did any
-  rank get a signal.
+  rank get a signal. :func:`agree_on_stop` asks the last question alone, right after a
+  checkpoint save: a signal that came during the save stops the run there, with that
+  checkpoint, instead of after one more step (which a launcher's grace period may not
+  cover).
 - :class:`TrainingDivergedError`, :class:`CollectiveFailedError`: the errors of a
   diverged run and of a collective that failed (a peer stalled or died).
 
@@ -24,6 +27,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -111,6 +115,14 @@ def agree_on_step(loss: float, grad_norm: float, signal_name: str | None, device
     return loss, grad_norm, False, stop
 
 
+def agree_on_stop(signal_name: str | None, device, distributed) -> bool:
+    """Whether any rank got a stop signal (one all-reduce of a flag when ``distributed``)."""
+    flag = torch.tensor([int(signal_name is not None)], dtype=torch.int64, device=device)
+    if distributed:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def parameters_finite(model, device, distributed) -> bool:
     """Whether every rank's parameters (their local shards) are finite (a collective
     when ``distributed``)."""
@@ -154,19 +166,42 @@ def collective_phase(what: str, timeout_s: float):
 
 
 # ----------------------------------------------------------------------------- messages
-def newest_note(checkpointer) -> str:
-    newest = checkpointer.newest()
-    if newest is None:
-        return "No checkpoint was written yet"
-    return f"The newest checkpoint is {newest.name} (--resume continues from it)"
+def newest_note(checkpointer, resumed_from=None) -> str:
+    """Which checkpoint ``--resume`` would continue from: the newest this run saved, else
+    ``resumed_from`` (the one it loaded; newer ones it fell back past do not load). When
+    that is ``resumed_from``, resuming would load it again and may repeat what happened,
+    so the note names the step before it instead."""
+    found = checkpointer.complete()  # (step, path), oldest first
+    saved = {Path(s.path) for s in checkpointer.saves}
+    ours = [path for _, path in found if Path(path) in saved]
+    if ours:
+        return f"The newest checkpoint is {ours[-1].name} (--resume continues from it)"
+    steps = {Path(path): step for step, path in found}
+    if resumed_from is None or Path(resumed_from) not in steps:
+        if not found:
+            return "No checkpoint was written yet"
+        return f"The newest checkpoint is {found[-1][1].name} (--resume continues from it)"
+    resumed_from = Path(resumed_from)
+    again = (
+        f"This run started from {resumed_from.name} and saved no checkpoint since: --resume "
+        "would load it again and may repeat this"
+    )
+    earlier = [(step, path) for step, path in found if step < steps[resumed_from]]
+    if not earlier:
+        return f"{again}; there is no earlier checkpoint: start again in another --output directory"
+    step, path = earlier[-1]
+    return (
+        f"{again}. To resume from step {step} ({path.name}) instead, move {resumed_from} out "
+        f"of the way (e.g. mv {resumed_from} {resumed_from}.diverged), then --resume"
+    )
 
 
-def diverged_message(job, step, loss, grad_norm, skipped, checkpointer) -> str:
+def diverged_message(job, step, loss, grad_norm, skipped, checkpointer, resumed_from=None) -> str:
     allowed = job.train.max_skipped_steps
     return (
         f"step {step}: the loss is {loss:.4g} and the gradient norm {grad_norm:.4g}; the "
         f"update was not applied. {len(skipped)} non-finite step(s) (steps {skipped}) exceed "
         f"[train] max_skipped_steps = {allowed}, so the run stopped. "
-        f"{newest_note(checkpointer)}. Lower [train] lr (now {job.train.lr:g}), check the "
-        "data, or raise max_skipped_steps to skip rare bad batches"
+        f"{newest_note(checkpointer, resumed_from)}. Lower [train] lr (now {job.train.lr:g}), "
+        "check the data, or raise max_skipped_steps to skip rare bad batches"
     )

@@ -116,8 +116,22 @@ def _now() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
 
 
-def check_output_dir(out: Path) -> None:
-    """The output directory can be created and written (a start-up check)."""
+# What usp train writes in OUTPUT: name -> (a file or a directory, what it is)
+OUTPUT_PATHS = {
+    LOCK_FILE: ("file", "its lock"),
+    "metrics.jsonl": ("file", "its metrics"),
+    "loss.png": ("file", "the loss plot"),
+    "checkpoints": ("directory", "its checkpoints"),
+    "cache": ("directory", "the tokenised data"),
+    "hf": ("directory", "the HF export"),
+}
+
+
+def check_output_dir(out: Path, *, export: bool = True) -> None:
+    """The output directory can be created and written, and every path usp train writes
+    there (:data:`OUTPUT_PATHS`; ``hf`` only with ``export``) is absent or of the kind it
+    writes (a start-up check: a ``metrics.jsonl`` that is a directory would fail rank 0
+    only, after the model was built)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
@@ -127,3 +141,21 @@ def check_output_dir(out: Path) -> None:
             f"the output directory {out} is not writable ({err.strerror or err}); choose "
             "another with --output or [train] output_dir"
         ) from None
+    for name, (kind, what) in OUTPUT_PATHS.items():
+        path = out / name
+        if (name == "hf" and not export) or not os.path.lexists(path):
+            continue
+        found = "directory" if path.is_dir() else "file" if path.is_file() else "other"
+        if found != kind:
+            shown = {"directory": "a directory", "file": "a file"}.get(
+                found, "neither a file nor a directory"
+            )
+            raise ConfigError(
+                f"{path} is {shown}, but usp train writes {what} there (a {kind}): move it "
+                "away, or choose another --output directory"
+            )
+        if not os.access(path, os.W_OK | (os.X_OK if kind == "directory" else 0)):
+            raise ConfigError(
+                f"{path} is not writable, and usp train writes {what} there: fix its "
+                "permissions, or choose another --output directory"
+            )

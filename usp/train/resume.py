@@ -9,14 +9,14 @@
   steps, intervals, ...) are reported in one line.
 - :func:`agree_on_checkpoints`: every rank must see the same complete checkpoints (a
   rank that sees others, e.g. node-local storage, is an error on every rank).
-- :func:`load_with_fallback`: load the newest complete checkpoint; if that fails, say so
-  on rank 0 and load the previous one, and so on; none loads: a CheckpointError.
+- :func:`load_with_fallback`: load the newest complete checkpoint; if that fails (a file
+  that fails its checksum, DCP cannot read it, ...), say so on rank 0 in one line naming
+  the cause and load the previous one, and so on; none loads: a CheckpointError.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -28,17 +28,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from usp.errors import CheckpointError, RankDisagreementError
 from usp.models.rope_config import POSITION_FIELDS
 from usp.train.checkpoint import CheckpointShapeError
+from usp.train.checkpoint_integrity import CheckpointDamagedError
+from usp.train.checksums import file_sha256
 
 # [train] keys whose change alters which data a step sees
 REFUSED_TRAIN_KEYS = ("seed", "seq_len", "global_batch")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def run_record(job, model_config, document_multiple: int, files=()) -> dict[str, Any]:
@@ -46,7 +40,7 @@ def run_record(job, model_config, document_multiple: int, files=()) -> dict[str,
     ``files``: the data files the run reads (``[data] files`` with globs expanded)."""
     data = dataclasses.asdict(job.data)
     data["files"] = [str(Path(f).resolve()) for f in files]
-    data["file_sha256"] = [_sha256(Path(f)) for f in data["files"]]
+    data["file_sha256"] = [file_sha256(Path(f)) for f in data["files"]]
     data["document_multiple_used"] = document_multiple
     # as JSON has it (tuples are lists), so that a saved record compares equal to a new one
     train = json.loads(json.dumps(dataclasses.asdict(job.train)))
@@ -143,14 +137,19 @@ def load_with_fallback(checkpointer, candidates, model, optimizer, *, rank0: boo
     stream = stream or sys.stderr
     failures = []
     for _, path in reversed(candidates):
-        error = None
+        error, agreed = None, False
+        logged = checkpointer.dcp_log.records
         try:
             state = checkpointer.load(path, model, optimizer)
         except CheckpointShapeError:
             raise  # another model shape (read before any collective): no fallback can help
+        except CheckpointDamagedError as err:  # a file failed its checksum: said on every rank
+            error, agreed = err, True
+        except CheckpointError as err:  # usp's own message (e.g. an unreadable usp_meta.json)
+            error = err
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - any damage
             error = CheckpointError(_first_failure(err))
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if not agreed and dist.is_initialized() and dist.get_world_size() > 1:
             try:
                 agree(dist.group.WORLD, f"loading {path.name}", [], error, (CheckpointError,))
             except CheckpointError as err:
@@ -161,9 +160,14 @@ def load_with_fallback(checkpointer, candidates, model, optimizer, *, rank0: boo
             return path, state
         failures.append(path.name)
         if rank0:
+            details = (
+                f" (DCP's messages: {checkpointer.dcp_log.path})"
+                if checkpointer.dcp_log.records > logged
+                else ""
+            )
             print(
-                f"usp train: checkpoint {path} cannot be loaded ({error}); trying the previous "
-                "complete checkpoint",
+                f"usp train: checkpoint {path} cannot be loaded ({error}){details}; trying the "
+                "previous complete checkpoint",
                 file=stream,
                 flush=True,
             )

@@ -45,6 +45,7 @@ from usp.train.guard import (
     StopSignal,
     TrainingDivergedError,
     agree_on_step,
+    agree_on_stop,
     collective_phase,
     diverged_message,
     newest_note,
@@ -126,7 +127,7 @@ def train(
         # every rank with the same message instead of leaving the others in a collective.
         error, setup = None, None
         try:
-            check_output_dir(out)
+            check_output_dir(out, export=job.train.export)
             if _rank0(plan):  # one job per output directory, before anything is written
                 lock = OutputLock.acquire(out)
             setup = _setup(job, plan, out, resume, resume_changed)
@@ -212,7 +213,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
                 raise TrainingDivergedError(
                     f"step {at}: the weights are not finite after the optimizer step (an "
                     f"overflow: lr {job.train.lr:g} is far too high?); nothing was saved. "
-                    f"{newest_note(checkpointer)}"
+                    f"{newest_note(checkpointer, newest)}"
                 )
             return checkpointer.save(model, optimizer, TrainState(at, loader.position))
 
@@ -248,16 +249,19 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
                     progress.evaluation(evaluated)
             if len(skipped) > job.train.max_skipped_steps:
                 raise TrainingDivergedError(
-                    diverged_message(job, step, loss, grad_norm, skipped, checkpointer)
+                    diverged_message(job, step, loss, grad_norm, skipped, checkpointer, newest)
                 )
-            if stop_now:
-                result.checkpoint = save(step)
-                result.stopped_by = stop.name or "a signal on another rank"
-                result.stopped_at = step
-                return result
             interval = job.train.checkpoint_interval
-            if interval and step % interval == 0 and step < job.train.steps:
+            if stop_now or (interval and step % interval == 0 and step < job.train.steps):
                 result.checkpoint = save(step)
+                # a signal during the save stops the run here, with this checkpoint, not
+                # after another step that the launcher's grace period may not cover
+                with collective_phase(f"after saving the checkpoint of step {step}", timeout):
+                    stop_now = stop_now or agree_on_stop(stop.name, device, distributed)
+                if stop_now:
+                    result.stopped_by = stop.name or "a signal on another rank"
+                    result.stopped_at = step
+                    return result
     finally:
         if progress is not None:
             progress.close()
@@ -273,6 +277,8 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
         result.checkpoint = save(step)
     else:  # resumed a finished run: its last checkpoint stands
         result.checkpoint = newest
+    if checkpointer.saves and rank0:
+        result.notes.append(checkpointer.saves_note())
     if job.train.export and not _has_safetensors():
         result.notes.append("no HF export: safetensors is not installed (pip install safetensors)")
     elif job.train.export:

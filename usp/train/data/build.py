@@ -5,8 +5,11 @@ In a distributed run rank 0 tokenises the data files into the cache (see
 resume, or a rerun with the same data); a node that cannot see rank 0's cache
 (node-local output directories) has its first local rank build its own copy, after
 checking that its data files hash to the same key. Every rank then maps the cache.
-Each stage ends in an agreement (:func:`usp.comm.agreement.agree`): a bad record found
-by the builder is the same :class:`DataError` on every rank, and nothing hangs.
+The process that would build a node's cache checks an existing one against its
+checksums first (:func:`usp.train.data.corpus.cache_damage`) and rebuilds a damaged one
+with a note; it also removes the temporaries of builders on its host that died. Each
+stage ends in an agreement (:func:`usp.comm.agreement.agree`): a bad record found by the
+builder is the same :class:`DataError` on every rank, and nothing hangs.
 
 While the builder tokenises, the other ranks wait in that agreement's collective, so a
 tokenisation that takes longer than the process group's timeout fails the run; rerunning
@@ -15,19 +18,23 @@ reuses whatever cache was completed.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from usp.errors import DataError
+from usp.train.checksums import file_sha256
 from usp.train.data.corpus import (
     Corpus,
     build_cache,
+    cache_damage,
     cache_dir,
     cache_key,
-    is_complete,
     load_cache,
+    remove_damaged,
+    remove_dead_temporaries,
     tokenise,
 )
 from usp.train.data.records import LengthReport, fit_document, synthetic_documents
@@ -93,11 +100,35 @@ def _build(inputs: DataInputs, directory: Path, key: str) -> float:
     return time.perf_counter() - started
 
 
+def _ensure(inputs: DataInputs, root: Path, key: str) -> tuple[float | None, list[str]]:
+    """Make the cache of ``key`` under ``root`` usable: reuse it when it matches its
+    checksums, else (absent, damaged, half-written) build it. Returns the build's seconds
+    (None: reused) and the notes about what was repaired."""
+    notes = remove_dead_temporaries(root)
+    directory = cache_dir(root, key)
+    if os.path.lexists(directory):
+        damage = cache_damage(directory)
+        if damage is None:
+            return None, notes
+        notes.append(remove_damaged(directory, damage))
+    return _build(inputs, directory, key), notes
+
+
+def _meta_digest(root: Path, key: str | None) -> str | None:
+    """The SHA-256 of the cache's ``meta.json`` (which holds its files' checksums and its
+    builder's host and pid): equal on two nodes when they see the same cache."""
+    path = None if key is None else cache_dir(root, key) / "meta.json"
+    try:
+        return None if path is None else file_sha256(path)
+    except OSError:
+        return None
+
+
 def _notes(report: LengthReport, directory: Path, seconds: float | None) -> list[str]:
     how = (
         f"tokenised into {directory} in {seconds:.1f} s"
         if seconds is not None
-        else f"tokenised data reused from {directory}"
+        else f"tokenised data reused from {directory} (checksums verified)"
     )
     return [report.describe(), how]
 
@@ -105,9 +136,9 @@ def _notes(report: LengthReport, directory: Path, seconds: float | None) -> list
 def _single(inputs: DataInputs, root: Path) -> Built:
     key = inputs.key()
     directory = cache_dir(root, key)
-    seconds = None if is_complete(directory) else _build(inputs, directory, key)
+    seconds, repaired = _ensure(inputs, root, key)
     corpus, report, _ = load_cache(directory)
-    return Built(corpus, report, _notes(report, directory, seconds), key)
+    return Built(corpus, report, [*repaired, *_notes(report, directory, seconds)], key)
 
 
 def _distributed(inputs: DataInputs, root: Path, topology) -> Built:
@@ -125,33 +156,42 @@ def _distributed(inputs: DataInputs, root: Path, topology) -> Built:
             error = err
         agree(group, what, [], error, (DataError,))
 
-    found: dict = {"key": None, "seconds": None}
+    found: dict = {"key": None, "seconds": None, "notes": []}
 
     def on_rank0() -> None:
         if rank == 0:
             found["key"] = inputs.key()
-            directory = cache_dir(root, found["key"])
-            if not is_complete(directory):
-                found["seconds"] = _build(inputs, directory, found["key"])
+            found["seconds"], found["notes"] = _ensure(inputs, root, found["key"])
 
     stage("tokenising the training data on rank 0", on_rank0)
-    box = [(found["key"], found["seconds"])]
+    box = [(found["key"], found["seconds"], _meta_digest(root, found["key"]))]
     dist.broadcast_object_list(box, src=0)
-    key, seconds = box[0]
+    key, seconds, rank0_meta = box[0]
     directory = cache_dir(root, key)
 
     def on_other_nodes() -> None:
-        if rank != 0 and topology.local_rank == 0 and not is_complete(directory):
-            mine = inputs.key()
-            if mine != key:
-                raise DataError(
-                    f"the data files or tokenizer on node {topology.node} differ from rank "
-                    f"0's (tokenised-data key {mine[:20]} against {key[:20]}); every node must "
-                    "read the same files"
-                )
-            _build(inputs, directory, key)
+        # the first rank of every other node checks the cache its node sees (rank 0's on
+        # shared storage, its own on node-local storage) and builds or repairs it
+        if rank == 0 or topology.local_rank != 0:
+            return
+        if _meta_digest(root, key) == rank0_meta:  # the very cache rank 0 just verified
+            return
+        if os.path.lexists(directory) and cache_damage(directory) is None:
+            found["notes"] = remove_dead_temporaries(root)
+            return
+        mine = inputs.key()
+        if mine != key:
+            raise DataError(
+                f"the data files or tokenizer on node {topology.node} differ from rank "
+                f"0's (tokenised-data key {mine[:20]} against {key[:20]}); every node must "
+                "read the same files"
+            )
+        _, found["notes"] = _ensure(inputs, root, key)
 
     stage("tokenising the training data on nodes without rank 0's cache", on_other_nodes)
+    every_notes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_notes, found["notes"])  # rank 0 reports every node's repairs
+    repaired = [note for notes in every_notes for note in notes]
     mapped: dict = {}
 
     def on_every_rank() -> None:
@@ -159,7 +199,7 @@ def _distributed(inputs: DataInputs, root: Path, topology) -> Built:
 
     stage("mapping the tokenised training data", on_every_rank)
     corpus, report, _ = mapped["value"]
-    return Built(corpus, report, _notes(report, directory, seconds), key)
+    return Built(corpus, report, [*repaired, *_notes(report, directory, seconds)], key)
 
 
 def describe_files(files: Sequence[Path]) -> str:

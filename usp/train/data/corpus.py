@@ -3,13 +3,20 @@
 A :class:`Corpus` is three arrays: ``tokens`` int32 ``[N]``, ``target`` bool ``[N]``
 and ``offsets`` int64 ``[D + 1]`` (document ``i`` is ``tokens[offsets[i]:offsets[i+1]]``).
 On disk the cache is one directory per key holding the three as raw little-endian files
-(``tokens.i32``, ``target.u8``, ``offsets.i64``) and ``meta.json``, written to a
-temporary directory and renamed into place (a reader never sees half a cache). The key
+(``tokens.i32``, ``target.u8``, ``offsets.i64``) and ``meta.json`` with their sizes and
+checksums (:mod:`usp.train.checksums`), written to a temporary directory
+``.tokens-KEY.HOST.PID`` and renamed into place (a reader never sees half a cache). The key
 is a SHA-256 of the data files' contents, the tokenizer (its ``tokenizer.json`` bytes,
 special tokens and chat template) and the options that change the documents
 (``seq_len``, ``long_documents``), so a changed input is never served an old cache and an
 unchanged one (a resume) is never tokenised twice. Ranks map the files
 (``torch.from_file``, copy-on-write): a node's ranks share one copy in the page cache.
+
+Before a cache is reused, :func:`cache_damage` checks it against its checksums (a cache
+whose ids were permuted or overwritten still has the right size, and every id may be
+in range); a damaged or incomplete one is removed and rebuilt with a note
+(:func:`remove_damaged`), and :func:`remove_dead_temporaries` deletes the temporary
+directories of builders on this host that died (``kill -9``) before renaming theirs.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import array
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -28,11 +36,15 @@ from pathlib import Path
 import torch
 
 from usp.errors import DataError
+from usp.train.checksums import ALGORITHM, checksum_files, file_sha256, find_damage
 from usp.train.data.records import Document, LengthReport, iter_documents
 
-# 2: long_documents = "split" drops pieces without a trained token; per-file counts
-CACHE_VERSION = 2
 _FILES = {"tokens": ("tokens.i32", torch.int32), "target": ("target.u8", torch.bool)}
+_RAW_FILES = ("tokens.i32", "target.u8", "offsets.i64")
+# a builder's temporary directory: .tokens-KEY.HOST.PID (see CorpusBuilder.write)
+_TEMPORARY = re.compile(r"^\.(tokens-[0-9a-f]+)\.(.+)\.(\d+)$")
+# 2: "split" drops pieces without a trained token; 3: meta.json holds the files' checksums
+CACHE_VERSION = 3
 
 
 class Corpus:
@@ -99,14 +111,12 @@ class CorpusBuilder:
         tmp = directory.with_name(f".{directory.name}.{socket.gethostname()}.{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        for name, tensor in (
-            ("tokens.i32", corpus.tokens),
-            ("target.u8", corpus.target),
-            ("offsets.i64", corpus.offsets),
-        ):
+        for name, tensor in zip(_RAW_FILES, (corpus.tokens, corpus.target, corpus.offsets)):
             _write_raw(tmp / name, tensor)
         meta = {**meta, "documents": len(corpus), "tokens": corpus.num_tokens}
         meta["built_by"] = {"host": socket.gethostname(), "pid": os.getpid()}
+        sums = checksum_files([tmp / name for name in _RAW_FILES], threads=torch.get_num_threads())
+        meta["checksums"] = {"algorithm": ALGORITHM, "files": dict(zip(_RAW_FILES, sums))}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
         try:
             os.rename(tmp, directory)
@@ -136,21 +146,13 @@ def _write_raw(path: Path, tensor: torch.Tensor) -> None:
 
 
 # ----------------------------------------------------------------------------- the cache
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def cache_key(paths: Sequence[Path], tokenizer, options: dict) -> str:
     """What the cached documents depend on (see the module doc), as a hex digest."""
     digest = hashlib.sha256(f"usp-data-cache {CACHE_VERSION}\n".encode())
     digest.update(json.dumps(options, sort_keys=True).encode())
     digest.update(f"\ntokenizer {tokenizer.fingerprint}\n".encode())
     for path in paths:
-        digest.update(f"file {file_digest(path)}\n".encode())
+        digest.update(f"file {file_sha256(path)}\n".encode())
     return digest.hexdigest()
 
 
@@ -160,6 +162,77 @@ def cache_dir(root: Path, key: str) -> Path:
 
 def is_complete(directory: Path) -> bool:
     return (directory / "meta.json").is_file()
+
+
+def cache_damage(directory: Path) -> str | None:
+    """What is wrong with the cache ``directory`` that exists (None: it is complete and its
+    files match the checksums in its ``meta.json``; hashes them with torch's thread count)."""
+    if not directory.is_dir():
+        return "not a directory"
+    if not is_complete(directory):
+        return "no meta.json: a crashed build, or damaged"
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        recorded = meta["checksums"]
+        if recorded["algorithm"] != ALGORITHM:
+            return f"checksums of another kind ({recorded['algorithm']!r})"
+        files = recorded["files"]
+        if sorted(files) != sorted(_RAW_FILES):
+            return f"meta.json lists the files {sorted(files)}"
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        return f"meta.json is not readable ({type(err).__name__}: {err})"
+    return find_damage(directory, files, threads=torch.get_num_threads())
+
+
+def remove_damaged(directory: Path, damage: str) -> str:
+    """Delete a damaged cache; returns the note that says so (a DataError when it cannot
+    be deleted)."""
+    try:
+        if directory.is_dir() and not directory.is_symlink():
+            shutil.rmtree(directory)
+        else:
+            directory.unlink()
+    except OSError as err:
+        raise DataError(
+            f"the tokenised data cache {directory} is damaged ({damage}) and cannot be "
+            f"removed ({err.strerror or err}); delete it and start again (it is rebuilt "
+            "from the data files)"
+        ) from None
+    return f"the tokenised data cache {directory} was damaged ({damage}): rebuilt from the data"
+
+
+def remove_dead_temporaries(root: Path) -> list[str]:
+    """Delete the temporary directories under ``root`` of builders on this host that are
+    gone (a ``kill -9`` during a build); returns a note per directory removed. Another
+    host's temporaries are left alone (nothing here can tell whether their builder
+    lives)."""
+    notes = []
+    if not root.is_dir():
+        return notes
+    host = socket.gethostname()
+    for path in sorted(root.iterdir()):
+        match = _TEMPORARY.match(path.name)
+        if not match or match.group(2) != host or _alive(int(match.group(3))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            notes.append(
+                f"removed {path}, the temporary directory of a cache build that died "
+                f"(pid {match.group(3)})"
+            )
+    return notes
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def load_cache(directory: Path) -> tuple[Corpus, LengthReport, dict]:
