@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from launch_cases import run_agents
 
 from usp.cli import build_parser, main
-from usp.cli.launch import LAUNCH_DESTS, first_failure, worker_argv
+from usp.cli.launch import LAUNCH_DESTS, _torchrun_args, first_failure, worker_argv
 from usp.train.error_file import read_error_data, write_error_file
 
 JOB = """
@@ -56,7 +56,7 @@ def test_workers_get_every_flag_but_the_launchers():
         "2", "--dp", "1", "--resume", "--resume-changed", "--device", "cpu",
         "--set", "train.lr=1e-3", "--set", "data.files=[\"a b.jsonl\"]",
         "--nproc-per-node", "2", "--nnodes", "1", "--node-rank", "0",
-        "--master-addr", "127.0.0.1", "--master-port", "29511",
+        "--master-addr", "127.0.0.1", "--master-port", "29511", "--shutdown-timeout", "120",
     ]  # fmt: skip
     args = parser.parse_args(argv)
     (train,) = [a for a in parser._subparsers._actions if a.dest == "command"]
@@ -67,6 +67,10 @@ def test_workers_get_every_flag_but_the_launchers():
         elif key != "run":
             assert getattr(rebuilt, key) == value, key
     assert {d for d in LAUNCH_DESTS if getattr(args, d) is not None} == set(LAUNCH_DESTS)
+    launched = _torchrun_args(args, ["train"])
+    assert launched[launched.index("--shutdown-timeout") + 1] == "120"
+    default = _torchrun_args(parser.parse_args(["train", "job.toml", "--nproc-per-node", "2"]), [])
+    assert default[default.index("--shutdown-timeout") + 1] == "300"  # one step plus a save
 
 
 def test_under_torchrun_the_launcher_flag_is_refused(monkeypatch, capsys):

@@ -44,7 +44,6 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--shutdown-timeout",
         type=positive_int,
-        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         help="seconds the workers get to finish a step and save after a SIGTERM before they "
         f"are killed (default {DEFAULT_SHUTDOWN_TIMEOUT_S}; torchrun's own is 30)",
     )
@@ -86,7 +85,7 @@ def _torchrun_args(args: argparse.Namespace, command: list[str]) -> list[str]:
         launch += ["--master-port", str(args.master_port)]
     if nodes == 1 and args.master_port is None:
         launch += ["--standalone"]  # a free port of this machine
-    launch += ["--shutdown-timeout", str(args.shutdown_timeout)]
+    launch += ["--shutdown-timeout", str(args.shutdown_timeout or DEFAULT_SHUTDOWN_TIMEOUT_S)]
     return [*launch, "--module", "usp", *command]
 
 
