@@ -24,8 +24,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from usp.attend import attend
+from usp.attend import TraceCache, attend
 from usp.comm.agreement import Field, agree, stable_hash
+from usp.comm.traced import TracedGroup
 from usp.config import UspConfig, build_topology_from_config, check_topology_matches, load_config
 from usp.options import (
     BACKENDS,
@@ -36,7 +37,7 @@ from usp.options import (
     RING_IMPLS,
     check_choice,
 )
-from usp.packing import PackedSequence, PlanError
+from usp.packing import PackedSequence, PlanError, check_packed_fits
 from usp.process_groups import Topology
 from usp.ring.documents import Documents
 from usp.ring.placement import packed_placement
@@ -86,6 +87,12 @@ class Plan:
         if verify_calls is not None and not isinstance(verify_calls, bool):
             raise PlanError(f"verify_calls must be None, True or False, got {verify_calls!r}")
         self.verify_calls = verify_calls
+        #: the checked calls of compiled graphs (see :func:`usp.attend.traced_call`)
+        self.traced_calls = TraceCache()
+        #: the SP group as a compiled graph's collectives take it (None: one process)
+        self.traced_sp_group = None
+        if topology is not None and topology.sp_degree > 1:
+            self.traced_sp_group = TracedGroup.of(topology.sp_group)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -252,13 +259,10 @@ class Plan:
         if packed is None:
             return None
         if isinstance(packed, PackedSequence):
-            expected = (self.ring_degree, self.ulysses_degree, self.layout)
-            got = (packed.ring_degree, packed.ulysses_degree, packed.layout)
-            if got != expected:
-                raise PlanError(
-                    f"this PackedSequence was built for (ring, ulysses, layout) = {got}, the plan "
-                    f"has {expected}; build it with this plan's pack()"
-                )
+            check_packed_fits(
+                (packed.ring_degree, packed.ulysses_degree, packed.layout),
+                (self.ring_degree, self.ulysses_degree, self.layout),
+            )
             if seq_len is not None and packed.seq_len != seq_len:
                 raise ShardingError(
                     f"the packed sequence has {packed.seq_len} tokens, but the tensors hold "
