@@ -110,3 +110,23 @@ def require(ok: torch.Tensor, message: str, group: TracedGroup | None = None) ->
     """Inside a compiled graph: fail with ``message`` (a ``RuntimeError`` raised by the
     graph, on every rank of ``group`` alike) unless ``ok`` (a bool tensor) is True."""
     torch._assert_async(all_ranks_true(ok, group), message)
+
+
+@torch.library.custom_op("usp::stack_after", mutates_args=())
+def stack_after(tensors: list[torch.Tensor], anchor: torch.Tensor) -> torch.Tensor:
+    """``torch.stack(tensors)``, made to depend on ``anchor`` in the graph (which it does
+    not read): an opaque op, so that no decomposition or graph pass drops the dependency.
+
+    Why: AOT autograd's partitioner may not recompute a collective, so a collective of
+    the backward that depends only on forward values is computed in the forward and its
+    result saved for the backward (and merged with the forward's identical one). The
+    p2p ring's backward circulates K/V again: its first message stacked after the
+    incoming gradient keeps every shift after it in the backward, which then holds one
+    or two K/V blocks at a time as eager does, not every rank's block saved from the
+    forward to the backward."""
+    return torch.stack(tensors)
+
+
+@stack_after.register_fake
+def _(tensors, anchor):
+    return torch.stack(tensors)

@@ -56,12 +56,17 @@ def block_shapes(cfg: RingConfig, local_len: int, heads: int, kv_heads: int) -> 
     }
 
 
-def _gather_kv(k, v, heads: slice, cfg: RingConfig) -> torch.Tensor:
-    """Local [B, L, Hkv, D] x2 -> every ring rank's K/V [2, B, r * L, hc, D], rank order."""
-    local = torch.stack([k[:, :, heads], v[:, :, heads]])  # [2, B, L, hc, D]
+def _gather_kv(k, v, heads: slice, cfg: RingConfig, after=None) -> torch.Tensor:
+    """Local [B, L, Hkv, D] x2 -> every ring rank's K/V [2, B, r * L, hc, D], rank order.
+    ``after``: in a compiled backward, the gradient the gather is tied to, so that it
+    gathers again there (:func:`usp.comm.traced.stack_after`) instead of the forward's
+    gathered K/V being saved for the backward."""
     if torch.compiler.is_compiling():  # a functional collective of the graph
+        parts = [k[:, :, heads], v[:, :, heads]]
+        local = torch.stack(parts) if after is None else traced.stack_after(parts, after)
         gathered = traced.all_gather(local, cfg.peers.name, cfg.size)
     else:
+        local = torch.stack([k[:, :, heads], v[:, :, heads]])  # [2, B, L, hc, D]
         gathered = torch.empty(
             (cfg.size * 2,) + local.shape[1:], dtype=local.dtype, device=local.device
         )
@@ -113,7 +118,7 @@ def allgather_backward(dout, q, k, v, out, lse, cfg: RingConfig):
     dv = torch.empty_like(v)
     segments = _segments(cfg)
     for h0, h1 in head_chunks(k.shape[2], cfg.kv_head_chunks):
-        kv = _gather_kv(k, v, slice(h0, h1), cfg)
+        kv = _gather_kv(k, v, slice(h0, h1), cfg, after=dout)
         q_heads = slice(h0 * group_size, h1 * group_size)
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         for q_rows, kv_rows, calls in segments:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from usp.comm import traced
 from usp.comm.ring_exchange import RingExchange, TracedRingExchange
 from usp.kernels import merge_into
 from usp.kernels.masks import accumulation_dtype
@@ -182,7 +183,12 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
     acc = accumulation_dtype(q.dtype)
     dq_rows = _Rows(torch.zeros(q.shape, dtype=acc, device=q.device))
     dout_rows, q_rows, out_rows, lse_rows = _Rows(dout), _Rows(q), _Rows(out), _Rows(lse, dim=2)
-    kv = _DoubleBuffer(torch.stack([k, v]), ring.size > 1)
+    if torch.compiler.is_compiling():  # K/V circulate again in the backward's graph
+        message = traced.stack_after([k, v], dout)  # [2, B, L, Hkv, D]
+    else:
+        message = torch.stack([k, v])
+    kv = _DoubleBuffer(message, ring.size > 1)
+    del message
     # dK/dV in float32: ``own`` keeps this rank's contribution to its own block (step 0);
     # the accumulator of every other block starts at the owner's next rank, collects
     # one contribution per step, and reaches the owner after r-1 hops. Two buffers

@@ -12,8 +12,9 @@ by default; :func:`fully_shard_model` switches it to a sum: a divide factor of 1
 (``set_force_sum_reduction_for_comms``; the factor alone would need ``PREMUL_SUM``, which
 gloo lacks). On a torch without those calls it returns the factor to scale the loss by.
 
-:func:`compile_layers` (``[train] compile = true``) compiles each decoder layer's forward,
-as torchtitan compiles per block, before the layers are sharded.
+:func:`compile_layers` (``[train] compile = true``) compiles each decoder layer's forward
+(``fullgraph=True``: attention's collectives inside the graph), as torchtitan compiles
+per block, before the layers are sharded.
 """
 
 from __future__ import annotations
@@ -85,13 +86,20 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def compile_layers(model: nn.Module) -> int:
+def compile_layers(model: nn.Module, *, fullgraph: bool = True, **options) -> int:
     """``torch.compile`` each decoder layer of ``model`` (a :class:`usp.models.Llama`) in
-    place; returns how many. Only the layer's ``forward`` is compiled (default options:
-    a graph break where a collective or a host-side check needs one), so parameter names,
-    checkpoints and the hooks around a layer (FSDP's gathers, activation checkpointing)
-    stay as they are. Apply before or after :func:`fully_shard_model`."""
+    place, as torchtitan compiles per block; returns how many. Only the layer's
+    ``forward`` is compiled, so parameter names, checkpoints and the hooks around a layer
+    (FSDP's gathers, activation checkpointing) stay as they are. Apply before or after
+    :func:`fully_shard_model`.
+
+    ``fullgraph=True`` (the default, and what ``[train] compile = true`` uses): each
+    layer's forward and backward are one graph each, sequence-parallel attention
+    included (its collectives are functional collectives of the graph, its checks run
+    while tracing; see README, *torch.compile*); a graph break is an error rather than a
+    slow path. The layers share their graphs (one per call shape). ``options`` go to
+    ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ...)."""
     layers = model.model.layers
     for layer in layers:
-        layer.forward = torch.compile(layer.forward)
+        layer.forward = torch.compile(layer.forward, fullgraph=fullgraph, **options)
     return len(layers)
