@@ -62,10 +62,12 @@ def _last_member(snode) -> int:
     return snode.max_order
 
 
-def inductor_options() -> dict:
-    """``torch.compile(..., options=inductor_options())``: Inductor with
-    :func:`overlap_communication` (what :func:`usp.train.parallelize.compile_layers`
-    passes when the backend is Inductor)."""
+def compile_options() -> dict:
+    """Inductor options for a model with usp attention:
+    ``torch.compile(model, fullgraph=True, options=usp.compile_options())`` schedules
+    with :func:`overlap_communication` (what :func:`usp.train.parallelize.
+    compile_layers` passes with Inductor). Without them the compiled graph is the same
+    and as exact, its communication less overlapped."""
     return {
         "reorder_for_compute_comm_overlap": True,
         "reorder_for_compute_comm_overlap_passes": [overlap_communication],

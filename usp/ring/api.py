@@ -254,8 +254,12 @@ def prepare_ring(
     cfg = RingConfig(
         group, causal, layout, ring_impl, kernels, placement, comm_stats, kv_head_chunks, peers
     )
-    # every kernel call this ring makes must have a backend that runs it
-    for shape in _block_shapes(cfg, spec):
+    # the largest local kernel call first (the same on every rank, so a backend that
+    # cannot run it fails alike everywhere), then every block shape this ring runs
+    widest = spec.seqlen_k * (size if ring_impl == "allgather" else 1)
+    first = (spec.seqlen_q, widest, spec.num_heads, spec.num_kv_heads, causal, placement.packed)
+    kernels.resolve(*first)
+    for shape in sorted(_block_shapes(cfg, spec)):
         kernels.resolve(*shape)
     return cfg
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from usp.comm.overlap import compile_options
+
 
 @dataclass(frozen=True)
 class ShardedModel:
@@ -86,7 +88,9 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def compile_layers(model: nn.Module, *, fullgraph: bool = True, **options) -> int:
+def compile_layers(
+    model: nn.Module, *, fullgraph: bool = True, backend: str = "inductor", **compile_kwargs
+) -> int:
     """``torch.compile`` each decoder layer of ``model`` (a :class:`usp.models.Llama`) in
     place, as torchtitan compiles per block; returns how many. Only the layer's
     ``forward`` is compiled, so parameter names, checkpoints and the hooks around a layer
@@ -97,9 +101,15 @@ def compile_layers(model: nn.Module, *, fullgraph: bool = True, **options) -> in
     layer's forward and backward are one graph each, sequence-parallel attention
     included (its collectives are functional collectives of the graph, its checks run
     while tracing; see README, *torch.compile*); a graph break is an error rather than a
-    slow path. The layers share their graphs (one per call shape). ``options`` go to
-    ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ...)."""
+    slow path. The layers share their graphs (one per call shape). With Inductor (and
+    no ``mode``) its ``options`` start from :func:`usp.compile_options` (communication
+    kept overlapped with compute); ``compile_kwargs`` go to ``torch.compile``
+    (``mode``, ``options``, ``dynamic``, ...)."""
+    if backend == "inductor" and "mode" not in compile_kwargs:
+        compile_kwargs["options"] = {**compile_options(), **compile_kwargs.get("options", {})}
     layers = model.model.layers
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, fullgraph=fullgraph, **options)
+        layer.forward = torch.compile(
+            layer.forward, fullgraph=fullgraph, backend=backend, **compile_kwargs
+        )
     return len(layers)
