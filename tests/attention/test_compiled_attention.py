@@ -141,3 +141,45 @@ def test_compiled_sp_attention_equals_eager_in_one_graph(distributed, ulysses, r
         # backward pass (the accumulators reaching their owners: nothing left to compute)
         assert _overlapped_shifts(forward) == shifts, fw
         assert _overlapped_shifts(backward) == 2 * shifts - (2 if ring > 1 else 0), bw
+
+
+class _Node:
+    """A stand-in for an Inductor scheduler node: its buffer, its graph position (the
+    last member's, for a fused node), the buffers it waits for."""
+
+    def __init__(self, name: str, order: int, deps=(), collective: bool = False):
+        self.name, self.max_order, self.collective = name, order, collective
+        self.unmet_dependencies = [type("Dep", (), {"name": d})() for d in deps]
+
+    def get_buffer_names(self):
+        return {self.name}
+
+
+def test_the_overlap_pass_puts_each_kernel_between_its_shift_and_the_wait(monkeypatch):
+    """``usp.comm.overlap.overlap_communication`` on the order Inductor gave a ring
+    forward (every shift posted and waited before the first kernel): the written order
+    comes back, each collective started as soon as its input exists."""
+    import torch._inductor.comms as comms
+
+    from usp.comm.overlap import overlap_communication
+
+    monkeypatch.setattr(comms, "contains_collective", lambda snode: snode.collective)
+    nodes = {
+        n.name: n
+        for n in [
+            _Node("stack", 0),
+            _Node("post0", 1, ["stack"], collective=True),
+            _Node("kernel0", 2, ["stack"]),
+            _Node("wait0", 3, ["post0"]),
+            _Node("post1", 4, ["wait0"], collective=True),
+            _Node("kernel1", 5, ["wait0"]),
+            _Node("wait1", 6, ["post1"]),
+            _Node("kernel2", 8, ["wait1"]),
+            _Node("merges", 9, ["kernel0", "kernel1", "kernel2"]),  # fused, first member at 2
+        ]
+    }
+    inductor = ["stack", "post0", "wait0", "post1", "wait1", "kernel0", "kernel1", "kernel2"]
+    scheduled = overlap_communication([nodes[n] for n in [*inductor, "merges"]])
+    assert [n.name for n in scheduled] == [
+        "stack", "post0", "kernel0", "wait0", "post1", "kernel1", "wait1", "kernel2", "merges",
+    ]  # fmt: skip

@@ -17,6 +17,9 @@ the generated code before and after.
 from __future__ import annotations
 
 import heapq
+import logging
+
+_log = logging.getLogger("usp.comm")
 
 
 def overlap_communication(snodes: list) -> list:
@@ -54,6 +57,10 @@ def overlap_communication(snodes: list) -> list:
                 if not waiting_on[user]:
                     heapq.heappush(ready, (priority(user), position[user], user))
     if len(order) != len(snodes):  # a dependency this pass does not see: keep Inductor's
+        _log.warning(
+            "usp overlap_communication scheduled %d of %d nodes; kept Inductor's order",
+            len(order), len(snodes),
+        )  # fmt: skip
         return snodes
     return order
 
