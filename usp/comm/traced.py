@@ -112,10 +112,26 @@ def require(ok: torch.Tensor, message: str, group: TracedGroup | None = None) ->
     torch._assert_async(all_ranks_true(ok, group), message)
 
 
-@torch.library.custom_op("usp::stack_after", mutates_args=())
+_LIB = torch.library.Library("usp", "FRAGMENT")  # the ops of this package
+_LIB.define("stack_after(Tensor[] tensors, Tensor anchor) -> Tensor")
+
+
+def _stack_after(tensors, anchor):
+    return torch.stack(tensors)
+
+
+_LIB.impl("stack_after", _stack_after, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("usp::stack_after", lib=_LIB)
+def _(tensors, anchor):
+    return torch.stack(tensors)
+
+
 def stack_after(tensors: list[torch.Tensor], anchor: torch.Tensor) -> torch.Tensor:
     """``torch.stack(tensors)``, made to depend on ``anchor`` in the graph (which it does
-    not read): an opaque op, so that no decomposition or graph pass drops the dependency.
+    not read): an opaque op (``usp::stack_after``), so that no decomposition or graph
+    pass drops the dependency.
 
     Why: AOT autograd's partitioner may not recompute a collective, so a collective of
     the backward that depends only on forward values is computed in the forward and its
@@ -124,9 +140,4 @@ def stack_after(tensors: list[torch.Tensor], anchor: torch.Tensor) -> torch.Tens
     incoming gradient keeps every shift after it in the backward, which then holds one
     or two K/V blocks at a time as eager does, not every rank's block saved from the
     forward to the backward."""
-    return torch.stack(tensors)
-
-
-@stack_after.register_fake
-def _(tensors, anchor):
-    return torch.stack(tensors)
+    return torch.ops.usp.stack_after.default(tensors, anchor)
