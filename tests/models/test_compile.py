@@ -65,6 +65,38 @@ def test_hf_plugin_compiles_fullgraph_at_plan_none():
     _compare(model, lambda m: m(ids, labels=ids, use_cache=False).loss)
 
 
+@pytest.mark.parametrize("chunk", [None, 5], ids=["one pass", "chunked"])
+def test_compiled_loss_masks_the_ignored_labels(chunk):
+    """Compiled, the loss computes every row and masks the ignored labels (no nonzero):
+    the same sum, count and gradients as eager's selection of the labelled rows, and a
+    non-finite hidden state at an ignored position stays out of it, as eagerly."""
+    from usp.models import cross_entropy_sum
+
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 7, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(11, 8, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 11, (2, 7), generator=gen)
+    labels[0, :3] = labels[1, -1] = -100
+    hidden[0, 1] = float("nan")  # an ignored row
+
+    def run(fn):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        total, count = fn(h, w)
+        total.backward()
+        return total.detach(), int(count), h.grad, w.grad
+
+    def loss(h, w):
+        return cross_entropy_sum(h, w, labels, chunk_tokens=chunk)
+
+    torch._dynamo.reset()
+    compiled = run(torch.compile(loss, fullgraph=True, backend="aot_eager"))
+    eager = run(loss)
+    assert compiled[1] == eager[1] == 10
+    for got, want in zip(compiled[::2] + compiled[3:], eager[::2] + eager[3:]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.isfinite(compiled[2]).all() and not compiled[2][0, 1].any()
+
+
 #: graph breaks of the default (not fullgraph) compile of a 1-layer usp.models.Llama at
 #: ulysses 2 x ring 2 on 4 gloo ranks, forward with labels + backward (README,
 #: torch.compile): none. It was 22 before the attention's collectives became functional

@@ -108,6 +108,9 @@ def _masked_sum(flat, weight, flat_labels, ignore_index, chunk_tokens):
     row, its ignored labels masked. Returns (sum, count as an int64 tensor)."""
     keep = flat_labels != ignore_index  # [N]
     count = keep.sum()
+    # the ignored rows zeroed: nothing of theirs (a NaN included) reaches a sum or a
+    # gradient through the products, as eagerly, where they are never selected
+    flat = torch.where(keep.unsqueeze(1), flat, 0)
     if chunk_tokens is None:
         logits = F.linear(flat, weight).to(loss_dtype(flat.dtype))  # [N, V]
         return F.cross_entropy(
