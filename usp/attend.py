@@ -210,22 +210,29 @@ def packed_signature(packed):
 
 
 def _traced(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks) -> CheckedCall:
-    """Traced by Dynamo: the call's description as constants, then :func:`traced_call`."""
+    """Traced by Dynamo: the call's description as constants, then :func:`traced_call`.
+    The plan goes as its class, topology and choices (a plan made inside the trace, as
+    ``usp_attention(..., topology)`` makes one, is not an object outside it)."""
+    choices = (plan.layout, plan.ring_impl, plan.backend, plan.verify_calls)
     return traced_call(
-        plan, _tensor_signature(q), _tensor_signature(k), _tensor_signature(v), causal,
-        softmax_scale, packed_signature(packed), verify, head_chunks, needs_grad(q, k, v),
+        type(plan), plan.topology, choices, _tensor_signature(q), _tensor_signature(k),
+        _tensor_signature(v), causal, softmax_scale, packed_signature(packed), verify,
+        head_chunks, needs_grad(q, k, v),
     )  # fmt: skip
 
 
 @torch._dynamo.assume_constant_result
 def traced_call(
-    plan, q_sig, k_sig, v_sig, causal, softmax_scale, packed_sig, verify, head_chunks, grad
-) -> CheckedCall:
+    plan_type, topology, choices, q_sig, k_sig, v_sig, causal, softmax_scale, packed_sig,
+    verify, head_chunks, grad,
+) -> CheckedCall:  # fmt: skip
     """The checked call of a compiled graph, run eagerly while Dynamo traces (its result
     is a constant of the graph): :func:`checked` on stand-ins of the tensors (their shape,
     dtype and device, no data), so the same checks and the same agreement run, once per
-    plan and call shape (``plan.traced_calls``). A failed check fails the trace with the
-    check's message, on every rank alike when ``verify``."""
+    plan and call shape (the ``traced_calls`` of ``plan_type.lasting(topology,
+    *choices)``). A failed check fails the trace with the check's message, on every
+    rank alike when ``verify``."""
+    plan = plan_type.lasting(topology, *choices)
     key = (q_sig, k_sig, v_sig, causal, softmax_scale, packed_sig, verify, head_chunks, grad)
     cache = plan.traced_calls
     call = cache.get(key)

@@ -20,6 +20,7 @@ their natural order (the layout is always ``contiguous`` there).
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -150,6 +151,20 @@ class Plan:
             backend=self.backend if backend is None else backend,
             verify_calls=self.verify_calls,
         )
+
+    @classmethod
+    def lasting(cls, topology, layout, ring_impl, backend, verify_calls) -> Plan:
+        """The Plan of these choices that outlives a compiled graph's trace (kept per
+        topology): a plan made while Dynamo traces exists only in the trace, and the
+        checked calls of compiled graphs are kept by a plan (``traced_calls``)."""
+        plans = _LASTING_SINGLE_PROCESS if topology is None else _LASTING.setdefault(topology, {})
+        key = (layout, ring_impl, backend, verify_calls)
+        if key not in plans:
+            plans[key] = cls(
+                topology, layout=layout, ring_impl=ring_impl, backend=backend,
+                verify_calls=verify_calls,
+            )  # fmt: skip
+        return plans[key]
 
     # ------------------------------------------------------------------ degrees and groups
     @property
@@ -407,3 +422,8 @@ def as_plan(topology_or_plan, **attention_options) -> Plan:
         "expected a usp.Topology, a usp.Plan or None (single process), "
         f"got {type(topology_or_plan).__name__}"
     )
+
+
+#: the lasting plans of compiled graphs (:meth:`Plan.lasting`), by topology and choices
+_LASTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LASTING_SINGLE_PROCESS: dict = {}

@@ -183,3 +183,29 @@ def test_the_overlap_pass_puts_each_kernel_between_its_shift_and_the_wait(monkey
     assert [n.name for n in scheduled] == [
         "stack", "post0", "kernel0", "wait0", "post1", "kernel1", "wait1", "kernel2", "merges",
     ]  # fmt: skip
+
+
+def run_front_doors_compiled():
+    """``usp_attention(..., topology)`` makes its plan inside the trace; ``UspAttention``
+    holds one: both compile whole and equal eager."""
+    topo = topology(1, 2)
+    gen = torch.Generator().manual_seed(3 + topo.ring_rank)
+    q = torch.randn(1, LOCAL, HEADS, DIM, generator=gen).requires_grad_()
+    k, v = (torch.randn(1, LOCAL, KV_HEADS, DIM, generator=gen).requires_grad_() for _ in "kv")
+    module = usp.UspAttention(topo, causal=True, backend="cpu", layout="contiguous")
+    calls = [lambda q, k, v: usp.usp_attention(q, k, v, topo, causal=True, backend="cpu"), module]
+    errors = []
+    for call in calls:
+        torch._dynamo.reset()
+        compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+        got, want = compiled(q, k, v), call(q, k, v)
+        grads = [torch.autograd.grad(o.sum(), (q, k, v)) for o in (got, want)]
+        errors.append(max(((a - b).abs().max() / b.abs().max()).item()
+                          for a, b in zip((got, *grads[0]), (want, *grads[1]))))  # fmt: skip
+    torch._dynamo.reset()
+    return errors
+
+
+def test_the_front_doors_compile(distributed):
+    for errors in distributed.run(run_front_doors_compiled, world_size=2, timeout=600):
+        assert max(errors) <= TOL, errors
