@@ -17,6 +17,11 @@
 #   host_overhead  benchmarks/host_overhead.py --device auto (cuda): the host time of one
 #                  usp_attention layer call beyond its kernels (bf16, auto backend, fake
 #                  group), the GPU time it spans, and its aten ops
+#   cuda_graph     benchmarks/cuda_graph_check.py --cases 2: the compiled layer call
+#                  (fullgraph, mode reduce-overhead, cudagraph_or_error) captured as a
+#                  CUDA graph: packed documents at Plan(None) equal to eager, a ring of 8
+#                  (fake group) captured; host ms eager / compiled / replayed; fails when
+#                  a call is not captured or not equal
 #
 #   bash benchmarks/gpu_check.sh [RESULTS_DIR]     # default: results/
 #
@@ -110,6 +115,8 @@ script_step peers 90 benchmarks/peers.py benchmarks/peers.py --out "$OUT"
 script_step train_emulate 90 benchmarks/train_emulate.py benchmarks/train_emulate.py --out "$OUT"
 script_step plan_check 120 benchmarks/plan_check.py benchmarks/plan_check.py --out "$OUT"
 step host_overhead 60 "$PYTHON" benchmarks/host_overhead.py --device auto --repeats 100 --out "$OUT"
+script_step cuda_graph 150 benchmarks/cuda_graph_check.py benchmarks/cuda_graph_check.py \
+    --cases 2 --out "$OUT"
 
 # ------------------------------------------------------------------ summary
 json_string() { # a JSON string literal of $1

@@ -29,6 +29,12 @@ What is reported per layer call (median over ``--repeats`` calls, ``perf_counter
 Tiny shapes make the kernels cheap, so the overhead dominates and is what this
 measures; it is not a throughput benchmark (see ``emulate.py``).
 
+``--compile`` measures each case twice in the same run: eager, then the same layer call
+compiled (``torch.compile(fullgraph=True)``, Inductor by default, ``--compile-backend``
+to change it): the rows gain ``compiled`` and ``compile_s`` (the first call: tracing and
+code generation, forward and backward); ``aten_ops`` is then the ops the compiled call
+is not counted (None: a ``TorchDispatchMode`` makes Dynamo run the call eagerly).
+
 ``--device cuda`` runs the same calls on the GPU in bf16 with ``--backend auto`` (by
 default): the times are then host times, the GPU running behind (nothing waits for it
 inside a repeat; each repeat ends with a synchronize outside the timed part), and
@@ -137,11 +143,13 @@ def _document_bounds(seq_len: int, multiple: int) -> torch.Tensor:
 
 def measure(
     ulysses: int, ring: int, packed: bool, repeats: int, warmup: int, backend: str,
-    device: torch.device = CPU,
+    device: torch.device = CPU, compile_backend: str | None = None,
 ) -> dict:  # fmt: skip
     """One grid, per layer call: median total and kernel milliseconds, their difference,
     the smallest overhead of any repeat, the kernel calls and aten ops, and on CUDA the
-    median GPU time the call spans (``device_ms``; None on the CPU)."""
+    median GPU time the call spans (``device_ms``; None on the CPU). ``compile_backend``:
+    the call compiled with ``torch.compile(fullgraph=True, backend=...)`` (its first
+    call, not timed as a repeat, gives ``compile_s``)."""
     timer = KernelTimer()
     cuda = device.type == "cuda"
     dtype = default_compute_dtype(device)  # what training computes in
@@ -163,13 +171,24 @@ def measure(
                 documents = plan.pack(_document_bounds(seq_len, 2 * WORLD), device=device)
             totals, kernels, spans, calls = [], [], [], 0
             events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+
+            def call(q, k, v):
+                return plan.attention(q, k, v, causal=True, packed=documents)
+
+            compile_s = None
+            if compile_backend is not None:
+                torch._dynamo.reset()
+                call = torch.compile(call, fullgraph=True, backend=compile_backend)
+                start = time.perf_counter()
+                torch.autograd.grad(call(q, k, v), (q, k, v), dout)
+                compile_s = time.perf_counter() - start
             with timer.installed():
                 for i in range(warmup + repeats):
                     timer.reset()
                     if cuda:
                         events[0].record()
                     start = time.perf_counter()
-                    out = plan.attention(q, k, v, causal=True, packed=documents)
+                    out = call(q, k, v)
                     torch.autograd.grad(out, (q, k, v), dout)
                     elapsed = time.perf_counter() - start
                     if cuda:  # outside the timed part: the next repeat starts on an idle GPU
@@ -181,12 +200,16 @@ def measure(
                         calls = timer.calls
                         if cuda:
                             spans.append(events[0].elapsed_time(events[1]) / 1e3)
-            counter = OpCounter(timer)
-            with timer.installed(), counter:
-                out = plan.attention(q, k, v, causal=True, packed=documents)
-                torch.autograd.grad(out, (q, k, v), dout)
+            counter = None
+            if compile_backend is None:  # compiled code runs under no dispatch mode
+                counter = OpCounter(timer)
+                with timer.installed(), counter:
+                    out = call(q, k, v)
+                    torch.autograd.grad(out, (q, k, v), dout)
         finally:
             topo.destroy()
+            if compile_backend is not None:
+                torch._dynamo.reset()  # its graphs hold the fake world's groups
     total, kernel = statistics.median(totals), statistics.median(kernels)
     return {
         "total_ms": total * 1e3,
@@ -194,9 +217,26 @@ def measure(
         "overhead_ms": (total - kernel) * 1e3,
         "best_overhead_ms": min(t - k for t, k in zip(totals, kernels)) * 1e3,
         "kernel_calls": calls,
-        "aten_ops": counter.ops,
+        "aten_ops": None if counter is None else counter.ops,
         "device_ms": statistics.median(spans) * 1e3 if cuda else None,
+        "compiled": compile_backend is not None,
+        "compile_s": compile_s,
     }
+
+
+def _line(row: dict, eager: dict, device: torch.device, compiling: bool) -> str:
+    case = f"u{row['ulysses']}xr{row['ring']}" + (" pk" if row["packed"] else "")
+    case += " compiled" if row["compiled"] else ""
+    line = (
+        f"{case:<16} {row['total_ms']:>9.3f} {row['kernel_ms']:>10.3f} "
+        f"{row['overhead_ms']:>12.3f} {row['best_overhead_ms']:>12.3f} "
+        f"{row['kernel_calls']:>6} {'-' if row['aten_ops'] is None else row['aten_ops']:>9}"
+    )
+    if device.type == "cuda":
+        line += f" {row['device_ms']:>10.3f}"
+    if compiling and row["compiled"]:
+        line += f" {row['total_ms'] / eager['total_ms']:>9.2f} {row['compile_s']:>10.1f}"
+    return line
 
 
 def parse_grid(text: str) -> tuple[int, int]:
@@ -218,6 +258,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--backend", default=None, choices=BACKENDS, help="default: cpu on the CPU, auto on CUDA"
     )
     parser.add_argument("--out", type=Path, default=None, help="directory for host_overhead.json")
+    parser.add_argument(
+        "--compile", action="store_true", help="each case eager and compiled, in this run"
+    )
+    parser.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend for --compile"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU visible to torch; this machine has none")
@@ -233,24 +279,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{LOCAL_LEN} tokens/rank, {dtype}, causal, zigzag, p2p, {device.type}, backend "
         f"{backend}, torch {torch.__version__}"
     )
+    if args.compile:
+        setup += f"; compiled: torch.compile(fullgraph=True, backend={args.compile_backend!r})"
     print(f"host overhead per usp_attention layer call (fwd+bwd), {setup}")
     print(
-        f"{'case':<10} {'total ms':>9} {'kernel ms':>10} {'overhead ms':>12} "
+        f"{'case':<16} {'total ms':>9} {'kernel ms':>10} {'overhead ms':>12} "
         f"{'best ovh ms':>12} {'calls':>6} {'aten ops':>9}"
         + (f" {'device ms':>10}" if device.type == "cuda" else "")
+        + (f" {'vs eager':>9} {'compile s':>10}" if args.compile else "")
     )
+    backends = [None, args.compile_backend] if args.compile else [None]
     for packed in (False, True):
         for u, r in args.grids:
-            row = {"ulysses": u, "ring": r, "packed": packed}
-            row.update(measure(u, r, packed, args.repeats, args.warmup, backend, device))
-            rows.append(row)
-            case = f"u{u}xr{r}" + (" pk" if packed else "")
-            print(
-                f"{case:<10} {row['total_ms']:>9.3f} {row['kernel_ms']:>10.3f} "
-                f"{row['overhead_ms']:>12.3f} {row['best_overhead_ms']:>12.3f} "
-                f"{row['kernel_calls']:>6} {row['aten_ops']:>9}"
-                + (f" {row['device_ms']:>10.3f}" if row["device_ms"] is not None else "")
-            )
+            eager = None
+            for compile_backend in backends:
+                row = {"ulysses": u, "ring": r, "packed": packed}
+                row.update(
+                    measure(
+                        u, r, packed, args.repeats, args.warmup, backend, device, compile_backend
+                    )  # fmt: skip
+                )
+                rows.append(row)
+                eager = eager or row
+                print(_line(row, eager, device, args.compile))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         payload = {"setup": setup, "rows": rows}

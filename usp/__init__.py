@@ -17,6 +17,7 @@ import importlib as _importlib
 import warnings as _warnings
 
 from usp.attention import UspAttention, usp_attention
+from usp.comm.overlap import compile_options
 from usp.config import build_topology_from_config, load_config
 from usp.errors import (
     BackendUnavailableError,
@@ -57,6 +58,7 @@ __all__ = [
     "UspError",
     "build_topology",
     "build_topology_from_config",
+    "compile_options",
     "document_position_ids",
     "gather_sequence",
     "load_config",

@@ -18,15 +18,18 @@ the plan it is given (degrees, groups, options, ``packed_sequence``) and imports
 from __future__ import annotations
 
 import dataclasses
+import operator
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from usp.call_check import call_fields, checked_call, needs_grad
 from usp.comm.agreement import Field
+from usp.comm.traced import TracedGroup
 from usp.kernels.spec import validate_inputs
 from usp.options import BACKENDS, LAYOUTS, RING_IMPLS
-from usp.packing import PackedSequence, PlanError
+from usp.packing import PackedSequence, PlanError, check_packed_fits
 from usp.process_groups import HeadLayoutError
 from usp.ring.api import RING_ERRORS, prepare_ring, ring_placement, run_ring
 from usp.ring.config import RingConfig
@@ -45,10 +48,21 @@ USP_ERRORS = (*RING_ERRORS, ShardingError, HeadLayoutError, PlanError)
 @dataclass(frozen=True)
 class CheckedCall:
     """A validated USP attention call: KV heads replication before the all-to-all, and
-    the ring's validated call (its kernels resolved once)."""
+    the ring's validated call (its kernels resolved once); for a compiled graph, the
+    Ulysses group as the values its functional collectives take (None when u = 1)."""
 
     kv_replication: int
     ring: RingConfig
+    ulysses: TracedGroup | None = None
+
+
+def _check_segments(plan, has_segments: bool) -> None:
+    """A PackedSequence without all-gather indices cannot serve an all-gather ring."""
+    if plan.ring_impl == "allgather" and plan.ring_degree > 1 and not has_segments:
+        raise PlanError(
+            "this PackedSequence was packed by a plan with ring_impl='p2p', so it holds no "
+            "all-gather indices; pack it with the plan that attends (ring_impl='allgather')"
+        )
 
 
 def check_call(plan, q, k, v, causal, softmax_scale, packed, head_chunks=1) -> CheckedCall:
@@ -61,11 +75,7 @@ def check_call(plan, q, k, v, causal, softmax_scale, packed, head_chunks=1) -> C
             raise ShardingError(
                 f"packed sequences (cu_seqlens) need batch size 1, got {spec.batch}"
             )
-        if plan.ring_impl == "allgather" and r > 1 and not packed.placement.segments:
-            raise PlanError(
-                "this PackedSequence was packed by a plan with ring_impl='p2p', so it holds no "
-                "all-gather indices; pack it with the plan that attends (ring_impl='allgather')"
-            )
+        _check_segments(plan, bool(packed.placement.segments))
         if packed.placement.device != q.device:
             raise ShardingError(
                 f"the PackedSequence was built for {packed.placement.device}, q is on "
@@ -100,7 +110,8 @@ def check_call(plan, q, k, v, causal, softmax_scale, packed, head_chunks=1) -> C
         layout=plan.layout, ring_impl=plan.ring_impl, backend=plan.backend,
         comm_stats=plan.comm_stats, kv_head_chunks=head_chunks,
     )  # fmt: skip
-    return CheckedCall(replication, ring)
+    ulysses = TracedGroup.of(plan.ulysses_group) if u > 1 else None
+    return CheckedCall(replication, ring, ulysses)
 
 
 def attend(
@@ -118,7 +129,34 @@ def attend(
     """:meth:`usp.Plan.attention` (see :func:`usp.usp_attention` for the arguments);
     ``plan`` is a :class:`usp.Plan`. ``head_chunks``: the ring attends to that many
     groups of its (post-all-to-all) KV heads one after the other
-    (``ring_attention``'s ``kv_head_chunks``), bounding its buffers to one group."""
+    (``ring_attention``'s ``kv_head_chunks``), bounding its buffers to one group.
+
+    Under ``torch.compile`` the call is checked (and, with ``verify``, agreed across the
+    SP ranks) while the graph is traced, once per plan and call shape
+    (:func:`traced_call`): the graph holds only the collectives and the computation."""
+    if torch.compiler.is_compiling():
+        call = _traced(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks)
+        ulysses = call.ulysses
+    else:
+        grad = needs_grad(q, k, v)
+        call = checked(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad)
+        ulysses = plan.ulysses_group
+    stats = plan.comm_stats
+    if plan.ulysses_degree > 1:
+        k, v = replicate_kv_heads(k, v, call.kv_replication)
+        q, k, v = to_head_sharded([q, k, v], ulysses, stats)  # [B, S/r, h/u, D]
+    out, _ = run_ring(q, k, v, call.ring)
+    if plan.ulysses_degree > 1:
+        out = to_sequence_sharded(out, ulysses, stats)  # [B, S/P, H, D]
+    return out
+
+
+def checked(
+    plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad: bool
+) -> CheckedCall:
+    """The call validated on this rank and, with ``verify``, agreed across the SP ranks
+    (the same error on every rank when any rank's call fails); ``grad``: whether the
+    call needs gradients (part of what the ranks agree on)."""
     packed_seq: PackedSequence | None = None
 
     def validate() -> CheckedCall:
@@ -138,16 +176,113 @@ def attend(
         chunks = head_chunks if type(head_chunks) is int else -1
         return call_fields(
             q, k, causal=causal, softmax_scale=softmax_scale, options=options,
-            documents_hash=documents, needs_grad=needs_grad(q, k, v),
+            documents_hash=documents, needs_grad=grad,
         ) + [Field("head_chunks", chunks)]  # fmt: skip
 
-    call = checked_call(plan.sp_group, "usp_attention", fields, validate, USP_ERRORS, verify)
-    topology, u = plan.topology, plan.ulysses_degree
-    stats = plan.comm_stats
-    if u > 1:
-        k, v = replicate_kv_heads(k, v, call.kv_replication)
-        q, k, v = to_head_sharded([q, k, v], topology.ulysses_group, stats)  # [B, S/r, h/u, D]
-    out, _ = run_ring(q, k, v, call.ring)
-    if u > 1:
-        out = to_sequence_sharded(out, topology.ulysses_group, stats)  # [B, S/P, H, D]
-    return out
+    return checked_call(plan.sp_group, "usp_attention", fields, validate, USP_ERRORS, verify)
+
+
+# ------------------------------------------------------------------ compiled graphs
+def _tensor_signature(x):
+    """What a check reads of a tensor, as constants of the graph being traced (shapes
+    specialised: the ring's blocks depend on them); None for anything else."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    return tuple(operator.index(n) for n in x.shape), x.dtype, x.device
+
+
+def packed_signature(packed):
+    """A PackedSequence as constants: its boundaries and what it was built for (so that a
+    new PackedSequence of the same documents reuses the graph: no guard on its identity)."""
+    if packed is None:
+        return None
+    if not isinstance(packed, PackedSequence):
+        raise PlanError(
+            "under torch.compile, packed documents must be a usp.PackedSequence built outside "
+            "the compiled call (plan.pack(cu_seqlens)): raw cu_seqlens would be read on the host "
+            "inside the graph"
+        )
+    placement = packed.placement
+    return (
+        packed.bounds, packed.ring_degree, packed.ulysses_degree, packed.layout,
+        placement.device, bool(placement.segments),
+    )  # fmt: skip
+
+
+def _traced(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks) -> CheckedCall:
+    """Traced by Dynamo: the call's description as constants, then :func:`traced_call`.
+    The plan goes as its class, topology and choices (a plan made inside the trace, as
+    ``usp_attention(..., topology)`` makes one, is not an object outside it)."""
+    choices = (plan.layout, plan.ring_impl, plan.backend, plan.verify_calls)
+    return traced_call(
+        type(plan), plan.topology, choices, _tensor_signature(q), _tensor_signature(k),
+        _tensor_signature(v), causal, softmax_scale, packed_signature(packed), verify,
+        head_chunks, needs_grad(q, k, v),
+    )  # fmt: skip
+
+
+@torch._dynamo.assume_constant_result
+def traced_call(
+    plan_type, topology, choices, q_sig, k_sig, v_sig, causal, softmax_scale, packed_sig,
+    verify, head_chunks, grad,
+) -> CheckedCall:  # fmt: skip
+    """The checked call of a compiled graph, run eagerly while Dynamo traces (its result
+    is a constant of the graph): :func:`checked` on stand-ins of the tensors (their shape,
+    dtype and device, no data), so the same checks and the same agreement run, once per
+    plan and call shape (the ``traced_calls`` of ``plan_type.lasting(topology,
+    *choices)``). A failed check fails the trace with the check's message, on every
+    rank alike when ``verify``."""
+    plan = plan_type.lasting(topology, *choices)
+    key = (q_sig, k_sig, v_sig, causal, softmax_scale, packed_sig, verify, head_chunks, grad)
+    cache = plan.traced_calls
+    call = cache.get(key)
+    if call is None:
+        q, k, v = (_stand_in(s) for s in (q_sig, k_sig, v_sig))
+        packed = stand_in_packed(plan, packed_sig)
+        call = checked(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad)
+        cache.put(key, call)
+    return call
+
+
+def _stand_in(signature):
+    """A tensor of the signature's shape, dtype and device holding one element (a
+    zero-stride view): validation reads no data."""
+    if signature is None:
+        return None
+    shape, dtype, device = signature
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
+
+
+def stand_in_packed(plan, signature) -> PackedSequence | None:
+    """The PackedSequence a signature describes, built again by ``plan`` (refused as the
+    original would be where it does not fit the plan)."""
+    if signature is None:
+        return None
+    bounds, ring_degree, ulysses_degree, layout, device, has_segments = signature
+    check_packed_fits(
+        (ring_degree, ulysses_degree, layout), (plan.ring_degree, plan.ulysses_degree, plan.layout)
+    )
+    _check_segments(plan, has_segments)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    return plan.pack(cu, device=device, seq_len=bounds[-1], agree_ranks=False)
+
+
+class TraceCache:
+    """What the traces of compiled graphs prepared (checked calls, packed inputs), by
+    the constants that describe it, the most recent ``capacity``: each is checked, and
+    its ranks agree, once (a retrace of the same call reuses it)."""
+
+    def __init__(self, capacity: int = 64):
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple, object] = OrderedDict()
+
+    def get(self, key: tuple, default=None):
+        if key not in self._entries:
+            return default
+        self._entries.move_to_end(key)
+        return self._entries[key]
+
+    def put(self, key: tuple, value) -> None:
+        self._entries[key] = value
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)

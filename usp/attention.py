@@ -41,7 +41,9 @@ def usp_attention(
     Attention is then block-diagonal by document, causal inside each document when
     ``causal``. ``verify``: agree on the call across the SP ranks before anything is sent
     (default: on for gloo, off for NCCL; see :mod:`usp.call_check`).
-    Bytes moved are counted in ``plan.comm_stats``. Second derivatives are refused.
+    Bytes moved are counted in ``plan.comm_stats`` (not inside a compiled graph).
+    Second derivatives are refused. Under ``torch.compile(fullgraph=True)`` the call is
+    one piece of the graph, its checks run while tracing (README, *torch.compile*).
     """
     plan = as_plan(plan, layout=layout, ring_impl=ring_impl, backend=backend)
     return attend(

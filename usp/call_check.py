@@ -13,7 +13,8 @@ which stalls the launch queue and the compute/communication overlap; there the p
 agrees once per batch instead (``Plan.pack`` for packed documents, ``Plan.verify_batch``
 for shapes and dtypes), and ``verify=True`` turns the per-call check on for debugging.
 The choice depends only on the group's backend, which every rank shares, so no rank can
-skip a check another rank makes.
+skip a check another rank makes. Inside a compiled graph the check (and the agreement)
+runs once, while the graph is traced (:func:`usp.attend.traced_call`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,16 @@ class PlanError(InputError):
     """A plan was built or used with options or inputs it cannot serve."""
 
 
+def check_packed_fits(got: tuple[int, int, str], expected: tuple[int, int, str]) -> None:
+    """A PackedSequence built for (ring, ulysses, layout) = ``got`` used with a plan of
+    ``expected``: refused unless they are equal."""
+    if got != expected:
+        raise PlanError(
+            f"this PackedSequence was built for (ring, ulysses, layout) = {got}, the plan "
+            f"has {expected}; build it with this plan's pack()"
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class PackedSequence:
     """A packed global sequence (batch 1) placed on one plan's ranks; build it with
@@ -41,18 +51,11 @@ class PackedSequence:
     fingerprint: int = field(init=False)
     #: every token's position inside its document, global sequence (int64 [S])
     position_ids: torch.Tensor = field(init=False)
-
-    @property
-    def seq_len(self) -> int:
-        return self.bounds[-1]
-
-    @property
-    def layout(self) -> str:
-        return self.documents.layout
-
-    @property
-    def ring_degree(self) -> int:
-        return self.documents.ring_size
+    #: the global length, the layout and the ring degree it was placed for: fields, not
+    #: properties (a compiled graph's tracing reads only the fields of some objects)
+    seq_len: int = field(init=False)
+    layout: str = field(init=False)
+    ring_degree: int = field(init=False)
 
     def __post_init__(self):
         # computed once here, not cached lazily (lazy caches take a lock torch.compile
@@ -60,3 +63,6 @@ class PackedSequence:
         object.__setattr__(self, "fingerprint", stable_hash(self.bounds))
         # every token's position inside its document, for the global sequence (int64)
         object.__setattr__(self, "position_ids", document_position_ids(self.cu_seqlens))
+        object.__setattr__(self, "seq_len", self.bounds[-1])
+        object.__setattr__(self, "layout", self.documents.layout)
+        object.__setattr__(self, "ring_degree", self.documents.ring_size)

@@ -20,12 +20,14 @@ their natural order (the layout is always ``contiguous`` there).
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
 
-from usp.attend import attend
+from usp.attend import TraceCache, attend
 from usp.comm.agreement import Field, agree, stable_hash
+from usp.comm.traced import TracedGroup
 from usp.config import UspConfig, build_topology_from_config, check_topology_matches, load_config
 from usp.options import (
     BACKENDS,
@@ -36,7 +38,7 @@ from usp.options import (
     RING_IMPLS,
     check_choice,
 )
-from usp.packing import PackedSequence, PlanError
+from usp.packing import PackedSequence, PlanError, check_packed_fits
 from usp.process_groups import Topology
 from usp.ring.documents import Documents
 from usp.ring.placement import packed_placement
@@ -86,6 +88,12 @@ class Plan:
         if verify_calls is not None and not isinstance(verify_calls, bool):
             raise PlanError(f"verify_calls must be None, True or False, got {verify_calls!r}")
         self.verify_calls = verify_calls
+        #: the checked calls of compiled graphs (see :func:`usp.attend.traced_call`)
+        self.traced_calls = TraceCache()
+        #: the SP group as a compiled graph's collectives take it (None: one process)
+        self.traced_sp_group = None
+        if topology is not None and topology.sp_degree > 1:
+            self.traced_sp_group = TracedGroup.of(topology.sp_group)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -143,6 +151,20 @@ class Plan:
             backend=self.backend if backend is None else backend,
             verify_calls=self.verify_calls,
         )
+
+    @classmethod
+    def lasting(cls, topology, layout, ring_impl, backend, verify_calls) -> Plan:
+        """The Plan of these choices that outlives a compiled graph's trace (kept per
+        topology): a plan made while Dynamo traces exists only in the trace, and the
+        checked calls of compiled graphs are kept by a plan (``traced_calls``)."""
+        plans = _LASTING_SINGLE_PROCESS if topology is None else _LASTING.setdefault(topology, {})
+        key = (layout, ring_impl, backend, verify_calls)
+        if key not in plans:
+            plans[key] = cls(
+                topology, layout=layout, ring_impl=ring_impl, backend=backend,
+                verify_calls=verify_calls,
+            )  # fmt: skip
+        return plans[key]
 
     # ------------------------------------------------------------------ degrees and groups
     @property
@@ -252,13 +274,10 @@ class Plan:
         if packed is None:
             return None
         if isinstance(packed, PackedSequence):
-            expected = (self.ring_degree, self.ulysses_degree, self.layout)
-            got = (packed.ring_degree, packed.ulysses_degree, packed.layout)
-            if got != expected:
-                raise PlanError(
-                    f"this PackedSequence was built for (ring, ulysses, layout) = {got}, the plan "
-                    f"has {expected}; build it with this plan's pack()"
-                )
+            check_packed_fits(
+                (packed.ring_degree, packed.ulysses_degree, packed.layout),
+                (self.ring_degree, self.ulysses_degree, self.layout),
+            )
             if seq_len is not None and packed.seq_len != seq_len:
                 raise ShardingError(
                     f"the packed sequence has {packed.seq_len} tokens, but the tensors hold "
@@ -403,3 +422,8 @@ def as_plan(topology_or_plan, **attention_options) -> Plan:
         "expected a usp.Topology, a usp.Plan or None (single process), "
         f"got {type(topology_or_plan).__name__}"
     )
+
+
+#: the lasting plans of compiled graphs (:meth:`Plan.lasting`), by topology and choices
+_LASTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LASTING_SINGLE_PROCESS: dict = {}

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from usp.comm.all_to_all import AllToAllPlan, differentiable_all_to_all
+from usp.comm.all_to_all import AllToAllPlan, differentiable_all_to_all, traced_all_to_all
 from usp.comm.stats import CommStats
+from usp.comm.traced import TracedGroup
 from usp.process_groups import HeadLayoutError, degrees
 
 
@@ -46,16 +47,23 @@ def replicate_kv_heads(
 SEQ_DIM, HEAD_DIM = 1, 2
 
 
+def _all_to_all(tensors, group, stats, scatter_dim: int, gather_dim: int):
+    if isinstance(group, TracedGroup):  # inside a compiled graph
+        return traced_all_to_all(tensors, scatter_dim, gather_dim, group)
+    plan = AllToAllPlan(group, scatter_dim=scatter_dim, gather_dim=gather_dim, stats=stats)
+    return differentiable_all_to_all(tensors, plan)
+
+
 def to_head_sharded(
     tensors: list[torch.Tensor], group, stats: CommStats | None = None
 ) -> list[torch.Tensor]:
     """Sequence-sharded -> head-sharded, all tensors in one all-to-all (differentiable):
-    [B, S/u, h, D] each -> [B, S, h/u, D] each (the group's whole sequence, h/u heads)."""
-    plan = AllToAllPlan(group, scatter_dim=HEAD_DIM, gather_dim=SEQ_DIM, stats=stats)
-    return differentiable_all_to_all(tensors, plan)
+    [B, S/u, h, D] each -> [B, S, h/u, D] each (the group's whole sequence, h/u heads).
+    ``group``: the Ulysses process group, or its :class:`~usp.comm.traced.TracedGroup`
+    inside a compiled graph (a functional collective, not counted in ``stats``)."""
+    return _all_to_all(tensors, group, stats, scatter_dim=HEAD_DIM, gather_dim=SEQ_DIM)
 
 
 def to_sequence_sharded(out: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
     """Head-sharded -> sequence-sharded (differentiable): [B, S, H/u, D] -> [B, S/u, H, D]."""
-    plan = AllToAllPlan(group, scatter_dim=SEQ_DIM, gather_dim=HEAD_DIM, stats=stats)
-    return differentiable_all_to_all([out], plan)[0]
+    return _all_to_all([out], group, stats, scatter_dim=SEQ_DIM, gather_dim=HEAD_DIM)[0]

@@ -12,8 +12,8 @@ from usp_cases import topology
 import usp
 
 FRONT_DOOR = {
-    # the plan and USP attention
-    "Plan", "usp_attention", "UspAttention",
+    # the plan and USP attention (compile_options: Inductor's, for torch.compile)
+    "Plan", "usp_attention", "UspAttention", "compile_options",
     # sharding helpers
     "shard_sequence", "gather_sequence", "local_token_indices", "local_position_ids",
     "sequence_multiple", "pad_documents", "pad_to_multiple", "document_position_ids",

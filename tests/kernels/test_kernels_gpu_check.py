@@ -80,11 +80,11 @@ exit 0
 
 @pytest.fixture
 def check_tree(tmp_path):
-    """A copy of gpu_check.sh in a tree with (fake) peers.py and train_emulate.py."""
+    """A copy of gpu_check.sh in a tree with (fake) scripts of its script steps."""
     tree = tmp_path / "repo"
     (tree / "benchmarks").mkdir(parents=True)
     shutil.copy(ROOT / "benchmarks" / "gpu_check.sh", tree / "benchmarks" / "gpu_check.sh")
-    for name in ("peers.py", "train_emulate.py", "plan_check.py"):
+    for name in ("peers.py", "train_emulate.py", "plan_check.py", "cuda_graph_check.py"):
         (tree / "benchmarks" / name).write_text("# fake\n")
     python = tmp_path / "fake_python"
     python.write_text(FAKE_PYTHON)
@@ -116,6 +116,7 @@ STEPS = [
     "train_emulate",
     "plan_check",
     "host_overhead",
+    "cuda_graph",
 ]
 
 

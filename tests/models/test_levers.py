@@ -206,3 +206,29 @@ def test_attention_head_chunks_must_divide_the_kv_heads():
     Levers(attention_head_chunks=2).apply(model)
     assert levers_of(model).attention_head_chunks == 2
     assert all(layer.self_attn.head_chunks == 2 for layer in model.model.layers)
+
+
+def test_levers_under_compile_equal_eager():
+    """``[train] compile`` compiles each layer's own forward inside the levers' wrappers
+    (usp.train.parallelize.compile_layers, fullgraph): with checkpointing, its offload
+    (saved-tensor hooks, which fullgraph cannot trace) and MLP tiles the loss and every
+    gradient equal the eager model's; levers applied after compiling are refused."""
+    from usp.train.parallelize import compile_layers
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY)
+    state = Llama(config).state_dict()
+    ids = torch.randint(0, TINY["vocab_size"], (1, 24))
+    plain = _step(config, state, ids, torch.float32)
+    for ac, tile in (("offload", 0), (True, 5)):
+        model = Levers(activation_checkpointing=ac, mlp_tile_tokens=tile).apply(Llama(config))
+        model.load_state_dict(state)
+        compile_layers(model, backend="aot_eager")
+        loss = model(ids, labels=shift_labels(ids))
+        loss.backward()
+        errors = [relative_error(loss.detach(), plain["loss"])]
+        errors += [relative_error(p.grad, plain["grads"][n]) for n, p in model.named_parameters()]
+        assert max(errors) <= 1e-5, (ac, tile, max(errors))
+        with pytest.raises(LeverError, match="apply levers before compiling"):
+            Levers().apply(model)
+    torch._dynamo.reset()

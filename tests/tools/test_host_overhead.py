@@ -73,3 +73,20 @@ def test_device_auto_without_a_gpu_and_another_backend(tmp_path):
     # documents of one length (the math backend has no varlen kernel either)
     assert [r["kernel_calls"] for r in rows] == [2, 12]
     assert all(r["device_ms"] is None for r in rows)
+
+
+def test_compiled_rows_beside_eager_ones(tmp_path):
+    """``--compile``: each case eager, then compiled (fullgraph; here AOT autograd without
+    code generation, to be quick), the same kernel calls, the compile time recorded."""
+    argv = ["--compile", "--compile-backend", "aot_eager", "--grids", "1x8"]
+    rows = host_overhead.main([*argv, "--repeats", "2", "--warmup", "1", "--out", str(tmp_path)])
+    assert [(r["packed"], r["compiled"]) for r in rows] == [
+        (False, False), (False, True), (True, False), (True, True),
+    ]  # fmt: skip
+    saved = json.loads((tmp_path / "host_overhead.json").read_text())
+    assert "compiled: torch.compile(fullgraph=True, backend='aot_eager')" in saved["setup"]
+    for eager, compiled in (rows[:2], rows[2:]):
+        assert compiled["kernel_calls"] == eager["kernel_calls"]  # 16 dense, 68 packed
+        assert compiled["compile_s"] > 0 and eager["compile_s"] is None
+        assert compiled["aten_ops"] is None and eager["aten_ops"] > 0
+        assert 0 < compiled["kernel_ms"] < compiled["total_ms"]

@@ -1,6 +1,7 @@
-"""``[train] compile = true``: every decoder layer compiled (``usp.train.parallelize.
-compile_layers``), trained on 4 gloo ranks (ulysses 2 x ring 2, FSDP2) for 5 steps
-against the same job in eager mode on the same ranks.
+"""``[train] compile = true``: every decoder layer compiled whole (``usp.train.parallelize.
+compile_layers``: fullgraph, Inductor with ``usp.compile_options``, the attention's
+collectives inside the graph), trained on 4 gloo ranks (ulysses 2 x ring 2, FSDP2) for
+5 steps against the same job in eager mode on the same ranks.
 
 Tolerance: Inductor fuses and reorders float32 arithmetic, so losses and gradient norms
 agree to float32 rounding, not bit for bit: 1e-5 relative per step (observed in one
@@ -40,7 +41,8 @@ def run_compile_case(config, out):
     plan = Plan(topology(2, 2), verify_calls=False)  # as usp train does
     result = train(job, plan, output_dir=out, stream=io.StringIO())
     rows = [(r["step"], r["loss"], r["grad_norm"]) for r in result.metrics]
-    return {"rows": rows, "graphs": counters["stats"]["unique_graphs"]}
+    breaks = sum(counters["graph_break"].values())
+    return {"rows": rows, "graphs": counters["stats"]["unique_graphs"], "breaks": breaks}
 
 
 def whole_sequence_documents(path, *, count=24, length=64) -> dict:
@@ -68,6 +70,7 @@ def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
     eager, compiled = runs[False], runs[True]
     assert all(r["graphs"] == 0 for r in eager)
     assert all(r["graphs"] > 0 for r in compiled), [r["graphs"] for r in compiled]
+    assert all(r["breaks"] == 0 for r in compiled)  # each layer whole (fullgraph=True)
     assert all(r["rows"] == compiled[0]["rows"] for r in compiled), "ranks log alike"
     rows, reference = compiled[0]["rows"], eager[0]["rows"]
     assert [r[0] for r in rows] == list(range(1, STEPS + 1))

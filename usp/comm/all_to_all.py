@@ -18,8 +18,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from usp.comm import traced
 from usp.comm.collectives import all_to_all_into
 from usp.comm.stats import CommStats
+from usp.comm.traced import TracedGroup
 
 
 @dataclass(frozen=True)
@@ -35,41 +37,70 @@ class AllToAllPlan:
         return replace(self, scatter_dim=self.gather_dim, gather_dim=self.scatter_dim)
 
 
+def _pieces(tensors: Sequence[torch.Tensor], scatter_dim: int, size: int) -> list[list[int]]:
+    """The shape of the piece each tensor sends to one rank."""
+    pieces = []
+    for x in tensors:
+        if x.shape[scatter_dim] % size:
+            raise ValueError(
+                f"all-to-all over {size} ranks needs dim {scatter_dim} of every tensor to be "
+                f"a multiple of {size}, got shape {tuple(x.shape)}"
+            )
+        shape = list(x.shape)
+        shape[scatter_dim] //= size
+        pieces.append(shape)
+    return pieces
+
+
+def _by_destination(x: torch.Tensor, scatter_dim: int, size: int) -> torch.Tensor:
+    """[.., n, ..] -> [size, .., n/size, ..] (a view): chunk j of scatter_dim goes to rank j."""
+    return x.unflatten(scatter_dim, (size, x.shape[scatter_dim] // size)).movedim(scatter_dim, 0)
+
+
+def _unpack(received: torch.Tensor, pieces, gather_dim: int) -> list[torch.Tensor]:
+    """[size, sum of numels] (source rank first) -> each tensor [.., size * m, ..]."""
+    outputs, offset = [], 0
+    size = received.shape[0]
+    for piece in pieces:
+        numel = torch.Size(piece).numel()
+        from_ranks = received[:, offset : offset + numel].view(size, *piece)
+        outputs.append(from_ranks.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1))
+        offset += numel
+    return outputs
+
+
 def all_to_all(tensors: Sequence[torch.Tensor], plan: AllToAllPlan) -> list[torch.Tensor]:
     """The collective itself (no autograd). Every tensor's ``scatter_dim`` must divide."""
     size = dist.get_world_size(plan.group)
     if size == 1:
         return list(tensors)
-    pieces = []  # shape of the piece each tensor sends to one rank
-    for x in tensors:
-        if x.shape[plan.scatter_dim] % size:
-            raise ValueError(
-                f"all-to-all over {size} ranks needs dim {plan.scatter_dim} of every tensor to be "
-                f"a multiple of {size}, got shape {tuple(x.shape)}"
-            )
-        shape = list(x.shape)
-        shape[plan.scatter_dim] //= size
-        pieces.append(shape)
+    pieces = _pieces(tensors, plan.scatter_dim, size)
     numels = [torch.Size(p).numel() for p in pieces]
     send = torch.empty((size, sum(numels)), dtype=tensors[0].dtype, device=tensors[0].device)
     offset = 0
     for x, piece, numel in zip(tensors, pieces, numels):
-        # [.., n, ..] -> [size, .., n/size, ..]: chunk j of scatter_dim goes to rank j
-        chunks = x.unflatten(plan.scatter_dim, (size, piece[plan.scatter_dim])).movedim(
-            plan.scatter_dim, 0
-        )
+        chunks = _by_destination(x, plan.scatter_dim, size)
         send[:, offset : offset + numel].view(size, *piece).copy_(chunks)
         offset += numel
     received = all_to_all_into(torch.empty_like(send), send, plan.group, plan.stats)
-    outputs, offset = [], 0
-    for piece, numel in zip(pieces, numels):
-        # [size, .., m, ..] (source rank first) -> [.., size * m, ..] along gather_dim
-        from_ranks = received[:, offset : offset + numel].view(size, *piece)
-        outputs.append(
-            from_ranks.movedim(0, plan.gather_dim).flatten(plan.gather_dim, plan.gather_dim + 1)
-        )
-        offset += numel
-    return outputs
+    return _unpack(received, pieces, plan.gather_dim)
+
+
+def traced_all_to_all(
+    tensors: Sequence[torch.Tensor], scatter_dim: int, gather_dim: int, group: TracedGroup
+) -> list[torch.Tensor]:
+    """:func:`differentiable_all_to_all` inside a compiled graph: the same packing, as
+    ops autograd differentiates, around one functional all-to-all (whose autograd is the
+    inverse all-to-all)."""
+    if group.size == 1:
+        return list(tensors)
+    pieces = _pieces(tensors, scatter_dim, group.size)
+    send = torch.cat(
+        [_by_destination(x, scatter_dim, group.size).reshape(group.size, -1) for x in tensors],
+        dim=1,
+    )  # [size, sum of numels]
+    received = traced.all_to_all(send, group.name, group.size)
+    return _unpack(received, pieces, gather_dim)
 
 
 class _AllToAllFunction(torch.autograd.Function):

@@ -2,7 +2,10 @@
 
 Used with double buffering: post the exchange of the block you are about to compute
 on, compute, then wait. On ring size 1 nothing is ever sent (gloo cannot send to
-itself, and it would be wasted work anyway).
+itself, and it would be wasted work anyway). :class:`RingExchange` posts on the group
+(eager); :class:`TracedRingExchange` is the same exchange inside a compiled graph
+(:mod:`usp.comm.traced`). Both return a handle whose ``wait()`` gives the received
+tensor: the buffer passed as ``recv_into`` (eager) or a fresh tensor (compiled).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from usp.comm.stats import CommStats
+from usp.comm.traced import PostedShift, TracedGroup, post_shift
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -57,9 +61,8 @@ class RingExchange:
         if self.size == 1:
             raise RuntimeError("RingExchange.start called on a ring of size 1")
         recv = torch.empty_like(send) if recv_into is None else recv_into
-        # NCCL: one coalesced batch (separate calls could deadlock); under torch.compile
-        # too (Dynamo breaks the graph cleanly there, not at the group's internals)
-        if torch.compiler.is_compiling() or self._coalescing(send.device):
+        # NCCL: one coalesced batch (separate calls could deadlock)
+        if self._coalescing(send.device):
             ops = [
                 dist.P2POp(dist.isend, send, self._next, self.group),
                 dist.P2POp(dist.irecv, recv, self._prev, self.group),
@@ -76,3 +79,21 @@ class RingExchange:
         if self.stats is not None:
             self.stats.record("p2p", sent=_bytes(send), received=_bytes(recv))
         return PendingExchange(recv, requests)
+
+
+class TracedRingExchange:
+    """:class:`RingExchange` inside a compiled graph: the shift is a functional
+    collective (:func:`usp.comm.traced.post_shift`), its ``wait`` a graph node; nothing
+    is counted (the graph cannot update host counters)."""
+
+    def __init__(self, peers: TracedGroup | None):
+        """``peers=None``: a ring of one (no communication)."""
+        self.peers = peers
+        self.size = 1 if peers is None else peers.size
+        self.rank = 0 if peers is None else peers.rank
+
+    def start(self, send: torch.Tensor, recv_into: torch.Tensor | None = None) -> PostedShift:
+        """Post ``send`` -> next rank; ``recv_into`` is not used (the op allocates)."""
+        if self.peers is None:
+            raise RuntimeError("TracedRingExchange.start called on a ring of size 1")
+        return post_shift(send, self.peers)

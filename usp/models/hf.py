@@ -133,12 +133,13 @@ def _attention_function(plan, name: str, seen: PaddingSeen):
                 "tokens: call the model with use_cache=False (no KV cache under SP)"
             )
         causal = _is_causal(module, is_causal)
-        if seen.padded and not causal:
-            raise HFInputError(
+        if not causal:
+            seen.refuse_if_padded(
+                plan,
                 f"attn_implementation={name!r} (USP attention): this forward's attention_mask "
                 f"has padding and {type(module).__name__} attends bidirectionally "
                 "(is_causal=False): every real token would attend to the pads; give rows "
-                "without padding, or pack them (DataCollatorWithFlattening, usp_packed)"
+                "without padding, or pack them (DataCollatorWithFlattening, usp_packed)",
             )
         batch, _, local_len, _ = query.shape
         packed = packed_inputs(batch, local_len, query.device, kwargs)

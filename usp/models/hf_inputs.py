@@ -1,20 +1,14 @@
-"""What an HF model hands the USP attention plug-in, made exact or refused.
+"""The packed documents an HF model hands the USP attention plug-in, made exact or refused.
 
-transformers gives a custom attention function its inputs in two places:
-
-* the **padding mask**: a 2-D ``attention_mask`` reaches the model's mask builder, never
-  the attention function. :func:`padding_mask_function` is registered with the attention
-  name in transformers' ``AttentionMaskInterface``: it sees the 2-D mask once per forward,
-  refuses padding it cannot compute exactly (anything but zeros at the end of each row
-  of a causal model in one process) and returns None, so no mask reaches the layers (the
-  model never reads the jumps of zigzag ``position_ids`` as documents).
-* the **packed documents**: ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) keyword arguments
-  (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), usp's own
-  ``usp_packed`` keyword, or ``position_ids`` that restart per document (what sdpa
-  detects). :class:`PackedInputs` turns them into one :class:`usp.PackedSequence` per
-  forward (cached for the layers that follow), checks that the ``position_ids`` agree
-  with it, and under SP makes the SP ranks agree on the outcome before any attention
-  collective (one tiny all-gather per forward).
+transformers gives a custom attention function its inputs in two places: the 2-D
+**padding mask** (checked by :mod:`usp.models.hf_padding`, re-exported here) and the
+**packed documents**: ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) keyword arguments
+(``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), usp's own
+``usp_packed`` keyword, or ``position_ids`` that restart per document (what sdpa
+detects). :class:`PackedInputs` turns them into one :class:`usp.PackedSequence` per
+forward (cached for the layers that follow), checks that the ``position_ids`` agree
+with it, and under SP makes the SP ranks agree on the outcome before any attention
+collective (one tiny all-gather per forward; inside a compiled graph, once per trace).
 
 The contract under sequence parallelism: a rank's ``position_ids`` are its shard, so they
 cannot tell documents apart. Pass the GLOBAL boundaries (``usp_packed=plan.pack(cu)`` or
@@ -27,8 +21,16 @@ from __future__ import annotations
 
 import torch
 
+from usp.attend import TraceCache, packed_signature, stand_in_packed
+from usp.comm import traced
 from usp.comm.agreement import Field, agree
-from usp.errors import InputError
+from usp.models.hf_padding import (  # noqa: F401 - re-exported: the plug-in's inputs
+    HFInputError,
+    PaddingSeen,
+    padding_mask_function,
+    padding_problem,
+    window_problem,
+)
 from usp.plan import PackedSequence, PlanError, _can_agree
 from usp.sharding import ShardingError
 
@@ -36,118 +38,6 @@ from usp.sharding import ShardingError
 PACKED_KWARG = "usp_packed"
 CU_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")
 MAX_LENGTH_KWARGS = ("max_length_q", "max_length_k")
-_FIX_PADDING = (
-    "pad at the end of each row and give the pads the ignore label -100 (or no mask at "
-    "all), or pack the rows into one sequence: HF padding-free "
-    "(DataCollatorWithFlattening / TRL padding_free=True) or usp_packed=plan.pack(cu)"
-)
-
-
-class HFInputError(InputError):
-    """An input of an HF model with USP attention that the plug-in cannot compute exactly."""
-
-
-# ----------------------------------------------------------------------------- padding
-def padding_problem(plan, attention_mask: torch.Tensor, *, causal: bool) -> str | None:
-    """Why the 2-D padding mask [B, S] (True: a real token) cannot be served, or None.
-
-    Exact without a mask: no zeros; or, for a causal model in one process, zeros only
-    at the end of each row (no real token attends to a later one). One host sync."""
-    if attention_mask.dim() != 2:
-        return f"attention_mask of shape {tuple(attention_mask.shape)} (expected [B, S])"
-    mask = attention_mask.bool()
-    if bool(mask.all()):
-        return None
-    if plan.sp_degree > 1:
-        return (
-            "an attention_mask with zeros under sequence parallelism (each rank holds a shard "
-            "of the sequence, so padding cannot be placed); pass no mask: "
-            + _FIX_PADDING.replace("each row", "the global sequence")
-        )
-    if not causal:
-        return (
-            "an attention_mask with zeros in a bidirectional model (is_causal=False): every "
-            "real token would attend to the pads; give rows without padding, or pack the rows "
-            "into one sequence: HF padding-free (DataCollatorWithFlattening) or "
-            "usp_packed=plan.pack(cu)"
-        )
-    # a real token after a pad: left padding (or holes), which needs a real mask
-    later_token = mask[:, 1:] & ~mask[:, :-1]  # [B, S-1]
-    if bool(later_token.any()):
-        row = int(later_token.any(dim=1).nonzero()[0])
-        return (
-            f"an attention_mask with padding before real tokens (row {row}: left padding or "
-            f"holes); USP attention applies no padding mask, so {_FIX_PADDING}. For "
-            "generation, run the rows one at a time or use attn_implementation='sdpa'"
-        )
-    return None
-
-
-def window_problem(plan, local_size, kv_length, kv_offset) -> str | None:
-    """Why a mask of attention limited to ``local_size`` tokens cannot be served, or None.
-
-    transformers' sliding-window and chunked masks (``create_sliding_window_causal_mask``,
-    ``create_chunked_causal_mask``, the bidirectional sliding window) give the mask
-    function ``local_size``; USP attention has no window, so it is exact only when the
-    window holds the whole (global) sequence."""
-    if local_size is None:
-        return None
-    total = (kv_offset + kv_length) * plan.sp_degree
-    if local_size >= total:
-        return None
-    return (
-        f"a mask of attention limited to {local_size} tokens (a sliding-window or chunked "
-        f"attention layer: config.sliding_window / attention_chunk_size) for a sequence of "
-        f"{total} tokens; USP attention computes full causal or bidirectional attention "
-        f"only: give sequences of at most {local_size} tokens or use attn_implementation='sdpa'"
-    )
-
-
-class PaddingSeen:
-    """Whether the current forward's 2-D mask had (right) padding, set by the mask
-    function before the layers run; the attention function refuses it for a layer
-    that turns out to be bidirectional (``module.is_causal=False``)."""
-
-    def __init__(self):
-        self.padded = False
-
-
-def padding_mask_function(plan, name: str, seen: PaddingSeen):
-    """The mask function registered with attention ``name``: checks the 2-D padding mask
-    (once per forward) and returns None, so the layers get no mask. Under SP the ranks
-    agree on the verdict, so a refusal is raised on every rank. A mask built with
-    transformers' bidirectional mask function counts as non-causal whatever the config.
-    A sliding-window or chunked mask whose window is shorter than the sequence is refused
-    (:func:`window_problem`)."""
-    from transformers.masking_utils import bidirectional_mask_function
-
-    def usp_padding_mask(*args, attention_mask=None, config=None, mask_function=None, **kwargs):
-        problem = None
-        seen.padded = False
-        window = window_problem(
-            plan, kwargs.get("local_size"), kwargs.get("kv_length", 0), kwargs.get("kv_offset", 0)
-        )  # the same on every rank (shapes and config): no agreement needed
-        if window is not None:
-            raise HFInputError(_padding_message(name, window))
-        if attention_mask is not None:
-            causal = bool(getattr(config, "is_causal", True))
-            causal = causal and mask_function is not bidirectional_mask_function
-            problem = padding_problem(plan, attention_mask, causal=causal)
-            seen.padded = problem is None and not bool(attention_mask.bool().all())
-        group = plan.sp_group  # None in one process (sp_degree 1)
-        if attention_mask is not None and plan.sp_degree > 1 and _can_agree(group):
-            error = None if problem is None else HFInputError(_padding_message(name, problem))
-            agree(group, f"attn_implementation={name!r}", [], error, (HFInputError,))
-        if problem is not None:
-            raise HFInputError(_padding_message(name, problem))
-        return None
-
-    usp_padding_mask.usp_mask_for = name  # marks it as usp's (register may replace it)
-    return usp_padding_mask
-
-
-def _padding_message(name: str, problem: str) -> str:
-    return f"attn_implementation={name!r} (USP attention) got {problem}"
 
 
 # ----------------------------------------------------------------------------- packing
@@ -156,31 +46,70 @@ class PackedInputs:
 
     Called by every layer; the first call of a forward does the work (host syncs, the SP
     agreement) and the layers after it get the cached result, recognised by the identity
-    (and version) of the keyword tensors. Under ``torch.compile`` at ``Plan(None)`` with
-    neither ``cu_seq_lens`` nor ``usp_packed`` the positions are checked on the device
-    instead (an assertion that fails if they restart), so the graph stays whole."""
+    (and version) of the keyword tensors. Inside a compiled graph (:meth:`in_graph`) the
+    documents are resolved while the graph is traced and ``position_ids`` are checked on
+    the device, so the graph stays whole."""
 
     def __init__(self, plan, name: str):
         self.plan, self.name = plan, name
         self._key: tuple | None = None
         self._value: PackedSequence | None = None
-        self._resolve = torch.compiler.disable(self._resolve_eager)
+        #: the documents the traces of compiled graphs resolved (see traced_documents)
+        self.traced = TraceCache()
 
     def __call__(self, batch: int, local_len: int, device, kwargs: dict):
-        described = kwargs.get(PACKED_KWARG) is not None or any(
-            kwargs.get(k) is not None for k in CU_KWARGS
-        )
-        if torch.compiler.is_compiling() and self.plan.sp_degree == 1 and not described:
-            positions = kwargs.get("position_ids")
-            if positions is not None and positions.shape[-1] > 1:
-                steps = torch.diff(positions, dim=-1)
-                torch._assert_async(
-                    (steps == 1).all(),
-                    f"attn_implementation={self.name!r}: position_ids restart (packed documents) "
-                    "inside torch.compile; pass usp_packed=plan.pack(cu) or cu_seq_lens_q/k",
-                )
-            return None
-        return self._resolve(batch, local_len, device, kwargs)
+        if torch.compiler.is_compiling():
+            return self.in_graph(batch, local_len, device, kwargs)
+        return self._resolve_eager(batch, local_len, device, kwargs)
+
+    def in_graph(self, batch: int, local_len: int, device, kwargs: dict):
+        """The same verdicts inside a compiled graph. Documents (``usp_packed`` or
+        ``cu_seq_lens_q/k``) are resolved, and the SP ranks agree on them, while the graph
+        is traced (:func:`traced_documents`): the graph is specialised to them, and with
+        ``cu_seq_lens`` (tensors whose values a guard cannot see) it checks on the device
+        that they are still those; ``usp_packed`` with new documents recompiles instead.
+        ``position_ids`` are checked on the device (a failure is raised by the graph, on
+        every SP rank alike). In one process without documents, position_ids that restart
+        fail the check (they would be packed documents, which need a description)."""
+        plan, name = self.plan, self.name
+        usp_packed = kwargs.get(PACKED_KWARG)
+        cu = [kwargs.get(k) for k in CU_KWARGS]
+        positions = _positions_2d(kwargs.get("position_ids"), batch, local_len, name)
+        group = plan.traced_sp_group
+        packed = source = None
+        if usp_packed is None and cu[0] is None and cu[1] is None:
+            if plan.sp_degree == 1:
+                if positions is not None and positions.shape[-1] > 1:
+                    traced.require(
+                        (torch.diff(positions, dim=-1) == 1).all(),
+                        f"attn_implementation={name!r}: position_ids restart (packed documents) "
+                        "inside torch.compile; pass usp_packed=plan.pack(cu) or cu_seq_lens_q/k",
+                    )
+                return None
+        else:
+            maxima = [kwargs.get(k) for k in MAX_LENGTH_KWARGS]
+            packed, reference = traced_documents(
+                self, batch, local_len, device, *cu, *maxima, packed_signature(usp_packed)
+            )
+            source = PACKED_KWARG if usp_packed is not None else "cu_seq_lens_q/k"
+            for key, given in zip(CU_KWARGS, cu):
+                if given is not None:
+                    expected = torch.tensor(packed.bounds, device=given.device)
+                    traced.require(
+                        (given.to(torch.int64) == expected).all(),
+                        f"attn_implementation={name!r}: {key} are not the document boundaries "
+                        "this compiled graph was traced with (a graph is specialised to its "
+                        "documents, and a guard cannot see a tensor's values): under "
+                        "torch.compile give new documents as usp_packed=plan.pack(cu), whose "
+                        "graphs recompile for a new packing",
+                        group,
+                    )
+        if positions is not None and (plan.sp_degree > 1 or packed is not None):
+            if packed is None:  # a dense sequence under SP
+                reference = _position_reference(plan, local_len * plan.sp_degree, None)
+            ok = _positions_ok(positions, reference)
+            traced.require(ok, _positions_message(plan, packed, source, name), group)
+        return packed
 
     def _resolve_eager(self, batch: int, local_len: int, device, kwargs: dict):
         sources = (kwargs.get(PACKED_KWARG), *(kwargs.get(k) for k in CU_KWARGS))
@@ -196,15 +125,17 @@ class PackedInputs:
         ):
             return self._value
         self._key = None
-        value = self._agreed(batch, local_len, device, kwargs)
+        value = self.agreed(lambda: self._local(batch, local_len, device, kwargs))
         self._key, self._value = (key[:3], key[3:], versions), value
         return value
 
-    def _agreed(self, batch, local_len, device, kwargs) -> PackedSequence | None:
+    def agreed(self, local) -> PackedSequence | None:
+        """``local()``'s PackedSequence (this rank's verdict), after the SP ranks agreed on
+        it: an error on any rank is raised on every rank."""
         plan = self.plan
         error, packed = None, None
         try:
-            packed = self._local(batch, local_len, device, kwargs)
+            packed = local()
         except (HFInputError, ShardingError, PlanError) as err:
             error = err
         group = plan.sp_group
@@ -253,6 +184,40 @@ class PackedInputs:
         if positions is not None and (plan.sp_degree > 1 or source in CU_SOURCES):
             _check_positions(plan, positions, total, packed, source, name)
         return packed
+
+
+@torch._dynamo.assume_constant_result
+def traced_documents(
+    inputs: PackedInputs, batch, local_len, device, cu_q, cu_k, max_q, max_k, packed_sig
+) -> tuple[PackedSequence | None, tuple]:
+    """The documents of a compiled graph's forward, resolved eagerly while the graph is
+    traced (the result is a constant of the graph): :meth:`PackedInputs._local` on the
+    ``cu_seq_lens``' values (read now) or on the ``usp_packed`` that ``packed_sig``
+    describes, agreed across the SP ranks, once per description (``inputs.traced``).
+    ``position_ids`` are left to the graph's own check, against the returned reference
+    (:func:`_position_reference`)."""
+    key = (batch, local_len, device, _values(cu_q), _values(cu_k), _values(max_q),
+           _values(max_k), packed_sig)  # fmt: skip
+    missing = object()
+    packed = inputs.traced.get(key, missing)
+    if packed is missing:
+
+        def local():
+            kwargs = dict(zip(CU_KWARGS, (cu_q, cu_k)))
+            kwargs.update(zip(MAX_LENGTH_KWARGS, (max_q, max_k)))
+            if packed_sig is not None:
+                kwargs[PACKED_KWARG] = stand_in_packed(inputs.plan, packed_sig)
+            return inputs._local(batch, local_len, device, kwargs)
+
+        found = inputs.agreed(local)
+        packed = (found, _position_reference(inputs.plan, local_len * inputs.plan.sp_degree, found))
+        inputs.traced.put(key, packed)
+    return packed
+
+
+def _values(x):
+    """A keyword's value as a hashable constant (a tensor's values as a tuple)."""
+    return tuple(x.reshape(-1).tolist()) if isinstance(x, torch.Tensor) else x
 
 
 CU_SOURCES = ("cu_seq_lens_q/k", PACKED_KWARG)
@@ -341,23 +306,41 @@ def _packed_from_positions(plan, positions, device, name: str) -> PackedSequence
 def _check_positions(plan, positions, total, packed, source, name: str) -> None:
     """position_ids must be the positions the documents give (this rank's shard under SP;
     in one process, any that count up by one inside every document)."""
+    if not bool(_positions_ok(positions, _position_reference(plan, total, packed))):
+        raise HFInputError(_positions_message(plan, packed, source, name))
+
+
+def _position_reference(plan, total: int, packed) -> tuple[str, torch.Tensor]:
+    """What position_ids [B, S/P] are checked against: in one process with documents,
+    ``("steps", inside)``: they step by one wherever ``inside`` [S-1] is True; else
+    ``("equal", expected)``: they are ``expected`` [S/P]."""
     if plan.sp_degree == 1 and packed is not None:
-        steps = torch.diff(positions, dim=-1)  # [B, S-1]
         inside = torch.ones(total - 1, dtype=torch.bool)
         inside[[b - 1 for b in packed.bounds[1:-1]]] = False
-        if bool((steps[:, inside.to(steps.device)] == 1).all()):
-            return
-        raise HFInputError(
+        return "steps", inside
+    return "equal", plan.position_ids(total, packed=packed)
+
+
+def _positions_ok(positions: torch.Tensor, reference: tuple[str, torch.Tensor]) -> torch.Tensor:
+    """A bool tensor: the positions fit the reference (no data-dependent shape, so the
+    same check runs inside a compiled graph)."""
+    kind, values = reference
+    values = values.to(positions.device)
+    if kind == "steps":
+        return torch.where(values, torch.diff(positions, dim=-1), 1).eq(1).all()
+    return (positions == values).all()
+
+
+def _positions_message(plan, packed, source, name: str) -> str:
+    if plan.sp_degree == 1 and packed is not None:
+        return (
             f"attn_implementation={name!r}: position_ids do not count up by one inside the "
             f"documents of {source}; give each document's positions 0, 1, 2, ... (the "
             "collator's position_ids) or leave position_ids out"
         )
-    expected = plan.position_ids(total, packed=packed, device=positions.device)  # [S/P]
-    if bool((positions == expected).all()):
-        return
     what = "dense sequence" if packed is None else f"documents of {source}"
     sp_rank = plan.ring_rank * plan.ulysses_degree + plan.ulysses_rank
-    raise HFInputError(
+    return (
         f"attn_implementation={name!r}: the position_ids of SP rank {sp_rank} are not the "
         f"positions of its tokens in the {what}. Under sequence parallelism a rank's "
         "position_ids are its shard and cannot tell documents apart: give packed documents "

@@ -168,7 +168,7 @@ def _wrap(module: nn.Module, kind: type[_LeverForward], setting, *args) -> None:
     """Give ``module`` a ``kind`` forward for ``setting`` (none when falsy), over its
     plain forward (a previous lever's wrapper is taken off first)."""
     current = module.__dict__.get("forward")
-    if isinstance(current, _LeverForward):
+    if isinstance(current, _LeverForward) and _is_plain(module, current.inner):
         del module.forward  # back to the class's forward
     elif current is not None:
         raise LeverError(
@@ -177,6 +177,26 @@ def _wrap(module: nn.Module, kind: type[_LeverForward], setting, *args) -> None:
         )
     if setting:
         module.forward = kind(module.forward, setting, *args)
+
+
+def _is_plain(module: nn.Module, forward) -> bool:
+    """Whether ``forward`` is ``module``'s own class forward (not a compiled one)."""
+    return (
+        getattr(forward, "__self__", None) is module
+        and getattr(forward, "__func__", None) is type(module).forward
+    )
+
+
+def compile_forward(module: nn.Module, compile_fn) -> None:
+    """Replace ``module``'s own forward by ``compile_fn(forward)``, inside a lever's
+    wrapper when it has one: the compiled graph is what a checkpointed layer recomputes,
+    and the offload's saved-tensor hooks (which ``torch.compile(fullgraph=True)`` cannot
+    trace) stay outside it. Levers applied afterwards are refused."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, _LeverForward):
+        current.inner = compile_fn(current.inner)
+    else:
+        module.forward = compile_fn(module.forward)
 
 
 class _Checkpointed(_LeverForward):

@@ -77,9 +77,13 @@ def cross_entropy_sum(
     float32 (float64 for float64 inputs) and always part of the autograd graph, also
     when there is nothing to sum. ``chunk_tokens``: rows per chunk of
     :func:`chunked_cross_entropy_sum`, whatever the count (none included); ``None``: one
-    pass through autograd that materialises all logits (for comparisons), which
-    ``torch.compile`` also takes for a count of at most one chunk (see below). Selecting
+    pass through autograd that materialises all logits (for comparisons). Selecting
     the labelled tokens costs one host sync.
+
+    Under ``torch.compile`` nothing depends on the labels' values: every token's row is
+    computed (chunked alike) and the ignored ones are masked out of the sum (their
+    gradient is zero), so the graph has no data-dependent shape; the count is then an
+    int64 tensor. The value is the same up to the order of the float additions.
     """
     check_chunk_tokens(chunk_tokens)
     if hidden.shape[:-1] != labels.shape:
@@ -88,17 +92,32 @@ def cross_entropy_sum(
             f"{tuple(hidden.shape[:-1])}"
         )
     flat_labels = labels.reshape(-1)
-    labelled = (flat_labels != ignore_index).nonzero().squeeze(1)  # [n] (host sync)
     flat = hidden.reshape(-1, hidden.shape[-1])  # [N, dim], a view
+    if torch.compiler.is_compiling():
+        return _masked_sum(flat, weight, flat_labels, ignore_index, chunk_tokens)
+    labelled = (flat_labels != ignore_index).nonzero().squeeze(1)  # [n] (host sync)
     targets = flat_labels.index_select(0, labelled)  # [n]
     count = labelled.numel()
-    if chunk_tokens is None or (torch.compiler.is_compiling() and count <= chunk_tokens):
-        # one pass through autograd. Compiled, a chunk's worth of labels takes this path:
-        # the count is a symbol there, bounded by the token count (so the comparison is
-        # decided while tracing), which the chunk loop cannot iterate over; an empty pass
-        # still links hidden and weight to the graph (zero grads)
+    if chunk_tokens is None:  # one pass through autograd (zero grads when empty)
         return _chunk_loss_sum(flat.index_select(0, labelled), weight, targets), count
-    return _chunked_eager(flat, weight, targets, labelled, chunk_tokens), count
+    return _ChunkedCrossEntropy.apply(flat, weight, targets, labelled, chunk_tokens, None), count
+
+
+def _masked_sum(flat, weight, flat_labels, ignore_index, chunk_tokens):
+    """:func:`cross_entropy_sum` without data-dependent shapes (compiled graphs): every
+    row, its ignored labels masked. Returns (sum, count as an int64 tensor)."""
+    keep = flat_labels != ignore_index  # [N]
+    count = keep.sum()
+    # the ignored rows zeroed: nothing of theirs (a NaN included) reaches a sum or a
+    # gradient through the products, as eagerly, where they are never selected
+    flat = torch.where(keep.unsqueeze(1), flat, 0)
+    if chunk_tokens is None:
+        logits = F.linear(flat, weight).to(loss_dtype(flat.dtype))  # [N, V]
+        return F.cross_entropy(
+            logits, flat_labels, ignore_index=ignore_index, reduction="sum"
+        ), count
+    targets = torch.where(keep, flat_labels, 0)  # any class for the masked rows
+    return _ChunkedCrossEntropy.apply(flat, weight, targets, None, chunk_tokens, keep), count
 
 
 def chunked_cross_entropy_sum(
@@ -139,14 +158,7 @@ def chunked_cross_entropy_sum(
             f"hidden and weight need one dtype and one dim; got {hidden.dtype} "
             f"{tuple(hidden.shape)} and {weight.dtype} {tuple(weight.shape)}"
         )
-    return _ChunkedCrossEntropy.apply(hidden, weight, targets, rows, chunk_tokens)
-
-
-@torch.compiler.disable
-def _chunked_eager(hidden, weight, targets, rows, chunk_tokens):
-    """The chunk loop, run eagerly also under ``torch.compile`` (one graph break): its
-    tiles depend on the label count, a value compiled code knows only as a symbol."""
-    return _ChunkedCrossEntropy.apply(hidden, weight, targets, rows, chunk_tokens)
+    return _ChunkedCrossEntropy.apply(hidden, weight, targets, rows, chunk_tokens, None)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -171,10 +183,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     Memory against selecting the labelled rows first (``index_select``, whose backward
     builds two ``[N, dim]`` tensors out of place beside the ``[n, dim]`` gradient): at
     every label count the backward holds ``hidden``, ``dhidden`` and a chunk's tensors.
+
+    ``rows=None``: target i belongs to row i (chunks are slices of ``hidden``, no
+    index). ``keep`` ([n] bool, or None for all): targets that count; the others add
+    nothing to the sum and get a zero gradient (compiled graphs mask the ignored labels
+    instead of selecting the labelled rows, see :func:`cross_entropy_sum`).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, rows, chunk):
+    def forward(ctx, hidden, weight, targets, rows, chunk, keep):
         wide = loss_dtype(hidden.dtype)
         total = torch.zeros((), dtype=wide, device=hidden.device)
         lse = torch.empty(targets.shape, dtype=wide, device=hidden.device)  # [n]
@@ -182,58 +199,77 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # written in place; a chunk's [chunk, V] tensors are freed when its function returns
         ctx.representative = representative(hidden)
         for part in tiles(targets.shape[0], chunk, representative_only=ctx.representative):
-            _forward_chunk(hidden, rows[part], weight, targets[part], lse[part], total)
-        ctx.save_for_backward(hidden, weight, targets, rows, lse)
+            chunk_keep = None if keep is None else keep[part]
+            rows_part = part if rows is None else rows[part]
+            _forward_chunk(hidden, rows_part, weight, targets[part], chunk_keep, lse[part], total)
+        ctx.save_for_backward(hidden, weight, targets, rows, lse, keep)
         ctx.chunk = chunk
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, targets, rows, lse = ctx.saved_tensors
+        hidden, weight, targets, rows, lse, keep = ctx.saved_tensors
         dhidden = None  # [N, dim]
         if ctx.needs_input_grad[0]:
             dhidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         dweight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # [V, dim]
         # memory-periodic as the forward: dhidden and dweight exist before the loop
         for part in tiles(targets.shape[0], ctx.chunk, representative_only=ctx.representative):
+            chunk_keep = None if keep is None else keep[part]
+            rows_part = part if rows is None else rows[part]
             _backward_chunk(
-                grad, hidden, rows[part], weight, targets[part], lse[part], dhidden, dweight
-            )
-        return dhidden, dweight, None, None, None
+                grad, hidden, rows_part, weight, targets[part], chunk_keep, lse[part], dhidden,
+                dweight,
+            )  # fmt: skip
+        return dhidden, dweight, None, None, None, None
 
 
-def _forward_chunk(hidden, rows, weight, targets, lse, total) -> None:
-    """One chunk: hidden [N, dim], rows, targets [c] -> lse [c] written, total += the
-    chunk's sum of ``lse - target logit``, in place."""
-    picked = hidden.index_select(0, rows)  # [c, dim]
+def _rows_of(hidden: torch.Tensor, rows) -> torch.Tensor:
+    """hidden [N, dim] -> the chunk's [c, dim]: a slice of rows (a view), or an index."""
+    return hidden[rows] if isinstance(rows, slice) else hidden.index_select(0, rows)
+
+
+def _forward_chunk(hidden, rows, weight, targets, keep, lse, total) -> None:
+    """One chunk: hidden [N, dim], rows (a slice or [c] indices), targets [c], keep [c]
+    or None -> lse [c] written, total += the chunk's sum of ``lse - target logit`` over
+    the kept targets, in place."""
+    picked = _rows_of(hidden, rows)  # [c, dim]
     wide = picked.mm(weight.t()).to(lse.dtype)  # [c, V]: input dtype, then upcast
     del picked
     target_logit = wide.gather(1, targets.unsqueeze(1)).squeeze(1)  # [c]
     top = wide.amax(1, keepdim=True)  # [c, 1]
     wide.sub_(top).exp_()  # in place: wide is this chunk's own tensor
     lse.copy_(wide.sum(1).log_().add_(top.squeeze(1)))
-    total.add_((lse - target_logit).sum())
+    losses = lse - target_logit
+    if keep is not None:  # a where, not a product: a masked row's non-finite value stays out
+        losses = torch.where(keep, losses, 0.0)
+    total.add_(losses.sum())
 
 
-def _backward_chunk(grad, hidden, rows, weight, targets, lse, dhidden, dweight) -> None:
-    """One chunk's gradients: hidden [N, dim], rows, targets, lse [c]; ``dhidden``
+def _backward_chunk(grad, hidden, rows, weight, targets, keep, lse, dhidden, dweight) -> None:
+    """One chunk's gradients: hidden [N, dim], rows, targets, keep, lse [c]; ``dhidden``
     [N, dim] and ``dweight`` [V, dim] added to in place (either may be None)."""
-    picked = hidden.index_select(0, rows)  # [c, dim]
+    picked = _rows_of(hidden, rows)  # [c, dim]
     probs = picked.mm(weight.t()).to(lse.dtype)  # [c, V], recomputed as in forward
     probs.sub_(lse.unsqueeze(1)).exp_()  # softmax
     index = targets.unsqueeze(1)  # [c, 1]
     probs.scatter_(1, index, probs.gather(1, index) - 1)  # softmax - onehot
+    if keep is not None:
+        probs = torch.where(keep.unsqueeze(1), probs, 0.0)
     dlogits = probs.mul_(grad).to(hidden.dtype)  # [c, V], autograd's dtype for the matmuls
     del probs
     if dhidden is not None:
-        dhidden.index_add_(0, rows, dlogits.mm(weight))  # [c, dim] into the chunk's rows
+        if isinstance(rows, slice):
+            dhidden[rows].add_(dlogits.mm(weight))
+        else:
+            dhidden.index_add_(0, rows, dlogits.mm(weight))  # [c, dim] into the chunk's rows
     if dweight is not None:
         dweight.addmm_(dlogits.t(), picked)
 
 
 def sp_normalise(
     local_sum: torch.Tensor,
-    local_count: int,
+    local_count: int | torch.Tensor,
     group=None,
     *,
     num_items_in_batch: int | float | torch.Tensor | None = None,
@@ -247,12 +283,11 @@ def sp_normalise(
     if num_items_in_batch is not None and float(num_items_in_batch) < 0:
         raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
     # [sum, count] in float64: counts stay exact, sums are added without float32 rounding
-    totals = torch.stack(
-        [
-            local_sum.detach().to(torch.float64),
-            torch.tensor(float(local_count), dtype=torch.float64, device=local_sum.device),
-        ]
-    )
+    if isinstance(local_count, torch.Tensor):  # compiled (cross_entropy_sum): on the device
+        count = local_count.to(torch.float64)
+    else:
+        count = torch.tensor(float(local_count), dtype=torch.float64, device=local_sum.device)
+    totals = torch.stack([local_sum.detach().to(torch.float64), count])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(totals, group=group)
     denominator = totals[1] if num_items_in_batch is None else num_items_in_batch

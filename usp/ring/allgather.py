@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from usp.comm import traced
 from usp.comm.collectives import all_gather_into, reduce_scatter_into
 from usp.kernels.masks import accumulation_dtype
 from usp.ring.calls import calls_for
@@ -32,17 +33,44 @@ def _segments(cfg: RingConfig):
     """(query rows, rows of the gathered K/V they see, kernel calls) per query piece."""
     return [
         (seg.q_rows, seg.kv_rows, calls_for(cfg, seg.docs))
-        for seg in cfg.placement.segments_for(cfg.causal)
+        for seg in cfg.placement.segments[cfg.causal]
     ]
 
 
-def _gather_kv(k, v, heads: slice, cfg: RingConfig) -> torch.Tensor:
-    """Local [B, L, Hkv, D] x2 -> every ring rank's K/V [2, B, r * L, hc, D], rank order."""
-    local = torch.stack([k[:, :, heads], v[:, :, heads]])  # [2, B, L, hc, D]
-    gathered = torch.empty(
-        (cfg.size * 2,) + local.shape[1:], dtype=local.dtype, device=local.device
-    )
-    all_gather_into(gathered, local, cfg.group, cfg.stats)
+def block_shapes(cfg: RingConfig, local_len: int, heads: int, kv_heads: int) -> set[tuple]:
+    """The (Sq, Sk, H, Hkv, causal, varlen) of every kernel call of this rank (one per
+    query piece and group of KV heads)."""
+    chunk_kv = kv_heads // cfg.kv_head_chunks
+    chunk_heads = chunk_kv * (heads // kv_heads)
+    rows = range(local_len)
+    return {
+        (
+            len(rows[s.q_rows]),
+            s.kv_rows.numel(),
+            chunk_heads,
+            chunk_kv,
+            cfg.causal,
+            s.docs is not None,
+        )
+        for s in cfg.placement.segments[cfg.causal]
+    }
+
+
+def _gather_kv(k, v, heads: slice, cfg: RingConfig, after=None) -> torch.Tensor:
+    """Local [B, L, Hkv, D] x2 -> every ring rank's K/V [2, B, r * L, hc, D], rank order.
+    ``after``: in a compiled backward, the gradient the gather is tied to, so that it
+    gathers again there (:func:`usp.comm.traced.stack_after`) instead of the forward's
+    gathered K/V being saved for the backward."""
+    if torch.compiler.is_compiling():  # a functional collective of the graph
+        parts = [k[:, :, heads], v[:, :, heads]]
+        local = torch.stack(parts) if after is None else traced.stack_after(parts, after)
+        gathered = traced.all_gather(local, cfg.peers.name, cfg.size)
+    else:
+        local = torch.stack([k[:, :, heads], v[:, :, heads]])  # [2, B, L, hc, D]
+        gathered = torch.empty(
+            (cfg.size * 2,) + local.shape[1:], dtype=local.dtype, device=local.device
+        )
+        all_gather_into(gathered, local, cfg.group, cfg.stats)
     two, batch, local_len, hc, dim = local.shape
     by_rank = gathered.view(cfg.size, two, batch, local_len, hc, dim).permute(1, 2, 0, 3, 4, 5)
     return by_rank.reshape(two, batch, cfg.size * local_len, hc, dim)
@@ -55,10 +83,11 @@ def _scatter_grads(dkv: torch.Tensor, cfg: RingConfig) -> torch.Tensor:
     by_rank = (
         dkv.view(two, batch, cfg.size, local_len, hc, dim).permute(2, 0, 1, 3, 4, 5).contiguous()
     )
+    full = by_rank.view(cfg.size * two, batch, local_len, hc, dim)
+    if torch.compiler.is_compiling():
+        return traced.reduce_scatter(full, cfg.peers.name, cfg.size)
     mine = torch.empty((two, batch, local_len, hc, dim), dtype=dkv.dtype, device=dkv.device)
-    reduce_scatter_into(
-        mine, by_rank.view(cfg.size * two, batch, local_len, hc, dim), cfg.group, cfg.stats
-    )
+    reduce_scatter_into(mine, full, cfg.group, cfg.stats)
     return mine
 
 
@@ -89,7 +118,7 @@ def allgather_backward(dout, q, k, v, out, lse, cfg: RingConfig):
     dv = torch.empty_like(v)
     segments = _segments(cfg)
     for h0, h1 in head_chunks(k.shape[2], cfg.kv_head_chunks):
-        kv = _gather_kv(k, v, slice(h0, h1), cfg)
+        kv = _gather_kv(k, v, slice(h0, h1), cfg, after=dout)
         q_heads = slice(h0 * group_size, h1 * group_size)
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         for q_rows, kv_rows, calls in segments:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from usp.call_check import call_fields, checked_call, needs_grad
 from usp.comm.agreement import Field, stable_hash
 from usp.comm.stats import CommStats
+from usp.comm.traced import TracedGroup
 from usp.errors import InputError
 from usp.kernels.spec import (
     AttentionInputError,
@@ -21,11 +22,13 @@ from usp.kernels.spec import (
 )
 from usp.options import BACKENDS, LAYOUTS, RING_IMPLS, check_choice
 from usp.ring.allgather import allgather_backward, allgather_forward, head_chunks
+from usp.ring.allgather import block_shapes as allgather_block_shapes
 from usp.ring.calls import BlockKernels, calls_for
 from usp.ring.config import RingConfig
 from usp.ring.documents import DocumentLayoutError, Documents
 from usp.ring.heads import backward_by_heads, forward_by_heads
 from usp.ring.layout import required_local_multiple
+from usp.ring.p2p import block_shapes as p2p_block_shapes
 from usp.ring.p2p import p2p_backward, p2p_forward
 from usp.ring.placement import (
     RankPlacement,
@@ -247,19 +250,28 @@ def prepare_ring(
         raise RingInputError(str(err)) from None
     kernels = BlockKernels(spec, backend, default_scale(spec.head_dim, softmax_scale))
     size = 1 if group is None else dist.get_world_size(group)
-    # the largest local kernel call this ring makes must have a backend that runs it
+    peers = TracedGroup.of(group) if size > 1 else None
+    cfg = RingConfig(
+        group, causal, layout, ring_impl, kernels, placement, comm_stats, kv_head_chunks, peers
+    )
+    # the largest local kernel call first (the same on every rank, so a backend that
+    # cannot run it fails alike everywhere), then every block shape this ring runs
     widest = spec.seqlen_k * (size if ring_impl == "allgather" else 1)
-    kernels.resolve(
-        spec.seqlen_q, widest, spec.num_heads, spec.num_kv_heads, causal, placement.packed
-    )
-    if kv_head_chunks > 1 and ring_impl == "p2p":  # and so must a head group's
-        kernels.resolve(
-            spec.seqlen_q, widest, spec.num_heads // kv_head_chunks,
-            spec.num_kv_heads // kv_head_chunks, causal, placement.packed,
-        )  # fmt: skip
-    return RingConfig(
-        group, causal, layout, ring_impl, kernels, placement, comm_stats, kv_head_chunks
-    )
+    first = (spec.seqlen_q, widest, spec.num_heads, spec.num_kv_heads, causal, placement.packed)
+    kernels.resolve(*first)
+    for shape in sorted(_block_shapes(cfg, spec)):
+        kernels.resolve(*shape)
+    return cfg
+
+
+def _block_shapes(cfg: RingConfig, spec: AttentionSpec) -> set[tuple]:
+    """(Sq, Sk, H, Hkv, causal, varlen) of every kernel call the ring of
+    :func:`_implementation` makes on this rank."""
+    heads, kv_heads = spec.num_heads, spec.num_kv_heads
+    if cfg.ring_impl == "allgather" and cfg.size > 1:
+        return allgather_block_shapes(cfg, spec.seqlen_q, heads, kv_heads)
+    chunks = cfg.kv_head_chunks  # the local and p2p passes run per group of KV heads
+    return p2p_block_shapes(cfg, spec.seqlen_q, heads // chunks, kv_heads // chunks)
 
 
 def _check_device(group, device: torch.device) -> None:

@@ -38,11 +38,13 @@ class BlockKernels:
     :meth:`resolve` picks the backend of a block shape once and remembers it.
     """
 
-    __slots__ = ("backend", "scale", "_template", "_resolved", "_prepared")
+    __slots__ = ("backend", "scale", "names", "_template", "_resolved", "_prepared")
 
     def __init__(self, template: AttentionSpec, backend: str, scale: float):
         self.backend = backend
         self.scale = scale
+        #: the resolved backend's name per block key (what a compiled graph reads)
+        self.names: dict[tuple, str] = {}
         self._template = template
         self._resolved: dict[tuple, tuple[Backend, AttentionSpec]] = {}
         self._prepared: dict[tuple, PreparedDense] = {}
@@ -61,6 +63,7 @@ class BlockKernels:
             )  # fmt: skip
             hit = (select_backend(spec, self.backend), spec)
             self._resolved[key] = hit
+            self.names[key] = hit[0].name
         return hit
 
     def dense(self, seqlen_q: int, seqlen_k: int, heads: int, kv_heads: int, causal: bool):
@@ -73,22 +76,27 @@ class BlockKernels:
         return prepared
 
 
+def backend_name(kernels: BlockKernels, shape: tuple, causal: bool, varlen: bool) -> str:
+    """The name of the backend a block shape resolved to when the call was prepared
+    (``prepare_ring`` resolves every block shape): read, never resolved, while a graph
+    is traced, so selection and its caches stay out of the graph."""
+    return kernels.names[(*shape, causal, varlen)]
+
+
 class DenseCalls:
     def __init__(self, kernels: BlockKernels):
         self.kernels = kernels
 
     def forward(self, q, k, v, causal):
         if torch.compiler.is_compiling():  # one opaque op of the graph
-            impl, _ = self.kernels.resolve(*_shape(q, k), causal, False)
-            return ops.dense_forward_op(q, k, v, impl.name, causal, self.kernels.scale)
+            name = backend_name(self.kernels, _shape(q, k), causal, False)
+            return ops.dense_forward_op(q, k, v, name, causal, self.kernels.scale)
         return self.kernels.dense(*_shape(q, k), causal).forward(q, k, v)
 
     def backward(self, dout, q, k, v, out, lse, causal):
         if torch.compiler.is_compiling():
-            impl, _ = self.kernels.resolve(*_shape(q, k), causal, False)
-            return ops.dense_backward_op(
-                dout, q, k, v, out, lse, impl.name, causal, self.kernels.scale
-            )
+            name = backend_name(self.kernels, _shape(q, k), causal, False)
+            return ops.dense_backward_op(dout, q, k, v, out, lse, name, causal, self.kernels.scale)
         return self.kernels.dense(*_shape(q, k), causal).backward(dout, q, k, v, out, lse)
 
 
@@ -107,28 +115,32 @@ class PackedCalls:
         self.docs = docs
 
     def forward(self, q, k, v, causal):
-        impl, spec = self.kernels.resolve(*_shape(q, k), causal, True)
         d, scale = self.docs, self.kernels.scale
         if torch.compiler.is_compiling():
+            name = backend_name(self.kernels, _shape(q, k), causal, True)
             out, lse = ops.docs_forward_op(
-                q[0], k[0], v[0], d.cu_q, d.cu_k, list(d.bounds_q), list(d.bounds_k), impl.name,
+                q[0], k[0], v[0], d.cu_q, d.cu_k, list(d.bounds_q), list(d.bounds_k), name,
                 causal, scale,
             )  # fmt: skip
-        elif impl.supports_varlen:
+            return out[None], lse[None]
+        impl, spec = self.kernels.resolve(*_shape(q, k), causal, True)
+        if impl.supports_varlen:
             out, lse = docs_forward(impl, q[0], k[0], v[0], d, spec, scale)
         else:
             return document_calls(impl, d, spec, scale).forward(q, k, v)
         return out[None], lse[None]
 
     def backward(self, dout, q, k, v, out, lse, causal):
-        impl, spec = self.kernels.resolve(*_shape(q, k), causal, True)
         d, scale = self.docs, self.kernels.scale
         if torch.compiler.is_compiling():
+            name = backend_name(self.kernels, _shape(q, k), causal, True)
             grads = ops.docs_backward_op(
                 dout[0], q[0], k[0], v[0], out[0], lse[0], d.cu_q, d.cu_k, list(d.bounds_q),
-                list(d.bounds_k), impl.name, causal, scale,
+                list(d.bounds_k), name, causal, scale,
             )  # fmt: skip
-        elif impl.supports_varlen:
+            return tuple(g[None] for g in grads)
+        impl, spec = self.kernels.resolve(*_shape(q, k), causal, True)
+        if impl.supports_varlen:
             grads = docs_backward(impl, dout[0], q[0], k[0], v[0], out[0], lse[0], d, spec, scale)
         else:
             return document_calls(impl, d, spec, scale).backward(dout, q, k, v, out, lse)

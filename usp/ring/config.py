@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from usp.comm.stats import CommStats
+from usp.comm.traced import TracedGroup
 from usp.ring.calls import BlockKernels
 from usp.ring.placement import RankPlacement
 
@@ -27,6 +28,20 @@ class RingConfig:
     #: attend to this many groups of KV heads one after the other, to bound memory
     #: (allgather: the gathered K/V; p2p and local: every buffer of a pass)
     kv_head_chunks: int = 1
+    #: the ring's group as plain values (name, size, this rank), for the functional
+    #: collectives of a compiled graph (``usp.comm.traced``); None for a ring of one
+    peers: TracedGroup | None = None
+    #: the ring's size, this rank in it, and whether the documents are packed: fields,
+    #: not properties: inside an autograd function, traced code reads only the fields
+    #: of the objects it is given
+    size: int = field(init=False)
+    rank: int = field(init=False)
+    packed: bool = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "size", 1 if self.peers is None else self.peers.size)
+        object.__setattr__(self, "rank", 0 if self.peers is None else self.peers.rank)
+        object.__setattr__(self, "packed", self.placement.packed)
 
     @property
     def softmax_scale(self) -> float:
@@ -36,15 +51,3 @@ class RingConfig:
     def backend(self) -> str:
         """The backend name asked for (``auto`` or a name); ``kernels`` holds the resolved ones."""
         return self.kernels.backend
-
-    @property
-    def size(self) -> int:
-        return 1 if self.group is None else dist.get_world_size(self.group)
-
-    @property
-    def rank(self) -> int:
-        return 0 if self.group is None else dist.get_rank(self.group)
-
-    @property
-    def packed(self) -> bool:
-        return self.placement.packed

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from usp.comm.ring_exchange import RingExchange
+from usp.comm import traced
+from usp.comm.ring_exchange import RingExchange, TracedRingExchange
 from usp.kernels import merge_into
 from usp.kernels.masks import accumulation_dtype
 from usp.ring.calls import calls_for
@@ -26,15 +27,35 @@ def _kv_rank(ring: RingExchange, step: int) -> int:
     return (ring.rank - step) % ring.size
 
 
+def _exchange(cfg: RingConfig):
+    """The ring's exchange: posted on the group (eager), or functional collectives
+    that a compiled graph holds (their waits where the loops below wait)."""
+    if torch.compiler.is_compiling():
+        return TracedRingExchange(cfg.peers)
+    return RingExchange(cfg.group, cfg.stats)
+
+
 def _plan(cfg: RingConfig, local_len: int):
     """(blocks of a step, the kernel calls that compute them) for dense or packed input."""
     if not cfg.packed:
         return (lambda i, j: step_blocks(cfg.layout, cfg.causal, i, j, local_len)), calls_for(
             cfg, None
         )
-    piece_len = cfg.placement.documents.piece_len
+    piece_len = cfg.placement.piece_len
     blocks = lambda i, j: packed_step_blocks(cfg.layout, cfg.causal, i, j, piece_len)  # noqa: E731
     return blocks, calls_for(cfg, cfg.placement.piece_docs)
+
+
+def block_shapes(cfg: RingConfig, local_len: int, heads: int, kv_heads: int) -> set[tuple]:
+    """The (Sq, Sk, H, Hkv, causal, varlen) of every kernel call a pass of this rank makes
+    (the same in forward and backward), from the blocks the loops below run."""
+    blocks, _ = _plan(cfg, local_len)
+    rows = range(local_len)
+    return {
+        (len(rows[b.q_rows]), len(rows[b.kv_rows]), heads, kv_heads, b.causal, cfg.packed)
+        for kv_rank in range(cfg.size)
+        for b in blocks(cfg.rank, kv_rank)
+    }
 
 
 class _Rows:
@@ -85,10 +106,18 @@ class _DoubleBuffer:
         return ring.start(self.current.tensor, self.spare.tensor)
 
     def finish(self, pending, keep_spare: bool) -> None:
-        """Wait for ``pending`` (its message arrived in ``spare``; our send finished too,
-        so what we sent becomes the spare, or is dropped when no receive is left)."""
-        pending.wait()
-        self.current, self.spare = self.spare, (self.current if keep_spare else None)
+        """Wait for ``pending`` (its message arrived in ``spare``, or compiled in a
+        tensor of its own; our send finished too, so what we sent becomes the spare, or
+        is dropped when no receive is left)."""
+        spare = self.current if keep_spare else None
+        self.current = _arrived(pending.wait(), self.spare)
+        self.spare = spare
+
+
+def _arrived(received: torch.Tensor, buffer: _Pair) -> _Pair:
+    """The message a wait gave: ``buffer`` itself (eager, received in place), or a
+    tensor the compiled graph's collective allocated."""
+    return buffer if received is buffer.tensor else _Pair(received)
 
 
 def _start_accumulator(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -99,7 +128,7 @@ def _start_accumulator(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 
 def p2p_forward(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, L, H, D], k/v [B, L, Hkv, D] (local) -> out [B, L, H, D], lse [B, H, L]."""
-    ring = RingExchange(cfg.group, cfg.stats)
+    ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
     kv = _DoubleBuffer(torch.stack([k, v]), ring.size > 1)  # [2, B, L, Hkv, D]: one message
     blocks, calls = _plan(cfg, q.shape[1])
@@ -150,11 +179,16 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
     receive is left, the accumulators before the casts at the end), so that at most
     the float32 dQ, ``own`` and two ``travelling`` dK/dV accumulators, two K/V blocks and
     one step's kernel outputs are alive at once."""
-    ring = RingExchange(cfg.group, cfg.stats)
+    ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
     dq_rows = _Rows(torch.zeros(q.shape, dtype=acc, device=q.device))
     dout_rows, q_rows, out_rows, lse_rows = _Rows(dout), _Rows(q), _Rows(out), _Rows(lse, dim=2)
-    kv = _DoubleBuffer(torch.stack([k, v]), ring.size > 1)
+    if torch.compiler.is_compiling():  # K/V circulate again in the backward's graph
+        message = traced.stack_after([k, v], dout)  # [2, B, L, Hkv, D]
+    else:
+        message = torch.stack([k, v])
+    kv = _DoubleBuffer(message, ring.size > 1)
+    del message
     # dK/dV in float32: ``own`` keeps this rank's contribution to its own block (step 0);
     # the accumulator of every other block starts at the owner's next rank, collects
     # one contribution per step, and reaches the owner after r-1 hops. Two buffers
@@ -184,9 +218,8 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
         elif step == 1:
             travelling = [_Pair(torch.zeros_like(own.tensor)), _Pair(torch.empty_like(own.tensor))]
             dkv = travelling[current]
-        else:
-            dkv_pending.wait()  # this block's accumulator arrived in travelling[current]
-            dkv = travelling[current]
+        else:  # this block's accumulator arrived (in travelling[current], eager)
+            dkv = travelling[current] = _arrived(dkv_pending.wait(), travelling[current])
         _add_block_grads(dkv, block_grads)
         del block_grads
         if step > 0:
@@ -196,9 +229,8 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
         if kv_pending is not None:
             kv.finish(kv_pending, keep_spare=step + 2 < ring.size)
     del kv
-    if dkv_pending is not None:
-        dkv_pending.wait()  # everyone else's contributions to this rank's block
-        own.tensor.add_(travelling[current].tensor)
+    if dkv_pending is not None:  # everyone else's contributions to this rank's block
+        own.tensor.add_(dkv_pending.wait())
     del travelling, dkv_pending
     # copies even for float32: dk and dv must not be views of one shared buffer
     dk, dv = own.tensor[0].to(k.dtype, copy=True), own.tensor[1].to(v.dtype, copy=True)

@@ -11,7 +11,7 @@ no host-to-device copies and no host syncs.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,9 +41,11 @@ class RankPlacement:
     piece_docs: PackedDocs | None
     #: all-gather: query segments, for causal=False and causal=True
     segments: dict[bool, tuple[Segment, ...]]
+    #: tokens per piece (``documents.piece_len``; a field: traced code reads fields only)
+    piece_len: int = field(init=False)
 
-    def segments_for(self, causal: bool) -> tuple[Segment, ...]:
-        return self.segments[causal]
+    def __post_init__(self):
+        object.__setattr__(self, "piece_len", self.documents.piece_len)
 
 
 def _segments(documents: Documents, ring_rank: int, causal: bool, packed: bool, device):

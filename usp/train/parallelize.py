@@ -12,8 +12,9 @@ by default; :func:`fully_shard_model` switches it to a sum: a divide factor of 1
 (``set_force_sum_reduction_for_comms``; the factor alone would need ``PREMUL_SUM``, which
 gloo lacks). On a torch without those calls it returns the factor to scale the loss by.
 
-:func:`compile_layers` (``[train] compile = true``) compiles each decoder layer's forward,
-as torchtitan compiles per block, before the layers are sharded.
+:func:`compile_layers` (``[train] compile = true``) compiles each decoder layer's forward
+(``fullgraph=True``: attention's collectives inside the graph), as torchtitan compiles
+per block, before the layers are sharded.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from usp.comm.overlap import compile_options
 from usp.models.family import decoder_layers
+from usp.models.levers import compile_forward
 
 
 @dataclass(frozen=True)
@@ -88,13 +91,30 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def compile_layers(model: nn.Module) -> int:
+def compile_layers(
+    model: nn.Module, *, fullgraph: bool = True, backend: str = "inductor", **compile_kwargs
+) -> int:
     """``torch.compile`` each decoder layer of ``model`` (:func:`usp.models.decoder_layers`) in
-    place; returns how many. Only the layer's ``forward`` is compiled (default options:
-    a graph break where a collective or a host-side check needs one), so parameter names,
-    checkpoints and the hooks around a layer (FSDP's gathers, activation checkpointing)
-    stay as they are. Apply before or after :func:`fully_shard_model`."""
+    place, as torchtitan compiles per block; returns how many. Only the layer's own
+    ``forward`` is compiled (inside the memory levers' wrappers, which stay eager: the
+    checkpoint recomputes the compiled graph, the offload's host copies are made outside
+    it), so parameter names, checkpoints and the hooks around a layer (FSDP's gathers)
+    stay as they are. Apply after the levers, before or after :func:`fully_shard_model`.
+
+    ``fullgraph=True`` (the default, and what ``[train] compile = true`` uses): each
+    layer's forward and backward are one graph each, sequence-parallel attention
+    included (its collectives are functional collectives of the graph, its checks run
+    while tracing; see README, *torch.compile*); a graph break is an error rather than a
+    slow path. The layers share their graphs (one per call shape). With Inductor (and
+    no ``mode``) its ``options`` start from :func:`usp.compile_options` (communication
+    kept overlapped with compute); ``compile_kwargs`` go to ``torch.compile``
+    (``mode``, ``options``, ``dynamic``, ...)."""
+    if backend == "inductor" and "mode" not in compile_kwargs:
+        compile_kwargs["options"] = {**compile_options(), **compile_kwargs.get("options", {})}
     layers = decoder_layers(model)
-    for layer in layers:
-        layer.forward = torch.compile(layer.forward)
+    for layer in layers:  # inside the levers' wrappers: checkpointing recomputes the graph
+        compile_forward(
+            layer,
+            lambda f: torch.compile(f, fullgraph=fullgraph, backend=backend, **compile_kwargs),
+        )
     return len(layers)
