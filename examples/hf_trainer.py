@@ -15,9 +15,10 @@ world data-parallel; ``--batch-size`` rows per replica per micro-batch. The leve
 ``--loss-chunk-tokens``) are ``usp.models.Levers``. ``--no-usp`` runs the unmodified
 Trainer (one process, sdpa): the reference the usp runs are compared with.
 
-Leaves ``DIR/trainer_state.json`` (the loss and grad norm of every step in
-``log_history``) and the final model in ``DIR``. ``--plan-config FILE`` writes the run
-as a config for ``usp plan FILE`` (same model, lengths and levers) and exits.
+``--eval-data FILE`` (the same formats): its loss (``eval_loss``) every ``--eval-steps``
+and at the end. Leaves ``DIR/trainer_state.json`` (the loss and grad norm of every step
+in ``log_history``) and the final model in ``DIR``. ``--plan-config FILE`` writes the
+run as a config for ``usp plan FILE`` (same model, lengths and levers) and exits.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=1024, help="tokens per text row")
     parser.add_argument("--sampling", choices=["random", "sequential"], default="random")
     parser.add_argument("--padding-free", action="store_true", help="DataCollatorWithFlattening")
+    parser.add_argument("--eval-data", help="JSON lines evaluated every --eval-steps (loss)")
+    parser.add_argument("--eval-steps", type=int, default=0, help="0: at the end only")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (float32 weights)")
     parser.add_argument("--no-save-model", action="store_true", help="skip the final save")
     parser.add_argument("--no-usp", action="store_true", help="the stock Trainer (one process)")
@@ -100,6 +103,11 @@ def load_tokenizer(path: str):
 def training_arguments(args, per_replica: int):
     import transformers
 
+    evaluation = {}
+    if args.eval_data:
+        evaluation = {"per_device_eval_batch_size": per_replica}
+        if args.eval_steps:
+            evaluation.update(eval_strategy="steps", eval_steps=args.eval_steps)
     return transformers.TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
@@ -115,6 +123,7 @@ def training_arguments(args, per_replica: int):
         bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=True,
+        **evaluation,
     )
 
 
@@ -144,6 +153,9 @@ def main(argv=None, *, plan=None) -> int:
 
     tokenizer = load_tokenizer(args.model)
     dataset = build_dataset(read_rows(args.data), tokenizer, args.max_length)
+    held_out = None
+    if args.eval_data:
+        held_out = build_dataset(read_rows(args.eval_data), tokenizer, args.max_length)
     collator = build_collator(args, tokenizer)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     if args.no_usp:
@@ -154,6 +166,7 @@ def main(argv=None, *, plan=None) -> int:
             model=model,
             args=training_arguments(args, args.batch_size),
             train_dataset=dataset,
+            eval_dataset=held_out,
             data_collator=collator,
         )
     else:
@@ -164,11 +177,14 @@ def main(argv=None, *, plan=None) -> int:
             model=model,
             args=training_arguments(args, args.batch_size),
             train_dataset=dataset,
+            eval_dataset=held_out,
             data_collator=collator,
             plan=plan,
             levers=levers_from_args(args),
         )
     trainer.train()
+    if held_out is not None:
+        trainer.evaluate()  # eval_loss in log_history
     if not args.no_save_model:
         trainer.save_model(args.output_dir)
     trainer.save_state()  # DIR/trainer_state.json: log_history, every step's loss

@@ -41,9 +41,9 @@ WORDS = [
 ]
 
 
-def write_tokenizer(directory: Path) -> None:
+def tokenizer_object():
     """A character-level tokenizer (38 ids, inside the tiny vocabulary of 64) with the
-    chat template above, saved as transformers saves one."""
+    chat template above."""
     import transformers
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
@@ -59,7 +59,12 @@ def write_tokenizer(directory: Path) -> None:
         unk_token="<unk>",
     )
     tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def write_tokenizer(directory: Path) -> None:
+    """:func:`tokenizer_object`, saved as transformers saves one."""
+    tokenizer_object().save_pretrained(directory)
 
 
 def write_checkpoint(directory: Path, family: str, **changes) -> Path:
@@ -237,6 +242,12 @@ def steps_of(output_dir: Path) -> list[dict]:
     """The per-step rows (loss, grad_norm, ...) of ``DIR/trainer_state.json``."""
     state = json.loads((Path(output_dir) / "trainer_state.json").read_text())
     return [row for row in state["log_history"] if "loss" in row]
+
+
+def eval_losses_of(output_dir: Path) -> list[float]:
+    """Every ``eval_loss`` of ``DIR/trainer_state.json``, in order."""
+    state = json.loads((Path(output_dir) / "trainer_state.json").read_text())
+    return [row["eval_loss"] for row in state["log_history"] if "eval_loss" in row]
 
 
 def weights_of(output_dir: Path) -> dict[str, torch.Tensor]:

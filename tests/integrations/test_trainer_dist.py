@@ -9,7 +9,8 @@ family x gradient accumulation cases are a pairwise covering: every pair of (u2 
 dp2 x r2, Llama-3 or Qwen3, accumulation 1 or 2) appears for each example. A planted
 bug (the SP ranks' gradients averaged instead of summed) must fail the same comparison.
 
-Tiny models (2 layers, 8 heads / 2 KV heads, vocabulary 64), 3 steps, float32.
+Tiny models (2 layers, 8 heads / 2 KV heads, vocabulary 64), 3 steps, float32 (one
+bf16 autocast run against sdpa under autocast).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import pytest
 from model_cases import relative_error
 
-pytest.importorskip("transformers", reason="the integration is for HF transformers")
+pytest.importorskip(
+    "transformers", minversion="5.24", reason="the integration needs transformers 5.24"
+)
 pytest.importorskip("trl", reason="examples/trl_sft.py needs TRL")
 pytest.importorskip("datasets", reason="the examples read their data with datasets")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
@@ -26,6 +29,10 @@ import trainer_cases as tc  # noqa: E402
 
 LOSS_TOL = NORM_TOL = 1e-4
 WEIGHT_TOL = 1e-5
+#: bf16 autocast against sdpa under autocast: both round every matmul to bf16 (8 bits of
+#: mantissa, 4e-3 relative), in other orders; measured: 2e-4 on the losses, 1e-3 on the
+#: grad norms
+BF16_TOL = 1e-2
 STEPS = 3
 #: plain SGD: the final weights are the gradients' sums, so they agree to float32
 #: rounding; AdamW normalises each entry by its own gradient's size, which turns the
@@ -40,29 +47,35 @@ CASES = [
     ("trl_sft", "qwen3", (2, 2), 2, ["--loss-chunk-tokens", "0", *SGD]),
     ("trl_sft", "qwen3", (1, 2), 1, ["--loss-chunk-tokens", "5"]),
     ("hf_trainer", "llama", (2, 2), 1, ["--loss-chunk-tokens", "0"]),
-    ("hf_trainer", "llama", (1, 2), 2, ["--padding-free", *SGD]),
+    ("hf_trainer", "llama", (1, 2), 2, ["--padding-free", "--eval", *SGD]),  # + eval_loss
     ("hf_trainer", "qwen3", (2, 2), 2, ["--loss-chunk-tokens", "9", *SGD]),
     ("hf_trainer", "qwen3", (1, 2), 1, ["--tokens"]),  # 32-token rows: sharded dense
-]
+    # Mistral (its sliding window of 4096 holds every sequence) with levers on
+    ("hf_trainer", "mistral", (2, 2), 1, ["--activation-checkpointing", "on",
+                                          "--mlp-tile-tokens", "7", *SGD]),
+]  # fmt: skip
 BATCH = 4  # rows / chats per optimizer micro-step, over all replicas
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer_dist")
-    for family in ("llama", "qwen3"):
+    for family in ("llama", "qwen3", "mistral"):
         tc.write_checkpoint(root / family, family)
     tc.write_chats(root / "chats.jsonl", 24)
     tc.write_texts(root / "texts.jsonl", 24)
     tc.write_token_rows(root / "tokens.jsonl", 24, 32)
+    tc.write_texts(root / "held_out.jsonl", 8, seed=9)
     return root
 
 
 def argv(root, example, family, accumulation, extra, out, batch):
     data = {"trl_sft": "chats.jsonl", "hf_trainer": "texts.jsonl"}[example]
-    flags = [f for f in extra if f != "--tokens"]
+    flags = [f for f in extra if f not in ("--tokens", "--eval")]
     if "--tokens" in extra:
         data = "tokens.jsonl"
+    if "--eval" in extra:  # a held-out loss after steps 2 and 3
+        flags += ["--eval-data", str(root / "held_out.jsonl"), "--eval-steps", "2"]
     return [
         "--model", str(root / family), "--data", str(root / data), "--output-dir", str(out),
         "--max-steps", str(STEPS), "--batch-size", str(batch),
@@ -106,6 +119,10 @@ def check_same_run(got, expected, *, weights: bool) -> None:
         assert abs(g["loss"] - e["loss"]) <= LOSS_TOL * abs(e["loss"]), (step, g, e)
         assert abs(g["grad_norm"] - e["grad_norm"]) <= NORM_TOL * e["grad_norm"], (step, g, e)
     assert len({round(s["loss"], 3) for s in expected_steps}) > 1  # training moved
+    got_evals, expected_evals = tc.eval_losses_of(got), tc.eval_losses_of(expected)
+    assert len(got_evals) == len(expected_evals)
+    for g, e in zip(got_evals, expected_evals):
+        assert abs(g - e) <= LOSS_TOL * e, (got_evals, expected_evals)
     if not weights:
         return
     got_weights, expected_weights = tc.weights_of(got), tc.weights_of(expected)
@@ -126,6 +143,8 @@ def test_four_ranks_give_the_one_process_run(
     name = f"{example}-{family}-u{grid[0]}r{grid[1]}-ga{accumulation}"
     got = distributed_run(distributed, workdir, example, family, grid, accumulation, extra, name)
     check_same_run(got, expected, weights="sgd" in extra)
+    if "--eval" in extra:  # after step 2, after step 3 and trainer.evaluate()
+        assert len(tc.eval_losses_of(got)) == 3
     if example == "trl_sft":  # TRL's token count: every replica's tokens once
         assert tc.steps_of(got)[-1]["num_tokens"] == tc.steps_of(expected)[-1]["num_tokens"]
 
@@ -157,3 +176,16 @@ def test_an_averaged_sp_gradient_fails_the_comparison(distributed, workdir):
         check_same_run(got, expected, weights=False)
     ratio = tc.steps_of(expected)[0]["grad_norm"] / tc.steps_of(got)[0]["grad_norm"]
     assert abs(ratio - 4) < 1e-3, ratio
+
+
+def test_bf16_autocast_matches_sdpa_under_autocast(distributed, workdir):
+    """``bf16=True``: accelerate's autocast around the model; USP attention gets float32
+    q/k (RoPE's float32 tables) and bf16 v, and computes them in bf16 as sdpa does."""
+    extra = ["--bf16", "--loss-chunk-tokens", "7"]
+    expected = reference(workdir, "trl_sft", "llama", 1, extra)
+    got = distributed_run(distributed, workdir, "trl_sft", "llama", (2, 2), 1, extra, "bf16")
+    got_steps, expected_steps = tc.steps_of(got), tc.steps_of(expected)
+    assert len(got_steps) == len(expected_steps) == STEPS
+    for g, e in zip(got_steps, expected_steps):
+        assert abs(g["loss"] - e["loss"]) <= BF16_TOL * abs(e["loss"]), (g, e)
+        assert abs(g["grad_norm"] - e["grad_norm"]) <= BF16_TOL * e["grad_norm"], (g, e)

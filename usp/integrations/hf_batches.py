@@ -139,7 +139,8 @@ class DataParallelSampler(Sampler[int]):
     one process with ``batch_size * dp_degree`` sees the same ones, and every SP rank of
     a replica the same samples. An epoch that does not fill its last global batch is
     completed from its own start (as accelerate's ``even_batches`` does), so every
-    replica runs the same number of micro-batches."""
+    replica runs the same number of micro-batches; ``drop_last``: that batch is left out
+    instead (``dataloader_drop_last``)."""
 
     def __init__(
         self,
@@ -150,6 +151,7 @@ class DataParallelSampler(Sampler[int]):
         dp_degree: int = 1,
         shuffle: bool = True,
         seed: int = 0,
+        drop_last: bool = False,
     ):
         if length < 1:
             raise ValueError("the training data set is empty")
@@ -157,7 +159,12 @@ class DataParallelSampler(Sampler[int]):
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_degree={dp_degree})")
         self.length, self.batch_size = length, batch_size
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        self.shuffle, self.seed = shuffle, seed
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        if drop_last and length < self.global_batch:
+            raise ValueError(
+                f"dataloader_drop_last with {length} samples and a global batch of "
+                f"{self.global_batch} (batch {batch_size} x {dp_degree} replicas) leaves nothing"
+            )
         self.epoch = 0
 
     @property
@@ -167,8 +174,12 @@ class DataParallelSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def _batches(self) -> int:
+        rounding = math.floor if self.drop_last else math.ceil
+        return rounding(self.length / self.global_batch)
+
     def __len__(self) -> int:
-        return math.ceil(self.length / self.global_batch) * self.batch_size
+        return self._batches() * self.batch_size
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
@@ -176,7 +187,7 @@ class DataParallelSampler(Sampler[int]):
             order = torch.randperm(self.length, generator=generator).tolist()
         else:
             order = list(range(self.length))
-        total = math.ceil(self.length / self.global_batch) * self.global_batch
+        total = self._batches() * self.global_batch
         while len(order) < total:  # complete the last global batch from the start
             order += order[: total - len(order)]
         first = self.dp_rank * self.batch_size

@@ -119,7 +119,8 @@ def window_problem(config, seq_len: int) -> str | None:
     if window is None or window >= seq_len:
         return None
     return (
-        f"a sequence of {seq_len} tokens for a model whose layers attend within {window} "
+        f"a global sequence (or packed row) of {seq_len} tokens for a model whose layers "
+        f"attend within {window} "
         "tokens (config.sliding_window / attention_chunk_size): USP attention computes full "
         f"causal attention, exact only for sequences of at most {window} tokens; shorten the "
         "sequences (max_length) or train this model without usp"

@@ -168,6 +168,7 @@ class UspTrainerMixin:
             dp_degree=1 if topology is None else topology.dp_degree,
             shuffle=shuffle,
             seed=self.args.seed if self.args.data_seed is None else self.args.data_seed,
+            drop_last=self.args.dataloader_drop_last,
         )
         workers = self.args.dataloader_num_workers
         options = {"prefetch_factor": self.args.dataloader_prefetch_factor} if workers else {}

@@ -32,6 +32,12 @@ except ImportError:  # pragma: no cover - the message is the point
         "usp.integrations.transformers needs HF transformers and accelerate: "
         "pip install usp[trainer]"
     ) from None
+if not hasattr(transformers.Trainer, "_defer_fsdp_gradient_reduction"):
+    # the Trainer's path for a model that owns its sharding and gradient reduction
+    raise ImportError(
+        f"usp.integrations.transformers needs transformers >= 5.24 (found "
+        f"{transformers.__version__}): pip install -U 'usp[trainer]'"
+    )
 
 from usp.integrations.hf_batches import DataParallelSampler, GlobalBatch, global_batch
 from usp.integrations.hf_plan import plan_config
