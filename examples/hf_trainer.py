@@ -123,6 +123,7 @@ def training_arguments(args, per_replica: int):
         bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=True,
+        include_num_input_tokens_seen="non_padding",  # in log_history, every replica's once
         **evaluation,
     )
 

@@ -87,6 +87,7 @@ def sft_config(args):
         bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=True,
+        include_num_input_tokens_seen="non_padding",  # in log_history, every replica's once
     )
 
 

@@ -238,16 +238,20 @@ def run_example_alone(name: str, argv: list[str]) -> int:
         reset_accelerate()
 
 
+def state_of(output_dir: Path) -> dict:
+    """``DIR/trainer_state.json``."""
+    return json.loads((Path(output_dir) / "trainer_state.json").read_text())
+
+
 def steps_of(output_dir: Path) -> list[dict]:
     """The per-step rows (loss, grad_norm, ...) of ``DIR/trainer_state.json``."""
-    state = json.loads((Path(output_dir) / "trainer_state.json").read_text())
-    return [row for row in state["log_history"] if "loss" in row]
+    return [row for row in state_of(output_dir)["log_history"] if "loss" in row]
 
 
 def eval_losses_of(output_dir: Path) -> list[float]:
     """Every ``eval_loss`` of ``DIR/trainer_state.json``, in order."""
-    state = json.loads((Path(output_dir) / "trainer_state.json").read_text())
-    return [row["eval_loss"] for row in state["log_history"] if "eval_loss" in row]
+    rows = state_of(output_dir)["log_history"]
+    return [row["eval_loss"] for row in rows if "eval_loss" in row]
 
 
 def weights_of(output_dir: Path) -> dict[str, torch.Tensor]:

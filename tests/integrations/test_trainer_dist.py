@@ -45,10 +45,10 @@ CASES = [
     ("trl_sft", "llama", (2, 2), 1, ["--loss-chunk-tokens", "7"]),
     ("trl_sft", "llama", (1, 2), 2, ["--loss-chunk-tokens", "0", *SGD]),
     ("trl_sft", "qwen3", (2, 2), 2, ["--loss-chunk-tokens", "0", *SGD]),
-    ("trl_sft", "qwen3", (1, 2), 1, ["--loss-chunk-tokens", "5"]),
+    ("trl_sft", "qwen3", (1, 2), 1, ["--loss-chunk-tokens", "5", "--padded"]),  # TRL pads
     ("hf_trainer", "llama", (2, 2), 1, ["--loss-chunk-tokens", "0"]),
     ("hf_trainer", "llama", (1, 2), 2, ["--padding-free", "--eval", *SGD]),  # + eval_loss
-    ("hf_trainer", "qwen3", (2, 2), 2, ["--loss-chunk-tokens", "9", *SGD]),
+    ("hf_trainer", "qwen3", (2, 2), 2, ["--loss-chunk-tokens", "9", "--max-length", "20", *SGD]),
     ("hf_trainer", "qwen3", (1, 2), 1, ["--tokens"]),  # 32-token rows: sharded dense
     # Mistral (its sliding window of 4096 holds every sequence) with levers on
     ("hf_trainer", "mistral", (2, 2), 1, ["--activation-checkpointing", "on",
@@ -119,6 +119,10 @@ def check_same_run(got, expected, *, weights: bool) -> None:
         assert abs(g["loss"] - e["loss"]) <= LOSS_TOL * abs(e["loss"]), (step, g, e)
         assert abs(g["grad_norm"] - e["grad_norm"]) <= NORM_TOL * e["grad_norm"], (step, g, e)
     assert len({round(s["loss"], 3) for s in expected_steps}) > 1  # training moved
+    # each replica's tokens once: what one process saw (HF counts every process's)
+    assert [s["num_input_tokens_seen"] for s in got_steps] == [
+        s["num_input_tokens_seen"] for s in expected_steps
+    ]
     got_evals, expected_evals = tc.eval_losses_of(got), tc.eval_losses_of(expected)
     assert len(got_evals) == len(expected_evals)
     for g, e in zip(got_evals, expected_evals):
@@ -143,6 +147,10 @@ def test_four_ranks_give_the_one_process_run(
     name = f"{example}-{family}-u{grid[0]}r{grid[1]}-ga{accumulation}"
     got = distributed_run(distributed, workdir, example, family, grid, accumulation, extra, name)
     check_same_run(got, expected, weights="sgd" in extra)
+    if grid == (2, 2):  # HF's FLOP estimate, each SP rank's share (padding counts in it,
+        # so with dp the replicas' padded rows differ from one process's)
+        flos = [tc.state_of(d)["total_flos"] for d in (got, expected)]
+        assert abs(flos[0] - flos[1]) <= 1e-6 * flos[1], flos
     if "--eval" in extra:  # after step 2, after step 3 and trainer.evaluate()
         assert len(tc.eval_losses_of(got)) == 3
     if example == "trl_sft":  # TRL's token count: every replica's tokens once
@@ -181,7 +189,7 @@ def test_an_averaged_sp_gradient_fails_the_comparison(distributed, workdir):
 def test_bf16_autocast_matches_sdpa_under_autocast(distributed, workdir):
     """``bf16=True``: accelerate's autocast around the model; USP attention gets float32
     q/k (RoPE's float32 tables) and bf16 v, and computes them in bf16 as sdpa does."""
-    extra = ["--bf16", "--loss-chunk-tokens", "7"]
+    extra = ["--bf16", "--loss-chunk-tokens", "7", "--no-save-model"]
     expected = reference(workdir, "trl_sft", "llama", 1, extra)
     got = distributed_run(distributed, workdir, "trl_sft", "llama", (2, 2), 1, extra, "bf16")
     got_steps, expected_steps = tc.steps_of(got), tc.steps_of(expected)
@@ -189,3 +197,38 @@ def test_bf16_autocast_matches_sdpa_under_autocast(distributed, workdir):
     for g, e in zip(got_steps, expected_steps):
         assert abs(g["loss"] - e["loss"]) <= BF16_TOL * abs(e["loss"]), (g, e)
         assert abs(g["grad_norm"] - e["grad_norm"]) <= BF16_TOL * e["grad_norm"], (g, e)
+
+
+def run_plans_from_the_flags(topology_file):
+    """The examples' flags to a plan: the degrees and layout, or a topology file."""
+    import argparse
+
+    from usp.integrations import hf_cli
+
+    parser = argparse.ArgumentParser()
+    hf_cli.add_arguments(parser)
+    found = []
+    for flags in (
+        ["--ulysses", "2", "--ring", "2", "--layout", "contiguous"],
+        ["--ring", "2"],  # dp = 2
+        ["--topology", topology_file],
+    ):
+        plan = hf_cli.plan_from_args(parser.parse_args(flags))
+        t = plan.topology
+        found.append((t.ulysses_degree, t.ring_degree, t.dp_degree, plan.layout, plan.ring_impl))
+        t.destroy()
+    return found
+
+
+def test_the_plan_comes_from_the_flags_or_a_topology_file(distributed, tmp_path):
+    path = tmp_path / "topology.toml"
+    path.write_text(
+        "[cluster]\nnodes = 1\ngpus_per_node = 4\n[parallel]\nulysses = 1\nring = 4\n"
+        '[attention]\nring_impl = "allgather"\n[model]\nnum_heads = 8\nnum_kv_heads = 2\n'
+    )
+    for found in distributed.run(run_plans_from_the_flags, str(path), world_size=4, timeout=120):
+        assert found == [
+            (2, 2, 1, "contiguous", "p2p"),
+            (1, 2, 2, "zigzag", "p2p"),
+            (1, 4, 1, "zigzag", "allgather"),
+        ]

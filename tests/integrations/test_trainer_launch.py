@@ -1,6 +1,6 @@
 """examples/trl_sft.py as users launch it: ``torchrun --nproc-per-node 2 ... --ring 2``
 (real processes, the process group from torchrun's environment, ``launch_plan``'s
-topology) against the same script as one process (``python examples/trl_sft.py``: usp
+topology, the contiguous layout) against the same script as one process (``python examples/trl_sft.py``: usp
 at ``Plan(None)``). Random sampling (the default): usp's sampler draws the same global
 batches whatever the grid, so the two runs log the same losses step by step.
 """
@@ -26,14 +26,14 @@ def test_torchrun_gives_the_one_process_losses(tmp_path):
     data = tc.write_chats(tmp_path / "chats.jsonl", 12, seed=4)
     common = [
         "--model", str(ckpt), "--data", str(data), "--max-steps", "3", "--batch-size", "3",
-        "--lr", "1e-2", "--loss-chunk-tokens", "7",
+        "--lr", "1e-2", "--loss-chunk-tokens", "7", "--seed", "3",
     ]  # fmt: skip
     alone = tmp_path / "alone"
     assert tc.run_example_alone("trl_sft", [*common, "--output-dir", str(alone)]) == 0
     launched = tmp_path / "torchrun"
     command = torchrun(
         *node_flags(0, 1, 2, free_port()), str(ROOT / "examples" / "trl_sft.py"),
-        *common, "--output-dir", str(launched), "--ring", "2",
+        *common, "--output-dir", str(launched), "--ring", "2", "--layout", "contiguous",
     )  # fmt: skip
     (result,) = run_agents([command], tmp_path, timeout_s=900)
     assert result.returncode == 0, result.stdout[-4000:]

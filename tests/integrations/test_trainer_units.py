@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import types
 
 import pytest
 import torch
@@ -119,6 +120,11 @@ def test_right_padded_rows_become_documents_and_left_padding_is_refused():
         global_batch(left, PLAN)
     dense = {"input_ids": torch.arange(8).view(2, 4)}
     assert global_batch(dense, PLAN).cu_seqlens is None
+    # rows a grid cannot place as they are (u2 x r2 zigzag needs multiples of 4): packed
+    grid_of_4 = types.SimpleNamespace(sequence_multiple=4)
+    assert global_batch(dense, grid_of_4).cu_seqlens is None
+    odd = global_batch({"input_ids": torch.arange(10).view(2, 5)}, grid_of_4)
+    assert odd.cu_seqlens.tolist() == [0, 5, 10] and odd.input_ids.shape == (1, 10)
 
 
 def _tokenizer():
@@ -273,9 +279,10 @@ def test_attention_windows_are_read_as_transformers_reads_them():
     assert attention_window(_gemma2().config) == 4096  # its sliding layers
 
 
-def _args(**changes):
+def _args(output_dir="never-written", **changes):
+    """TrainingArguments on the CPU (a Trainer built with them writes to output_dir)."""
     return transformers.TrainingArguments(
-        output_dir="unused", use_cpu=True, report_to=[], **changes
+        output_dir=str(output_dir), use_cpu=True, report_to=[], **changes
     )
 
 
@@ -363,3 +370,51 @@ def test_flag_combinations_parse():
         assert args.layout == layout
     with pytest.raises(SystemExit):
         parser.parse_args(["--attention-head-chunks", "0"])
+
+
+@pytest.mark.parametrize("example", ["hf_trainer", "trl_sft"])
+def test_the_examples_write_a_plan_config(tmp_path, example):
+    """``--plan-config FILE``: the run's model, lengths and levers for ``usp plan``."""
+    import trainer_cases
+
+    from usp.train.config import load_train_config
+
+    ckpt = trainer_cases.write_checkpoint(tmp_path / "llama", "llama")
+    path = tmp_path / "plan.toml"
+    flags = [
+        "--model", str(ckpt), "--data", "unused.jsonl", "--output-dir", str(tmp_path),
+        "--max-steps", "1", "--max-length", "512", "--batch-size", "3",
+        "--gradient-accumulation", "2", "--activation-checkpointing", "on",
+        "--plan-config", str(path),
+    ]  # fmt: skip
+    assert trainer_cases.run_example_alone(example, flags) == 0
+    job = load_train_config(path)
+    assert (job.train.seq_len, job.train.micro_batch, job.train.global_batch) == (512, 3, 6)
+    assert job.train.activation_checkpointing is True
+    assert job.model.path == str(ckpt.resolve())
+
+
+def test_a_one_process_trainer_under_its_own_attention_name(tmp_path):
+    """``UspTrainer(..., attention_name=)``: the name registered and switched on."""
+    import trainer_cases
+
+    ckpt = trainer_cases.write_checkpoint(tmp_path / "llama", "llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    rows = [{"input_ids": list(range(6, 6 + n)), "labels": list(range(6, 6 + n))} for n in (9,) * 4]
+    trainer = UspTrainer(
+        model=model,
+        args=_args(
+            tmp_path / "out",
+            max_steps=2,
+            per_device_train_batch_size=2,
+            logging_steps=1,
+            optim="sgd",
+            disable_tqdm=True,
+        ),  # fmt: skip
+        train_dataset=rows,
+        attention_name="usp-named",
+    )
+    trainer.train()
+    assert model.config._attn_implementation == "usp-named"
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert len(losses) == 2 and all(loss > 0 for loss in losses)

@@ -295,7 +295,12 @@ class UspTrainerMixin:
             return
         ids = inputs[getattr(self.model, "main_input_name", "input_ids")]
         mask = inputs.get("attention_mask")
-        count = mask.sum() if mode == "non_padding" and mask is not None else ids.numel()
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        count = ids.numel()  # HF's rules for what counts
+        if mode == "non_padding" and mask is not None:
+            count = mask.sum()
+        elif mode == "non_padding" and pad is not None:
+            count = (ids != pad).sum()
         count = torch.as_tensor(count, dtype=torch.int64, device=self.args.device)
         self.state.num_input_tokens_seen += int(self._usp_sum_replicas(count))
 
