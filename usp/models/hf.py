@@ -11,9 +11,9 @@
     loss = usp.models.hf.causal_lm_loss(model, batch, plan)
 
 Every model that calls attention through ``AttentionInterface`` (Llama, Qwen2/3,
-Mistral without sliding window, ...) runs this way. What the model must be given:
-this rank's ``input_ids`` shard, the tokens' global ``position_ids`` (HF would otherwise
-number the shard 0..S/P-1), ``use_cache=False``, and for packed documents
+Mistral whose sliding window holds the sequence, ...) runs this way. What the model must
+be given: this rank's ``input_ids`` shard, the tokens' global ``position_ids`` (HF would
+otherwise number the shard 0..S/P-1), ``use_cache=False``, and for packed documents
 ``usp_packed=plan.pack(cu_seqlens)`` or the global ``cu_seq_lens_q/k`` (forwarded to
 every attention call). Do not pass ``labels=`` to the HF model under SP: its loss shifts
 inside the shard and averages per rank.
@@ -23,7 +23,9 @@ mask is checked by a mask function registered with the name (zeros at the end of
 rows of a causal model in one process are exact; other padding is refused); HF's
 padding-free packing (``cu_seq_lens_q/k``, or in one process ``position_ids`` that
 restart per document) becomes usp's packed documents; ``is_causal`` (the module's, the
-config's or a keyword) is respected. :func:`shard_flattened` turns a
+config's or a keyword) is respected; under ``torch.autocast`` q/k/v are computed in the
+autocast dtype, as sdpa computes them; a module's ``head_chunks`` (set by
+``usp.models.Levers``) goes to the ring. :func:`shard_flattened` turns a
 ``DataCollatorWithFlattening`` batch into this rank's part (documents padded to the
 layout, labels shifted per document, ``usp_packed``).
 """
