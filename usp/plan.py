@@ -222,6 +222,7 @@ class Plan:
         device=None,
         seq_len: int | None = None,
         agree_ranks: bool = True,
+        batch_fingerprint: int | None = None,
     ) -> PackedSequence:
         """Validate the global document boundaries of a packed sequence (batch 1) once,
         and build what the kernels need on ``device`` (default: this rank's device).
@@ -229,6 +230,8 @@ class Plan:
 
         A collective over the SP group when ``agree_ranks`` (every SP rank must call it):
         the ranks agree on the boundaries, so a mismatch raises the same error everywhere.
+        ``batch_fingerprint``: a hash of the global batch these boundaries go with
+        (:func:`usp.models.batch.batch_fingerprint`), agreed in the same exchange.
         Raises :class:`~usp.sharding.ShardingError` for boundaries the layout cannot place
         (they say what to pad; see :func:`usp.pad_documents`).
         """
@@ -240,10 +243,10 @@ class Plan:
         group = self.sp_group
         if agree_ranks and group is not None and self.sp_degree > 1 and _can_agree(group):
             fingerprint = 0 if packed is None else packed.fingerprint
-            agree(
-                group, "Plan.pack", [Field("cu_seqlens", fingerprint, _show_hash)], error,
-                (ShardingError,),
-            )  # fmt: skip
+            fields = [Field("cu_seqlens", fingerprint, _show_hash)]
+            if batch_fingerprint is not None:
+                fields.append(batch_field(batch_fingerprint))
+            agree(group, "Plan.pack", fields, error, (ShardingError,))
         if error is not None:
             raise error
         return packed
@@ -403,6 +406,16 @@ def _show_dtype_id(code: int) -> str:
 
 def _show_hash(value: int) -> str:
     return "dense" if value == 0 else f"boundaries with hash {value}"
+
+
+def batch_field(fingerprint: int) -> Field:
+    """The agreement entry of a global batch's fingerprint (what the SP ranks shard)."""
+    return Field(
+        "the global batch they shard (every SP rank must be given the same tokens and labels: "
+        "load batches by data-parallel rank, not by rank)",
+        fingerprint,
+        lambda value: f"batch with hash {value}",
+    )
 
 
 def _can_agree(group) -> bool:

@@ -1,5 +1,13 @@
 """From a global batch to what one SP rank feeds a model: shifted labels, shards, RoPE
-positions and the packed-sequence description, all from one :class:`usp.Plan`."""
+positions and the packed-sequence description, all from one :class:`usp.Plan`.
+
+Every SP rank of a group must shard the same global batch: a rank given another one
+(a data loader that samples by rank instead of by data-parallel rank) would train on a
+mix of two batches whose losses still look plausible. :func:`shard_batch` therefore
+computes a cheap fingerprint of the global batch where it shards it
+(:func:`batch_fingerprint`) and the SP ranks agree on it: in the same exchange as the
+packed documents' boundaries (:meth:`usp.Plan.pack`), or in one of its own for a dense
+batch. Different batches are one :class:`usp.RankDisagreementError` on every rank."""
 
 from __future__ import annotations
 
@@ -7,8 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
+from usp.comm.agreement import agree, stable_hash
 from usp.models.labels import IGNORE_INDEX, shift_labels
-from usp.plan import PackedSequence, as_plan
+from usp.plan import PackedSequence, _can_agree, as_plan, batch_field
+
+#: the modulus of the fingerprint's weighted sums (a prime: 2**31 - 1), small enough that
+#: every product and every sum of up to 2**32 terms stays inside int64
+_PRIME = 2_147_483_647
+_MULTIPLIER = 48_271
 
 
 @dataclass(frozen=True)
@@ -20,6 +34,9 @@ class ShardedBatch:
     labels: torch.Tensor | None
     position_ids: torch.Tensor
     packed: PackedSequence | None
+    #: the global batch's :func:`batch_fingerprint`, agreed by the SP ranks (None: not
+    #: computed, in one process or where ranks cannot agree: the ``fake`` backend)
+    fingerprint: int | None = None
 
     def model_kwargs(self) -> dict:
         """Keyword arguments of a usp model (besides ``input_ids``)."""
@@ -59,6 +76,10 @@ def shard_batch(
     rank calls this with the same ones). ``device``: where the shards, the positions and
     the packed sequence's tensors go (default: ``input_ids``' device); the global batch
     is sharded where it is, so only a rank's share moves.
+
+    Collective under SP: the SP ranks agree on :func:`batch_fingerprint` of the global
+    ``input_ids`` and ``labels`` (with the boundaries when packed), so ranks given
+    different batches raise the same :class:`usp.RankDisagreementError`.
     """
     plan = as_plan(plan)
     if input_ids.dim() != 2:
@@ -70,7 +91,14 @@ def shard_batch(
     if with_labels and not shift and labels is None:
         raise ValueError("shift=False needs the shifted labels (labels=...)")
     device = input_ids.device if device is None else torch.device(device)
-    packed = None if cu_seqlens is None else plan.pack(cu_seqlens, device=device)
+    fingerprint = None
+    if plan.sp_degree > 1 and _can_agree(plan.sp_group):
+        fingerprint = batch_fingerprint(input_ids, labels)
+    packed = None
+    if cu_seqlens is not None:  # one exchange agrees on the boundaries and the batch
+        packed = plan.pack(cu_seqlens, device=device, batch_fingerprint=fingerprint)
+    elif fingerprint is not None:
+        agree(plan.sp_group, "shard_batch", [batch_field(fingerprint)])
     shifted = None
     if with_labels:
         source = input_ids if labels is None else labels
@@ -83,4 +111,30 @@ def shard_batch(
         labels=shifted,
         position_ids=positions.expand(input_ids.shape[0], -1),
         packed=packed,
+        fingerprint=fingerprint,
     )
+
+
+def batch_fingerprint(*tensors: torch.Tensor | None) -> int:
+    """A cheap hash of a global batch's integer tensors (tokens, labels; None entries
+    count as absent): equal for equal tensors on every rank and device; for different
+    ones equal only by a coincidence of two weighted sums modulo a prime.
+
+    Two lanes per tensor, ``sum(x_i * w_i) mod p`` with weights linear and quadratic in
+    the position ``i``, computed where the tensor is (a few elementwise operations over
+    its elements, no copy to the host), combined with the shapes on the host after one
+    sync. A swapped, changed or shifted token changes both lanes."""
+    lanes, shapes = [], []
+    for tensor in tensors:
+        if tensor is None:
+            shapes.append(-1)
+            continue
+        flat = tensor.reshape(-1).to(torch.int64).remainder(_PRIME)  # [N] in [0, p)
+        position = torch.arange(1, flat.numel() + 1, device=flat.device).remainder(_PRIME)
+        linear = position.mul(_MULTIPLIER).remainder(_PRIME)  # < 2**47
+        quadratic = position.mul(position).remainder(_PRIME)  # < 2**62
+        for weights in (linear, quadratic):
+            lanes.append(flat.mul(weights).remainder(_PRIME).sum())  # terms < 2**31
+        shapes += [tensor.dim(), *tensor.shape]
+    values = torch.stack(lanes).tolist() if lanes else []  # the one host sync
+    return stable_hash([*shapes, *values])

@@ -11,9 +11,9 @@
     loss = usp.models.hf.causal_lm_loss(model, batch, plan)
 
 Every model that calls attention through ``AttentionInterface`` (Llama, Qwen2/3,
-Mistral without sliding window, ...) runs this way. What the model must be given:
-this rank's ``input_ids`` shard, the tokens' global ``position_ids`` (HF would otherwise
-number the shard 0..S/P-1), ``use_cache=False``, and for packed documents
+Mistral whose sliding window holds the sequence, ...) runs this way. What the model must
+be given: this rank's ``input_ids`` shard, the tokens' global ``position_ids`` (HF would
+otherwise number the shard 0..S/P-1), ``use_cache=False``, and for packed documents
 ``usp_packed=plan.pack(cu_seqlens)`` or the global ``cu_seq_lens_q/k`` (forwarded to
 every attention call). Do not pass ``labels=`` to the HF model under SP: its loss shifts
 inside the shard and averages per rank.
@@ -23,12 +23,19 @@ mask is checked by a mask function registered with the name (zeros at the end of
 rows of a causal model in one process are exact; other padding is refused); HF's
 padding-free packing (``cu_seq_lens_q/k``, or in one process ``position_ids`` that
 restart per document) becomes usp's packed documents; ``is_causal`` (the module's, the
-config's or a keyword) is respected. :func:`shard_flattened` turns a
+config's or a keyword) is respected; under ``torch.autocast`` q/k/v are computed in the
+autocast dtype, as sdpa computes them; a module's ``head_chunks`` (set by
+``usp.models.Levers``) goes to the ring. :func:`shard_flattened` turns a
 ``DataCollatorWithFlattening`` batch into this rank's part (documents padded to the
 layout, labels shifted per document, ``usp_packed``).
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +48,7 @@ from usp.models.hf_inputs import (
     PackedInputs,
     PaddingSeen,
     padding_mask_function,
+    window_problem,
 )
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, loss_dtype, sp_cross_entropy, sp_normalise
@@ -112,10 +120,12 @@ def _attention_function(plan, name: str, seen: PaddingSeen):
     ):
         """query [B, H, S/P, D], key/value [B, Hkv, S/P, D] (after RoPE) ->
         (out [B, S/P, H, D], None)."""
+        # a window that holds the whole global sequence changes nothing (Mistral's 4096)
+        window = window_problem(plan, sliding_window, key.shape[2], 0)
         unsupported = {
             "a 4-D attention_mask (or another prepared mask)": attention_mask is not None,
             f"dropout={dropout}": bool(dropout),
-            f"sliding_window={sliding_window}": sliding_window is not None,
+            f"sliding_window={sliding_window} ({window})": window is not None,
             f"softcap={softcap}": softcap is not None,
             "attention sinks (s_aux)": kwargs.get("s_aux") is not None,
         }
@@ -143,17 +153,33 @@ def _attention_function(plan, name: str, seen: PaddingSeen):
             )
         batch, _, local_len, _ = query.shape
         packed = packed_inputs(batch, local_len, query.device, kwargs)
-        out = plan.attention(
-            query.transpose(1, 2),  # [B, H, S/P, D] -> [B, S/P, H, D]
-            key.transpose(1, 2),
-            value.transpose(1, 2),
-            causal=causal,
-            softmax_scale=scaling,
-            packed=packed,
-        )
+        # [B, H, S/P, D] -> [B, S/P, H, D]; under autocast in its dtype, as sdpa is
+        q, k, v, autocast_off = _as_sdpa_casts(query, key, value)
+        with autocast_off:
+            out = plan.attention(
+                q, k, v, causal=causal, softmax_scale=scaling, packed=packed,
+                head_chunks=getattr(module, "head_chunks", 1),  # usp.models.Levers sets it
+            )  # fmt: skip
         return out, None
 
     return usp_attention_forward
+
+
+def _as_sdpa_casts(query, key, value):
+    """q/k/v as ``[B, S/P, H, D]`` views, and the context to attend in.
+
+    Under ``torch.autocast`` sdpa casts its three inputs to the autocast dtype (an HF
+    model hands it float32 q/k after RoPE's float32 tables, v in the autocast dtype) and
+    runs without autocast; USP attention does the same, so its float32 merge and the
+    kernels' own dtype choices are not recast op by op. Outside autocast the inputs stay
+    as they are (mixed dtypes are refused by the kernels, as sdpa refuses them)."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    device_type = query.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v, contextlib.nullcontext()
+    dtype = torch.get_autocast_dtype(device_type)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    return q, k, v, torch.autocast(device_type, enabled=False)
 
 
 def _is_causal(module, is_causal: bool | None) -> bool:
@@ -187,7 +213,7 @@ def shard_flattened(
     mask = batch.get("attention_mask")
     if mask is not None and not bool(mask.bool().all()):
         raise HFInputError("a padding-free batch has no padding, but its attention_mask has zeros")
-    cu = _flattened_boundaries(batch, input_ids.shape[1])
+    cu = flattened_boundaries(batch, input_ids.shape[1])
     padding = pad_documents(cu, plan)
     ids = padding.apply(input_ids, pad_token_id)
     labels = batch.get("labels")
@@ -197,7 +223,7 @@ def shard_flattened(
     )
 
 
-def _flattened_boundaries(batch: dict, total: int) -> torch.Tensor:
+def flattened_boundaries(batch: dict, total: int) -> torch.Tensor:
     """The global int32 boundaries of a padding-free batch."""
     given = [batch.get(k) for k in CU_KWARGS if batch.get(k) is not None]
     if given:
@@ -242,6 +268,24 @@ def sp_loss(
     )
 
 
+#: the keyword of ``model(...)`` that asks an HF causal LM given :func:`add_loss_forward`
+#: for the SP loss (a :class:`LossRequest`) instead of its logits
+LOSS_KWARG = "usp_loss"
+
+
+@dataclass(frozen=True)
+class LossRequest:
+    """What the loss forward of :func:`add_loss_forward` computes: the loss of
+    :func:`usp.models.sp_cross_entropy` against this rank's shard of the globally
+    shifted ``labels`` [B, S/P], over the SP ``group``."""
+
+    labels: torch.Tensor
+    group: object = None
+    ignore_index: int = IGNORE_INDEX
+    chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS
+    num_items_in_batch: int | float | torch.Tensor | None = None
+
+
 def causal_lm_loss(
     model,
     batch: ShardedBatch,
@@ -251,30 +295,70 @@ def causal_lm_loss(
     chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
     num_items_in_batch: int | float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The SP-correct loss of an HF causal LM without materialising its logits: runs the
-    decoder (``model.get_decoder()``) and the chunked loss against the output
-    embedding. For models whose logits are ``lm_head(hidden)`` (no softcapping or
-    scaling: Llama, Qwen2/3, Mistral)."""
+    """The SP-correct loss of an HF causal LM without materialising its logits: the
+    decoder (``model.get_decoder()``) and the chunked loss against the output embedding,
+    run inside the model's own forward (:func:`add_loss_forward`, given on the first
+    call), so that hooks around it (FSDP2's gathers, autocast wrappers) apply. For
+    models whose logits are ``lm_head(hidden)`` (no softcapping or scaling: Llama,
+    Qwen2/3, Mistral)."""
     if batch.labels is None:
         raise ValueError("batch has no labels: build it with shard_batch(..., with_labels=True)")
-    config = model.config
-    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(config, attr, None) not in (None, 1, 1.0):
-            raise ValueError(
-                f"{type(model).__name__} post-processes its logits ({attr}); use sp_loss on "
-                "its logits instead of causal_lm_loss"
-            )
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("causal_lm_loss needs an output projection without bias; use sp_loss")
-    kwargs = batch.hf_kwargs()
-    hidden = model.get_decoder()(**kwargs).last_hidden_state  # [B, S/P, dim]
-    return sp_cross_entropy(
-        hidden,
-        head.weight,
+    add_loss_forward(model)
+    request = LossRequest(
         batch.labels,
         as_plan(plan).sp_group,
         ignore_index=ignore_index,
         chunk_tokens=chunk_tokens,
         num_items_in_batch=num_items_in_batch,
     )
+    return model(**batch.hf_kwargs(), **{LOSS_KWARG: request})
+
+
+def check_chunked_loss(model) -> None:
+    """A ValueError when ``model``'s logits are more than ``lm_head(hidden)`` (softcapping,
+    scaling, a bias), which the chunked loss would leave out."""
+    config = model.config
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, attr, None) not in (None, 1, 1.0):
+            raise ValueError(
+                f"{type(model).__name__} post-processes its logits ({attr}); use sp_loss on "
+                "its logits instead of the chunked loss (loss_chunk_tokens=None)"
+            )
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(
+            "the chunked loss needs an output projection without bias; use sp_loss on the "
+            "logits (loss_chunk_tokens=None)"
+        )
+
+
+def add_loss_forward(model):
+    """Give an HF causal LM's ``forward`` the keyword :data:`LOSS_KWARG`: with a
+    :class:`LossRequest` it returns the SP loss (decoder, then the chunked loss against
+    the output embedding's weight, read inside the forward: under FSDP2 the gathered
+    one); without it, the forward is the model's own. In place (an instance attribute,
+    as TRL's fused head and accelerate's autocast wrap it); returns the model. The
+    signature seen by ``inspect`` stays the model's. Idempotent."""
+    if getattr(model, "usp_loss_forward", False):
+        return model
+    check_chunked_loss(model)
+    inner = model.forward
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, usp_loss: LossRequest | None = None, **kwargs):
+        if usp_loss is None:
+            return inner(*args, **kwargs)
+        hidden = self.get_decoder()(*args, **kwargs).last_hidden_state  # [B, S/P, dim]
+        return sp_cross_entropy(
+            hidden,
+            self.get_output_embeddings().weight,
+            usp_loss.labels,
+            usp_loss.group,
+            ignore_index=usp_loss.ignore_index,
+            chunk_tokens=usp_loss.chunk_tokens,
+            num_items_in_batch=usp_loss.num_items_in_batch,
+        )
+
+    model.forward = types.MethodType(forward, model)
+    model.usp_loss_forward = True
+    return model

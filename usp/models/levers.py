@@ -237,11 +237,18 @@ def _swiglu_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """(gate, up, down) weights of a bias-free SiLU-gated MLP, or a LeverError."""
     linears = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     act = getattr(mlp, "act_fn", nn.SiLU())
-    if not all(isinstance(m, nn.Linear) and m.bias is None for m in linears) or not isinstance(
-        act, nn.SiLU
-    ):
+    if not all(isinstance(m, nn.Linear) and m.bias is None for m in linears) or not _is_silu(act):
         raise LeverError(
             f"mlp_tile_tokens needs a SwiGLU MLP (gate_proj, up_proj, down_proj without bias, "
             f"SiLU); {type(mlp).__name__} is not one: use mlp_tile_tokens = 0"
         )
     return linears[0].weight, linears[1].weight, linears[2].weight
+
+
+def _is_silu(act) -> bool:
+    """torch's SiLU, or transformers' (``ACT2FN["silu"]``: a module computing
+    ``F.silu``, named apart from torch's)."""
+    if isinstance(act, nn.SiLU):
+        return True
+    cls = type(act)
+    return cls.__name__ == "SiLUActivation" and cls.__module__.startswith("transformers.")

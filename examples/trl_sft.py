@@ -1,0 +1,155 @@
+"""Supervised fine-tuning with TRL's SFTTrainer on usp's sequence parallelism.
+
+    torchrun --nproc-per-node 4 examples/trl_sft.py --model DIR --data chats.jsonl \\
+        --output-dir runs/sft --max-steps 100 --ulysses 2 --ring 2
+    python examples/trl_sft.py --model DIR --data chats.jsonl --output-dir runs/one \\
+        --max-steps 100                                    # the same run in one process
+
+``--data``: JSON lines, each ``{"messages": [{"role": "user", "content": ...},
+{"role": "assistant", "content": ...}, ...]}``, rendered by the model directory's
+tokenizer and its chat template (TRL's data preparation). Batches are padding-free
+(``SFTConfig(padding_free=True)``: the conversations of a micro-batch flattened into one
+row, their boundaries kept across the SP ranks); ``--padded`` pads rows instead.
+The grid is ``--ulysses x --ring`` SP ranks per data-parallel replica, the rest of the
+world data-parallel; ``--batch-size`` conversations per replica per micro-batch. The
+levers are ``usp.models.Levers`` (``--activation-checkpointing``, ``--mlp-tile-tokens``,
+``--attention-head-chunks``, ``--loss-chunk-tokens``). ``--no-usp`` runs the unmodified
+SFTTrainer (one process, sdpa): the reference the usp runs are compared with.
+
+Leaves ``DIR/trainer_state.json`` (the loss and grad norm of every step in
+``log_history``) and the final model in ``DIR``. ``--plan-config FILE`` writes the run
+as a config for ``usp plan FILE`` (``--max-length`` tokens per conversation) and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from usp.integrations.hf_cli import add_arguments
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a local HF causal-LM directory")
+    parser.add_argument("--data", required=True, help="JSON lines with chat messages")
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, default=2, help="chats per replica and step")
+    parser.add_argument("--gradient-accumulation", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--optim", choices=["adamw_torch", "sgd"], default="adamw_torch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-length", type=int, default=1024, help="for --plan-config")
+    parser.add_argument("--sampling", choices=["random", "sequential"], default="random")
+    parser.add_argument("--padded", action="store_true", help="pad rows (not padding-free)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (float32 weights)")
+    parser.add_argument("--no-save-model", action="store_true", help="skip the final save")
+    parser.add_argument("--no-usp", action="store_true", help="the stock SFTTrainer (one process)")
+    parser.add_argument("--plan-config", metavar="FILE", help="write a usp plan config; exit")
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def read_chats(path: str):
+    import datasets
+
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not rows or not all(isinstance(r.get("messages"), list) for r in rows):
+        raise SystemExit(f"{path}: every line needs a 'messages' list")
+    return datasets.Dataset.from_list([{"messages": r["messages"]} for r in rows])
+
+
+def sft_config(args):
+    import trl
+
+    return trl.SFTConfig(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation,
+        learning_rate=args.lr,
+        seed=args.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        optim=args.optim,
+        train_sampling_strategy=args.sampling,
+        padding_free=not args.padded,
+        activation_checkpointing=False,  # TRL's default is on; usp's lever is the flag
+        max_length=None if not args.padded else args.max_length,  # TRL: none when padding-free
+        bf16=args.bf16,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        include_num_input_tokens_seen="non_padding",  # in log_history, every replica's once
+    )
+
+
+def write_plan_config(args) -> int:
+    from usp.integrations.hf_cli import write_plan_config as write
+
+    write(
+        args,
+        args.plan_config,
+        model=args.model,
+        seq_len=args.max_length,
+        batch_size=args.batch_size,
+        accumulation=args.gradient_accumulation,
+    )
+    print(f"wrote {args.plan_config}: plan it with usp plan {args.plan_config}")
+    return 0
+
+
+def main(argv=None, *, plan=None) -> int:
+    """``plan``: an already built ``usp.Plan`` (default: the launch's, from the flags)."""
+    args = parse_args(argv)
+    if args.plan_config:
+        return write_plan_config(args)
+    import transformers
+    import trl
+
+    from usp.integrations.hf_cli import levers_from_args, plan_from_args
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+    dataset = read_chats(args.data)
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    if args.no_usp:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise SystemExit("--no-usp is the one-process reference: run it without torchrun")
+        model.set_attn_implementation("sdpa")
+        trainer = trl.SFTTrainer(
+            model=model, args=sft_config(args), train_dataset=dataset, processing_class=tokenizer
+        )
+    else:
+        from usp.integrations.transformers import UspSFTTrainer
+
+        plan = plan_from_args(args) if plan is None else plan
+        trainer = UspSFTTrainer(
+            model=model,
+            args=sft_config(args),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            plan=plan,
+            levers=levers_from_args(args),
+        )
+    trainer.train()
+    if not args.no_save_model:
+        trainer.save_model(args.output_dir)
+    trainer.save_state()  # DIR/trainer_state.json: log_history, every step's loss
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    if trainer.is_world_process_zero():
+        print(f"{len(losses)} steps; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    status = main()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(status)

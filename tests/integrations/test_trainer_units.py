@@ -1,0 +1,420 @@
+"""The Trainer integration's parts in one process: the sampler by data-parallel
+replica, a collator's batch as usp's global batch, the batch fingerprint, USP attention
+under autocast against sdpa under autocast, the HF-model levers (MLP tiles, head chunks,
+the chunked loss inside the model's forward), the refusals of model features and
+Trainer settings, the launch's plan, the command-line flags, and ``usp plan`` reading
+the config a run writes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_cases import TINY, hf_config, relative_error
+
+transformers = pytest.importorskip(
+    "transformers", minversion="5.24", reason="the integration needs transformers 5.24"
+)
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+
+import usp  # noqa: E402
+import usp.models.hf as usp_hf  # noqa: E402
+from usp.integrations import hf_cli  # noqa: E402
+from usp.integrations.transformers import (  # noqa: E402
+    DataParallelSampler,
+    UnsupportedModelError,
+    UspTrainer,
+    attention_window,
+    check_training_arguments,
+    feature_problems,
+    global_batch,
+    launch_plan,
+    plan_config,
+)
+from usp.models import Levers, shard_batch, shift_labels  # noqa: E402
+from usp.models.batch import batch_fingerprint  # noqa: E402
+from usp.models.hf_inputs import HFInputError  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PLAN = usp.Plan(None)
+
+
+# ----------------------------------------------------------------------------- sampler
+def replica_batches(length, batch, dp, *, shuffle, epoch=0, drop_last=False):
+    """Per optimizer micro-step, the union of the replicas' samples, in replica order."""
+    per_replica = []
+    for rank in range(dp):
+        sampler = DataParallelSampler(
+            length, batch_size=batch, dp_rank=rank, dp_degree=dp, shuffle=shuffle, seed=3,
+            drop_last=drop_last,
+        )  # fmt: skip
+        sampler.set_epoch(epoch)
+        indices = list(sampler)
+        assert len(indices) == len(sampler)
+        per_replica.append([indices[i : i + batch] for i in range(0, len(indices), batch)])
+    return [sum(step, []) for step in zip(*per_replica)]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_the_replicas_share_out_the_one_process_batches(shuffle):
+    """10 samples, 2 per replica: 1, 2 and 4 replicas see the global batches one process
+    with the whole global batch sees; the last one is completed from the epoch's start."""
+    for dp in (2, 4):
+        alone = replica_batches(10, 2 * dp, 1, shuffle=shuffle)
+        assert replica_batches(10, 2, dp, shuffle=shuffle) == alone
+        flat = sum(alone, [])
+        assert sorted(set(flat)) == list(range(10))  # every sample, the rest repeated
+        assert flat[10:] == flat[: len(flat) - 10]
+    if shuffle:
+        assert replica_batches(10, 2, 2, shuffle=True) != replica_batches(
+            10, 2, 2, shuffle=True, epoch=1
+        )
+    else:
+        assert sum(replica_batches(10, 2, 2, shuffle=False), []) == [*range(10), 0, 1]
+    assert sum(replica_batches(10, 2, 2, shuffle=False, drop_last=True), []) == list(range(8))
+    with pytest.raises(ValueError, match="leaves nothing"):
+        DataParallelSampler(3, batch_size=2, dp_degree=2, drop_last=True)
+
+
+# ----------------------------------------------------------------------------- batches
+def hf_count(batch) -> int:
+    """What transformers' Trainer counts as the step's targets (labels[..., 1:])."""
+    return int((batch["labels"][..., 1:] != -100).sum())
+
+
+def test_padding_free_batches_keep_their_documents():
+    pytest.importorskip("trl", reason="TRL's padding-free collator")
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    features = [{"input_ids": list(range(5, 5 + n))} for n in (3, 5, 2)]
+    for collator in (
+        DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True),  # cu_seq_lens
+        transformers.DataCollatorWithFlattening(),  # position_ids only
+    ):
+        batch = collator(features)
+        got = global_batch(batch, PLAN)
+        assert got.cu_seqlens.tolist() == [0, 3, 8, 10]
+        assert torch.equal(got.input_ids, batch["input_ids"])
+        assert got.label_count() == hf_count(batch) == 2 + 4 + 1
+
+
+def test_right_padded_rows_become_documents_and_left_padding_is_refused():
+    tokenizer = _tokenizer()
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    batch = collator([{"input_ids": [7, 8, 9, 10]}, {"input_ids": [11, 12]}])
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    got = global_batch(batch, PLAN)
+    assert got.input_ids.tolist() == [[7, 8, 9, 10, 11, 12]]
+    assert got.cu_seqlens.tolist() == [0, 4, 6]
+    assert got.label_count() == hf_count(batch) == 3 + 1
+    assert shift_labels(got.labels, cu_seqlens=got.cu_seqlens).tolist() == [
+        [8, 9, 10, -100, 12, -100]
+    ]
+    left = dict(batch, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]))
+    with pytest.raises(HFInputError, match="row 1 .*left padding"):
+        global_batch(left, PLAN)
+    dense = {"input_ids": torch.arange(8).view(2, 4)}
+    assert global_batch(dense, PLAN).cu_seqlens is None
+    # rows a grid cannot place as they are (u2 x r2 zigzag needs multiples of 4): packed
+    grid_of_4 = types.SimpleNamespace(sequence_multiple=4)
+    assert global_batch(dense, grid_of_4).cu_seqlens is None
+    odd = global_batch({"input_ids": torch.arange(10).view(2, 5)}, grid_of_4)
+    assert odd.cu_seqlens.tolist() == [0, 5, 10] and odd.input_ids.shape == (1, 10)
+
+
+def _tokenizer():
+    import trainer_cases
+
+    return trainer_cases.tokenizer_object()
+
+
+def test_the_fingerprint_tells_batches_apart():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    base = batch_fingerprint(ids, labels)
+    assert batch_fingerprint(ids.clone(), labels.clone()) == base
+    changed = ids.clone()
+    changed[1, 7] = (changed[1, 7] + 1) % 64
+    swapped = ids.clone()
+    swapped[0, [2, 9]] = swapped[0, [9, 2]]
+    other_labels = labels.clone()
+    other_labels[0, 5] = -100
+    variants = [
+        batch_fingerprint(changed, labels),
+        batch_fingerprint(swapped, labels) if not torch.equal(swapped, ids) else None,
+        batch_fingerprint(ids, other_labels),
+        batch_fingerprint(ids.reshape(1, 32), labels.reshape(1, 32)),
+        batch_fingerprint(ids, None),
+    ]
+    assert all(v != base for v in variants if v is not None)
+    assert len(set(variants)) == len(variants)
+    # one process: nothing to agree on, no fingerprint computed
+    assert shard_batch(PLAN, ids).fingerprint is None
+
+
+# ----------------------------------------------------------------------------- the plug-in
+def test_usp_attention_under_autocast_is_sdpa_under_autocast():
+    """The mixed dtypes autocast hands an attention function (q/k float32 after RoPE,
+    v bf16): computed in bf16 with a float32 merge, as sdpa computes them; then a
+    whole model's logits and gradients under autocast, within bf16 rounding."""
+    fn = transformers.AttentionInterface()[usp_hf.register(PLAN, name="usp-autocast")]
+    sdpa = transformers.AttentionInterface()["sdpa"]
+    module = torch.nn.Module()
+    module.is_causal = True
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 8, 12, 8, generator=gen)
+    k = torch.randn(1, 2, 12, 8, generator=gen)
+    v = torch.randn(1, 2, 12, 8, generator=gen).bfloat16()
+    module.num_key_value_groups = 4
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = fn(module, q, k, v, None, scaling=8**-0.5)
+        expected, _ = sdpa(module, q, k, v, None, scaling=8**-0.5, is_causal=True)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    assert relative_error(out, expected) < 1e-2
+    with pytest.raises(usp.InputError):  # without autocast: refused, as sdpa refuses it
+        fn(module, q, k, v, None)
+
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(hf_config()).train()
+    model = transformers.LlamaForCausalLM(hf_config()).train()
+    model.load_state_dict(reference.state_dict())
+    model.set_attn_implementation("usp-autocast")
+    ids = torch.randint(0, TINY["vocab_size"], (2, 24), generator=gen)
+    results = []
+    for m in (reference, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = m(ids, use_cache=False).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1)[:-1], ids.flatten()[1:])
+        loss.backward()
+        results.append((logits.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    assert relative_error(results[1][0], results[0][0]) < 2e-2
+    grads = [relative_error(results[1][1][n], g) for n, g in results[0][1].items()]
+    assert max(grads) < 5e-2, grads
+
+
+def test_hf_models_take_every_lever():
+    """Levers on an HF model, one process, float64: MLP tiles (transformers' SiLU),
+    checkpointing, 2 head chunks read by the plug-in from the attention module, the
+    chunked loss inside the model's forward: the plain model's loss and gradients."""
+    torch.manual_seed(0)
+    name = usp_hf.register(PLAN, name="usp-levers")
+    plain = transformers.LlamaForCausalLM(hf_config()).double()
+    ids = torch.randint(0, TINY["vocab_size"], (1, 20))
+    batch = shard_batch(PLAN, ids)
+    out = {}
+    for levers in (Levers(loss_chunk_tokens=None), Levers(True, 5, 2, 3)):
+        model = transformers.LlamaForCausalLM(hf_config()).double()
+        model.load_state_dict(plain.state_dict())
+        model.set_attn_implementation(name)
+        levers.apply(model, PLAN)
+        if levers.loss_chunk_tokens is None:
+            loss = usp_hf.sp_loss(model(**batch.hf_kwargs()).logits, batch.labels, PLAN)
+        else:
+            loss = usp_hf.causal_lm_loss(model, batch, PLAN, chunk_tokens=levers.loss_chunk_tokens)
+        loss.backward()
+        out[levers] = (loss.item(), {n: p.grad for n, p in model.named_parameters()})
+        assert all(layer.self_attn.head_chunks == levers.attention_head_chunks
+                   for layer in model.model.layers)  # fmt: skip
+    (plain_loss, plain_grads), (loss, grads) = out.values()
+    assert abs(loss - plain_loss) <= 1e-12 * plain_loss
+    assert max(relative_error(grads[n], g) for n, g in plain_grads.items()) < 1e-10
+
+
+def test_the_loss_forward_keeps_the_model_forward():
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(hf_config())
+    signature = inspect.signature(model.forward)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 12))
+    before = model(ids).logits
+    usp_hf.add_loss_forward(model)
+    usp_hf.add_loss_forward(model)  # idempotent
+    assert inspect.signature(model.forward) == signature  # what Trainer's columns read
+    assert torch.equal(model(ids).logits, before)
+    batch = shard_batch(PLAN, ids)
+    chunked = usp_hf.causal_lm_loss(model, batch, PLAN, chunk_tokens=5)
+    assert abs(chunked.item() - usp_hf.sp_loss(before, batch.labels, PLAN).item()) < 1e-6
+
+
+# ----------------------------------------------------------------------------- refusals
+def _gemma2():
+    config = transformers.Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_model_features_usp_cannot_compute_are_named():
+    gemma = _gemma2()
+    chunked = feature_problems(gemma, Levers())
+    assert any("attn_logit_softcapping=50.0" in p for p in chunked)
+    assert any("final_logit_softcapping" in p for p in chunked)
+    unchunked = feature_problems(gemma, Levers(loss_chunk_tokens=None))
+    assert len(unchunked) == 1  # the logits' softcapping is computed by the model itself
+    llama = transformers.LlamaForCausalLM(hf_config(attention_dropout=0.1))
+    assert feature_problems(llama, Levers()) == [
+        "attention dropout (config.attention_dropout=0.1): set it to 0.0 (USP attention has "
+        "no dropout)"
+    ]
+    llama = transformers.LlamaForCausalLM(hf_config())
+    assert feature_problems(llama, Levers()) == []
+    llama.model.layers[1].self_attn.sinks = torch.nn.Parameter(torch.zeros(8))
+    assert feature_problems(llama, Levers()) == [
+        "attention sinks (per-head sink logits): USP attention has none"
+    ]
+    with pytest.raises(UnsupportedModelError, match="soft-capping"):
+        UspTrainer(model=gemma, args=_args(), train_dataset=[{"input_ids": [1, 2]}], plan=PLAN)
+
+
+def test_attention_windows_are_read_as_transformers_reads_them():
+    assert attention_window(transformers.MistralConfig(sliding_window=16)) == 16
+    assert attention_window(transformers.MistralConfig(sliding_window=None)) is None
+    assert attention_window(transformers.Qwen3Config(sliding_window=16)) is None  # not used
+    assert attention_window(_gemma2().config) == 4096  # its sliding layers
+
+
+def _args(output_dir="never-written", **changes):
+    """TrainingArguments on the CPU (a Trainer built with them writes to output_dir)."""
+    return transformers.TrainingArguments(
+        output_dir=str(output_dir), use_cpu=True, report_to=[], **changes
+    )
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
+        ({"train_sampling_strategy": "group_by_length"}, "group_by_length"),
+        ({"activation_checkpointing": True}, "in both the TrainingArguments"),
+        ({"torch_compile": True}, "torch_compile"),
+    ],
+)
+def test_trainer_settings_usp_replaces_are_refused(changes, needle):
+    levers = Levers(activation_checkpointing=True)
+    with pytest.raises(usp.ConfigError, match=needle):
+        check_training_arguments(_args(**changes), levers=levers)
+    with pytest.raises(usp.ConfigError, match="compute_loss_func"):
+        check_training_arguments(_args(), compute_loss_func=lambda *a, **k: 0)
+    check_training_arguments(_args(), levers=levers)  # the defaults are fine
+
+
+# ----------------------------------------------------------------------------- set-up
+def test_one_process_plans_and_the_flags():
+    assert launch_plan().topology is None
+    with pytest.raises(usp.TopologyError, match="torchrun --nproc-per-node 4"):
+        launch_plan(2, 2)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    hf_cli.add_arguments(parser)
+    for flags, expected in [
+        ([], Levers()),
+        (["--activation-checkpointing", "offload", "--mlp-tile-tokens", "64",
+          "--attention-head-chunks", "2", "--loss-chunk-tokens", "0"],
+         Levers("offload", 64, 2, None)),
+    ]:  # fmt: skip
+        assert hf_cli.levers_from_args(parser.parse_args(flags)) == expected
+
+
+def test_usp_plan_plans_the_run_a_trainer_describes(tmp_path):
+    """The config a run writes names the same model (its config.json through the family
+    registry), lengths and levers, and the planner measures exactly that run: its grid
+    with its levers, one rank's step under fake tensors (``usp plan FILE`` runs the same
+    measurement for every grid and lever; tests/planner cover the search)."""
+    import trainer_cases
+
+    from usp.planner import search
+    from usp.planner.footprint import Layout, Target
+    from usp.train.components import levers_of, model_source
+    from usp.train.config import load_train_config
+
+    ckpt = trainer_cases.write_checkpoint(tmp_path / "qwen3", "qwen3")
+    levers = Levers(activation_checkpointing="offload", mlp_tile_tokens=8192)  # searched
+    path = tmp_path / "plan.toml"
+    path.write_text(
+        plan_config(
+            ckpt, seq_len=64, sequences_per_forward=2, sequences_per_step=4, nodes=1,
+            gpus_per_node=2, ulysses=1, ring=2, levers=levers,
+        )
+    )  # fmt: skip
+    job = load_train_config(path)
+    assert (job.train.seq_len, job.train.micro_batch, job.train.global_batch) == (64, 2, 4)
+    assert levers_of(job) == levers.replace(loss_chunk_tokens=Levers().loss_chunk_tokens)
+    parallel = job.topology.parallel
+    assert (parallel.ulysses, parallel.ring) == (1, 2)
+    model = model_source(job).config
+    assert type(model).__name__ == "Qwen3Config"
+    assert model.num_attention_heads == TINY["num_attention_heads"]
+    layout = Layout(1, 2, 1, levers_of(job))
+    assert layout in search.layouts(model, search.Cluster(1, 2, 80.0, 2048.0), job)
+    candidate = search.evaluate(
+        Target(job, model, 2, 2, "cpu"), layout, search.Cluster(1, 2, 1.0, 64.0), {}
+    )
+    assert candidate.fits and candidate.footprint.peak_device > 0
+
+
+def test_flag_combinations_parse():
+    """Every choice of the shared flags parses (both examples use them)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    hf_cli.add_arguments(parser)
+    for mode, layout in itertools.product(("off", "on", "offload"), ("zigzag", "contiguous")):
+        args = parser.parse_args(["--activation-checkpointing", mode, "--layout", layout])
+        assert args.layout == layout
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--attention-head-chunks", "0"])
+
+
+@pytest.mark.parametrize("example", ["hf_trainer", "trl_sft"])
+def test_the_examples_write_a_plan_config(tmp_path, example):
+    """``--plan-config FILE``: the run's model, lengths and levers for ``usp plan``."""
+    import trainer_cases
+
+    from usp.train.config import load_train_config
+
+    ckpt = trainer_cases.write_checkpoint(tmp_path / "llama", "llama")
+    path = tmp_path / "plan.toml"
+    flags = [
+        "--model", str(ckpt), "--data", "unused.jsonl", "--output-dir", str(tmp_path),
+        "--max-steps", "1", "--max-length", "512", "--batch-size", "3",
+        "--gradient-accumulation", "2", "--activation-checkpointing", "on",
+        "--plan-config", str(path),
+    ]  # fmt: skip
+    assert trainer_cases.run_example_alone(example, flags) == 0
+    job = load_train_config(path)
+    assert (job.train.seq_len, job.train.micro_batch, job.train.global_batch) == (512, 3, 6)
+    assert job.train.activation_checkpointing is True
+    assert job.model.path == str(ckpt.resolve())
+
+
+def test_a_one_process_trainer_under_its_own_attention_name(tmp_path):
+    """``UspTrainer(..., attention_name=)``: the name registered and switched on."""
+    import trainer_cases
+
+    ckpt = trainer_cases.write_checkpoint(tmp_path / "llama", "llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    rows = [{"input_ids": list(range(6, 6 + n)), "labels": list(range(6, 6 + n))} for n in (9,) * 4]
+    trainer = UspTrainer(
+        model=model,
+        args=_args(
+            tmp_path / "out",
+            max_steps=2,
+            per_device_train_batch_size=2,
+            logging_steps=1,
+            optim="sgd",
+            disable_tqdm=True,
+        ),  # fmt: skip
+        train_dataset=rows,
+        attention_name="usp-named",
+    )
+    trainer.train()
+    assert model.config._attn_implementation == "usp-named"
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert len(losses) == 2 and all(loss > 0 for loss in losses)

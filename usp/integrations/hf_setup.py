@@ -1,0 +1,176 @@
+"""Setting an HF causal LM up for usp's sequence parallelism, from outside the model.
+
+:func:`launch_plan` is the :class:`usp.Plan` of the running launch (torchrun's processes,
+or one process); :func:`prepare_model` registers USP attention for it, refuses what the
+plug-in cannot compute exactly (:func:`feature_problems`), applies the memory levers
+(:class:`usp.models.Levers`: the object ``usp train`` and ``usp plan`` use), gives the
+model the chunked loss forward (:func:`usp.models.hf.add_loss_forward`) and shards it with
+FSDP2 over the ``dp x sp`` mesh with gradients summed, not averaged
+(:func:`usp.train.parallelize.fully_shard_model`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import usp.models.hf as usp_hf
+from usp.errors import ModelConfigError, TopologyError
+from usp.models import Levers, decoder_layers
+from usp.plan import Plan
+from usp.process_groups import build_topology
+from usp.train.parallelize import fully_shard_model
+
+
+class UnsupportedModelError(ModelConfigError):
+    """An HF model feature USP attention cannot compute exactly (the message names it)."""
+
+
+def launch_plan(
+    ulysses: int = 1,
+    ring: int = 1,
+    *,
+    topology_file: str | os.PathLike | None = None,
+    **attention_options,
+) -> Plan:
+    """The plan of the running launch: ``ulysses x ring`` SP ranks per data-parallel
+    replica, the rest of the world data-parallel (or the degrees and choices of
+    ``topology_file``, a usp topology config). Initialises ``torch.distributed`` from
+    torchrun's environment when it is not yet (NCCL with CUDA, else gloo); one process
+    (no ``WORLD_SIZE``) is ``Plan(None)``. ``attention_options``: ``layout``,
+    ``ring_impl``, ``backend``. Collective under torchrun: every rank calls it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not dist.is_initialized() and world > 1:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if topology_file is None and ulysses * ring > 1:
+            raise TopologyError(
+                f"ulysses({ulysses}) * ring({ring}) = {ulysses * ring} SP ranks need as many "
+                f"processes: launch with torchrun --nproc-per-node {ulysses * ring} (this is "
+                "one process)"
+            )
+        if topology_file is None:
+            return Plan(None, **attention_options)
+    if topology_file is not None:
+        return Plan.from_config(topology_file, **attention_options)
+    return Plan(build_topology(ulysses, ring), **attention_options)
+
+
+# ----------------------------------------------------------------------------- features
+def attention_window(config) -> int | None:
+    """The shortest attention window (sliding window or attention chunk) any of the
+    model's layers applies, as transformers reads its config; None: full attention."""
+    types = getattr(config, "layer_types", None)
+    windows = []
+    sliding = getattr(config, "sliding_window", None)
+    if sliding is not None and (types is None or "sliding_attention" in types):
+        windows.append(int(sliding))
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None and (types is None or "chunked_attention" in types):
+        windows.append(int(chunk))
+    return min(windows) if windows else None
+
+
+def feature_problems(model: nn.Module, levers: Levers) -> list[str]:
+    """What in ``model`` (its config and attention modules) USP attention or the chosen
+    levers cannot compute exactly; empty when everything can. Deterministic from the
+    model, so every rank finds the same."""
+    config = model.config
+    problems = []
+    if getattr(config, "is_encoder_decoder", False):
+        problems.append("an encoder-decoder model (usp serves decoder-only causal LMs)")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        problems.append(
+            f"attention logit soft-capping (config.attn_logit_softcapping={softcap}): USP "
+            "attention computes plain softmax attention"
+        )
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if dropout:
+        problems.append(
+            f"attention dropout (config.attention_dropout={dropout}): set it to 0.0 "
+            "(USP attention has no dropout)"
+        )
+    try:
+        layers = decoder_layers(model)
+    except ModelConfigError as err:
+        problems.append(str(err))
+        layers = []
+    if any(getattr(layer.self_attn, "sinks", None) is not None for layer in layers):
+        problems.append("attention sinks (per-head sink logits): USP attention has none")
+    if levers.loss_chunk_tokens is not None:
+        try:
+            usp_hf.check_chunked_loss(model)
+        except ValueError as err:
+            problems.append(str(err))
+    return problems
+
+
+def window_problem(config, seq_len: int) -> str | None:
+    """Why a global sequence of ``seq_len`` tokens cannot be attended exactly by
+    ``config``'s layers (a window shorter than it), or None."""
+    window = attention_window(config)
+    if window is None or window >= seq_len:
+        return None
+    return (
+        f"a global sequence (or packed row) of {seq_len} tokens for a model whose layers "
+        f"attend within {window} "
+        "tokens (config.sliding_window / attention_chunk_size): USP attention computes full "
+        f"causal attention, exact only for sequences of at most {window} tokens; shorten the "
+        "sequences (max_length) or train this model without usp"
+    )
+
+
+# ----------------------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class PreparedModel:
+    """What :func:`prepare_model` did: the attention name registered, the levers, and
+    the factor the loss is multiplied by before ``backward`` (1 when FSDP2 sums the
+    gradients itself)."""
+
+    attention: str
+    levers: Levers
+    sharded: bool
+    loss_scale: float = 1.0
+
+
+def prepare_model(
+    model: nn.Module, plan: Plan, levers: Levers | None = None, *, name: str = "usp"
+) -> PreparedModel:
+    """Make ``model`` (an HF causal LM) ready to train on ``plan``, in place: USP
+    attention registered under ``name`` and switched on, the ``levers`` applied, the loss
+    forward added (when the loss is chunked), and under a multi-process plan every
+    decoder layer and the root sharded with FSDP2 over ``dp x sp`` with summed gradients
+    (the SP ranks' gradients are parts of one gradient). A feature USP attention cannot
+    compute exactly is an :class:`UnsupportedModelError` (the same on every rank: it
+    comes from the model). Apply before handing the model to a Trainer."""
+    levers = Levers() if levers is None else levers
+    if not isinstance(levers, Levers):
+        raise TypeError(f"levers must be a usp.models.Levers, got {type(levers).__name__}")
+    problems = feature_problems(model, levers)
+    if problems:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} cannot be trained exactly under usp: " + "; ".join(problems)
+        )
+    name = usp_hf.register(plan, name=name)
+    model.set_attn_implementation(name)
+    model.config.use_cache = False  # a KV cache has no place in SP training
+    levers.apply(model, plan)
+    if levers.loss_chunk_tokens is not None:
+        usp_hf.add_loss_forward(model)
+    sharded, scale = False, 1.0
+    if plan.topology is not None and plan.topology.world_size > 1:
+        scale = fully_shard_model(model, plan.topology).loss_scale
+        sharded = True
+        # transformers' Trainer then neither wraps the model in DDP nor shards it again
+        # (its path for models sharded at load time: usp owns placement and reduction),
+        # and defers the reduce-scatter to a step's last micro-batch
+        model._is_distributed_loading_by_transformers = True
+        model._is_fsdp_managed_module = True
+    return PreparedModel(name, levers, sharded, scale)
