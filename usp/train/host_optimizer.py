@@ -6,7 +6,9 @@ offload_optimizer = true``, :class:`usp.models.Levers` ``offload_optimizer``).
 tracker see an ordinary AdamW), whose ``step`` does, parameter by parameter:
 
 1. copy the local shard of the parameter and of its gradient to the host
-   (``host_device``; pinned on CUDA, so the copies are DMA transfers);
+   (``host_device``; pageable memory: the pinned allocator would keep a block per
+   distinct shard size, each rounded up to a power of two, and the update, not the
+   copy, is what the step waits for);
 2. run torch's own single-tensor AdamW arithmetic (``torch.optim.adamw.adamw``,
    ``foreach=False``) there, on the float32 copies and the state (``exp_avg``,
    ``exp_avg_sq``: DTensors over the parameter's mesh whose local tensors live on the
@@ -85,12 +87,9 @@ class HostAdamW(torch.optim.AdamW):
         return local.device if self.params_on_host else self.host_device
 
     def _to_host(self, local: torch.Tensor) -> torch.Tensor:
-        """A float32 host copy of a device tensor (pinned on CUDA; a distinct tensor, so
-        the copy-back is a real write, also where host and device are one memory)."""
-        pinned = local.is_cuda and self.host_device.type == "cpu"
-        host = torch.empty(
-            local.shape, dtype=torch.float32, device=self.host_device, pin_memory=pinned
-        )
+        """A float32 host copy of a device tensor (a distinct tensor, so the copy-back is
+        a real write, also where host and device are one memory)."""
+        host = torch.empty(local.shape, dtype=torch.float32, device=self.host_device)
         host.copy_(local)  # (blocking: the update reads it next)
         return host
 
