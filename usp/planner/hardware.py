@@ -7,6 +7,8 @@ the hardware they describe (``benchmarks/gpu_check.sh`` measures what one GPU ca
 
 from __future__ import annotations
 
+import os
+
 #: device memory in GiB by GPU name (``[cluster] gpu``); what ``nvidia-smi`` reports
 GPU_MEMORY_GIB = {"H200": 140.0, "H100": 79.6, "A100": 79.2}
 DEFAULT_GPU = "H200"
@@ -51,3 +53,10 @@ MAX_WORLD = 2**16
 #: the most memory per GPU or per node, GiB: the search's byte arithmetic is exact in
 #: float64 below 2**53 bytes (8 PiB); 1 PiB leaves room for sums of several terms
 MAX_MEMORY_GIB = float(2**20)
+#: ``usp plan --jobs`` at most: worker processes beyond the CPUs only share them
+MAX_JOBS = max(1, os.cpu_count() or 1)
+
+
+def default_jobs() -> int:
+    """``usp plan``'s default ``--jobs``: two workers where there are two CPUs."""
+    return max(1, min(2, os.cpu_count() or 1))

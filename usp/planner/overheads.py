@@ -320,34 +320,30 @@ class Overheads:
         if workspace:
             lines.append(Item(
                 "attention kernel workspace", workspace,
-                f"largest call: {extras.workspace_call}; inside the measured step (allocated "
-                "for each call by the planning kernels: usp.planner.overheads."
-                "attention_workspace, documented allocations; CUDA ones an assumption until "
-                "gpu_check measures them)", added=False,
+                f"in the step, allocated by each call; largest: {extras.workspace_call} "
+                "(attention_workspace: the backends' documented allocations)", added=False,
             ))  # fmt: skip
         lines += self.device_fixed
         copies = getattr(extras, "offload_copies", 0)
         if copies:
             lines.append(Item(
                 "parameter offload copies", copies,
-                "FSDP2 CPUOffloadPolicy: the largest float32 shard copied to the device "
-                "before its all-gather and the largest unit's reduce-scatter output before "
-                "its copy to the host (the CPU stand-in allocates neither)",
+                "FSDP2 CPUOffloadPolicy: the largest float32 shard's copy before its "
+                "all-gather + the largest unit's reduce-scatter output (not on the stand-in)",
             ))  # fmt: skip
         if self.reserve_fraction:
             lines.append(Item(
                 "allocator reserve", int(peak_device * self.reserve_fraction),
                 f"{self.reserve_fraction:.0%} of the peak with {self.reserve_setting} "
-                f"(usp train sets {EXPANDABLE} on CUDA unless PYTORCH_CUDA_ALLOC_CONF names "
-                f"expandable_segments; {ALLOCATOR_RESERVE['fixed_segments']:.0%} without: "
-                "assumptions, gpu_check measures memory_reserved / max_memory_allocated)",
+                f"({ALLOCATOR_RESERVE['fixed_segments']:.0%} without expandable_segments; "
+                "ALLOCATOR_RESERVE, assumed)",
             ))  # fmt: skip
         pinned = getattr(extras, "pinned", 0)
         if pinned:
             lines.append(Item(
                 "pinned rounding", pinned,
-                "torch's pinned allocator rounds every block up to a power of two "
-                "(offloaded layer inputs, offloaded parameter and gradient shards), per rank",
+                "torch's pinned allocator rounds each block up to a power of two "
+                "(offloaded layer inputs, parameter and gradient shards)",
                 where="host",
             ))  # fmt: skip
         return lines + list(self.host_rank) + list(self.host_node)
@@ -364,39 +360,34 @@ def overheads_for(
     host_bytes = int(host_memory_gib * GIB)
     margin = Item(
         "margin", int(MARGIN_FRACTION * gpu_bytes),
-        f"{MARGIN_FRACTION:.0%} of the device for what no line names (the allocator's "
-        "512-byte rounding of each block, streams and events, NCCL growing past its figure)",
+        f"{MARGIN_FRACTION:.0%} of the device, for what no line names",
     )  # fmt: skip
     if device != "cuda":
         return Overheads((margin,), 0.0, "", (), (), gpu_bytes, host_bytes, ranks_per_node)
     groups = communicators(ulysses, ring, dp, ranks_per_node=ranks_per_node, nvswitch=nvswitch)
     described = "; ".join(
-        f"{c.group} ({c.size} ranks: {c.uses}) "
-        + "+".join(f"{n} {k}" if n > 1 else k for k, n in _counted(c.kinds))
+        f"{c.group} of {c.size} ({c.uses}): "
+        + " + ".join(f"{n} {k}" if n > 1 else k for k, n in _counted(c.kinds))
         for c in groups
     )
     nccl = Item(
         "NCCL communicators", sum(c.nbytes for c in groups),
-        f"{described}; GiB per kind {NCCL_GIB} (usp.planner.overheads.NCCL_GIB: NVIDIA/nccl "
-        f"#964, #1685, #2363, nccl-tests#216; assumptions); changed by {NCCL_SETTINGS}",
+        f"{described} (NCCL_GIB per kind, assumed from NVIDIA/nccl#964, #1685, #2363)",
     )  # fmt: skip
     context = Item(
         "CUDA context and libraries", int(CUDA_CONTEXT_GIB * GIB),
-        "per process: the CUDA context (lazy module loading) and cuBLAS/cuDNN handles and "
-        "workspaces (assumption; gpu_check measures nvidia-smi's per-process memory "
-        "minus torch.cuda.memory_reserved)",
+        "per process: context, cuBLAS/cuDNN handles and workspaces (assumed)",
     )  # fmt: skip
     setting = "expandable_segments" if expandable_segments(environ) else "fixed_segments"
     host_rank = (Item(
         "rank process", int(RANK_PROCESS_HOST_GIB * GIB),
-        "host memory of each rank's process: torch and CUDA libraries, the driver's host "
-        "allocations, NCCL's host buffers, the data loader (assumption; gpu_check "
-        "measures VmRSS)", where="host",
+        "each rank's process: libraries, driver and NCCL host buffers, data loader "
+        "(assumed)", where="host",
     ),)  # fmt: skip
     host_node = (Item(
         "OS, page cache and data pipeline", node_reserve(host_memory_gib),
-        f"{NODE_RESERVE_FRACTION:.0%} of the node's memory, at least "
-        f"{NODE_RESERVE_MIN_GIB:g} GiB (assumption)", where="node",
+        f"{NODE_RESERVE_FRACTION:.0%} of the node, at least {NODE_RESERVE_MIN_GIB:g} GiB "
+        "(assumed)", where="node",
     ),)  # fmt: skip
     return Overheads(
         (nccl, context, margin), ALLOCATOR_RESERVE[setting], setting, host_rank, host_node,

@@ -153,6 +153,10 @@ def plan(
         "margin added) within the GPU's memory, and the node's ranks with their host "
         "overheads within its host memory (usp.planner.overheads; listed below the table)"
     )
+    if device == "cuda":
+        from usp.planner.overheads import NCCL_SETTINGS
+
+        notes.append(f"NCCL's figures change with {NCCL_SETTINGS}")
     cap = (
         search.longest_plannable(target, search.sequence_multiple(longest_layout, job))
         if longest_layout

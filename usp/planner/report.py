@@ -244,20 +244,23 @@ def lever_lines(levers) -> list[str]:
 
 
 def overhead_lines(c: Candidate, cluster: Cluster) -> list[str]:
-    """The named lines of what a candidate's GPU and host spend (one per item, with its
-    source), and the totals against the GPU's and the node's memory."""
-    step = c.footprint.peak_device / GIB
-    lines = [f"  measured step (device peak): {step:.2f} GiB"]
-    for item in c.items():
-        where = {"device": "device", "host": "host per rank", "node": "host per node"}
-        sign = "+" if item.added else "(in the step)"
-        lines.append(
-            f"  {sign} {item.name} ({where[item.where]}): {item.nbytes / GIB:.2f} GiB -- "
-            f"{item.source}"
-        )
+    """The named lines of what a candidate's GPU and host spend (one per item of
+    :mod:`usp.planner.overheads`, with its source), and the totals against the GPU's and
+    the node's memory."""
+    where = {"device": "device", "host": "host/rank", "node": "host/node"}
+    rows = [("measured step (device peak)", c.footprint.peak_device, "device", "")]
+    rows += [
+        (("+ " if i.added else "  ") + i.name, i.nbytes, where[i.where], i.source)
+        for i in c.items()
+    ]
+    width = max(len(name) for name, *_ in rows)
+    lines = [
+        f"  {name:<{width}} {nbytes / GIB:>8.2f} GiB  {place:<9}  {source}".rstrip()
+        for name, nbytes, place, source in rows
+    ]
     lines.append(
-        f"  = device {c.device_total_gib:.1f} of {cluster.gpu_memory_gib:g} GiB; host per "
-        f"node {_host_total(c) / GIB:.1f} of {cluster.host_memory_gib:g} GiB"
+        f"  = device {c.device_total_gib:.1f} of {cluster.gpu_memory_gib:g} GiB; host "
+        f"{_host_total(c) / GIB:.1f} of {cluster.host_memory_gib:g} GiB per node"
     )
     return lines
 
