@@ -104,7 +104,7 @@ def measure(
     step = built_step(target, layout, layers=layers, fake=True, representative=representative)
     with step as built:
         phases = _tracked_steps(built, tracker)
-        extras = _extras(target, layout, built)
+        extras = measure_extras(target, layout, built)
     stand_in = _host_stand_in(target, built.device)
     moved = OFFLOADED_PARAMETER_CATEGORIES if stand_in and layout.levers.offload_parameters else ()
     return footprint_of(
@@ -112,7 +112,7 @@ def measure(
     )
 
 
-def _extras(target: Target, layout: Layout, built: BuiltStep) -> Extras:
+def measure_extras(target: Target, layout: Layout, built: BuiltStep) -> Extras:
     """What the step shows besides its tracked tensors (:class:`Extras`): the largest
     kernel workspace, the pinned allocator's rounding of the blocks a CUDA run pins
     (offloaded layer inputs: one block per layer; FSDP's offloaded parameter and

@@ -16,7 +16,7 @@ device, per rank (CUDA)
     output before its copy to the host, which a CPU stand-in never allocates.
   * **allocator reserve** -- a fraction of the peak (:data:`ALLOCATOR_RESERVE`): with
     ``expandable_segments`` (what ``usp train`` sets on CUDA unless
-    ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise: :func:`allocator_settings`) or without.
+    ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise: :mod:`usp.train.allocator`) or without.
   * **margin** -- :data:`MARGIN_FRACTION` of the GPU, for what no item names.
 host, per node
   * the ranks' measured host tensors (offloaded activations, offloaded parameters,
@@ -30,14 +30,16 @@ host, per node
 A planner must never be optimistic: every assumed figure is at the upper end of what its
 source reports, and ``benchmarks/gpu_check.sh`` (its ``overheads`` step) measures each
 on the first GPU so the next device run corrects them. No torch import here.
+
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from usp.train.allocator import expandable_segments
 
 GIB = 2**30
 
@@ -85,35 +87,6 @@ RANK_PROCESS_HOST_GIB = 4.0
 #: and everything else running there: 5%, at least 16 GiB (assumption)
 NODE_RESERVE_FRACTION = 0.05
 NODE_RESERVE_MIN_GIB = 16.0
-
-
-# ------------------------------------------------------------------ allocator setting
-EXPANDABLE = "expandable_segments:True"
-
-
-def allocator_settings(environ: Mapping[str, str] | None = None) -> str:
-    """The ``PYTORCH_CUDA_ALLOC_CONF`` a ``usp train`` rank runs with: the environment's
-    when it names ``expandable_segments`` (the user decided), else the environment's
-    with :data:`EXPANDABLE` added (usp's default on CUDA, :func:`set_allocator_default`)."""
-    env = os.environ if environ is None else environ
-    current = env.get("PYTORCH_CUDA_ALLOC_CONF", "").strip()
-    if "expandable_segments" in current:
-        return current
-    return f"{current},{EXPANDABLE}" if current else EXPANDABLE
-
-
-def expandable_segments(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether :func:`allocator_settings` turns expandable segments on."""
-    settings = allocator_settings(environ).replace(" ", "")
-    return "expandable_segments:True" in settings
-
-
-def set_allocator_default(environ=None) -> str:
-    """Set ``PYTORCH_CUDA_ALLOC_CONF`` to :func:`allocator_settings` in ``environ``
-    (default ``os.environ``) before CUDA starts; returns it."""
-    env = os.environ if environ is None else environ
-    env["PYTORCH_CUDA_ALLOC_CONF"] = allocator_settings(env)
-    return env["PYTORCH_CUDA_ALLOC_CONF"]
 
 
 # ------------------------------------------------------------------ kernel workspaces
