@@ -146,6 +146,16 @@ def test_plan_json_ranks_every_layout_and_finds_the_longest_sequence(tmp_path, c
     assert plan["best"]["step_time_s_estimate"] == min(c["step_time_s_estimate"] for c in fitting)
     # the longest fitting sequence: a multiple of the layout's need, longer than 512 here
     assert plan["max_seq_len"] > 512 and plan["max_seq_len"] % 4 == 0
+    # ... with the layout and levers that reach it, and that layout measured there
+    layout = plan["max_seq_len_layout"]
+    assert set(layout) == {
+        "ulysses", "ring", "dp", "activation_checkpointing", "mlp_tile_tokens",
+        "attention_head_chunks", "offload_optimizer", "offload_parameters",
+    }  # fmt: skip
+    at_longest = plan["max_seq_len_candidate"]
+    assert {k: at_longest[k] for k in layout} == layout and at_longest["fits"]
+    sp = layout["ulysses"] * layout["ring"]
+    assert at_longest["tokens_per_rank"] * sp == plan["max_seq_len"]
 
 
 def test_plan_text_shows_the_table_and_lines_to_paste(tmp_path, capsys):
