@@ -8,8 +8,8 @@ For every lever set the planner searches on the grid (``usp.planner.search.lever
 (ulysses x ring, dp 1) is measured by the planner (``measure_scaled``: fake tensors, two
 shallow depths extrapolated to the model's) at each ``--seq-lens`` length, and the
 longest sequence that fits on that grid is searched (``search.max_seq_len``, as ``usp
-plan`` does, restricted to the one grid). Fits = device peak <= the usable fraction of
-the config's GPU. The rows are returned by :func:`main` (and printed as markdown).
+plan`` does, restricted to the one grid). Fits = the device peak plus the planner's
+named overheads (``usp.planner.overheads``) within the config's GPU. The rows are returned by :func:`main` (and printed as markdown).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ def _cluster(job, gpu_memory_gib: float | None):
     c = job.topology.cluster
     gpu = search.DEFAULT_GPU if c.gpu == "auto" else c.gpu
     memory = gpu_memory_gib or search.GPU_MEMORY_GIB[gpu]
-    return search.Cluster(c.nodes, c.gpus_per_node, memory, search.DEFAULT_HOST_MEMORY_GIB)
+    return search.Cluster(
+        c.nodes, c.gpus_per_node, memory, search.DEFAULT_HOST_MEMORY_GIB, gpu=gpu
+    )
 
 
 def rows(
