@@ -142,3 +142,10 @@ def test_a_signal_stops_the_plan_and_its_workers(tmp_path, signum):
     while time.monotonic() < deadline and any(_alive(p) for p in workers):
         time.sleep(0.2)
     assert not [p for p in workers if _alive(p)], "a process of the plan is still running"
+
+
+def test_the_command_lines_auto_is_the_configs():
+    from usp.cli.args import AUTO
+    from usp.config.toml import AUTO as config_auto
+
+    assert config_auto == AUTO

@@ -245,3 +245,23 @@ def test_usp_train_turns_expandable_segments_on_unless_the_user_decided():
     assert (fixed_segments.reserve_setting, fixed_segments.reserve_fraction) == (
         "fixed_segments", 0.15,
     )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the GPU check
+def test_overheads_check_compares_each_item_and_fails_where_the_planner_is_optimistic(
+    tmp_path, monkeypatch, capsys
+):
+    """benchmarks/overheads_check.py (gpu_check.sh's overheads step) on the CPU: the real
+    kernel within the planner's figure passes; a planner that counted less fails with
+    the constant to raise."""
+    import json
+
+    from usp_cases import load_benchmark
+
+    script = load_benchmark("overheads_check")
+    assert script.main(["--device", "cpu", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "overheads_check.json").read_text())
+    assert rows and all(r["ok"] and r["measured"] > 0 for r in rows)
+    monkeypatch.setattr(overheads, "attention_workspace", lambda *a, **k: 1024)
+    assert script.main(["--device", "cpu"]) == 1
+    assert "FAILED: raise attention_workspace" in capsys.readouterr().out

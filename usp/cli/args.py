@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 
 #: ``usp.config.toml.AUTO`` (not imported from there: the config package loads torch,
-#: and a usage error answers before torch loads; tests/tools checks they agree)
+#: and a usage error answers before torch loads; tests/planner/test_planner_cli.py checks
+#: they agree)
 AUTO = "auto"
 
 
