@@ -265,3 +265,12 @@ def test_overheads_check_compares_each_item_and_fails_where_the_planner_is_optim
     monkeypatch.setattr(overheads, "attention_workspace", lambda *a, **k: 1024)
     assert script.main(["--device", "cpu"]) == 1
     assert "FAILED: raise attention_workspace" in capsys.readouterr().out
+
+
+def test_host_adam_benchmark_runs():
+    from usp_cases import load_benchmark
+
+    row = load_benchmark("host_adam").main(
+        ["--params", "20000", "--tensors", "2", "--repeats", "1"]
+    )
+    assert row["params"] == 20000 and row["params_per_s"] > 0

@@ -30,8 +30,8 @@ PCIE_GBPS = 25.0
 #: AdamW touches ~28 bytes per float32 parameter (read parameter, gradient and two
 #: moments, write three); at ~10 GB/s of memory bandwidth per rank (a node's ~300 GB/s
 #: over 8 ranks, at most a third of it reached by torch's CPU kernels) that is ~0.35e9/s
-#: (assumption; on this project's 2-core CI machine it measured 0.05e9/s per core:
-#: benchmarks/README.md, *Host AdamW*)
+#: (assumption; ``benchmarks/host_adam.py`` measured 0.17e9/s on one core of this
+#: project's shared 2-core machine: benchmarks/README.md, *Host AdamW*)
 HOST_ADAM_PARAMS_PER_S = 0.35e9
 
 #: TFLOP/s per attention backend, forward + backward, causal, bf16 (H200 measurements
