@@ -305,7 +305,10 @@ def overheads_text(explained: Sequence[Explained], target: Target, layout: Layou
     footprint = Footprint((Phase(chosen.device, 0, chosen.breakdown),), 0, extras=chosen.extras)
     costs = overheads(target, layout, cluster)
     candidate = Candidate(layout, target.seq_len, footprint, True, None, 0.0, {}, costs)
-    lines = ["", "what the GPU and the host hold besides (usp plan's items, usp.planner.overheads):"]
+    lines = [
+        "",
+        "what the GPU and the host hold besides (usp plan's items, usp.planner.overheads):",
+    ]
     return "\n".join(lines + overhead_lines(candidate, cluster))
 
 

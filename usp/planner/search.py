@@ -268,7 +268,9 @@ def max_seq_len(
     the plan's :class:`usp.planner.pool.Measurements`, or a dict to cache in."""
     measured = _measurements(measured, target)
     best_len, best_layout, predictions = 0, None, []
-    frontier = [(lay, _line_lengths(lay, target)) for lay in _frontier(layouts_, target, measured)]
+    frontier = [
+        (lay, _line_lengths(lay, target)) for lay in _frontier(layouts_, target, cluster, measured)
+    ]
     for layout, lengths in reversed(frontier):  # every line's points, before any wait
         for s in reversed(lengths):
             measured.want(layout, s, urgent=True)
@@ -334,26 +336,32 @@ def _line_lengths(layout: Layout, target: Target) -> tuple[int, int]:
 
 def frontier_candidates(layouts_: list[Layout]) -> list[Layout]:
     """The layouts :func:`_frontier` chooses from: dp = 1 (a replica of fewer ranks
-    holds more tokens per rank), each grid with its most memory-saving option (the last
-    accepted)."""
-    best: dict[tuple[int, int], Layout] = {}
+    holds more tokens per rank), each grid with its most memory-saving activation option
+    (the last accepted) for each training-state offload (none, the optimizer's, the
+    parameters'): offloading saves device memory and costs host memory, so which one
+    reaches further depends on which limit binds."""
+    best: dict[tuple[int, int, str], Layout] = {}
     for layout in layouts_:
         if layout.dp == 1:
-            best[(layout.ulysses, layout.ring)] = layout
+            best[(layout.ulysses, layout.ring, layout.levers.offload)] = layout
     return list(best.values())
 
 
-def _frontier(layouts_: list[Layout], target: Target, measured) -> list[Layout]:
-    """The layouts worth extending: of :func:`frontier_candidates`, the
-    :data:`FRONTIER` with the least memory at the planned length."""
+def _frontier(layouts_: list[Layout], target: Target, cluster: Cluster, measured) -> list[Layout]:
+    """The layouts worth extending: of :func:`frontier_candidates`, the :data:`FRONTIER`
+    that fill their budget least at the planned length (the larger of the device peak's
+    and the host's share of their limits: both grow about linearly with the sequence)."""
     candidates = frontier_candidates(layouts_)
     for layout in reversed(candidates):  # urgent: the first ends up first
         measured.want(layout, target.seq_len, urgent=True)
 
-    def peak(layout: Layout) -> int:
-        return measured.footprint(layout, target.seq_len).peak_device
+    def fill(layout: Layout) -> float:
+        footprint = measured.footprint(layout, target.seq_len)
+        budget = overheads(target, layout, cluster).budget(footprint.extras)
+        host = footprint.host_total / max(budget.host_peak_limit, 1.0)
+        return max(footprint.peak_device / max(budget.device_peak_limit, 1.0), host)
 
-    return sorted(candidates, key=peak)[:FRONTIER]
+    return sorted(candidates, key=fill)[:FRONTIER]
 
 
 def _predict(points, costs: Overheads, multiple: int) -> int:
