@@ -68,6 +68,10 @@ def rows(
             fp = search._footprint_at(target, layout, cache, s)
             row[s] = (fp.peak_device / GIB, fp.peak_host / GIB, fp.breakdown)
         row["longest"] = search.max_seq_len(target, [layout], cluster, cache)[0]
+        if row["longest"]:  # what the GPU holds there, line by line (measured already)
+            at = search.evaluate(target.at(row["longest"]), layout, cluster, cache)
+            row["at_longest"] = [(i.name, i.nbytes / GIB, i.added) for i in at.items()]
+            row["at_longest_step_gib"] = at.peak_device_gib
         out.append(row)
     return out
 
@@ -118,6 +122,10 @@ def main(argv=None):
     )  # fmt: skip
     print(markdown(table, seq_lens))
     for row in table:
+        if row.get("at_longest"):
+            items = ", ".join(f"{n} {g:.2f}" + ("" if a else " (in the step)")
+                              for n, g, a in row["at_longest"])  # fmt: skip
+            print(f"at {row['longest']:,}: step {row['at_longest_step_gib']:.2f} GiB; {items}")
         _, _, parts = row[max(seq_lens)]
         print(f"{row['activation_checkpointing']!s:>7} {row['mlp_tile_tokens']:>5}: at "
               f"{max(seq_lens):,}: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items() if v))  # fmt: skip

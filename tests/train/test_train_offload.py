@@ -124,21 +124,46 @@ def test_offloaded_steps_equal_on_device_adamw_bit_for_bit(distributed, offload_
     assert counts[0] > 0 and len(set(counts)) == 1
 
 
-def test_offload_trains_like_one_process(distributed, tmp_path):
-    """The trainer with both levers on 4 ranks (u2 x r2, FSDP2 with CPUOffloadPolicy, the
-    host AdamW, checkpoints with its host state) against the same job in one process
-    (on-device AdamW, no FSDP): the reference's tolerances."""
-    config = base_config(offload_optimizer=True, offload_parameters=True)
+OFFLOADED = base_config(offload_optimizer=True, offload_parameters=True)
+
+
+@pytest.fixture(scope="module")
+def offload_run(distributed, tmp_path_factory):
+    """The trainer with both levers on 4 ranks (u2 x r2, FSDP2 with CPUOffloadPolicy,
+    the host AdamW), uninterrupted, checkpoints every 2 steps (with the host state)."""
+    out = tmp_path_factory.mktemp("offload")
     rows = distributed.run(
-        _train_on_ranks, config, 2, 2, str(tmp_path / "offload"), world_size=4, timeout=TIMEOUT
+        _train_on_ranks, OFFLOADED, 2, 2, str(out), world_size=4, timeout=TIMEOUT
     )
+    return rows
+
+
+def test_offload_trains_like_one_process(offload_run, tmp_path):
+    """Against the same job in one process (on-device AdamW, no FSDP): the reference's
+    tolerances."""
+    rows = offload_run
     assert all(r == rows[0] for r in rows)
-    plain = base_config()
     reference = train(
-        train_config_from_dict(plain), None, output_dir=tmp_path / "one", stream=io.StringIO()
-    ).metrics
+        train_config_from_dict(base_config()), None, output_dir=tmp_path / "one",
+        stream=io.StringIO(),
+    ).metrics  # fmt: skip
     assert len(rows[0]) == STEPS
     assert_matches_single(rows[0], reference)
+
+
+def test_a_resumed_offload_run_repeats_the_uninterrupted_one(offload_run, distributed, tmp_path):
+    """Stopped after step 3 (its newest checkpoint: step 2), resumed: HostAdamW's state
+    comes back from the DCP checkpoint onto the host and steps 3-4 repeat exactly."""
+    out = str(tmp_path / "resumed")
+    first = distributed.run(
+        _train_on_ranks, OFFLOADED, 2, 2, out, False, 3, world_size=4, timeout=TIMEOUT
+    )
+    assert first[0] == offload_run[0][:3]
+    resumed = distributed.run(
+        _train_on_ranks, OFFLOADED, 2, 2, out, True, world_size=4, timeout=TIMEOUT
+    )
+    assert [r[0] for r in resumed[0]] == [3, 4]
+    assert resumed[0] == offload_run[0][2:]
 
 
 def test_offload_parameters_needs_offload_optimizer_and_a_topology(tmp_path):
@@ -149,3 +174,35 @@ def test_offload_parameters_needs_offload_optimizer_and_a_topology(tmp_path):
     job = train_config_from_dict(base_config(offload_optimizer=True, offload_parameters=True))
     with pytest.raises(ConfigError, match="a single process without a topology runs without FSDP"):
         train(job, None, output_dir=tmp_path / "one", stream=io.StringIO())
+
+
+def test_load_state_dict_puts_the_state_on_the_host():
+    """torch's Optimizer.load_state_dict casts each state tensor to its parameter's
+    device; HostAdamW's keeps it on the host (here a host distinct from the parameter's
+    memory: ``meta``), with the step count and the hyperparameters restored."""
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    optimizer = HostAdamW([{"params": params[:1]}, {"params": params[1:]}], lr=0.1)
+    optimizer.host_device = torch.device("meta")
+    saved = {
+        "state": {
+            i: {
+                "step": torch.tensor(7.0),
+                "exp_avg": torch.ones_like(p),
+                "exp_avg_sq": torch.full_like(p, 2.0),
+            }
+            for i, p in enumerate(params)
+        },  # fmt: skip
+        "param_groups": [
+            {**{k: v for k, v in g.items() if k != "params"}, "lr": 0.5, "params": [i]}
+            for i, g in enumerate(optimizer.param_groups)
+        ],
+    }
+    optimizer.load_state_dict(saved)
+    for p in params:
+        state = optimizer.state[p]
+        assert state["exp_avg"].device.type == "meta" == state["exp_avg_sq"].device.type
+        assert state["step"].item() == 7.0 and state["step"].device.type == "cpu"
+    assert [g["lr"] for g in optimizer.param_groups] == [0.5, 0.5]
+    bad = dict(saved, param_groups=saved["param_groups"][:1])
+    with pytest.raises(ValueError, match="group"):
+        optimizer.load_state_dict(bad)
