@@ -2,6 +2,7 @@
 against a real step, searched and printed."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -331,3 +332,39 @@ def test_a_pessimistic_line_is_corrected_by_measuring(tmp_path):
     limit = search.overheads(target, layout, cluster).budget().device_peak_limit
     expected = int(256 + (limit - 2**28) // 2**19) // 4 * 4
     assert longest == expected
+
+
+def test_the_search_steps_down_a_pinned_rounding_cliff(tmp_path):
+    """Offloaded layer inputs on CUDA: every block takes the next power of two, so the
+    host's need jumps where a block passes 2^k bytes. The search adds that rounding
+    exactly to its line and ends at the last length below the jump (a plain line through
+    two lengths below it predicted far past it, and kept missing)."""
+    from usp.planner import search
+    from usp.planner.footprint import Extras, Footprint, Phase
+    from usp.planner.measure import offload_rounding
+
+    target = target_of(write_config(tmp_path, gpus=2, seq_len=4096), 2, device="cuda")
+    layout = Layout(1, 2, 1, Levers("offload"))
+    layers = target.model.num_hidden_layers
+    block = target.model.hidden_size * 2 // 2  # bytes per global token of one block (bf16, sp 2)
+
+    class Offloaded(LinearMemory):
+        def footprint(self, layout_, seq_len):
+            self.asked.append(seq_len)
+            rounding = offload_rounding(target, layout, seq_len, layers)
+            host = layers * block * seq_len  # the layer inputs, exactly
+            return Footprint((Phase(2**20, host),), layers=layers, extras=Extras(pinned=rounding))
+
+    measured = Offloaded(0, 0)
+    cluster = search.Cluster(1, 2, 1000.0, 64.0, gpu="H100")  # 20 GiB of host per rank
+    limit = search.overheads(target, layout, cluster).budget().host_peak_limit
+    longest, chosen = search.max_seq_len(target, [layout], cluster, measured)
+    multiple = search.sequence_multiple(layout, target.job)
+
+    def host_total(s):
+        return measured.footprint(layout, s).host_total
+
+    assert chosen == layout and host_total(longest) <= limit < host_total(longest + multiple)
+    boundary = limit / layers  # the largest power of two block that fits
+    assert 2 ** math.floor(math.log2(boundary)) // block // multiple * multiple == longest
+    assert len(set(measured.asked)) <= 6

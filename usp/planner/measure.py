@@ -123,9 +123,7 @@ def measure_extras(target: Target, layout: Layout, built: BuiltStep) -> Extras:
     levers = layout.levers
     if target.device == "cuda":
         if levers.activation_checkpointing == "offload":
-            hidden = target.model.hidden_size
-            block = built.batches[0].input_ids.numel() * hidden * built.compute_dtype.itemsize
-            pinned += built.layers * (pinned_bytes(block) - block)
+            pinned += offload_rounding(target, layout, target.seq_len, built.layers)
         if levers.offload_parameters:
             units = _fsdp_units(built.model)
             shards = [4 * n for unit in units for n in unit]  # float32 shards, bytes
@@ -133,6 +131,22 @@ def measure_extras(target: Target, layout: Layout, built: BuiltStep) -> Extras:
             if _host_stand_in(target, built.device):
                 copies = max(shards) + 4 * max(sum(unit) for unit in units)
     return Extras(log.workspace, log.call, pinned, copies)
+
+
+def offload_rounding(target: Target, layout: Layout, seq_len: int, layers: int) -> int:
+    """What the pinned allocator adds to a CUDA step's offloaded layer inputs at
+    ``seq_len`` (``activation_checkpointing = "offload"``: one block per layer, a
+    micro-batch's local tokens x hidden in the compute dtype, each rounded up to a power
+    of two; 0 for other levers or devices). A step function of the length: the
+    longest-sequence search adds it exactly to its line (:mod:`usp.planner.search`)."""
+    from usp.train import components
+
+    if target.device != "cuda" or layout.levers.activation_checkpointing != "offload":
+        return 0
+    tokens = seq_len * target.job.train.micro_batch // layout.sp
+    item = components.compute_dtype(target.job, torch.device("cuda")).itemsize
+    block = tokens * target.model.hidden_size * item
+    return layers * (pinned_bytes(block) - block)
 
 
 def _fsdp_units(model) -> list[list[int]]:

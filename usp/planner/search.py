@@ -27,7 +27,7 @@ from usp.planner.hardware import (  # noqa: F401 (also read from here)
     GPU_MEMORY_GIB,
     NVSWITCH_GPUS,
 )
-from usp.planner.measure import measure_scaled
+from usp.planner.measure import measure_scaled, offload_rounding
 from usp.planner.overheads import Overheads, overheads_for
 from usp.planner.timing import comm_bytes, host_step_time, step_time  # noqa: F401
 
@@ -279,7 +279,9 @@ def max_seq_len(
         costs = overheads(target, layout, cluster)
         points = [(s, measured.footprint(layout, s)) for s in lengths]
         cap = longest_plannable(target, multiple)
-        predictions.append((min(cap, _predict(points, costs, multiple)), layout, multiple, costs))
+        rounding = _rounding(target, layout)
+        predicted = min(cap, _predict(points, costs, multiple, rounding))
+        predictions.append((predicted, layout, multiple, costs))
         for s, footprint in points:
             if judge(footprint, costs)[0] and s > best_len:
                 best_len, best_layout = s, layout
@@ -310,8 +312,15 @@ def max_seq_len(
                 points[above] = measured.footprint(layout, above)
                 if not fits(above):
                     break  # measured: this length fits and the next multiple does not
-            length = min(cap, _predict(_nearest(points, costs), costs, multiple))
+            nearest = _nearest(points, costs)
+            length = min(cap, _predict(nearest, costs, multiple, _rounding(target, layout)))
     return best_len, best_layout
+
+
+def _rounding(target: Target, layout: Layout):
+    """The pinned rounding of the layout's offloaded layer inputs at a length."""
+    layers = target.model.num_hidden_layers
+    return lambda seq_len: offload_rounding(target, layout, seq_len, layers)
 
 
 def longest_plannable(target: Target, multiple: int) -> int:
@@ -364,25 +373,46 @@ def _frontier(layouts_: list[Layout], target: Target, cluster: Cluster, measured
     return sorted(candidates, key=fill)[:FRONTIER]
 
 
-def _predict(points, costs: Overheads, multiple: int) -> int:
+def _predict(points, costs: Overheads, multiple: int, rounding=None) -> int:
     """The longest multiple of ``multiple`` that the line through two measured points
     keeps within both limits of the layout's budget: the device peak's (the GPU less
     every item, :mod:`usp.planner.overheads`) and a rank's host share (the node's
-    memory less its reserve, over its ranks, less each rank's process)."""
+    memory less its reserve, over its ranks, less each rank's process). ``rounding``:
+    the pinned rounding of offloaded layer inputs at a length (:func:`usp.planner.
+    measure.offload_rounding`), a step function -- each block jumps to the next power
+    of two --, so the host's line is drawn without it and it is added back exactly."""
     (s0, f0), (s1, f1) = points
     budget = costs.budget(f1.extras)
-    limits = (
-        (budget.device_peak_limit, lambda f: f.peak_device),
-        (budget.host_peak_limit, lambda f: f.host_total),
-    )
     lengths = []
-    for limit, peak in limits:
-        slope = (peak(f1) - peak(f0)) / (s1 - s0)
-        if slope > 0:
-            lengths.append(s0 + (limit - peak(f0)) / slope)
+    slope = (f1.peak_device - f0.peak_device) / (s1 - s0)
+    if slope > 0:
+        lengths.append(s0 + (budget.device_peak_limit - f0.peak_device) / slope)
+    host_len = _host_length(points, budget.host_peak_limit, multiple, rounding or (lambda s: 0))
+    if host_len is not None:
+        lengths.append(host_len)
     if not lengths:
         return max(s0, s1)
     return max(0, math.floor(min(lengths) / multiple) * multiple)
+
+
+def _host_length(points, limit: float, multiple: int, rounding) -> float | None:
+    """The longest multiple within the host limit: the line through the host peaks
+    less their rounding, plus the rounding at each length (never decreasing: found by
+    bisection); None when the host does not grow."""
+    (s0, f0), (s1, f1) = points
+    h0, h1 = f0.host_total - rounding(s0), f1.host_total - rounding(s1)
+    slope = (h1 - h0) / (s1 - s0)
+    if slope <= 0:
+        return None
+
+    def host(s: int) -> float:
+        return h0 + slope * (s - s0) + rounding(s)
+
+    lo, hi = 0, max(0, math.floor((s0 + (limit - h0) / slope) / multiple))  # (rounding >= 0)
+    while lo < hi:  # the largest k with host(k * multiple) <= limit
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if host(mid * multiple) <= limit else (lo, mid - 1)
+    return float(lo * multiple)
 
 
 def _nearest(points: dict, costs: Overheads) -> list:
