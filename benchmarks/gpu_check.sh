@@ -14,6 +14,11 @@
 #   plan_check     benchmarks/plan_check.py: usp plan's fake-tensor memory estimate of 4
 #                  layers of Llama-3.1-8B at 64k tokens (one of 8 ranks) against
 #                  torch.cuda.max_memory_allocated of the same step; fails beyond 10%
+#   overheads      benchmarks/overheads_check.py: each of usp plan's named overheads
+#                  (CUDA context, a one-rank NCCL communicator from nvidia-smi before and
+#                  after, each CUDA backend's backward workspace, the allocator reserve
+#                  with and without expandable_segments, pinned rounding, a rank's VmRSS)
+#                  against the planner's figure; fails where the planner is optimistic
 #   host_overhead  benchmarks/host_overhead.py --device auto (cuda): the host time of one
 #                  usp_attention layer call beyond its kernels (bf16, auto backend, fake
 #                  group), the GPU time it spans, and its aten ops
@@ -114,6 +119,7 @@ step emulate 180 "$PYTHON" benchmarks/emulate.py --out "$OUT"
 script_step peers 90 benchmarks/peers.py benchmarks/peers.py --out "$OUT"
 script_step train_emulate 90 benchmarks/train_emulate.py benchmarks/train_emulate.py --out "$OUT"
 script_step plan_check 120 benchmarks/plan_check.py benchmarks/plan_check.py --out "$OUT"
+script_step overheads 150 benchmarks/overheads_check.py benchmarks/overheads_check.py --out "$OUT"
 step host_overhead 60 "$PYTHON" benchmarks/host_overhead.py --device auto --repeats 100 --out "$OUT"
 script_step cuda_graph 150 benchmarks/cuda_graph_check.py benchmarks/cuda_graph_check.py \
     --cases 2 --out "$OUT"

@@ -14,11 +14,9 @@ from :mod:`usp.ring`, byte counters from :mod:`usp.comm`, configs from
 """
 
 import importlib as _importlib
+import importlib.util as _importlib_util
 import warnings as _warnings
 
-from usp.attention import UspAttention, usp_attention
-from usp.comm.overlap import compile_options
-from usp.config import build_topology_from_config, load_config
 from usp.errors import (
     BackendUnavailableError,
     CheckpointError,
@@ -30,16 +28,27 @@ from usp.errors import (
     TopologyError,
     UspError,
 )
-from usp.functional import (
-    gather_sequence,
-    local_position_ids,
-    local_token_indices,
-    sequence_multiple,
-    shard_sequence,
-)
-from usp.plan import Plan, PlanError
-from usp.process_groups import build_topology
-from usp.sharding import document_position_ids, pad_documents, pad_to_multiple
+
+# The rest of the front door loads on first use (PEP 562): ``import usp`` (and so
+# ``usp plan --bad-flag``) costs no torch import; ``usp.Plan`` imports usp.plan then.
+_LAZY = {
+    "UspAttention": "usp.attention",
+    "usp_attention": "usp.attention",
+    "build_topology_from_config": "usp.config",
+    "compile_options": "usp.comm.overlap",
+    "load_config": "usp.config",
+    "gather_sequence": "usp.functional",
+    "local_position_ids": "usp.functional",
+    "local_token_indices": "usp.functional",
+    "sequence_multiple": "usp.functional",
+    "shard_sequence": "usp.functional",
+    "Plan": "usp.plan",
+    "PlanError": "usp.plan",
+    "build_topology": "usp.process_groups",
+    "document_position_ids": "usp.sharding",
+    "pad_documents": "usp.sharding",
+    "pad_to_multiple": "usp.sharding",
+}
 
 __version__ = "0.1.0"
 
@@ -89,7 +98,13 @@ _MOVED = {
 
 
 def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(_importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # (next time a plain attribute)
+        return value
     if name not in _MOVED:
+        if _importlib_util.find_spec(f"usp.{name}") is not None:  # a subpackage: usp.models
+            return _importlib.import_module(f"usp.{name}")
         raise AttributeError(f"module 'usp' has no attribute {name!r}")
     module = _MOVED[name]
     _warnings.warn(
@@ -98,3 +113,7 @@ def __getattr__(name: str):
         stacklevel=2,
     )
     return getattr(_importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

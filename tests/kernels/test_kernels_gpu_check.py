@@ -84,7 +84,13 @@ def check_tree(tmp_path):
     tree = tmp_path / "repo"
     (tree / "benchmarks").mkdir(parents=True)
     shutil.copy(ROOT / "benchmarks" / "gpu_check.sh", tree / "benchmarks" / "gpu_check.sh")
-    for name in ("peers.py", "train_emulate.py", "plan_check.py", "cuda_graph_check.py"):
+    for name in (
+        "peers.py",
+        "train_emulate.py",
+        "plan_check.py",
+        "overheads_check.py",
+        "cuda_graph_check.py",
+    ):
         (tree / "benchmarks" / name).write_text("# fake\n")
     python = tmp_path / "fake_python"
     python.write_text(FAKE_PYTHON)
@@ -115,6 +121,7 @@ STEPS = [
     "peers",
     "train_emulate",
     "plan_check",
+    "overheads",
     "host_overhead",
     "cuda_graph",
 ]

@@ -2,6 +2,7 @@
 against a real step, searched and printed."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -133,7 +134,12 @@ def test_plan_json_ranks_every_layout_and_finds_the_longest_sequence(tmp_path, c
     assert grids == {(1, 2, 1), (2, 1, 1)}  # global_batch 1: no dp
     assert {c["activation_checkpointing"] for c in plan["candidates"]} == {True, False, "offload"}
     for c in plan["candidates"]:
-        assert c["fits"] == (c["peak_device_gib"] <= 0.01 * 0.9)
+        # a CPU rank: its step plus a 1% margin within its share (no CUDA overheads)
+        names = {i["name"] for i in c["overheads"] if i["added"]}
+        assert names == {"margin"}, names
+        assert c["device_total_gib"] == pytest.approx(c["peak_device_gib"] + 1e-4, abs=2e-3)
+        if abs(c["device_total_gib"] - 0.01) > 2e-3:  # (clear of the boundary's rounding)
+            assert c["fits"] == (c["device_total_gib"] <= 0.01)
         assert c["tokens_per_rank"] == 256
         assert c["comm_bytes_per_step"]["fsdp_all_gather"] > 0
     assert plan["best"] == plan["candidates"][0] and plan["best"]["fits"]
@@ -141,6 +147,16 @@ def test_plan_json_ranks_every_layout_and_finds_the_longest_sequence(tmp_path, c
     assert plan["best"]["step_time_s_estimate"] == min(c["step_time_s_estimate"] for c in fitting)
     # the longest fitting sequence: a multiple of the layout's need, longer than 512 here
     assert plan["max_seq_len"] > 512 and plan["max_seq_len"] % 4 == 0
+    # ... with the layout and levers that reach it, and that layout measured there
+    layout = plan["max_seq_len_layout"]
+    assert set(layout) == {
+        "ulysses", "ring", "dp", "activation_checkpointing", "mlp_tile_tokens",
+        "attention_head_chunks", "offload_optimizer", "offload_parameters",
+    }  # fmt: skip
+    at_longest = plan["max_seq_len_candidate"]
+    assert {k: at_longest[k] for k in layout} == layout and at_longest["fits"]
+    sp = layout["ulysses"] * layout["ring"]
+    assert at_longest["tokens_per_rank"] * sp == plan["max_seq_len"]
 
 
 def test_plan_text_shows_the_table_and_lines_to_paste(tmp_path, capsys):
@@ -275,14 +291,18 @@ def test_the_longest_sequence_is_where_the_first_limit_binds(
     cluster = search.Cluster(1, 2, gpu_memory_gib=1.0, host_memory_gib=2.0)
     measured = LinearMemory(device_per_token, host_per_token, base=3 * 2**20)
     longest, chosen = search.max_seq_len(target, [layout], cluster, measured)
+    budget = search.overheads(target, layout, cluster).budget()
 
     def fits(s):
-        return search.judge(measured.footprint(layout, s), cluster)[0]
+        return search.judge(
+            measured.footprint(layout, s), search.overheads(target, layout, cluster)
+        )[0]
 
     assert chosen == layout and longest % multiple == 0
     assert fits(longest) and not fits(longest + multiple)
-    device_limit = 0.9 * 2**30 - 3 * 2**20
-    host_limit = 2**30  # 2 GiB per node over 2 ranks
+    device_limit = budget.device_peak_limit - 3 * 2**20  # (a CPU rank: 99% of its share)
+    host_limit = budget.host_peak_limit  # 2 GiB per node over 2 ranks
+    assert device_limit == pytest.approx(0.99 * 2**30 - 3 * 2**20, abs=1) and host_limit == 2**30
     device_len = device_limit // device_per_token
     host_len = host_limit // host_per_token if host_per_token else float("inf")
     assert (device_len < host_len) == (bound == "device")
@@ -309,6 +329,42 @@ def test_a_pessimistic_line_is_corrected_by_measuring(tmp_path):
     cluster = search.Cluster(1, 2, gpu_memory_gib=1.0, host_memory_gib=2.0)
     measured = Bent(0, 0)
     longest, _ = search.max_seq_len(target, [layout], cluster, measured, rounds=6)
-    limit = 0.9 * 2**30
+    limit = search.overheads(target, layout, cluster).budget().device_peak_limit
     expected = int(256 + (limit - 2**28) // 2**19) // 4 * 4
     assert longest == expected
+
+
+def test_the_search_steps_down_a_pinned_rounding_cliff(tmp_path):
+    """Offloaded layer inputs on CUDA: every block takes the next power of two, so the
+    host's need jumps where a block passes 2^k bytes. The search adds that rounding
+    exactly to its line and ends at the last length below the jump (a plain line through
+    two lengths below it predicted far past it, and kept missing)."""
+    from usp.planner import search
+    from usp.planner.footprint import Extras, Footprint, Phase
+    from usp.planner.measure import offload_rounding
+
+    target = target_of(write_config(tmp_path, gpus=2, seq_len=4096), 2, device="cuda")
+    layout = Layout(1, 2, 1, Levers("offload"))
+    layers = target.model.num_hidden_layers
+    block = target.model.hidden_size * 2 // 2  # bytes per global token of one block (bf16, sp 2)
+
+    class Offloaded(LinearMemory):
+        def footprint(self, layout_, seq_len):
+            self.asked.append(seq_len)
+            rounding = offload_rounding(target, layout, seq_len, layers)
+            host = layers * block * seq_len  # the layer inputs, exactly
+            return Footprint((Phase(2**20, host),), layers=layers, extras=Extras(pinned=rounding))
+
+    measured = Offloaded(0, 0)
+    cluster = search.Cluster(1, 2, 1000.0, 64.0, gpu="H100")  # 20 GiB of host per rank
+    limit = search.overheads(target, layout, cluster).budget().host_peak_limit
+    longest, chosen = search.max_seq_len(target, [layout], cluster, measured)
+    multiple = search.sequence_multiple(layout, target.job)
+
+    def host_total(s):
+        return measured.footprint(layout, s).host_total
+
+    assert chosen == layout and host_total(longest) <= limit < host_total(longest + multiple)
+    boundary = limit / layers  # the largest power of two block that fits
+    assert 2 ** math.floor(math.log2(boundary)) // block // multiple * multiple == longest
+    assert len(set(measured.asked)) <= 6

@@ -128,10 +128,13 @@ def test_the_plan_does_not_depend_on_the_number_of_jobs(tmp_path, capsys):
         plans.append(json.loads(out))
         plans[-1].pop("seconds")
     assert plans[0] == plans[1]
-    # 2 grids x 5 lever sets, and on u1 x r2 (2 KV heads per ring) one with head chunks
-    assert len(plans[0]["candidates"]) == 11 and plans[0]["max_seq_len"] > 512
+    # 2 grids x 7 lever sets (5 for activations, then the optimizer's and the parameters'
+    # offload on top of the last), and on u1 x r2 (2 KV heads per ring) one with head chunks
+    assert len(plans[0]["candidates"]) == 15 and plans[0]["max_seq_len"] > 512
     chunked = [c for c in plans[0]["candidates"] if c["attention_head_chunks"] > 1]
-    assert [(c["ulysses"], c["attention_head_chunks"]) for c in chunked] == [(1, 2)]
+    assert {(c["ulysses"], c["attention_head_chunks"]) for c in chunked} == {(1, 2)}
+    offloaded = [(c["offload_optimizer"], c["offload_parameters"]) for c in chunked]
+    assert sorted(offloaded) == [(False, False), (True, False), (True, True)]
 
 
 def test_scaled_footprints_from_workers_equal_the_in_process_ones(tmp_path):

@@ -2,45 +2,48 @@
 
 Each subcommand lives in its own module with an ``add_parser(subparsers)`` function that
 registers it with ``set_defaults(run=...)``; ``run(args) -> int`` returns the exit
-status. :data:`SUBCOMMANDS` lists them in the order ``usp --help`` shows them: adding a
-command is one import and one entry there.
+status. :data:`SUBCOMMANDS` names those modules in the order ``usp --help`` shows them
+(imported when the parser is built): adding a command is one entry there.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import sys
 
-from usp.cli.data import add_parser as add_data_parser
-from usp.cli.topo import add_parser as add_topo_parser
-from usp.cli.train import add_parser as add_train_parser
-from usp.evaluation.cli import add_parser as add_eval_parser
-from usp.planner.cli import add_parser as add_plan_parser
-
-# New subcommands: import their add_parser above and append it here.
+# New subcommands: append the module that holds their add_parser here.
 SUBCOMMANDS = (
-    add_topo_parser,
-    add_train_parser,
-    add_plan_parser,
-    add_eval_parser,
-    add_data_parser,
+    "usp.cli.topo",
+    "usp.cli.train",
+    "usp.planner.cli",
+    "usp.evaluation.cli",
+    "usp.cli.data",
 )
+#: subcommands whose module imports no torch until it runs: ``usp plan --bad-flag``
+#: answers from a parser of that command alone, before torch loads (tested)
+LIGHT = {"plan": "usp.planner.cli"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``usp`` parser with every subcommand of :data:`SUBCOMMANDS`."""
+def build_parser(modules: tuple[str, ...] = SUBCOMMANDS) -> argparse.ArgumentParser:
+    """The ``usp`` parser with the subcommands of ``modules`` (default: all of
+    :data:`SUBCOMMANDS`)."""
     parser = argparse.ArgumentParser(
         prog="usp", description="usp: hybrid sequence parallelism (Ulysses x ring attention)."
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add_parser in SUBCOMMANDS:
-        add_parser(subparsers)
+    for module in modules:
+        importlib.import_module(module).add_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` (default: ``sys.argv[1:]``) and run the subcommand; its exit status."""
-    args = build_parser().parse_args(argv)
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and run the subcommand; its exit status.
+    A command of :data:`LIGHT` is parsed by its own parser alone (no torch import)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    light = LIGHT.get(argv[0]) if argv else None
+    args = build_parser((light,) if light else SUBCOMMANDS).parse_args(argv)
     return args.run(args)
 
 
-__all__ = ["SUBCOMMANDS", "build_parser", "main"]
+__all__ = ["LIGHT", "SUBCOMMANDS", "build_parser", "main"]

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from usp.config.toml import AUTO
+#: ``usp.config.toml.AUTO`` (not imported from there: the config package loads torch,
+#: and a usage error answers before torch loads; tests/planner/test_planner_cli.py checks
+#: they agree)
+AUTO = "auto"
 
 
 def int_or_auto(text: str) -> int | str:
@@ -41,6 +44,21 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
     return value
+
+
+def at_most(kind, maximum, why: str):
+    """An argparse type: ``kind`` (:func:`positive_int` or :func:`positive_float`) no
+    larger than ``maximum``; ``why`` says what the bound is (one line, exit 2)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if value > maximum:
+            shown = f"{maximum:,.0f}" if float(maximum).is_integer() else f"{maximum:g}"
+            raise argparse.ArgumentTypeError(f"{text} is past {shown}: {why}")
+        return value
+
+    parse.__name__ = kind.__name__  # (argparse names the type in its messages)
+    return parse
 
 
 def add_set_argument(parser: argparse.ArgumentParser) -> None:

@@ -22,8 +22,17 @@ planner's search space is this class's values (:mod:`usp.planner.search`).
   (:mod:`usp.ring.heads`).
 * ``loss_chunk_tokens``: rows per chunk of the output projection in the loss
   (:mod:`usp.models.loss`; ``None``: one unchunked pass).
+* ``offload_optimizer``: AdamW's state lives in host memory and its step runs on the
+  host (:class:`usp.train.host_optimizer.HostAdamW`, built by the trainer's
+  ``build_optimizer``); the parameters stay on the device.
+* ``offload_parameters`` (needs ``offload_optimizer``): FSDP2's ``CPUOffloadPolicy`` --
+  the sharded parameters and their gradients live in host memory, copied to the device
+  for each all-gather (:func:`usp.train.parallelize.fully_shard_model`); the optimizer
+  then steps on the host, where its parameters are.
 
-Every option computes the same numbers (up to float rounding of sums over tiles).
+The last two are read from outside the model (``levers_of(model)``) when it is sharded
+and its optimizer built; ``apply`` only records them. Every option computes the same
+numbers (up to float rounding of sums over tiles).
 """
 
 from __future__ import annotations
@@ -55,6 +64,8 @@ class Levers:
     mlp_tile_tokens: int = 0
     attention_head_chunks: int = 1
     loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS
+    offload_optimizer: bool = False
+    offload_parameters: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -71,6 +82,14 @@ class Levers:
             raise LeverError(
                 f"attention_head_chunks must be an integer >= 1, got {self.attention_head_chunks!r}"
             )
+        for name in ("offload_optimizer", "offload_parameters"):
+            if not isinstance(getattr(self, name), bool):
+                raise LeverError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.offload_parameters and not self.offload_optimizer:
+            raise LeverError(
+                "offload_parameters = true keeps the sharded parameters, their gradients and "
+                "so the optimizer step in host memory: set offload_optimizer = true as well"
+            )
 
     def replace(self, **changes) -> Levers:
         return replace(self, **changes)
@@ -84,7 +103,21 @@ class Levers:
             parts.append(f"head chunks {self.attention_head_chunks}")
         chunk = self.loss_chunk_tokens
         parts.append("loss unchunked" if chunk is None else f"loss chunks {chunk}")
+        if self.offload_optimizer:
+            parts.append(
+                "parameters and optimizer on the host"
+                if self.offload_parameters
+                else "optimizer on the host"
+            )
         return ", ".join(parts)
+
+    @property
+    def offload(self) -> str:
+        """``"none"``, ``"optimizer"`` or ``"parameters"`` (parameters, their gradients
+        and the optimizer): what of the training state lives in host memory."""
+        if self.offload_parameters:
+            return "parameters"
+        return "optimizer" if self.offload_optimizer else "none"
 
     # ------------------------------------------------------------------ applying
     def check(self, model: nn.Module, plan=None) -> None:

@@ -8,23 +8,50 @@ Reads a ``usp train`` config (the model from its preset or its checkpoint's
 are), measures one rank's real training step for every valid grid and memory option
 (:mod:`usp.planner.search`), and prints them ranked by estimated step time with the
 longest sequence that fits; what it measures is shown on stderr as it goes (n of m;
-``--quiet``: nothing). Exit status: 0 a plan fits, 2 bad input or nothing fits.
+``--quiet``: nothing). Exit status: 0 a plan fits, 2 bad input or nothing fits, 128 + N
+when signal N (SIGINT, SIGTERM) stopped it -- its worker processes stopped first.
+
+This module imports no torch until :func:`run` (a usage error, a value past what the
+plan can represent, answers at once: :data:`usp.cli.LIGHT`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 
-from usp.cli.args import add_set_argument, positive_float, positive_int
+from usp.cli.args import add_set_argument, at_most, positive_float, positive_int
+from usp.planner.hardware import (
+    DEFAULT_GPU,
+    DEFAULT_HOST_MEMORY_GIB,
+    GPU_MEMORY_GIB,
+    MAX_JOBS,
+    MAX_MEMORY_GIB,
+    MAX_ROW_TOKENS,
+    MAX_WORLD,
+    default_jobs,
+)
+
+_ROW = "a packed row's document boundaries are int32"
+_WORLD = "the plan enumerates every (ulysses, ring, dp) of at most that many ranks"
+_MEMORY = "GiB; the plan's byte arithmetic is exact only below that"
+
+
+class PlanStopped(BaseException):
+    """A signal stopped ``usp plan`` (raised in its main thread; not an Exception, so no
+    ``except Exception`` on the way swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``plan`` on the ``usp`` command line (``set_defaults(run=run)``)."""
-    from usp.planner.pool import default_jobs
-    from usp.planner.search import DEFAULT_GPU, DEFAULT_HOST_MEMORY_GIB, GPU_MEMORY_GIB
 
     p = subparsers.add_parser(
         "plan",
@@ -33,18 +60,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "(ulysses, ring, dp) and activation-memory option, and rank them.",
     )
     p.add_argument("config", help="a usp train config (TOML)")
-    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence ([train] seq_len)")
-    p.add_argument("--nodes", type=positive_int, help="overrides [cluster] nodes")
-    p.add_argument("--gpus-per-node", type=positive_int, help="overrides [cluster] gpus_per_node")
+    p.add_argument(
+        "--seq-len",
+        type=at_most(positive_int, MAX_ROW_TOKENS, _ROW),
+        help="tokens per sequence ([train] seq_len)",
+    )
+    p.add_argument(
+        "--nodes", type=at_most(positive_int, MAX_WORLD, _WORLD), help="overrides [cluster] nodes"
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=at_most(positive_int, MAX_WORLD, _WORLD),
+        help="overrides [cluster] gpus_per_node",
+    )
     p.add_argument(
         "--gpu-memory-gib",
-        type=positive_float,
+        type=at_most(positive_float, MAX_MEMORY_GIB, _MEMORY),
         help=f"memory per GPU (default: the [cluster] gpu's, {GPU_MEMORY_GIB[DEFAULT_GPU]:g} "
         f"for {DEFAULT_GPU}; known: {', '.join(f'{k} {v:g}' for k, v in GPU_MEMORY_GIB.items())})",
     )
     p.add_argument(
         "--host-memory-gib",
-        type=positive_float,
+        type=at_most(positive_float, MAX_MEMORY_GIB, _MEMORY),
         help=f"host memory per node (default {DEFAULT_HOST_MEMORY_GIB:g})",
     )
     p.add_argument(
@@ -54,7 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--jobs",
-        type=positive_int,
+        type=at_most(positive_int, MAX_JOBS, "at most one worker per CPU here"),
         default=default_jobs(),
         help="worker processes measuring in parallel (default: min(2, CPUs) = "
         f"{default_jobs()}; 1 measures in this process); the result does not depend on it",
@@ -69,10 +106,43 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    with _stop_on_signals():
+        try:
+            return _run(args, started)
+        except PlanStopped as stop:
+            name = signal.Signals(stop.signum).name
+            print(f"usp plan: stopped by {name} (its worker processes were stopped)",
+                  file=sys.stderr)  # fmt: skip
+            return 128 + stop.signum
+
+
+class _stop_on_signals:
+    """While inside (in the main thread): SIGTERM and SIGINT raise :class:`PlanStopped`,
+    so the measurements' context ends its workers before the command exits."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __enter__(self):
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self.previous[signum] = signal.signal(signum, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise PlanStopped(signum)
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def _run(args: argparse.Namespace, started: float) -> int:
     from usp.errors import UspError
     from usp.planner.plan import nothing_fits, plan
 
-    started = time.perf_counter()
     try:
         result = plan(
             args.config,

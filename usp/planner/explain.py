@@ -24,19 +24,20 @@ resizes in place) are grouped as "(not created by an op of the step)".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from usp.planner.footprint import CATEGORIES, Layout, Target, phase_footprint
-from usp.planner.measure import built_step
+from usp.planner.footprint import CATEGORIES, Extras, Layout, Target, phase_footprint
+from usp.planner.measure import built_step, measure_extras
 
 # Paths as code objects name them (not resolved: a checkout reached through a symlink
 # must match too); .../usp/ with the separator, so a sibling .../usp-venv/ is not usp.
@@ -85,6 +86,7 @@ class Explained:
     breakdown: dict[str, int]
     live: tuple[Live, ...]  # largest first
     tokens: int  # this rank's local tokens in a micro-batch
+    extras: Extras = field(default_factory=Extras)  # what the step shows besides
 
     @property
     def attributed(self) -> int:
@@ -248,7 +250,8 @@ def explain(target: Target, layout: Layout, *, layers: int = 3) -> list[Explaine
                     log.restart_peak()
                     if phase.startswith("backward"):
                         tracker.reset_mod_stats()
-    return explained
+        extras = measure_extras(target, layout, built)
+    return [dataclasses.replace(e, extras=extras) for e in explained]
 
 
 # ----------------------------------------------------------------------------- report
@@ -291,6 +294,24 @@ def text(explained: Sequence[Explained], *, top: int = 20, phase: str | None = N
     return "\n".join(lines)
 
 
+def overheads_text(explained: Sequence[Explained], target: Target, layout: Layout, cluster) -> str:
+    """What the GPU and the host spend besides the tracked tensors of the peak phase
+    (:mod:`usp.planner.overheads`, the lines ``usp plan`` prints), at this depth."""
+    from usp.planner.footprint import Footprint, Phase
+    from usp.planner.report import overhead_lines
+    from usp.planner.search import Candidate, overheads
+
+    chosen = max(explained, key=lambda e: e.device)
+    footprint = Footprint((Phase(chosen.device, 0, chosen.breakdown),), 0, extras=chosen.extras)
+    costs = overheads(target, layout, cluster)
+    candidate = Candidate(layout, target.seq_len, footprint, True, None, 0.0, {}, costs)
+    lines = [
+        "",
+        "what the GPU and the host hold besides (usp plan's items, usp.planner.overheads):",
+    ]
+    return "\n".join(lines + overhead_lines(candidate, cluster))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from usp.errors import UspError
     from usp.train.components import levers_of, model_source
@@ -314,6 +335,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--phase", help="explain this phase (default: the highest peak)")
     p.add_argument("--top", type=int, default=20)
+    p.add_argument("--offload-optimizer", action="store_true", help="[train] offload_optimizer")
+    p.add_argument(
+        "--offload-parameters",
+        action="store_true",
+        help="[train] offload_parameters (and the optimizer)",
+    )
     args = p.parse_args(argv)
     try:
         job = load_train_config(args.config, seq_len=args.seq_len)
@@ -329,13 +356,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.attention_head_chunks is not None:
             levers = levers.replace(attention_head_chunks=args.attention_head_chunks)
+        if args.offload_optimizer or args.offload_parameters:
+            levers = levers.replace(
+                offload_optimizer=True, offload_parameters=args.offload_parameters
+            )
         layout = Layout(args.ulysses, ring, args.dp, levers)
         explained = explain(target, layout, layers=args.layers)
+        planned = _planned_cluster(job, args.device)
     except UspError as err:
         print(f"explain: error: {err}", file=sys.stderr)
         return 2
     print(text(explained, top=args.top, phase=args.phase))
+    print(overheads_text(explained, target, layout, planned))
     return 0
+
+
+def _planned_cluster(job, device: str):
+    """The config's cluster as ``usp plan`` plans it (the GPU's memory from its name)."""
+    from usp.planner.plan import _cluster
+
+    cluster = job.topology.cluster
+    return _cluster(job, cluster.nodes, cluster.gpus_per_node, None, None, device)[0]
 
 
 if __name__ == "__main__":

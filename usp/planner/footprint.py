@@ -79,6 +79,26 @@ class Phase:
 
 
 @dataclass(frozen=True)
+class Extras:
+    """What a measured step shows about memory besides its tracked tensors, in bytes
+    (:mod:`usp.planner.overheads` names each in the report):
+
+    ``workspace``: the largest attention call's kernel workspace (already inside the
+    phases: the planning kernels allocate it for the call), ``workspace_call`` that call;
+    ``pinned``: what torch's pinned allocator adds on the host to the step's pinned
+    blocks (each rounded up to a power of two: offloaded layer inputs, offloaded
+    parameter and gradient shards); ``offload_copies``: device memory of FSDP2's
+    parameter offload that the CPU stand-in never allocates (the largest shard's
+    host-to-device copy before its all-gather, the largest unit's reduce-scatter output
+    before its copy to the host)."""
+
+    workspace: int = 0
+    workspace_call: str = ""
+    pinned: int = 0
+    offload_copies: int = 0
+
+
+@dataclass(frozen=True)
 class Footprint:
     """One rank's memory in a step: the peak of each phase, in step order."""
 
@@ -88,6 +108,7 @@ class Footprint:
     #: memory, an offload's copies included). A CUDA step planned on the CPU stand-in
     #: counts the offload's host copies apart (on :data:`HOST_STAND_IN`)
     host_separated: bool = True
+    extras: Extras = field(default_factory=Extras)
 
     @property
     def peak(self) -> Phase:
@@ -100,7 +121,13 @@ class Footprint:
 
     @property
     def peak_host(self) -> int:
+        """The measured host peak (tensors; :attr:`host_total` adds pinned rounding)."""
         return max(p.host for p in self.phases)
+
+    @property
+    def host_total(self) -> int:
+        """The host peak with the pinned allocator's rounding (what a rank's host holds)."""
+        return self.peak_host + self.extras.pinned
 
     @property
     def breakdown(self) -> dict[str, int]:
@@ -126,7 +153,10 @@ def scale_depth(low: Footprint, high: Footprint, layers: int) -> Footprint:
         )
         for a, b in zip(low.phases, high.phases)
     )
-    return Footprint(phases, layers, host_separated=high.host_separated)
+    # the largest call and the offload copies are the same at every depth (one layer's,
+    # or the root's); pinned rounding grows by one layer's blocks per layer
+    extras = replace(high.extras, pinned=line(low.extras.pinned, high.extras.pinned))
+    return Footprint(phases, layers, host_separated=high.host_separated, extras=extras)
 
 
 #: the depths measured to extrapolate a deeper model from. From 3 layers on, the backward
@@ -153,18 +183,30 @@ def from_runs(model, runs: list[Footprint]) -> Footprint:
     return scale_depth(low, high, model.num_hidden_layers)
 
 
-def footprint_of(phases: list[dict], device: torch.device, layers: int, planned: str) -> Footprint:
+#: the categories that live in host memory with FSDP2's parameter offload: on the CPU
+#: stand-in they share the device's memory, so the footprint moves them to the host
+OFFLOADED_PARAMETER_CATEGORIES = ("parameters", "gradients", "optimizer_state")
+
+
+def footprint_of(
+    phases: list[dict], device: torch.device, layers: int, planned: str, *,
+    host_categories: tuple[str, ...] = (), extras: Extras | None = None,
+) -> Footprint:  # fmt: skip
     """The footprint of a step from its tracker snapshots, one per phase."""
     return Footprint(
-        tuple(phase_footprint(snapshot, device) for snapshot in phases),
+        tuple(phase_footprint(snapshot, device, host_categories) for snapshot in phases),
         layers,
         host_separated=planned != "cpu",
+        extras=extras or Extras(),
     )
 
 
-def phase_footprint(snapshot: dict, device: torch.device) -> Phase:
+def phase_footprint(
+    snapshot: dict, device: torch.device, host_categories: tuple[str, ...] = ()
+) -> Phase:
     """One phase's peak from the tracker's snapshot: ``device``'s total and breakdown,
-    and the host's (the CPU, or :data:`HOST_STAND_IN`)."""
+    and the host's (the CPU, or :data:`HOST_STAND_IN`). ``host_categories``: breakdown
+    categories of ``device`` that are host memory in the planned run (moved there)."""
     peak_device, peak_host, breakdown = 0, 0, {}
     for dev, snap in snapshot.items():
         dev = torch.device(dev)
@@ -177,4 +219,8 @@ def phase_footprint(snapshot: dict, device: torch.device) -> Phase:
                     breakdown[name] = breakdown.get(name, 0) + int(value)
         elif dev.type == "cpu" or dev == HOST_STAND_IN:
             peak_host += total
+    for name in host_categories:
+        moved = breakdown.pop(name, 0)
+        peak_device -= moved
+        peak_host += moved
     return Phase(peak_device, peak_host, breakdown)

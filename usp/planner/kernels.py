@@ -10,19 +10,32 @@ CPU, the kernels ``usp train`` picks first there -- which call the same aten ops
 the same layouts as :mod:`usp.kernels.backends.sdpa_cuda` and
 :mod:`usp.kernels.backends.cpu` and nothing else. :func:`planning_kernels` swaps them in
 for the registry's lookups of those names while a step is measured, and back on exit.
+
+Workspaces: a fake kernel allocates only its outputs, while the real ones allocate
+working memory for the duration of a call (FA2's float32 ``dq_accum``, cuDNN's
+``dQ_accum``, the CPU kernel's per-thread buffers). Under fake tensors each planning
+backend allocates the workspace of the backend it stands for
+(:func:`usp.planner.overheads.attention_workspace`) right before the op and frees it
+right after, so the tracker counts it exactly where it is live; :class:`KernelLog` keeps
+the largest (what the report shows). With real tensors (a step run for real to check
+the planner) the real kernel allocates its own and nothing is added.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from unittest import mock
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from usp.kernels.backends import registry
 from usp.kernels.backends.base import Backend, Grads
 from usp.kernels.masks import lse_for_backward
+from usp.planner.overheads import attention_workspace
 
 #: what ``backend = "auto"`` runs for the trainer's packed calls (it always passes the
 #: document boundaries): the first backend with native varlen kernels on CUDA (torch's
@@ -50,7 +63,45 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)  # [B, S, H, D] -> [B, H, S, D] (a view)
 
 
-class _FakeCuda(Backend):
+@dataclass
+class KernelLog:
+    """The largest workspace one planned attention call allocated: bytes, and the call."""
+
+    workspace: int = 0
+    call: str = ""
+
+    def note(self, nbytes: int, call: str) -> None:
+        if nbytes > self.workspace:
+            self.workspace, self.call = nbytes, call
+
+
+class _Planning(Backend):
+    """What every planning backend shares: the workspace of the backend it stands for."""
+
+    log: KernelLog | None = None  # set while planning_kernels() is active
+
+    def _workspace(self, q: torch.Tensor, spec, *, backward: bool) -> torch.Tensor | None:
+        """The real kernel's working memory for this call, as one fake tensor (None with
+        real tensors, whose kernel allocates its own)."""
+        if not isinstance(q, FakeTensor):
+            return None
+        nbytes = attention_workspace(
+            self.name, batch=spec.batch, seqlen_q=spec.seqlen_q, seqlen_k=spec.seqlen_k,
+            heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+            item_bytes=q.element_size(), backward=backward, threads=os.cpu_count() or 1,
+        )  # fmt: skip
+        if self.log is not None:
+            kind = "backward" if backward else "forward"
+            self.log.note(
+                nbytes,
+                f"{self.name} {kind}, q [{spec.batch}, {spec.seqlen_q}, {spec.num_heads}, "
+                f"{spec.head_dim}], k/v [{spec.batch}, {spec.seqlen_k}, {spec.num_kv_heads}, "
+                f"{spec.head_dim}] {str(q.dtype).removeprefix('torch.')}",
+            )
+        return torch.empty(nbytes, dtype=torch.uint8, device=q.device) if nbytes else None
+
+
+class _FakeCuda(_Planning):
     """cuDNN attention's ops (``_scaled_dot_product_cudnn_attention`` and its backward)
     on contiguous BSHD tensors, as ``sdpa_cuda.CudnnBackend`` calls them. It stands for
     every CUDA backend: they all return out in the input's dtype and an fp32 LSE of one
@@ -63,9 +114,11 @@ class _FakeCuda(Backend):
 
     def forward(self, q, k, v, spec, scale):
         q, k, v = (t.contiguous() for t in (q, k, v))
+        workspace = self._workspace(q, spec, backward=False)  # noqa: F841 (live in the op)
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, spec.causal, False, scale=scale
         )[:2]
+        del workspace
         return _bhsd(out), lse.reshape(spec.batch, spec.num_heads, spec.seqlen_q)
 
     def backward(self, dout, q, k, v, out, lse, spec, scale) -> Grads:
@@ -73,14 +126,16 @@ class _FakeCuda(Backend):
         kernel_lse = lse_for_backward(lse).contiguous().unsqueeze(-1)  # [B, H, S, 1]
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         offset = torch.zeros((), dtype=torch.int64, device=q.device)
+        workspace = self._workspace(q, spec, backward=True)  # noqa: F841 (live in the op)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), kernel_lse, seed, offset,
             None, None, None, spec.seqlen_q, spec.seqlen_k, 0.0, spec.causal, scale=scale,
         )  # fmt: skip
+        del workspace
         return _bhsd(dq), _bhsd(dk), _bhsd(dv)
 
 
-class _FakeCpu(Backend):
+class _FakeCpu(_Planning):
     """The CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``) without the
     real backend's finiteness detour (which reads a value on the host)."""
 
@@ -90,16 +145,21 @@ class _FakeCpu(Backend):
     bottom_right_causal = False
 
     def forward(self, q, k, v, spec, scale):
+        workspace = self._workspace(q, spec, backward=False)  # noqa: F841 (live in the op)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _bhsd(q), _bhsd(k), _bhsd(v), 0.0, spec.causal, scale=scale
         )
+        del workspace
         return _bhsd(out), lse
 
     def backward(self, dout, q, k, v, out, lse, spec, scale) -> Grads:
+        kernel_lse = lse_for_backward(lse).contiguous()
+        workspace = self._workspace(q, spec, backward=True)  # noqa: F841 (live in the op)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out),
-            lse_for_backward(lse).contiguous(), 0.0, spec.causal, scale=scale,
+            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), kernel_lse, 0.0,
+            spec.causal, scale=scale,
         )  # fmt: skip
+        del workspace
         return _bhsd(dq), _bhsd(dk), _bhsd(dv)
 
 
@@ -113,13 +173,21 @@ _PLANNING: dict[str, Backend] = {"cpu": _FakeCpu(), **{n: _cuda(n) for n in _CUD
 
 
 @contextmanager
-def planning_kernels() -> Iterator[None]:
+def planning_kernels() -> Iterator[KernelLog]:
     """While inside, the registry hands out the planning backends for the CUDA names and
-    ``cpu`` (``math`` as before). Not thread-safe: one planned step at a time."""
+    ``cpu`` (``math`` as before); yields the :class:`KernelLog` of their workspaces. Not
+    thread-safe: one planned step at a time."""
     real_get = registry.get
+    log = KernelLog()
 
     def get(name: str) -> Backend:
         return _PLANNING.get(name) or real_get(name)
 
-    with mock.patch.object(registry, "get", get):
-        yield
+    for backend in _PLANNING.values():
+        backend.log = log
+    try:
+        with mock.patch.object(registry, "get", get):
+            yield log
+    finally:
+        for backend in _PLANNING.values():
+            backend.log = None

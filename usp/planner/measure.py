@@ -55,6 +55,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from usp.models.tiling import representative_tiles
 from usp.planner.footprint import (
     HOST_STAND_IN,
+    OFFLOADED_PARAMETER_CATEGORIES,
+    Extras,
     Footprint,
     Layout,
     Target,
@@ -62,7 +64,8 @@ from usp.planner.footprint import (
     from_runs,
     scaling_runs,
 )
-from usp.planner.kernels import planning_backend, planning_kernels
+from usp.planner.kernels import KernelLog, planning_backend, planning_kernels
+from usp.planner.overheads import pinned_bytes
 from usp.process_groups.fake import fake_world
 from usp.train.step import clip_gradients
 
@@ -101,7 +104,60 @@ def measure(
     step = built_step(target, layout, layers=layers, fake=True, representative=representative)
     with step as built:
         phases = _tracked_steps(built, tracker)
-    return footprint_of(phases, built.device, built.layers, target.device)
+        extras = measure_extras(target, layout, built)
+    stand_in = _host_stand_in(target, built.device)
+    moved = OFFLOADED_PARAMETER_CATEGORIES if stand_in and layout.levers.offload_parameters else ()
+    return footprint_of(
+        phases, built.device, built.layers, target.device, host_categories=moved, extras=extras
+    )
+
+
+def measure_extras(target: Target, layout: Layout, built: BuiltStep) -> Extras:
+    """What the step shows besides its tracked tensors (:class:`Extras`): the largest
+    kernel workspace, the pinned allocator's rounding of the blocks a CUDA run pins
+    (offloaded layer inputs: one block per layer; FSDP's offloaded parameter and
+    gradient shards: one each per parameter), and the parameter offload's device copies
+    a CPU stand-in does not make."""
+    log = built.kernels or KernelLog()
+    pinned = copies = 0
+    levers = layout.levers
+    if target.device == "cuda":
+        if levers.activation_checkpointing == "offload":
+            pinned += offload_rounding(target, layout, target.seq_len, built.layers)
+        if levers.offload_parameters:
+            units = _fsdp_units(built.model)
+            shards = [4 * n for unit in units for n in unit]  # float32 shards, bytes
+            pinned += 2 * sum(pinned_bytes(b) - b for b in shards)  # parameter + gradient
+            if _host_stand_in(target, built.device):
+                copies = max(shards) + 4 * max(sum(unit) for unit in units)
+    return Extras(log.workspace, log.call, pinned, copies)
+
+
+def offload_rounding(target: Target, layout: Layout, seq_len: int, layers: int) -> int:
+    """What the pinned allocator adds to a CUDA step's offloaded layer inputs at
+    ``seq_len`` (``activation_checkpointing = "offload"``: one block per layer, a
+    micro-batch's local tokens x hidden in the compute dtype, each rounded up to a power
+    of two; 0 for other levers or devices). A step function of the length: the
+    longest-sequence search adds it exactly to its line (:mod:`usp.planner.search`)."""
+    from usp.train import components
+
+    if target.device != "cuda" or layout.levers.activation_checkpointing != "offload":
+        return 0
+    tokens = seq_len * target.job.train.micro_batch // layout.sp
+    item = components.compute_dtype(target.job, torch.device("cuda")).itemsize
+    block = tokens * target.model.hidden_size * item
+    return layers * (pinned_bytes(block) - block)
+
+
+def _fsdp_units(model) -> list[list[int]]:
+    """Each FSDP module's parameter shards on this rank, as element counts (padded)."""
+    units = []
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = state()._fsdp_param_group if state is not None else None
+        if group is not None:
+            units.append([p._sharded_param_data.numel() for p in group.fsdp_params])
+    return units
 
 
 @dataclass(frozen=True)
@@ -113,6 +169,8 @@ class BuiltStep:
     num_labels: int  # the step's label count (every micro-batch's labels)
     device: torch.device
     layers: int
+    compute_dtype: torch.dtype = torch.float32
+    kernels: KernelLog | None = None  # the planning kernels' workspaces (fake runs)
 
     @property
     def model(self):
@@ -178,15 +236,18 @@ def built_step(
                 backend=planning_backend(target.device, attention.backend),
                 verify_calls=False,
             )
-            batches, num_labels = _batches(job, plan, device, layout)  # host-side packing
             with ExitStack() as stack:
+                kernels = None
                 if fake or device.type == "cpu":  # (a real CUDA run uses the real kernels)
-                    stack.enter_context(planning_kernels())
+                    kernels = stack.enter_context(planning_kernels())
                 if fake:
                     stack.enter_context(all_labelled())
                     if representative:
                         stack.enter_context(representative_tiles())
                     stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+                # the packed row as fake tensors: nothing proportional to the sequence is
+                # made on the planning machine (the boundaries stay real host values)
+                batches, num_labels = _batches(job, plan, device, layout)
                 source = components.ModelSource(config, None)
                 model = components.build_model(job, source, plan, layout.levers)
                 if fake and _host_stand_in(target, device):
@@ -196,6 +257,8 @@ def built_step(
                 if not fake:
                     _randomise(sharded.module)
                 optimizer = components.build_optimizer(job, sharded.module)
+                if fake and _host_stand_in(target, device):
+                    _optimizer_to(optimizer, HOST_STAND_IN)
                 _first_optimizer_step(sharded.module, optimizer)
                 step = TrainStep(
                     sharded.module,
@@ -204,7 +267,9 @@ def built_step(
                     grad_clip=job.train.grad_clip,
                     clip=_clip_local_shards if fake else clip_gradients,
                 )
-                yield BuiltStep(step, batches, num_labels, device, config.num_hidden_layers)
+                yield BuiltStep(
+                    step, batches, num_labels, device, config.num_hidden_layers, dtype, kernels
+                )
         finally:
             topo.destroy()
 
@@ -224,6 +289,13 @@ def _offload_to(model, host: torch.device) -> None:
         offloader.host_device = host
 
 
+def _optimizer_to(optimizer, host: torch.device) -> None:
+    """Keep a host optimizer's state and copies on ``host`` (a no-op for an on-device
+    optimizer, and for one that updates parameters already on the host in place)."""
+    if hasattr(optimizer, "host_device") and not getattr(optimizer, "params_on_host", False):
+        optimizer.host_device = host
+
+
 def _randomise(model) -> None:
     """Finite values for the shards a real run computes with (``to_empty`` left them
     uninitialised when the model came from the meta device)."""
@@ -234,23 +306,26 @@ def _randomise(model) -> None:
 
 def _batches(job, plan, device: torch.device, layout: Layout) -> tuple[list, int]:
     """The step's micro-batches for this rank, sharded as the trainer shards them
-    (:func:`usp.models.shard_batch`, outside fake mode: the boundaries are host values
-    the layout reads): one document filling the packed row, every token labelled (the
-    most the loss can hold); at most :data:`MAX_MICRO_BATCHES` (the second holds what
-    accumulation holds). Returns them and the step's label count."""
+    (:func:`usp.models.shard_batch`): one document filling the packed row, every token
+    labelled (the most the loss can hold); at most :data:`MAX_MICRO_BATCHES` (the second
+    holds what accumulation holds). Returns them and the step's label count. Called
+    inside the step's ``FakeTensorMode`` (when faked): the row and its shards are fake
+    tensors, nothing of the sequence's size is allocated; only the document boundaries
+    are packed for real (``Plan.pack`` reads them as host values: two int32 numbers)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from usp.models import shard_batch
 
     row = job.train.micro_batch * job.train.seq_len  # a forward's packed row
     micro_batches = min(job.gradient_accumulation(layout.dp), MAX_MICRO_BATCHES)
-    tokens = torch.zeros(1, row, dtype=torch.long)
-    batch = shard_batch(
-        plan,
-        tokens,
-        labels=tokens,
-        cu_seqlens=torch.tensor([0, row], dtype=torch.int32),
-        shift=False,
-        device=device,
-    )  # fmt: skip  ([1, row] -> [1, row / sp])
+    with unset_fake_temporarily():
+        cu_seqlens = torch.tensor([0, row], dtype=torch.int32)
+        packed = plan.pack(cu_seqlens, device=device)  # (the SP ranks agree: fake group)
+    tokens = torch.zeros(1, row, dtype=torch.long)  # [1, row]: fake inside the mode
+    with mock.patch.object(plan, "pack", lambda *args, **kwargs: packed):
+        batch = shard_batch(
+            plan, tokens, labels=tokens, cu_seqlens=cu_seqlens, shift=False, device=device
+        )  # ([1, row] -> [1, row / sp])
     return [batch] * micro_batches, row * micro_batches
 
 

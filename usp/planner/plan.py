@@ -40,7 +40,34 @@ def _cluster(job, nodes, gpus_per_node, gpu_memory_gib, host_memory_gib, device)
         gpu = "cpu"
     intra = search.DEFAULT_INTRA_NODE_GBPS if c.intra_node_gbps == AUTO else c.intra_node_gbps
     inter = search.DEFAULT_INTER_NODE_GBPS if c.inter_node_gbps == AUTO else c.inter_node_gbps
-    return search.Cluster(nodes, gpus, gpu_memory_gib, host, intra, inter), gpu
+    _check_representable(job, nodes, gpus, gpu_memory_gib, host)
+    return search.Cluster(nodes, gpus, gpu_memory_gib, host, intra, inter, gpu), gpu
+
+
+def _check_representable(job, nodes: int, gpus: int, gpu_memory_gib, host_memory_gib) -> None:
+    """A :class:`ConfigError` for a job past what the search can represent
+    (:mod:`usp.planner.hardware`): the command line checks its flags the same way before
+    torch loads (:mod:`usp.planner.cli`); this catches the file's and ``--set``'s."""
+    from usp.planner.hardware import MAX_MEMORY_GIB, MAX_ROW_TOKENS, MAX_WORLD
+
+    row = job.train.micro_batch * job.train.seq_len
+    if row > MAX_ROW_TOKENS:
+        raise job.error(
+            f"[train] micro_batch({job.train.micro_batch}) x seq_len({job.train.seq_len}) = "
+            f"{row:,} tokens per packed row; the plan takes at most {MAX_ROW_TOKENS:,} "
+            "(document boundaries are int32)"
+        )
+    if nodes * gpus > MAX_WORLD:
+        raise job.error(
+            f"{nodes} node(s) x {gpus} GPUs = {nodes * gpus:,} ranks; the plan enumerates "
+            f"at most {MAX_WORLD:,}"
+        )
+    for name, value in (("GPU", gpu_memory_gib), ("host", host_memory_gib)):
+        if value is not None and value > MAX_MEMORY_GIB:
+            raise job.error(
+                f"{name} memory {value:g} GiB is past what the plan represents "
+                f"(at most {MAX_MEMORY_GIB:g} GiB)"
+            )
 
 
 def plan(
@@ -111,6 +138,9 @@ def plan(
             measured.want(layout, target.seq_len)
         longest, longest_layout = search.max_seq_len(target, runnable, cluster, measured)
         candidates = [search.evaluate(target, layout, cluster, measured) for layout in runnable]
+        at_longest = None
+        if longest_layout is not None:  # (measured already: the search's last fit)
+            at_longest = search.evaluate(target.at(longest), longest_layout, cluster, measured)
     ranked = search.rank(candidates)
     if device == "cuda" and not torch.cuda.is_available():
         notes.append(
@@ -118,9 +148,25 @@ def plan(
             "the offload's host copies were kept apart (on the meta device) and count as host"
         )
     notes.append(
-        f"fits = peak device memory <= {search.USABLE_FRACTION:.0%} of the GPU's "
-        "(the rest: CUDA context, kernel workspaces, fragmentation)"
+        "fits = the measured step's device peak plus the named overheads (kernel "
+        "workspaces in the step; NCCL communicators, CUDA context, allocator reserve and a "
+        "margin added) within the GPU's memory, and the node's ranks with their host "
+        "overheads within its host memory (usp.planner.overheads; listed below the table)"
     )
+    if device == "cuda":
+        from usp.planner.overheads import NCCL_SETTINGS
+
+        notes.append(f"NCCL's figures change with {NCCL_SETTINGS}")
+    cap = (
+        search.longest_plannable(target, search.sequence_multiple(longest_layout, job))
+        if longest_layout
+        else 0
+    )
+    if longest and longest == cap:
+        notes.append(
+            f"the longest sequence is at least {longest:,}: the search stops there (a packed "
+            "row's document boundaries are int32)"
+        )
     return PlanResult(
         config=config,
         model_name=job.model.preset or str(source.directory),
@@ -131,6 +177,7 @@ def plan(
         candidates=ranked,
         max_seq_len=longest,
         max_seq_layout=longest_layout,
+        at_longest=at_longest,
         notes=notes,
         seconds=time.perf_counter() - started,
     )

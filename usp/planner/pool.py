@@ -34,6 +34,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from usp.errors import InputError, UspError
 from usp.planner.footprint import Footprint, Layout, Target, from_runs, scaling_runs
+from usp.planner.hardware import default_jobs  # noqa: F401 (usp plan's default --jobs)
 from usp.planner.measure import measure
 
 #: how worker processes start: a fresh interpreter (torch is not fork-safe once loaded)
@@ -42,11 +43,6 @@ START_METHOD = "spawn"
 
 class WorkerError(UspError, RuntimeError):
     """A planning worker process died or sent back what could not be read."""
-
-
-def default_jobs() -> int:
-    """``usp plan``'s default ``--jobs``: two workers where there are two CPUs."""
-    return max(1, min(2, os.cpu_count() or 1))
 
 
 _Key = tuple[Layout, int]  # (layout, seq_len): the runs of every depth, in one worker
@@ -193,9 +189,29 @@ def _timed_runs(target: Target, layout: Layout, seq_len: int):
     return runs, time.process_time() - started
 
 
+#: seconds between a worker's checks that the plan that started it is still there
+PARENT_POLL_S = 1.0
+
+
 def _init_worker() -> None:
+    """A worker ignores SIGINT (a Ctrl-C reaches every process of the terminal's group:
+    the plan stops its workers itself, :mod:`usp.planner.cli`) and exits when the plan
+    that started it is gone (killed with SIGKILL: nothing else would end it)."""
+    import signal
+    import threading
+
     import torch
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch_parent, name="usp-plan-parent", daemon=True).start()
     torch.set_num_threads(1)  # fake tensors compute nothing; the CPUs are the workers'
 
 

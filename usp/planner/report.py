@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from usp.config import toml_repr
 from usp.planner.footprint import scaling_runs
-from usp.planner.search import GIB, USABLE_FRACTION, Candidate, Cluster
+from usp.planner.search import GIB, Candidate, Cluster
 
 #: rows of the human table (the JSON lists every candidate)
 TABLE_ROWS = 12
@@ -34,6 +34,7 @@ class PlanResult:
     max_seq_layout: object | None
     notes: list[str]
     seconds: float
+    at_longest: Candidate | None = None  # max_seq_layout measured at max_seq_len
 
     @property
     def best(self) -> Candidate | None:
@@ -41,18 +42,40 @@ class PlanResult:
         return fitting[0] if fitting else None
 
 
-def candidate_json(c: Candidate) -> dict:
-    layout = c.layout
+def layout_json(layout) -> dict:
+    """A layout's grid and levers, as the config keys that set them."""
+    levers = layout.levers
     return {
         "ulysses": layout.ulysses,
         "ring": layout.ring,
         "dp": layout.dp,
-        "activation_checkpointing": layout.levers.activation_checkpointing,
-        "mlp_tile_tokens": layout.levers.mlp_tile_tokens,
-        "attention_head_chunks": layout.levers.attention_head_chunks,
+        "activation_checkpointing": levers.activation_checkpointing,
+        "mlp_tile_tokens": levers.mlp_tile_tokens,
+        "attention_head_chunks": levers.attention_head_chunks,
+        "offload_optimizer": levers.offload_optimizer,
+        "offload_parameters": levers.offload_parameters,
+    }
+
+
+def item_json(item) -> dict:
+    return {
+        "name": item.name,
+        "gib": round(item.nbytes / GIB, 3),
+        "where": item.where,
+        "added": item.added,
+        "source": item.source,
+    }
+
+
+def candidate_json(c: Candidate) -> dict:
+    layout = c.layout
+    return {
+        **layout_json(layout),
         "tokens_per_rank": c.seq_len // layout.sp,
         "peak_device_gib": round(c.peak_device_gib, 3),
+        "device_total_gib": round(c.device_total_gib, 3),
         "peak_host_gib": round(c.peak_host_gib, 3),
+        "overheads": [item_json(i) for i in c.items()],
         "breakdown_gib": {k: round(v / GIB, 3) for k, v in c.footprint.breakdown.items()},
         "fits": c.fits,
         "why_not": c.why_not,
@@ -80,6 +103,12 @@ def to_json(result: PlanResult) -> dict:
         "candidates": [candidate_json(c) for c in result.candidates],
         "best": None if best is None else candidate_json(best),
         "max_seq_len": result.max_seq_len,
+        "max_seq_len_layout": (
+            None if result.max_seq_layout is None else layout_json(result.max_seq_layout)
+        ),
+        "max_seq_len_candidate": (
+            None if result.at_longest is None else candidate_json(result.at_longest)
+        ),
         "notes": result.notes,
         "seconds": round(result.seconds, 1),
     }
@@ -101,12 +130,19 @@ COLUMNS = (
     ("heads", "[train] attention_head_chunks (the ring attends to that many groups of its KV "
      "heads in turn; 1: all at once)"),
     ("tokens/rank", "tokens of each sequence one rank holds: seq_len / (ulysses * ring)"),
-    ("device GiB", "peak device memory of one rank's real training step, measured under "
-     "fake tensors (parameters, gradients, optimizer state, activations, buffers)"),
-    ("host GiB", "peak host memory of one rank (offloaded activations); a node holds "
-     "gpus_per_node of these"),
-    ("fits", f"device GiB <= {100 * USABLE_FRACTION:.0f}% of the GPU's memory, and the "
-     "node's ranks within its host memory"),
+    ("offload", "[train] offload_optimizer / offload_parameters: what of the training "
+     'state lives in host memory ("optim": AdamW\'s state and step; "params": also the '
+     "parameter and gradient shards; -: none)"),
+    ("step GiB", "peak device memory of one rank's real training step, measured under "
+     "fake tensors (parameters, gradients, optimizer state, activations, buffers, the "
+     "attention kernels' workspaces)"),
+    ("device GiB", "step GiB plus what the GPU spends besides: NCCL communicators, CUDA "
+     "context, allocator reserve, margin (the lines below the table)"),
+    ("host GiB", "peak host memory of one rank's tensors (offloaded activations, "
+     "parameters, optimizer state; pinned rounding included); a node holds gpus_per_node "
+     "of these, each rank's process and the node's reserve"),
+    ("fits", "device GiB <= the GPU's memory, and the node's ranks with their host "
+     "overheads within its host memory"),
     ("step s (est.)", "seconds per optimizer step, estimated from FLOPs and bytes at assumed "
      "kernel and link speeds (not measured)"),
     ("comm GB", "bytes one rank sends per optimizer step, in 1e9 B: Ulysses all-to-alls, the "
@@ -117,10 +153,11 @@ COLUMNS = (
 def describe_layout(layout) -> str:
     """``ulysses 2 x ring 2 x dp 1, ckpt true, tile 0, heads 1``: one layout in a line."""
     levers = layout.levers
+    offload = "" if levers.offload == "none" else f", offload {levers.offload}"
     return (
         f"ulysses {layout.ulysses} x ring {layout.ring} x dp {layout.dp}, ckpt "
         f"{_checkpointing(levers.activation_checkpointing)}, tile {levers.mlp_tile_tokens}, "
-        f"heads {levers.attention_head_chunks}"
+        f"heads {levers.attention_head_chunks}{offload}"
     )
 
 
@@ -147,11 +184,15 @@ def legend() -> str:
     return "\n".join(f"  {name:<{width}}  {text}" for name, text in COLUMNS)
 
 
+#: the table's offload column
+OFFLOAD_SHORT = {"none": "-", "optimizer": "optim", "parameters": "params"}
+
+
 def table(result: PlanResult) -> str:
     header = (
         f"{'#':>3} {'ulysses':>7} {'ring':>4} {'dp':>3} {'ckpt':>9} {'tile':>5} {'heads':>5} "
-        f"{'tokens/rank':>11} {'device GiB':>10} {'host GiB':>8} {'fits':>4} "
-        f"{'step s (est.)':>13} {'comm GB':>8}"
+        f"{'offload':>7} {'tokens/rank':>11} {'step GiB':>8} {'device GiB':>10} "
+        f"{'host GiB':>8} {'fits':>4} {'step s (est.)':>13} {'comm GB':>8}"
     )
     lines = [header]
     best = result.best
@@ -162,8 +203,9 @@ def table(result: PlanResult) -> str:
         lines.append(
             f"{mark}{i:>2} {layout.ulysses:>7} {layout.ring:>4} {layout.dp:>3} "
             f"{_checkpointing(levers.activation_checkpointing):>9} {levers.mlp_tile_tokens:>5} "
-            f"{levers.attention_head_chunks:>5} "
-            f"{c.seq_len // layout.sp:>11,} {c.peak_device_gib:>10.1f} {c.peak_host_gib:>8.1f} "
+            f"{levers.attention_head_chunks:>5} {OFFLOAD_SHORT[levers.offload]:>7} "
+            f"{c.seq_len // layout.sp:>11,} {c.peak_device_gib:>8.1f} "
+            f"{c.device_total_gib:>10.1f} {c.peak_host_gib:>8.1f} "
             f"{'yes' if c.fits else 'no':>4} {c.step_time_s:>13.2f} {comm:>8.1f}"
         )
     hidden = len(result.candidates) - TABLE_ROWS
@@ -194,7 +236,39 @@ def lever_lines(levers) -> list[str]:
         lines.append(f"mlp_tile_tokens = {levers.mlp_tile_tokens}")
     if levers.attention_head_chunks > 1:
         lines.append(f"attention_head_chunks = {levers.attention_head_chunks}")
+    if levers.offload_optimizer:
+        lines.append("offload_optimizer = true")
+    if levers.offload_parameters:
+        lines.append("offload_parameters = true")
     return lines
+
+
+def overhead_lines(c: Candidate, cluster: Cluster) -> list[str]:
+    """The named lines of what a candidate's GPU and host spend (one per item of
+    :mod:`usp.planner.overheads`, with its source), and the totals against the GPU's and
+    the node's memory."""
+    where = {"device": "device", "host": "host/rank", "node": "host/node"}
+    rows = [("measured step (device peak)", c.footprint.peak_device, "device", "")]
+    rows += [
+        (("+ " if i.added else "  ") + i.name, i.nbytes, where[i.where], i.source)
+        for i in c.items()
+    ]
+    width = max(len(name) for name, *_ in rows)
+    lines = [
+        f"  {name:<{width}} {nbytes / GIB:>8.2f} GiB  {place:<9}  {source}".rstrip()
+        for name, nbytes, place, source in rows
+    ]
+    lines.append(
+        f"  = device {c.device_total_gib:.1f} of {cluster.gpu_memory_gib:g} GiB; host "
+        f"{_host_total(c) / GIB:.1f} of {cluster.host_memory_gib:g} GiB per node"
+    )
+    return lines
+
+
+def _host_total(c: Candidate) -> float:
+    if c.overheads is None:
+        return c.footprint.host_total
+    return c.overheads.budget(c.footprint.extras).host_total(c.footprint.host_total)
 
 
 def breakdown(c: Candidate) -> str:
@@ -232,6 +306,8 @@ def text(result: PlanResult) -> str:
     if best is not None:
         lines += [
             f"best (* above): {breakdown(best)}",
+            "what its GPU and host hold:",
+            *overhead_lines(best, cl),
             "paste into the config:",
             "",
             paste_lines(best),
@@ -243,6 +319,8 @@ def text(result: PlanResult) -> str:
             f"longest sequence that fits: {result.max_seq_len:,} tokens "
             f"(ulysses {m.ulysses} x ring {m.ring}, {', '.join(lever_lines(m.levers))})"
         )
+        if result.at_longest is not None:
+            lines += ["what its GPU and host hold there:", *overhead_lines(result.at_longest, cl)]
     lines += [f"note: {n}" for n in result.notes]
     lines.append(f"({result.seconds:.1f} s)")
     return "\n".join(lines)

@@ -17,51 +17,43 @@ import math
 from dataclasses import dataclass, field
 
 from usp.config import ConfigError
-from usp.models import Levers, model_counts
+from usp.models import Levers
 from usp.planner.footprint import Footprint, Layout, Target
-from usp.planner.kernels import planning_backend
-from usp.planner.measure import measure_scaled
-from usp.planner.traffic import fsdp_traffic, step_traffic, traffic_formula
+from usp.planner.hardware import (  # noqa: F401 (also read from here)
+    DEFAULT_GPU,
+    DEFAULT_HOST_MEMORY_GIB,
+    DEFAULT_INTER_NODE_GBPS,
+    DEFAULT_INTRA_NODE_GBPS,
+    GPU_MEMORY_GIB,
+    NVSWITCH_GPUS,
+)
+from usp.planner.measure import measure_scaled, offload_rounding
+from usp.planner.overheads import Overheads, overheads_for
+from usp.planner.timing import comm_bytes, host_step_time, step_time  # noqa: F401
 
 GIB = 2**30
 GB = 1e9
 
 #: the memory levers the search tries, least recomputation first, as
-#: ``(activation_checkpointing, mlp_tile_tokens, attention_head_chunks)``;
+#: ``(activation_checkpointing, mlp_tile_tokens, attention_head_chunks, offload)``;
 #: :data:`EVERY_HEAD` chunks = one KV head per ring pass (as many as the grid's ring
-#: attends to). The loss chunk is the config's (``Levers`` default), not searched.
+#: attends to); ``offload``: what of the training state lives in host memory
+#: (``"optimizer"``: AdamW's state and step, ``"parameters"``: also the parameter and
+#: gradient shards; :class:`usp.models.Levers`). The loss chunk is the config's
+#: (``Levers`` default), not searched.
 EVERY_HEAD = "every head"
-LEVER_STEPS: tuple[tuple[bool | str, int, int | str], ...] = (
-    (False, 0, 1),
-    (True, 0, 1),
-    ("offload", 0, 1),
-    (True, 8192, 1),
-    ("offload", 8192, 1),
-    ("offload", 8192, EVERY_HEAD),
+LEVER_STEPS: tuple[tuple[bool | str, int, int | str, str], ...] = (
+    (False, 0, 1, "none"),
+    (True, 0, 1, "none"),
+    ("offload", 0, 1, "none"),
+    (True, 8192, 1, "none"),
+    ("offload", 8192, 1, "none"),
+    ("offload", 8192, EVERY_HEAD, "none"),
+    ("offload", 8192, EVERY_HEAD, "optimizer"),
+    ("offload", 8192, EVERY_HEAD, "parameters"),
 )
-
-#: the part of a device's memory a plan may use: the rest is for the CUDA context, the
-#: kernels' workspaces and the caching allocator's fragmentation
-USABLE_FRACTION = 0.9
-#: device memory in GiB by GPU name (``[cluster] gpu``); what ``nvidia-smi`` reports
-GPU_MEMORY_GIB = {"H200": 140.0, "H100": 79.6, "A100": 79.2}
-DEFAULT_GPU = "H200"
-#: host memory per node in GiB when neither the config nor the command line says
-DEFAULT_HOST_MEMORY_GIB = 2048.0
-#: link bandwidths in GB/s (1e9 bytes/s) per direction, when the config does not say:
-#: NVLink 4 on H100/H200 (~450 GB/s measured per direction of the 900 GB/s total) and
-#: one 400 Gb/s InfiniBand NIC per GPU (50 GB/s)
-DEFAULT_INTRA_NODE_GBPS = 450.0
-DEFAULT_INTER_NODE_GBPS = 50.0
-
-#: TFLOP/s per attention backend, forward + backward, causal, bf16 (H200 measurements
-#: of shared/DESIGN.md, at 128k tokens; flash_attn assumed equal to torch's FA2)
-ATTENTION_TFLOPS = {"cudnn": 542.0, "flash": 325.0, "flash_attn": 325.0, "efficient": 144.0}
-#: the matmuls (projections, MLP, output head) in bf16 on an H200: an assumption (two
-#: thirds of the 989 TFLOP/s dense peak, what large cuBLAS GEMMs reach), not measured here
-GEMM_TFLOPS = 660.0
-#: every kernel on a CPU device: a rough figure, not measured (CPU plans are for demos)
-CPU_TFLOPS = 0.5
+_OFFLOAD = {"none": {}, "optimizer": {"offload_optimizer": True},
+            "parameters": {"offload_optimizer": True, "offload_parameters": True}}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -72,6 +64,7 @@ class Cluster:
     host_memory_gib: float  # per node
     intra_node_gbps: float = DEFAULT_INTRA_NODE_GBPS
     inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS
+    gpu: str = DEFAULT_GPU  # the GPU's name (NVSwitch nodes: NCCL's NVLS buffers)
 
     @property
     def world_size(self) -> int:
@@ -89,21 +82,41 @@ class Candidate:
     why_not: str | None
     step_time_s: float
     comm_bytes: dict[str, int] = field(default_factory=dict)
+    overheads: Overheads | None = None  # what the device and the host spend besides
 
     @property
     def peak_device_gib(self) -> float:
+        """The measured step's device peak (the tensors; :attr:`device_total_gib` adds
+        the named items)."""
         return self.footprint.peak_device / GIB
 
     @property
     def peak_host_gib(self) -> float:
-        return self.footprint.peak_host / GIB
+        """A rank's host tensors, pinned rounding included."""
+        return self.footprint.host_total / GIB
+
+    @property
+    def device_total_gib(self) -> float:
+        """The measured peak plus every item added to it (what the GPU must hold)."""
+        if self.overheads is None:
+            return self.peak_device_gib
+        return (
+            self.overheads.budget(self.footprint.extras).device_total(self.footprint.peak_device)
+            / GIB
+        )
+
+    def items(self):
+        """The named lines of :mod:`usp.planner.overheads` for this candidate."""
+        if self.overheads is None:
+            return []
+        return self.overheads.items(self.footprint.peak_device, self.footprint.extras)
 
 
 # ----------------------------------------------------------------------------- candidates
 def lever_options(model, grid: tuple[int, int, int], ranks_per_node: int) -> list[Levers]:
     """The :data:`LEVER_STEPS` for one ``(ulysses, ring, dp)`` grid, as
-    :class:`usp.models.Levers` (a step whose head chunks equal the previous step's is
-    left out)."""
+    :class:`usp.models.Levers` (a step equal to an earlier one, head chunks that equal
+    the previous step's, is left out)."""
     from usp.models.plans import kv_heads_per_ring
 
     u, r, _ = grid
@@ -111,8 +124,9 @@ def lever_options(model, grid: tuple[int, int, int], ranks_per_node: int) -> lis
         model.num_attention_heads, model.num_key_value_heads, u, u * r, ranks_per_node
     )
     options: list[Levers] = []
-    for checkpointing, tile, chunks in LEVER_STEPS:
-        levers = Levers(checkpointing, tile, local if chunks == EVERY_HEAD else chunks)
+    for checkpointing, tile, chunks, offload in LEVER_STEPS:
+        chunks = local if chunks == EVERY_HEAD else chunks
+        levers = Levers(checkpointing, tile, chunks, **_OFFLOAD[offload])
         if levers not in options:
             options.append(levers)
     return options
@@ -157,115 +171,31 @@ def sequence_multiple(layout: Layout, job) -> int:
     return required_multiple(layout.ring, layout.ulysses, job.topology.attention.layout)
 
 
-# ----------------------------------------------------------------------------- time
-def _spans_nodes(members, ranks_per_node: int) -> bool:
-    return len({m // ranks_per_node for m in members}) > 1
-
-
-def comm_bytes(target: Target, layout: Layout) -> dict[str, int]:
-    """Bytes one rank sends per step, by kind (:mod:`usp.planner.traffic`)."""
-    model, job = target.model, target.job
-    compute = 2 if target.device == "cuda" else 4
-    heads = _Heads(model.num_attention_heads, model.num_key_value_heads, model.attention_head_dim)
-    row = job.train.micro_batch * job.train.seq_len
-    attention = traffic_formula(
-        heads, batch=1, seqlen=row, ulysses=layout.ulysses, ring=layout.ring,
-        ring_impl=job.topology.attention.ring_impl, item_bytes=compute, acc_bytes=4,
-    )  # fmt: skip
-    counts = model_counts(model)
-    per_layer, other = counts.per_layer, counts.other
-    fsdp = fsdp_traffic(
-        per_layer, other, model.num_hidden_layers, world=target.world_size,
-        compute_bytes=compute, reduce_bytes=4,
-    )  # fmt: skip
-    return step_traffic(
-        attention,
-        fsdp,
-        layers=model.num_hidden_layers,
-        micro_batches=job.gradient_accumulation(layout.dp),
-        recompute=bool(layout.levers.activation_checkpointing),
-    )
-
-
-@dataclass(frozen=True)
-class _Heads:
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-
-def step_time(target: Target, layout: Layout, cluster: Cluster, sent: dict[str, int]) -> float:
-    """Estimated seconds per optimizer step on one rank: FLOPs at the kernels'
-    throughput plus communication over the links. Matmuls (x4/3 with activation
-    checkpointing's recompute, x1 + 2/3 more for a tiled MLP's) overlap FSDP's
-    collectives (prefetch); attention overlaps the p2p ring (double buffering); the
-    Ulysses all-to-alls and the allgather ring's collectives are serial."""
-    model, job = target.model, target.job
-    counts = model_counts(model)
-    row = job.train.micro_batch * job.train.seq_len
-    rows = job.gradient_accumulation(layout.dp)
-    sp = layout.sp
-    gemm = 6 * counts.matmul * row * rows / sp
-    attention = counts.attention_flops(row * row) * rows / sp
-    if layout.levers.activation_checkpointing:
-        gemm, attention = gemm * 4 / 3, attention * 4 / 3
-    if layout.levers.mlp_tile_tokens:
-        gemm *= 1.2  # the MLP's forward once more (it is ~2/3 of a layer's matmuls)
-    if target.device == "cuda":
-        backend = planning_backend("cuda", job.topology.attention.backend)
-        gemm_s = gemm / (GEMM_TFLOPS * 1e12)
-        attention_s = attention / (ATTENTION_TFLOPS.get(backend, 144.0) * 1e12)
-    else:
-        gemm_s, attention_s = gemm / (CPU_TFLOPS * 1e12), attention / (CPU_TFLOPS * 1e12)
-    links = _links(layout, cluster, job)
-    seconds = {kind: sent.get(kind, 0) / (links[kind] * GB) for kind in links}
-    exposed = seconds["attention_all_to_all"] + seconds["attention_all_gather"]
-    exposed += seconds["attention_reduce_scatter"]
-    return (
-        max(gemm_s, seconds["fsdp_all_gather"] + seconds["fsdp_reduce_scatter"])
-        + max(attention_s, seconds["attention_p2p"])
-        + exposed
-    )
-
-
-def _links(layout: Layout, cluster: Cluster, job) -> dict[str, float]:
-    """GB/s of the link each kind crosses for rank 0: a group that spans nodes is bound
-    by its inter-node hop."""
-    from usp.process_groups.rank_math import RankMap
-
-    parallel = job.topology.parallel
-    n = cluster.gpus_per_node
-    rank_map = RankMap(
-        cluster.world_size, n, layout.ulysses, layout.ring, layout.dp, parallel.placement,
-        parallel.allow_cross_node_ulysses,
-    )  # fmt: skip
-
-    def speed(members) -> float:
-        return cluster.inter_node_gbps if _spans_nodes(members, n) else cluster.intra_node_gbps
-
-    ring = speed(rank_map.ring_group_of(0))
-    fsdp = speed(range(cluster.world_size))
-    return {
-        "attention_all_to_all": speed(rank_map.ulysses_group_of(0)),
-        "attention_p2p": ring,
-        "attention_all_gather": ring,
-        "attention_reduce_scatter": ring,
-        "fsdp_all_gather": fsdp,
-        "fsdp_reduce_scatter": fsdp,
-    }
-
-
 # ----------------------------------------------------------------------------- fitting
-def judge(footprint: Footprint, cluster: Cluster) -> tuple[bool, str | None]:
-    """Whether a footprint fits the device (:data:`USABLE_FRACTION` of it) and the
-    host (every rank of a node together), and if not, why."""
-    device_limit = cluster.gpu_memory_gib * USABLE_FRACTION
-    device = footprint.peak_device / GIB
-    host = footprint.peak_host / GIB * cluster.gpus_per_node
-    if device > device_limit:
-        return False, f"device {device:.1f} GiB > {device_limit:.1f} GiB usable"
-    if host > cluster.host_memory_gib:
-        return False, f"host {host:.1f} GiB per node > {cluster.host_memory_gib:.0f} GiB"
+def overheads(target: Target, layout: Layout, cluster: Cluster) -> Overheads:
+    """What a rank of ``layout`` spends besides its measured step (:mod:`usp.planner.
+    overheads`: NCCL communicators, CUDA context, allocator reserve, margin, host)."""
+    return overheads_for(
+        device=target.device, gpu=cluster.gpu, gpu_memory_gib=cluster.gpu_memory_gib,
+        host_memory_gib=cluster.host_memory_gib, ranks_per_node=cluster.gpus_per_node,
+        ulysses=layout.ulysses, ring=layout.ring, dp=layout.dp,
+        nvswitch=cluster.gpu in NVSWITCH_GPUS,
+    )  # fmt: skip
+
+
+def judge(footprint: Footprint, costs: Overheads) -> tuple[bool, str | None]:
+    """Whether a footprint fits the device (its peak plus every item of ``costs``) and
+    the host (every rank of a node together, with the node's reserve), and if not, why."""
+    budget = costs.budget(footprint.extras)
+    device = budget.device_total(footprint.peak_device) / GIB
+    host = budget.host_total(footprint.host_total) / GIB
+    if footprint.peak_device > budget.device_peak_limit:
+        return False, (
+            f"device {device:.1f} GiB (step {footprint.peak_device / GIB:.1f} + overheads) > "
+            f"{budget.gpu_bytes / GIB:.1f} GiB"
+        )
+    if footprint.host_total > budget.host_peak_limit:
+        return False, f"host {host:.1f} GiB per node > {budget.host_bytes / GIB:.0f} GiB"
     return True, None
 
 
@@ -305,11 +235,11 @@ def evaluate(target: Target, layout: Layout, cluster: Cluster, measured) -> Cand
     """One layout at the target's sequence length (``measured``: the plan's
     :class:`usp.planner.pool.Measurements`, or a dict to cache in)."""
     footprint = _measurements(measured, target).footprint(layout, target.seq_len)
-    fits, why = judge(footprint, cluster)
+    costs = overheads(target, layout, cluster)
+    fits, why = judge(footprint, costs)
     sent = comm_bytes(target, layout)
-    return Candidate(
-        layout, target.seq_len, footprint, fits, why, step_time(target, layout, cluster, sent), sent
-    )
+    seconds = step_time(target, layout, cluster, sent)
+    return Candidate(layout, target.seq_len, footprint, fits, why, seconds, sent, costs)
 
 
 def rank(candidates: list[Candidate]) -> list[Candidate]:
@@ -327,108 +257,170 @@ FRONTIER = 2
 def max_seq_len(
     target: Target, layouts_: list[Layout], cluster: Cluster, measured, *, rounds: int = 4
 ) -> tuple[int, Layout | None]:
-    """The longest sequence (a multiple of what the layout needs) that some layout fits,
-    and that layout. Each layout's device and host peaks grow close to linearly with
-    the sequence: a line through two measured lengths predicts its longest fit within
-    both limits, the best prediction is measured, and a new line through the longest
-    measured fit and the shortest measured miss (a secant step) predicts again, until a
-    measured length fits and the next multiple does not, or ``rounds`` measurements
-    are spent (then the longest measured fit is returned). ``measured``: the plan's
-    :class:`usp.planner.pool.Measurements`, or a dict to cache in."""
+    """The longest sequence (a multiple of what the layout needs, at most
+    :func:`longest_plannable`) that some layout fits, and that layout. Each layout's
+    device and host peaks grow close to linearly with the sequence: a line through two
+    measured lengths predicts its longest fit within both limits (its budget:
+    :func:`overheads`), the best prediction is measured, and a new line through the
+    longest measured fit and the shortest measured miss (a secant step) predicts again,
+    until a measured length fits and the next multiple does not, or ``rounds``
+    measurements are spent (then the longest measured fit is returned). ``measured``:
+    the plan's :class:`usp.planner.pool.Measurements`, or a dict to cache in."""
     measured = _measurements(measured, target)
     best_len, best_layout, predictions = 0, None, []
-    frontier = [(lay, _line_lengths(lay, target)) for lay in _frontier(layouts_, target, measured)]
+    frontier = [
+        (lay, _line_lengths(lay, target)) for lay in _frontier(layouts_, target, cluster, measured)
+    ]
     for layout, lengths in reversed(frontier):  # every line's points, before any wait
         for s in reversed(lengths):
             measured.want(layout, s, urgent=True)
     for layout, lengths in frontier:
         multiple = sequence_multiple(layout, target.job)
+        costs = overheads(target, layout, cluster)
         points = [(s, measured.footprint(layout, s)) for s in lengths]
-        predictions.append((_predict(points, cluster, multiple), layout, multiple))
+        cap = longest_plannable(target, multiple)
+        rounding = _rounding(target, layout)
+        predicted = min(cap, _predict(points, costs, multiple, rounding))
+        predictions.append((predicted, layout, multiple, costs))
         for s, footprint in points:
-            if judge(footprint, cluster)[0] and s > best_len:
+            if judge(footprint, costs)[0] and s > best_len:
                 best_len, best_layout = s, layout
     predictions.sort(key=lambda p: -p[0])
-    for predicted, layout, multiple in predictions[:1]:
+    for predicted, layout, multiple, costs in predictions[:1]:
+        cap = longest_plannable(target, multiple)
         points = {s: measured.footprint(layout, s) for s in _line_lengths(layout, target)}
         length = predicted
+
+        def fits(s: int) -> bool:
+            return judge(points[s], costs)[0]  # noqa: B023 (this layout's points)
+
         for _ in range(rounds):
-            fitting = max((s for s, f in points.items() if judge(f, cluster)[0]), default=0)
-            failing = min((s for s, f in points.items() if not judge(f, cluster)[0]), default=None)
+            fitting = max((s for s in points if fits(s)), default=0)
+            failing = min((s for s in points if not fits(s)), default=None)
             if failing is not None:
                 length = min(length, failing - multiple)
             if length <= max(fitting, best_len) or length < multiple:
                 break  # the boundary is between two measured lengths a multiple apart
-            if measured.jobs > 1:  # a free worker measures the next multiple meanwhile
-                measured.want(layout, length + multiple, urgent=True)
+            above = length + multiple
+            if measured.jobs > 1 and above <= cap:  # a free worker measures it meanwhile
+                measured.want(layout, above, urgent=True)
             points[length] = measured.footprint(layout, length)
-            if judge(points[length], cluster)[0]:
+            if fits(length):
                 best_len, best_layout = length, layout
-                above = length + multiple
+                if above > cap:
+                    break  # the longest the search can represent fits
                 points[above] = measured.footprint(layout, above)
-                if not judge(points[above], cluster)[0]:
+                if not fits(above):
                     break  # measured: this length fits and the next multiple does not
-            length = _predict(_nearest(points, cluster), cluster, multiple)
+            nearest = _nearest(points, costs)
+            length = min(cap, _predict(nearest, costs, multiple, _rounding(target, layout)))
     return best_len, best_layout
 
 
+def _rounding(target: Target, layout: Layout):
+    """The pinned rounding of the layout's offloaded layer inputs at a length."""
+    layers = target.model.num_hidden_layers
+    return lambda seq_len: offload_rounding(target, layout, seq_len, layers)
+
+
+def longest_plannable(target: Target, multiple: int) -> int:
+    """The longest sequence the search measures: the packed row (``micro_batch`` x the
+    sequence) within :data:`usp.planner.hardware.MAX_ROW_TOKENS`, a multiple of
+    ``multiple``."""
+    from usp.planner.hardware import MAX_ROW_TOKENS
+
+    return MAX_ROW_TOKENS // target.job.train.micro_batch // multiple * multiple
+
+
 def _line_lengths(layout: Layout, target: Target) -> tuple[int, int]:
-    """The two lengths a layout's line is drawn through: the planned one and about half."""
+    """The two lengths a layout's line is drawn through: the planned one and about half
+    (or twice it, within :func:`longest_plannable`, when half is the same)."""
     base = target.seq_len
     multiple = sequence_multiple(layout, target.job)
     lengths = (base, max(multiple, base // 2 // multiple * multiple))
-    return (base, base * 2) if lengths[1] == lengths[0] else lengths
+    if lengths[1] != lengths[0]:
+        return lengths
+    return (base, min(base * 2, max(base + multiple, longest_plannable(target, multiple))))
 
 
 def frontier_candidates(layouts_: list[Layout]) -> list[Layout]:
     """The layouts :func:`_frontier` chooses from: dp = 1 (a replica of fewer ranks
-    holds more tokens per rank), each grid with its most memory-saving option (the last
-    accepted)."""
-    best: dict[tuple[int, int], Layout] = {}
+    holds more tokens per rank), each grid with its most memory-saving activation option
+    (the last accepted) for each training-state offload (none, the optimizer's, the
+    parameters'): offloading saves device memory and costs host memory, so which one
+    reaches further depends on which limit binds."""
+    best: dict[tuple[int, int, str], Layout] = {}
     for layout in layouts_:
         if layout.dp == 1:
-            best[(layout.ulysses, layout.ring)] = layout
+            best[(layout.ulysses, layout.ring, layout.levers.offload)] = layout
     return list(best.values())
 
 
-def _frontier(layouts_: list[Layout], target: Target, measured) -> list[Layout]:
-    """The layouts worth extending: of :func:`frontier_candidates`, the
-    :data:`FRONTIER` with the least memory at the planned length."""
+def _frontier(layouts_: list[Layout], target: Target, cluster: Cluster, measured) -> list[Layout]:
+    """The layouts worth extending: of :func:`frontier_candidates`, the :data:`FRONTIER`
+    that fill their budget least at the planned length (the larger of the device peak's
+    and the host's share of their limits: both grow about linearly with the sequence)."""
     candidates = frontier_candidates(layouts_)
     for layout in reversed(candidates):  # urgent: the first ends up first
         measured.want(layout, target.seq_len, urgent=True)
 
-    def peak(layout: Layout) -> int:
-        return measured.footprint(layout, target.seq_len).peak_device
+    def fill(layout: Layout) -> float:
+        footprint = measured.footprint(layout, target.seq_len)
+        budget = overheads(target, layout, cluster).budget(footprint.extras)
+        host = footprint.host_total / max(budget.host_peak_limit, 1.0)
+        return max(footprint.peak_device / max(budget.device_peak_limit, 1.0), host)
 
-    return sorted(candidates, key=peak)[:FRONTIER]
+    return sorted(candidates, key=fill)[:FRONTIER]
 
 
-def _predict(points, cluster: Cluster, multiple: int) -> int:
+def _predict(points, costs: Overheads, multiple: int, rounding=None) -> int:
     """The longest multiple of ``multiple`` that the line through two measured points
-    keeps within both limits: the device's (:data:`USABLE_FRACTION` of it) and the
-    host's share of one rank (a node's host memory over its ranks)."""
+    keeps within both limits of the layout's budget: the device peak's (the GPU less
+    every item, :mod:`usp.planner.overheads`) and a rank's host share (the node's
+    memory less its reserve, over its ranks, less each rank's process). ``rounding``:
+    the pinned rounding of offloaded layer inputs at a length (:func:`usp.planner.
+    measure.offload_rounding`), a step function -- each block jumps to the next power
+    of two --, so the host's line is drawn without it and it is added back exactly."""
     (s0, f0), (s1, f1) = points
-    limits = (
-        (cluster.gpu_memory_gib * USABLE_FRACTION * GIB, lambda f: f.peak_device),
-        (cluster.host_memory_gib * GIB / cluster.gpus_per_node, lambda f: f.peak_host),
-    )
+    budget = costs.budget(f1.extras)
     lengths = []
-    for limit, peak in limits:
-        slope = (peak(f1) - peak(f0)) / (s1 - s0)
-        if slope > 0:
-            lengths.append(s0 + (limit - peak(f0)) / slope)
+    slope = (f1.peak_device - f0.peak_device) / (s1 - s0)
+    if slope > 0:
+        lengths.append(s0 + (budget.device_peak_limit - f0.peak_device) / slope)
+    host_len = _host_length(points, budget.host_peak_limit, multiple, rounding or (lambda s: 0))
+    if host_len is not None:
+        lengths.append(host_len)
     if not lengths:
         return max(s0, s1)
     return max(0, math.floor(min(lengths) / multiple) * multiple)
 
 
-def _nearest(points: dict, cluster: Cluster) -> list:
+def _host_length(points, limit: float, multiple: int, rounding) -> float | None:
+    """The longest multiple within the host limit: the line through the host peaks
+    less their rounding, plus the rounding at each length (never decreasing: found by
+    bisection); None when the host does not grow."""
+    (s0, f0), (s1, f1) = points
+    h0, h1 = f0.host_total - rounding(s0), f1.host_total - rounding(s1)
+    slope = (h1 - h0) / (s1 - s0)
+    if slope <= 0:
+        return None
+
+    def host(s: int) -> float:
+        return h0 + slope * (s - s0) + rounding(s)
+
+    lo, hi = 0, max(0, math.floor((s0 + (limit - h0) / slope) / multiple))  # (rounding >= 0)
+    while lo < hi:  # the largest k with host(k * multiple) <= limit
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if host(mid * multiple) <= limit else (lo, mid - 1)
+    return float(lo * multiple)
+
+
+def _nearest(points: dict, costs: Overheads) -> list:
     """The two measured points a new line goes through: the longest that fits and the
     shortest that does not when both exist (the boundary lies between them), else the
     two longest."""
-    fitting = sorted(s for s, f in points.items() if judge(f, cluster)[0])
-    failing = sorted(s for s, f in points.items() if not judge(f, cluster)[0])
+    fitting = sorted(s for s, f in points.items() if judge(f, costs)[0])
+    failing = sorted(s for s, f in points.items() if not judge(f, costs)[0])
     if fitting and failing:
         chosen = (fitting[-1], failing[0])
     elif len(fitting) >= 2:

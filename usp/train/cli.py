@@ -26,6 +26,7 @@ import traceback
 from datetime import timedelta
 
 from usp.config import AUTO
+from usp.train.allocator import set_allocator_default
 from usp.train.components import build_plan  # the one way a job becomes a Plan
 from usp.train.error_file import write_error_file
 
@@ -45,6 +46,7 @@ def _init_process_group(device: str, timeout_s: float) -> None:
     import torch.distributed as dist
 
     if device == "cuda":
+        set_allocator_default()  # expandable_segments, before CUDA's allocator starts
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
         # share the machine's cores among the processes on it

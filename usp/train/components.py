@@ -20,6 +20,7 @@ from usp.models import (
     config_from_file,
     family_of,
 )
+from usp.models import levers_of as levers_of_model
 from usp.plan import Plan
 from usp.process_groups import Topology
 from usp.train.config import AUTO, TrainJobConfig
@@ -31,7 +32,8 @@ from usp.train.data import (
     resolve_files,
 )
 from usp.train.data.build import DataInputs, build_corpus, describe_files
-from usp.train.parallelize import compile_layers
+from usp.train.host_optimizer import HostAdamW
+from usp.train.parallelize import compile_layers, parameters_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -234,6 +236,8 @@ def levers_of(job: TrainJobConfig) -> Levers:
             activation_checkpointing=t.activation_checkpointing,
             mlp_tile_tokens=t.mlp_tile_tokens,
             attention_head_chunks=t.attention_head_chunks,
+            offload_optimizer=t.offload_optimizer,
+            offload_parameters=t.offload_parameters,
         )
     except LeverError as err:
         raise job.error(f"[train] {err}") from None
@@ -278,7 +282,7 @@ def load_weights(model, source: ModelSource, device: torch.device) -> None:
 
     from usp.comm.agreement import agree
 
-    model.to_empty(device=device)
+    model.to_empty(device=parameters_device(model, device))  # the host with offload_parameters
     full, error = {}, None
     if dist.get_rank() == 0:
         try:
@@ -305,7 +309,10 @@ def default_compute_dtype(device: torch.device) -> torch.dtype:
 
 
 def build_optimizer(job: TrainJobConfig, model: torch.nn.Module) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms)."""
+    """AdamW; weight decay on matrices only (not on norms). With the model's
+    ``offload_optimizer`` lever (:func:`usp.models.levers_of`) a
+    :class:`usp.train.host_optimizer.HostAdamW`: the same update, its state and its step
+    on the host (in place on host parameters with ``offload_parameters``)."""
     t = job.train
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -313,7 +320,11 @@ def build_optimizer(job: TrainJobConfig, model: torch.nn.Module) -> torch.optim.
         {"params": decay, "weight_decay": t.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=t.adam_betas, eps=t.adam_eps)
+    options = {"lr": t.lr, "betas": t.adam_betas, "eps": t.adam_eps}
+    levers = levers_of_model(model)
+    if levers.offload_optimizer:
+        return HostAdamW(groups, params_on_host=levers.offload_parameters, **options)
+    return torch.optim.AdamW(groups, **options)
 
 
 def resolve_device(job: TrainJobConfig, plan) -> torch.device:

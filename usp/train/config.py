@@ -231,6 +231,10 @@ class TrainSection:
     compile: bool = False  # torch.compile each decoder layer (usp.train.parallelize)
     # metrics also to TensorBoard (output_dir/tensorboard) and/or W&B, from rank 0
     report_to: tuple[str, ...] = ()
+    # training state in host memory (usp.models.Levers): AdamW's state and step; with
+    # offload_parameters also the sharded parameters and gradients (FSDP2 CPUOffloadPolicy)
+    offload_optimizer: bool = False
+    offload_parameters: bool = False
 
     def __post_init__(self) -> None:
         s = "train"
@@ -277,6 +281,14 @@ class TrainSection:
             expected = "a list of distinct names among " + ", ".join(f'"{r}"' for r in REPORT_TO)
             _fail(s, "report_to", expected, self.report_to)
         object.__setattr__(self, "report_to", tuple(report_to))
+        _bool(s, "offload_optimizer", self.offload_optimizer)
+        _bool(s, "offload_parameters", self.offload_parameters)
+        if self.offload_parameters and not self.offload_optimizer:
+            _fail(
+                s, "offload_parameters",
+                "false unless offload_optimizer = true (the parameters on the host take their "
+                "optimizer step there)", self.offload_parameters,
+            )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,13 @@ by default; :func:`fully_shard_model` switches it to a sum: a divide factor of 1
 (``set_force_sum_reduction_for_comms``; the factor alone would need ``PREMUL_SUM``, which
 gloo lacks). On a torch without those calls it returns the factor to scale the loss by.
 
+Parameter offload (``Levers.offload_parameters``, ``[train] offload_parameters``): every
+``fully_shard`` gets FSDP2's ``CPUOffloadPolicy``: the sharded float32 parameters and
+their gradients stay in host memory (pinned on CUDA), each all-gather copies a shard to
+the device first and each reduce-scatter's output goes back to the host, so AdamW steps
+on the host (its state is created where the parameters are). On a CPU mesh host and
+device are one memory: the same code path runs, nothing moves.
+
 :func:`compile_layers` (``[train] compile = true``) compiles each decoder layer's forward
 (``fullgraph=True``: attention's collectives inside the graph), as torchtitan compiles
 per block, before the layers are sharded.
@@ -26,7 +33,7 @@ from torch import nn
 
 from usp.comm.overlap import compile_options
 from usp.models.family import decoder_layers
-from usp.models.levers import compile_forward
+from usp.models.levers import compile_forward, levers_of
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,9 @@ def fully_shard_model(
 
     ``compute_dtype``: None or the parameters' dtype runs in that dtype; another (bf16)
     adds a :class:`MixedPrecisionPolicy` with float32 reduction. Parameters on the CPU are
-    moved to the mesh's device by ``fully_shard``.
+    moved to the mesh's device by ``fully_shard``, unless the model's levers
+    (:func:`usp.models.levers_of`) say ``offload_parameters``: then they stay on the
+    host (:func:`offload_policy`).
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -68,6 +77,8 @@ def fully_shard_model(
     policy = mixed_precision(compute_dtype or param_dtype, param_dtype)
     if policy is not None:
         options["mp_policy"] = policy
+    if levers_of(model).offload_parameters:
+        options["offload_policy"] = offload_policy(topology.dp_sp_mesh.device_type)
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # the last layer's parameters are needed again right away in backward: keep them
@@ -82,6 +93,21 @@ def fully_shard_model(
             m.set_force_sum_reduction_for_comms(True)
         return ShardedModel(model, 1.0)
     return ShardedModel(model, float(topology.dp_sp_mesh.size()))  # undo FSDP's mean
+
+
+def offload_policy(device_type: str):
+    """FSDP2's ``CPUOffloadPolicy`` for a mesh on ``device_type``: pinned host memory on
+    CUDA (the copies overlap compute; torch's pinned allocator rounds each block up to
+    a power of two, which ``usp plan`` counts), pageable elsewhere (pinning needs CUDA)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+
+
+def parameters_device(model: nn.Module, device: torch.device) -> torch.device:
+    """Where a sharded model's parameters are materialised (``to_empty``, a checkpoint's
+    weights): the host with ``offload_parameters``, else ``device``."""
+    return torch.device("cpu") if levers_of(model).offload_parameters else device
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

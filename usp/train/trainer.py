@@ -362,6 +362,12 @@ def _setup(job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed: b
             f"[model] path {source.directory}: reading an HF checkpoint needs the safetensors "
             "package: pip install safetensors"
         )
+    if job.train.offload_parameters and plan.topology is None:
+        raise job.error(
+            "[train] offload_parameters = true offloads FSDP2's parameter shards, and a single "
+            "process without a topology runs without FSDP; launch with torchrun (one GPU: "
+            "usp train --nproc-per-node 1 CONFIG), or set offload_parameters = false"
+        )
     if job.train.dtype not in (AUTO, "float32") and plan.topology is None:
         raise job.error(
             f"[train] dtype = {job.train.dtype!r}: a single process without a topology runs in "
