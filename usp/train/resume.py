@@ -29,8 +29,8 @@ from usp.errors import CheckpointError, RankDisagreementError
 from usp.models.rope_config import POSITION_FIELDS
 from usp.train.checkpoint import CheckpointShapeError
 
-# [train] keys whose change alters which data a step sees
-REFUSED_TRAIN_KEYS = ("seed", "seq_len", "global_batch")
+# [train] keys whose change alters which data a step sees (lora: which model it trains)
+REFUSED_TRAIN_KEYS = ("seed", "seq_len", "global_batch", "lora")
 
 
 def _sha256(path: Path) -> str:
