@@ -39,6 +39,8 @@ from usp.models.lora import initial_adapters, set_stream_position  # noqa: E402
 from usp.models.lora_dropout import keep_mask, module_salt  # noqa: E402
 from usp.models.lora_export import merged_state, save_peft_adapter  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 NAMES = list(FAMILY_CASES)
 SEED = 5
 LORA = dict(rank=4, alpha=12.0, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
