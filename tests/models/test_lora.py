@@ -52,9 +52,13 @@ def checkpoints(tmp_path_factory):
     return {name: write_family_checkpoint(root / name, name, seed=9) for name in NAMES}
 
 
-def usp_lora(checkpoint, plan=None, *, dropout=0.0, levers=None):
+#: a subset of the projections (the default is all seven)
+SOME = dict(LORA, targets=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
+
+
+def usp_lora(checkpoint, plan=None, *, dropout=0.0, levers=None, settings=LORA):
     model = usp.models.from_pretrained(checkpoint, plan, dtype=torch.float64, backend="math")
-    apply_lora(model, Lora(**LORA, dropout=dropout), seed=SEED)
+    apply_lora(model, Lora(**settings, dropout=dropout), seed=SEED)
     (levers or Levers(loss_chunk_tokens=5)).apply(model)
     return model
 
@@ -169,7 +173,7 @@ def sp_case(checkpoint, ids, labels, cu, b_values):
     rank and the adapters' gradients summed over the SP group."""
     plan = usp.Plan(topology(2, 2), backend="math")
     levers = Levers(activation_checkpointing="offload", mlp_tile_tokens=3)  # 8 local tokens
-    model = usp_lora(checkpoint, plan, dropout=0.3, levers=levers)
+    model = usp_lora(checkpoint, plan, dropout=0.3, levers=levers, settings=SOME)
     with torch.no_grad():
         for name, value in b_values.items():
             model.get_parameter(name).copy_(value)
@@ -189,12 +193,12 @@ def sp_case(checkpoint, ids, labels, cu, b_values):
 
 
 def test_float64_4_ranks_match_peft_with_dropout(distributed, checkpoints):
-    """Packed documents on u2 x r2 (zigzag): every rank's tokens get the one-process
-    masks, so the loss and gradients are exact."""
+    """Packed documents on u2 x r2 (zigzag), five of the seven projections: every rank's
+    tokens get the one-process masks, so the loss and gradients are exact."""
     cu = cu_of([12, 20])
     ids = global_batch(1, 32, seed=33)
     labels = sft_labels(ids, [3, 5], cu)
-    reference, tokens = peft_model(checkpoints["llama"], **LORA, seed=SEED, dropout=0.3)
+    reference, tokens = peft_model(checkpoints["llama"], **SOME, seed=SEED, dropout=0.3)
     generator = torch.Generator().manual_seed(18)
     b_values = {}
     with torch.no_grad():

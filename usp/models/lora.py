@@ -40,13 +40,13 @@ Export (:mod:`usp.models.lora_export`): a PEFT adapter directory and merged weig
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from usp.errors import InputError
+from usp.errors import InputError, ModelConfigError
 from usp.models.family import decoder_layers, family_of
 from usp.models.lora_dropout import apply_mask, keep_mask, module_salt
 from usp.models.mlp_tiles import LowRank
@@ -113,6 +113,30 @@ class Lora:
         )
 
 
+def lora_from_table(value) -> Lora | None:
+    """``[train] lora`` as a :class:`Lora`: a table of its fields (``{}``: the defaults),
+    ``true`` (the defaults), ``false`` or None (no LoRA); a :class:`LoraError` naming the
+    key (``lora.rank must be ...``) otherwise."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return Lora()
+    if isinstance(value, Lora):
+        return value
+    if not isinstance(value, dict):
+        raise LoraError(
+            f"lora must be a table such as {{rank = 16, alpha = 32}}, true or false, got {value!r}"
+        )
+    known = [f.name for f in fields(Lora)]
+    unknown = [key for key in value if key not in known]
+    if unknown:
+        raise LoraError(f"lora: unknown key {unknown[0]!r}; expected one of {', '.join(known)}")
+    try:
+        return Lora(**value)
+    except LoraError as err:
+        raise LoraError(f"lora.{err}") from None
+
+
 # ----------------------------------------------------------------------------- the model
 def adapted_modules(model: nn.Module, targets) -> list[tuple[str, nn.Linear]]:
     """``(name, Linear)`` of every target in ``model``'s decoder layers, in module order;
@@ -145,7 +169,13 @@ def apply_lora(model: nn.Module, lora: Lora, *, seed: int = 0) -> nn.Module:
     device). Apply before the levers, ``torch.compile`` and FSDP2."""
     if not isinstance(lora, Lora):
         raise LoraError(f"lora must be a usp.models.Lora, got {type(lora).__name__}")
-    family_of(model)  # a usp model (its plan keys the dropout): else a ModelConfigError
+    try:
+        family_of(model)  # a usp model: its plan keys the dropout, its layers are known
+    except ModelConfigError:
+        raise LoraError(
+            f"apply_lora takes a usp model (usp.models: {type(model).__name__} is none); "
+            "for an HF transformers model use peft.get_peft_model (pip install usp[peft])"
+        ) from None
     if lora_of(model) is not None:
         raise LoraError("this model already has LoRA adapters")
     modules = adapted_modules(model, lora.targets)

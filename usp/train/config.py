@@ -79,7 +79,7 @@ from usp.config.overrides import (
     parse_setting,
 )
 from usp.config.schema import SECTIONS as TOPOLOGY_SCHEMA
-from usp.models.lora import Lora, LoraError
+from usp.models.lora import Lora, LoraError, lora_from_table
 from usp.models.rope_config import POSITION_FIELDS
 
 TOPOLOGY_SECTIONS = ("cluster", "parallel", "attention")
@@ -281,29 +281,10 @@ class TrainSection:
             expected = "a list of distinct names among " + ", ".join(f'"{r}"' for r in REPORT_TO)
             _fail(s, "report_to", expected, self.report_to)
         object.__setattr__(self, "report_to", tuple(report_to))
-        object.__setattr__(self, "lora", _lora_of(self.lora))
-
-
-def _lora_of(value) -> Lora | None:
-    """``[train] lora`` as a :class:`usp.models.Lora` (None: no LoRA)."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return Lora()
-    if isinstance(value, Lora):
-        return value
-    if not isinstance(value, dict):
-        _fail("train", "lora", "a table such as {rank = 16, alpha = 32}, true or false", value)
-    known = keys_of(Lora)
-    for key in value:
-        if key not in known:
-            raise ConfigError(
-                f"[train] lora: unknown key {key!r}; expected one of {', '.join(known)}"
-            )
-    try:
-        return Lora(**value)
-    except LoraError as err:
-        raise ConfigError(f"[train] lora.{err}") from None
+        try:
+            object.__setattr__(self, "lora", lora_from_table(self.lora))
+        except LoraError as err:
+            raise ConfigError(f"[{s}] {err}") from None
 
 
 @dataclass(frozen=True)
