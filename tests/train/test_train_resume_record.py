@@ -24,7 +24,7 @@ from usp.train.resume import check_resume, compare_runs, run_record
 from usp.train.trainer import train
 
 #: the [train] keys whose change alters which data a step sees (written out on purpose)
-REFUSED_TRAIN = {"seed", "seq_len", "global_batch"}
+REFUSED_TRAIN = {"seed", "seq_len", "global_batch", "lora"}  # lora: which model is trained
 ROPE = {"rope_theta", "rope_scaling", "max_position_embeddings"}
 
 

@@ -1,6 +1,6 @@
 """Models under USP: decoder-only model families (Llama, Qwen2/2.5, Qwen3, Mistral) built
 natively, HF checkpoints, HF transformers' attention plug-in (:mod:`usp.models.hf`), the
-SP-correct loss and the memory levers.
+SP-correct loss, the memory levers and LoRA adapters (:mod:`usp.models.lora`).
 
     plan = usp.Plan(topology)                                 # or usp.Plan(None)
     model = usp.models.from_pretrained("llama-3.2-1b/", plan, dtype=torch.bfloat16)
@@ -36,6 +36,7 @@ from usp.models.family import (
 from usp.models.labels import IGNORE_INDEX, shift_labels
 from usp.models.levers import LeverError, Levers, levers_of
 from usp.models.llama import Llama, LlamaConfig
+from usp.models.lora import Lora, LoraError, apply_lora, lora_of
 from usp.models.loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     count_labels,
@@ -68,6 +69,8 @@ __all__ = [
     "Levers",
     "Llama",
     "LlamaConfig",
+    "Lora",
+    "LoraError",
     "Mistral",
     "MistralConfig",
     "ModelConfigError",
@@ -78,6 +81,7 @@ __all__ = [
     "Qwen3",
     "Qwen3Config",
     "ShardedBatch",
+    "apply_lora",
     "config_from_file",
     "config_from_hf",
     "count_labels",
@@ -88,6 +92,7 @@ __all__ = [
     "family_of",
     "from_pretrained",
     "levers_of",
+    "lora_of",
     "model_counts",
     "preset",
     "shard_batch",

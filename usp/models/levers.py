@@ -15,7 +15,8 @@ planner's search space is this class's values (:mod:`usp.planner.search`).
 * ``mlp_tile_tokens``: 0 (off) or N: each SwiGLU MLP runs over tiles of N local tokens,
   each recomputed in backward (:mod:`usp.models.mlp_tiles`), so only one tile's
   ``[N, intermediate]`` activations exist. Needs ``gate_proj``/``up_proj``/``down_proj``
-  without bias and SiLU (every family here; an HF MLP that differs is refused).
+  without bias and SiLU (every family here; an HF MLP that differs is refused); LoRA
+  adapters on them (:mod:`usp.models.lora`) are computed per tile too.
 * ``attention_head_chunks``: 1 (off) or N dividing the KV heads each rank's ring attends
   to (Hkv after KV replication, / ulysses): the ring runs once per group of those
   heads, so its float32 accumulators and K/V buffers exist for one group at a time
@@ -46,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from usp.errors import InputError
 from usp.models.family import decoder_layers
+from usp.models.lora import low_rank
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, check_chunk_tokens
 from usp.models.mlp_tiles import tiled_swiglu
 from usp.models.offload import HostOffloader, check_activation_checkpointing
@@ -261,14 +263,20 @@ class _TiledMLP(_LeverForward):
         if x.shape[:-1].numel() <= self.tile:
             return self.inner(x)
         # the Linears' own weights, as their forward reads them (under FSDP2: the
-        # unsharded parameters, set by the decoder layer's pre-forward hook)
-        weights = _swiglu_weights(self.inner.__self__)
-        return tiled_swiglu(x, *weights, self.tile)  # [B, S/P, dim]
+        # unsharded parameters, set by the decoder layer's pre-forward hook), and their
+        # LoRA adapters (usp.models.lora), which the tiled function computes per tile
+        mlp = self.inner.__self__
+        weights = _swiglu_weights(mlp)
+        adapters = tuple(low_rank(getattr(mlp, name), x) for name in _SWIGLU)
+        return tiled_swiglu(x, *weights, self.tile, adapters)  # [B, S/P, dim]
+
+
+_SWIGLU = ("gate_proj", "up_proj", "down_proj")
 
 
 def _swiglu_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gate, up, down) weights of a bias-free SiLU-gated MLP, or a LeverError."""
-    linears = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    linears = [getattr(mlp, name, None) for name in _SWIGLU]
     act = getattr(mlp, "act_fn", nn.SiLU())
     if not all(isinstance(m, nn.Linear) and m.bias is None for m in linears) or not _is_silu(act):
         raise LeverError(

@@ -362,9 +362,11 @@ def _clip_local_shards(model, max_norm: float) -> torch.Tensor:
 
 def _first_optimizer_step(model, optimizer) -> None:
     """What a first step leaves behind: AdamW's state (two moments and a step count per
-    parameter), no gradients. (The step's values do not matter, its tensors do.)"""
+    trainable parameter: with LoRA the adapters'), no gradients. (The step's values do
+    not matter, its tensors do.)"""
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -7,9 +7,10 @@ written by rank 0 after every rank has finished, which marks the checkpoint comp
 records the step, the world size, the model's shape and every file's size and checksum
 (:mod:`usp.train.checkpoint_integrity`: hashed by the ranks that wrote them, verified
 before a load; a damaged file fails the load naming it, and the resume falls back to
-the previous checkpoint). What is saved: the model and
-AdamW state through ``get_state_dict`` (sharded, so a checkpoint can be loaded onto
-another number of ranks), the step (which is the whole schedule state), the data
+the previous checkpoint). What is saved: the model's trainable parameters (all of them,
+or LoRA's adapters: frozen weights come from ``[model]`` again on resume) and AdamW
+state through ``get_state_dict`` (sharded, so a checkpoint can be loaded onto another
+number of ranks), the step (which is the whole schedule state), the data
 loader's position and every rank's RNG states. Scalars are stored as tensors, so loading
 unpickles nothing but DCP's own metadata -- still, load checkpoints only from a trusted
 source.
@@ -36,6 +37,15 @@ from usp.train.checkpoint_integrity import DcpLog, record_checksums, verify_chec
 
 META_FILE = "usp_meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _state_options():
+    """The trainable parameters only: frozen ones (LoRA's base weights) are rebuilt from
+    ``[model]`` on resume, unchanged. Loading is not strict about the frozen keys the
+    checkpoint lacks (``dcp.load`` still requires every trainable one)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 class CheckpointShapeError(CheckpointError):
@@ -140,7 +150,7 @@ class Checkpointer:
             (path / META_FILE).unlink(missing_ok=True)
             shutil.rmtree(path, ignore_errors=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_options())
         try:
             with _single_process_quietly(), self.dcp_log:
                 metadata = dcp.save(
@@ -260,7 +270,7 @@ class Checkpointer:
 
         meta = self.read_meta(path)
         verify_checksums(path, meta.get("checksums"))  # the same error on every rank
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_options())
         state = TrainState(0, 0)
         payload = self._payload(model_sd, optim_sd, state)
         same_world = meta.get("world_size") == _world_size()
@@ -273,6 +283,7 @@ class Checkpointer:
             optimizer,
             model_state_dict=payload["model"],
             optim_state_dict=payload["optimizer"],
+            options=_state_options(),
         )
         if same_world:
             rng = payload["rng"][f"rank{_rank()}"]
@@ -290,15 +301,20 @@ def export_hf(
     *,
     dtype: torch.dtype | None = None,
     copy_from: Path | None = None,
+    adapter_dir: Path | None = None,
 ) -> Path | None:
     """Gather the full weights and write an HF checkpoint (``config.json`` +
     ``model.safetensors``) into ``directory`` on rank 0 (a collective; returns the
     directory on rank 0, None elsewhere). ``dtype``: the weights' dtype in the files
     (default: the master weights'). Tokenizer files of ``copy_from`` (the source model
-    directory) are copied along, so the export is a complete model directory."""
+    directory) are copied along, so the export is a complete model directory. A model
+    with LoRA adapters (:mod:`usp.models.lora`) is exported merged, and its adapters as
+    a PEFT adapter into ``adapter_dir`` (when given)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from usp.models import family_of
+    from usp.models.lora import lora_of
+    from usp.models.lora_export import merged_state, save_peft_adapter
 
     if dist.is_initialized():
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -307,6 +323,11 @@ def export_hf(
         full = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if not _is_rank0():
         return None
+    lora = lora_of(model)
+    if lora is not None:
+        if adapter_dir is not None:
+            save_peft_adapter(adapter_dir, full, lora, base_model=copy_from)
+        full = merged_state(full, lora)
     if dtype is not None:
         full = {k: v.to(dtype) for k, v in full.items()}
     with torch.device("meta"):

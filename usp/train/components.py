@@ -16,11 +16,15 @@ from usp.models import (
     CheckpointError,
     LeverError,
     Levers,
+    LoraError,
     ModelConfigError,
+    apply_lora,
     config_from_file,
     family_of,
+    lora_of,
 )
 from usp.models import levers_of as levers_of_model
+from usp.models.lora import initial_adapters
 from usp.plan import Plan
 from usp.process_groups import Topology
 from usp.train.config import AUTO, TrainJobConfig
@@ -250,8 +254,9 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers |
     process: loaded on the CPU. A checkpoint in a distributed run: built on the meta
     device (no memory), to be sharded first and filled by :func:`load_weights` (rank 0
     reads the files once and broadcasts, so a node holds one copy of the weights, not
-    one per rank). With ``[train] compile`` each decoder layer is compiled
-    (:func:`compile_layers`)."""
+    one per rank). ``[train] lora``: the base frozen and LoRA adapters added
+    (:func:`usp.models.apply_lora`, seeded by ``[train] seed``), before the levers.
+    With ``[train] compile`` each decoder layer is compiled (:func:`compile_layers`)."""
     family = family_of(source.config)
     levers = levers_of(job) if levers is None else levers
     if source.directory is None:
@@ -264,6 +269,11 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers |
     else:
         with torch.device("meta"):
             model = family.build(source.config, plan)
+    if job.train.lora is not None:
+        try:
+            apply_lora(model, job.train.lora, seed=job.train.seed)
+        except LoraError as err:
+            raise job.error(f"[train] lora: {err}") from None
     try:
         levers.apply(model)
     except LeverError as err:
@@ -273,10 +283,11 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers |
     return model
 
 
-def load_weights(model, source: ModelSource, device: torch.device) -> None:
+def load_weights(model, source: ModelSource, device: torch.device, *, seed: int = 0) -> None:
     """Fill a sharded model built on the meta device with the checkpoint's weights
-    (float32 master weights): rank 0 reads the files, every rank receives its shards.
-    A collective; a checkpoint rank 0 cannot read fails on every rank alike."""
+    (float32 master weights; LoRA's frozen base in its own dtype) and LoRA's initial
+    adapters: rank 0 reads the files, every rank receives its shards. A collective; a
+    checkpoint rank 0 cannot read fails on every rank alike."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -290,6 +301,8 @@ def load_weights(model, source: ModelSource, device: torch.device) -> None:
                 source.directory, None, dtype=torch.float32
             )
             full = loaded.state_dict()
+            if lora_of(model) is not None:  # the adapters' start, as one process draws it
+                full.update(initial_adapters(model, seed))
         except (CheckpointError, ModelConfigError, OSError) as err:
             error = CheckpointError(str(err))
     agree(dist.group.WORLD, f"loading {source.directory}", [], error, (CheckpointError,))
@@ -309,13 +322,15 @@ def default_compute_dtype(device: torch.device) -> torch.dtype:
 
 
 def build_optimizer(job: TrainJobConfig, model: torch.nn.Module) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms). With the model's
-    ``offload_optimizer`` lever (:func:`usp.models.levers_of`) a
-    :class:`usp.train.host_optimizer.HostAdamW`: the same update, its state and its step
-    on the host (in place on host parameters with ``offload_parameters``)."""
+    """AdamW over the trainable parameters (with LoRA: the adapters only); weight decay
+    on matrices only (not on norms). With the model's ``offload_optimizer`` lever
+    (:func:`usp.models.levers_of`) a :class:`usp.train.host_optimizer.HostAdamW`: the same
+    update, its state and its step on the host (in place on host parameters with
+    ``offload_parameters``)."""
     t = job.train
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": t.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -79,6 +79,7 @@ from usp.config.overrides import (
     parse_setting,
 )
 from usp.config.schema import SECTIONS as TOPOLOGY_SCHEMA
+from usp.models.lora import Lora, LoraError, lora_from_table
 from usp.models.rope_config import POSITION_FIELDS
 
 TOPOLOGY_SECTIONS = ("cluster", "parallel", "attention")
@@ -235,6 +236,9 @@ class TrainSection:
     # offload_parameters also the sharded parameters and gradients (FSDP2 CPUOffloadPolicy)
     offload_optimizer: bool = False
     offload_parameters: bool = False
+    # LoRA (usp.models.lora): {rank, alpha, dropout, targets}; a table ({} = defaults),
+    # true (the defaults) or false/absent (every weight trained)
+    lora: Lora | None = None
 
     def __post_init__(self) -> None:
         s = "train"
@@ -289,6 +293,10 @@ class TrainSection:
                 "false unless offload_optimizer = true (the parameters on the host take their "
                 "optimizer step there)", self.offload_parameters,
             )  # fmt: skip
+        try:
+            object.__setattr__(self, "lora", lora_from_table(self.lora))
+        except LoraError as err:
+            raise ConfigError(f"[{s}] {err}") from None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 import torch
 
-from usp.models import levers_of
+from usp.models import levers_of, lora_of
 
 # Dense bf16 tensor-core peak per device, for the MFU estimate (vendor figures, TFLOP/s).
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}
@@ -328,6 +328,19 @@ def step_row(timing: StepTiming, batch, job, counts, world, device, peak) -> dic
     return row
 
 
+def _lora_lines(model) -> list[str]:
+    """``[train] lora``: its settings and the trainable share of the parameters."""
+    lora = lora_of(model)
+    if lora is None:
+        return []
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return [
+        f"  lora:  {lora.describe()}; {trained / 1e6:.3f}M trainable parameters "
+        f"({100 * trained / total:.2f}%), the base frozen"
+    ]
+
+
 def print_header(job, plan, source, dataset, model, state, newest, stream) -> None:
     params = sum(p.numel() for p in model.parameters())
     t = job.train
@@ -341,6 +354,7 @@ def print_header(job, plan, source, dataset, model, state, newest, stream) -> No
         f"  model: {what} ({config.family}), {params / 1e6:.2f}M parameters, "
         f"{config.num_hidden_layers} layers",
         f"  levers: {levers_of(model).describe()}",
+        *_lora_lines(model),
         *(f"  data:  {line}" for line in dataset.summary(t.steps * t.global_batch)),
         f"  batch: {t.global_batch} sequences/step = dp {dp} x micro_batch {t.micro_batch} x "
         f"accumulation {accumulation}",

@@ -68,11 +68,21 @@ def fully_shard_model(
     adds a :class:`MixedPrecisionPolicy` with float32 reduction. Parameters on the CPU are
     moved to the mesh's device by ``fully_shard``, unless the model's levers
     (:func:`usp.models.levers_of`) say ``offload_parameters``: then they stay on the
-    host (:func:`offload_policy`).
+    host (:func:`offload_policy`). Frozen parameters (``requires_grad`` False: LoRA's
+    base weights) are cast to ``compute_dtype`` first: they are never updated, so they
+    need no float32 master copy (FSDP2 gathers them as they are); the trainable ones keep
+    their dtype (the master weights).
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    param_dtype = next(model.parameters()).dtype
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    param_dtype = (trainable or params)[0].dtype
+    if compute_dtype is not None:
+        with torch.no_grad():
+            for p in params:
+                if not p.requires_grad and p.is_floating_point() and p.dtype != compute_dtype:
+                    p.data = p.data.to(compute_dtype)  # in place: tied weights stay tied
     options = {"mesh": topology.dp_sp_mesh}
     policy = mixed_precision(compute_dtype or param_dtype, param_dtype)
     if policy is not None:

@@ -31,8 +31,8 @@ from usp.train.checkpoint import CheckpointShapeError
 from usp.train.checkpoint_integrity import CheckpointDamagedError
 from usp.train.checksums import file_sha256
 
-# [train] keys whose change alters which data a step sees
-REFUSED_TRAIN_KEYS = ("seed", "seq_len", "global_batch")
+# [train] keys whose change alters which data a step sees (lora: which model it trains)
+REFUSED_TRAIN_KEYS = ("seed", "seq_len", "global_batch", "lora")
 
 
 def run_record(job, model_config, document_multiple: int, files=()) -> dict[str, Any]:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from usp.models import model_counts, shard_batch
+from usp.models.lora import set_stream_position
 from usp.plan import Plan
 from usp.train import components, report_to, run_config
 from usp.train.checkpoint import (
@@ -77,6 +78,7 @@ class TrainResult:
     start_step: int = 0
     checkpoint: Path | None = None
     export_dir: Path | None = None
+    adapter_dir: Path | None = None  # [train] lora: the PEFT adapter (export_dir: merged)
     plot: Path | None = None
     notes: list[str] = field(default_factory=list)
     stopped_by: str | None = None  # the signal that stopped the run (a checkpoint was saved)
@@ -156,7 +158,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
         sharded = fully_shard_model(model, topology, compute_dtype=dtype)
         model, loss_scale = sharded.module, sharded.loss_scale
         if source.directory is not None:  # built on the meta device: fill the shards now
-            components.load_weights(model, source, device)
+            components.load_weights(model, source, device, seed=job.train.seed)
     else:
         model, loss_scale = model.to(device), 1.0
     optimizer = components.build_optimizer(job, model)
@@ -282,14 +284,17 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
     if job.train.export and not _has_safetensors():
         result.notes.append("no HF export: safetensors is not installed (pip install safetensors)")
     elif job.train.export:
+        adapter_dir = out / "adapter" if job.train.lora is not None else None
         exported = export_hf(
             model,
             source.config,
             out / "hf",
             dtype=components.compute_dtype(job, device),  # bf16 on CUDA, as HF ships these models
             copy_from=source.directory,
+            adapter_dir=adapter_dir,  # [train] lora: the PEFT adapter; hf/ holds the merge
         )
         result.export_dir = None if exported is None else out / "hf"  # as the user named it
+        result.adapter_dir = None if exported is None else adapter_dir
     if rank0:
         note = plot_loss(out / "metrics.jsonl", out / "loss.png")
         if note is None:
@@ -428,6 +433,13 @@ def _train_step(train_step: TrainStep, plan, batch: StepBatch, job, device, stop
         )  # fmt: skip  ([1, S] -> [1, S/P]; plan.pack: the SP ranks agree on the documents)
         for micro in batch.micro_batches
     ]
+    # LoRA dropout keys its masks by the tokens' place in the data: this replica's first
+    # token (micro-batches follow on, each a row of micro_batch sequences)
+    dp_rank = 0 if plan.topology is None else plan.topology.dp_rank
+    share = len(batch.micro_batches) * job.train.micro_batch  # this replica's sequences
+    set_stream_position(
+        train_step.model, (batch.first_sequence + dp_rank * share) * job.train.seq_len
+    )
     agreed = {}
 
     def decide(outcome) -> bool:
