@@ -32,7 +32,7 @@ from usp.plan import Plan
 from usp.train.cli import _init_process_group, _teardown  # usp train's, shared
 from usp.train.components import DTYPES, default_compute_dtype
 from usp.train.config import load_train_config
-from usp.train.trainer import user_errors as user_error_kinds
+from usp.train.setup import user_errors as user_error_kinds
 
 EXIT_DONE, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
 

@@ -33,15 +33,12 @@ from usp.models.lora import set_stream_position
 from usp.plan import Plan
 from usp.train import components, report_to, run_config
 from usp.train.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    CheckpointShapeError,
     TrainState,
     export_hf,
 )
-from usp.train.config import AUTO, TrainJobConfig
+from usp.train.config import TrainJobConfig
 from usp.train.data import DataLoader, StepBatch
-from usp.train.evaluate import evaluate, load_held_out, prepare_held_out
+from usp.train.evaluate import evaluate, load_held_out
 from usp.train.guard import (
     StopSignal,
     TrainingDivergedError,
@@ -52,7 +49,7 @@ from usp.train.guard import (
     newest_note,
     parameters_finite,
 )
-from usp.train.lock import OutputLock, OutputLockedError, check_output_dir
+from usp.train.lock import OutputLock, check_output_dir
 from usp.train.metrics import (
     MetricsWriter,
     Progress,
@@ -63,8 +60,9 @@ from usp.train.metrics import (
     step_row,
 )
 from usp.train.parallelize import fully_shard_model
-from usp.train.resume import agree_on_checkpoints, check_resume, load_with_fallback, run_record
+from usp.train.resume import agree_on_checkpoints, load_with_fallback
 from usp.train.schedule import WarmupCosine
+from usp.train.setup import agree_on_setup, has_safetensors, setup_run, user_errors
 from usp.train.step import TrainStep
 
 
@@ -132,10 +130,10 @@ def train(
             check_output_dir(out, export=job.train.export)
             if _rank0(plan):  # one job per output directory, before anything is written
                 lock = OutputLock.acquire(out)
-            setup = _setup(job, plan, out, resume, resume_changed)
+            setup = setup_run(job, plan, out, resume, resume_changed)
         except user_errors() as err:
             error = err
-        _agree_on_setup(plan, error)
+        agree_on_setup(plan, error)
         with StopSignal() as stop:
             return _run(job, plan, out, setup, stream, stop, stop_after, lock)
     finally:
@@ -281,7 +279,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
         result.checkpoint = newest
     if checkpointer.saves and rank0:
         result.notes.append(checkpointer.saves_note())
-    if job.train.export and not _has_safetensors():
+    if job.train.export and not has_safetensors():
         result.notes.append("no HF export: safetensors is not installed (pip install safetensors)")
     elif job.train.export:
         adapter_dir = out / "adapter" if job.train.lora is not None else None
@@ -302,118 +300,6 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
         else:
             result.notes.append(f"no loss.png: {note}")
     return result
-
-
-def _has_safetensors() -> bool:
-    try:
-        import safetensors.torch  # noqa: F401 - what usp.models reads and writes with
-    except ImportError:
-        return False
-    return True
-
-
-def _check_numpy_for_checkpoints() -> None:
-    """DCP's object collectives (torch 2.13) turn tensors into bytes through numpy; without
-    it the first checkpoint would fail after all the training before it."""
-    if not dist.is_initialized():
-        return
-    try:
-        torch.zeros(1).numpy()
-    except RuntimeError:
-        raise CheckpointError(
-            "usp train saves checkpoints with torch.distributed.checkpoint, whose collectives "
-            "need numpy in a distributed run: pip install numpy"
-        ) from None
-
-
-def _setup(job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed: bool):
-    _check_numpy_for_checkpoints()
-    device = components.resolve_device(job, plan)
-    source = components.model_source(job)
-    document_multiple = components.check_lengths(job, plan)
-    dp = 1 if plan.topology is None else plan.topology.dp_degree
-    job.gradient_accumulation(dp)  # checks the batch arithmetic
-    dataset = components.prepare_data(job, source, document_multiple)  # tokenised in _run
-    eval_inputs = prepare_held_out(job, dataset)  # [eval]: None without it
-    rank0 = _rank0(plan)
-    if rank0:  # the libraries [train] report_to needs (rank 0 writes; the ranks agree)
-        report_to.check_available(job.train.report_to)
-    record = run_record(job, source.config, document_multiple, dataset.files) if rank0 else None
-    checkpointer = Checkpointer(
-        out / "checkpoints",
-        model_config=source.config,
-        keep=job.train.keep_checkpoints,
-        run=record,
-    )
-    candidates = checkpointer.complete()  # the ranks agree on them once set-up agreed
-    if candidates and not resume:
-        raise CheckpointError(
-            f"{out} already holds checkpoints (newest: {candidates[-1][1].name}); pass --resume "
-            "to continue that run, or choose another --output directory"
-        )
-    note = None
-    for _, path in reversed(candidates):  # the newest readable one decides (before loading)
-        try:
-            meta = checkpointer.read_meta(path)  # another model shape fails here
-        except CheckpointShapeError:
-            raise
-        except CheckpointError:
-            continue  # damaged: the load falls back past it and says so
-        if rank0:
-            note = check_resume(meta, record, path=path, accept_changes=resume_changed)
-        break
-    if source.directory is not None and not _has_safetensors():
-        raise job.error(
-            f"[model] path {source.directory}: reading an HF checkpoint needs the safetensors "
-            "package: pip install safetensors"
-        )
-    if job.train.offload_parameters and plan.topology is None:
-        raise job.error(
-            "[train] offload_parameters = true offloads FSDP2's parameter shards, and a single "
-            "process without a topology runs without FSDP; launch with torchrun (one GPU: "
-            "usp train --nproc-per-node 1 CONFIG), or set offload_parameters = false"
-        )
-    if job.train.dtype not in (AUTO, "float32") and plan.topology is None:
-        raise job.error(
-            f"[train] dtype = {job.train.dtype!r}: a single process without a topology runs in "
-            "float32; launch with torchrun for mixed precision"
-        )
-    return device, source, dataset, checkpointer, candidates, note, eval_inputs
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean "fix the config or the files" (reported without a traceback)."""
-    from usp.config import ConfigError
-    from usp.models import CheckpointError as ModelCheckpointError
-    from usp.models import ModelConfigError
-    from usp.process_groups import HeadLayoutError, TopologyError
-    from usp.sharding import ShardingError
-    from usp.train.data import DataError
-
-    return (
-        ConfigError,
-        DataError,
-        CheckpointError,
-        TopologyError,
-        HeadLayoutError,
-        ShardingError,
-        ModelCheckpointError,
-        ModelConfigError,
-        OutputLockedError,
-        TrainingDivergedError,
-        CheckpointShapeError,
-    )
-
-
-def _agree_on_setup(plan, error: BaseException | None) -> None:
-    """Raise the first failing rank's error on every rank (one tiny all-gather)."""
-    if plan.topology is None or not dist.is_initialized():
-        if error is not None:
-            raise error
-        return
-    from usp.comm.agreement import agree
-
-    agree(dist.group.WORLD, "usp train set-up", [], error, user_errors())
 
 
 def _train_step(train_step: TrainStep, plan, batch: StepBatch, job, device, stop, distributed):
