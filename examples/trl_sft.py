@@ -91,26 +91,13 @@ def sft_config(args):
     )
 
 
-def write_plan_config(args) -> int:
-    from usp.integrations.hf_cli import write_plan_config as write
-
-    write(
-        args,
-        args.plan_config,
-        model=args.model,
-        seq_len=args.max_length,
-        batch_size=args.batch_size,
-        accumulation=args.gradient_accumulation,
-    )
-    print(f"wrote {args.plan_config}: plan it with usp plan {args.plan_config}")
-    return 0
-
-
 def main(argv=None, *, plan=None) -> int:
     """``plan``: an already built ``usp.Plan`` (default: the launch's, from the flags)."""
     args = parse_args(argv)
     if args.plan_config:
-        return write_plan_config(args)
+        from usp.integrations.hf_cli import plan_config_command
+
+        return plan_config_command(args)
     import transformers
     import trl
 

@@ -125,3 +125,19 @@ def write_plan_config(
     if int(os.environ.get("RANK", "0")) == 0:
         Path(path).write_text(text)
     return text
+
+
+def plan_config_command(args: argparse.Namespace) -> int:
+    """The examples' ``--plan-config FILE``: :func:`write_plan_config` from their flags
+    (``--model``, ``--max-length``, ``--batch-size``, ``--gradient-accumulation``), then
+    the command that plans it. Returns the exit status."""
+    write_plan_config(
+        args,
+        args.plan_config,
+        model=args.model,
+        seq_len=args.max_length,
+        batch_size=args.batch_size,
+        accumulation=args.gradient_accumulation,
+    )
+    print(f"wrote {args.plan_config}: plan it with usp plan {args.plan_config}")
+    return 0

@@ -35,7 +35,7 @@ from usp.train.data import (
     build_tokenizer,
     resolve_files,
 )
-from usp.train.data.build import DataInputs, build_corpus, describe_files
+from usp.train.data.build import DataInputs, describe_files, packed_dataset
 from usp.train.host_optimizer import HostAdamW
 from usp.train.parallelize import compile_layers, parameters_device
 
@@ -201,14 +201,8 @@ def load_dataset(
     ``topology`` calls this; see :mod:`usp.train.data.build`), or in memory without one.
     ``dataset.notes`` says what was read and done; ``dataset.fingerprint`` is the cache key."""
     try:
-        built = build_corpus(inputs, topology=topology, cache_root=cache_root)
-        dataset = PackedDataset(
-            built.corpus,
-            seq_len=inputs.seq_len,
-            document_multiple=inputs.document_multiple,
-            pad_id=inputs.tokenizer.pad_id,
-            seed=inputs.seed,
-            shuffle=inputs.shuffle,
+        built, dataset = packed_dataset(
+            inputs, shuffle=inputs.shuffle, topology=topology, cache_root=cache_root
         )
     except DataError as err:
         raise job.error(str(err)) from None

@@ -41,7 +41,7 @@ from usp.train.data import (
     micro_batch_of,
     resolve_files,
 )
-from usp.train.data.build import DataInputs, build_corpus, describe_files
+from usp.train.data.build import DataInputs, describe_files, packed_dataset
 
 
 @dataclass(frozen=True)
@@ -168,14 +168,8 @@ def load_held_out(
     if inputs is None:
         return None
     try:
-        built = build_corpus(inputs, topology=topology, cache_root=cache_root)
-        dataset = PackedDataset(
-            built.corpus,
-            seq_len=inputs.seq_len,
-            document_multiple=inputs.document_multiple,
-            pad_id=inputs.tokenizer.pad_id,
-            seed=inputs.seed,
-            shuffle=False,
+        built, dataset = packed_dataset(
+            inputs, shuffle=False, topology=topology, cache_root=cache_root
         )
     except DataError as err:
         raise job.error(f"[eval] files: {err}") from None

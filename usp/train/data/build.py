@@ -37,6 +37,7 @@ from usp.train.data.corpus import (
     remove_dead_temporaries,
     tokenise,
 )
+from usp.train.data.packing import PackedDataset
 from usp.train.data.records import LengthReport, fit_document, synthetic_documents
 
 
@@ -86,6 +87,23 @@ def build_corpus(inputs: DataInputs, *, topology=None, cache_root: Path | None =
     if topology is None:
         return _single(inputs, cache_root)
     return _distributed(inputs, cache_root, topology)
+
+
+def packed_dataset(
+    inputs: DataInputs, *, shuffle: bool, topology=None, cache_root: Path | None = None
+) -> tuple[Built, PackedDataset]:
+    """:func:`build_corpus`, packed into rows of ``inputs.seq_len`` (``shuffle``: the
+    seeded order of each epoch; False: file order, as the held-out set is read)."""
+    built = build_corpus(inputs, topology=topology, cache_root=cache_root)
+    dataset = PackedDataset(
+        built.corpus,
+        seq_len=inputs.seq_len,
+        document_multiple=inputs.document_multiple,
+        pad_id=inputs.tokenizer.pad_id,
+        seed=inputs.seed,
+        shuffle=shuffle,
+    )
+    return built, dataset
 
 
 def _build(inputs: DataInputs, directory: Path, key: str) -> float:
