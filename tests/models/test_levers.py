@@ -91,6 +91,62 @@ def test_offload_moves_each_layer_input_off_the_device_tensor():
         assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.parametrize(
+    "numel", [0, 1, 2**20 - 1, 2**20, 2**20 + 1, 3 * 2**29 + 12345, 1_895_825_408, 2**31 + 5]
+)
+def test_host_copies_are_held_in_power_of_two_pieces(numel):
+    """``pinned_pieces``: the binary form's powers of two down to the minimum piece, then
+    the rest; they add up to the copy. Rounded by the pinned allocator (next power of two
+    of bytes, ``usp.planner.overheads.pinned_bytes``) they waste at most the last piece's
+    rounding, where one block of a 3.53 GiB layer input (1,895,825,408 bf16 elements:
+    Llama-3.1-8B at 462,848 local tokens) would waste 0.47 GiB."""
+    from usp.models.offload import MIN_PIECE_ELEMENTS, pinned_pieces, pinned_waste
+    from usp.planner.overheads import pinned_bytes
+
+    pieces = pinned_pieces(numel)
+    assert sum(pieces) == numel and all(p > 0 for p in pieces)
+    assert pieces == sorted(pieces, reverse=True) and len(set(pieces)) == len(pieces)
+    powers = [p for p in pieces if p >= MIN_PIECE_ELEMENTS]
+    assert all(p & (p - 1) == 0 for p in powers) and len(pieces) - len(powers) <= 1
+    waste = pinned_waste(numel, 2)
+    assert waste == sum(pinned_bytes(2 * p) - 2 * p for p in pieces)
+    assert waste < 2 * MIN_PIECE_ELEMENTS  # under one minimum piece's bytes (bf16)
+    if numel == 1_895_825_408:
+        assert pinned_bytes(2 * numel) - 2 * numel > 0.46 * 2**30 > 1000 * waste
+
+
+def test_offload_in_pieces_equals_on_device_checkpointing(monkeypatch):
+    """Each layer input's host copy in several pieces (a minimum piece of 8 elements):
+    logits, loss and every gradient bit-equal to checkpointing on the device."""
+    from usp.models import offload
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY)
+    state = Llama(config).state_dict()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 24))
+    seen = []
+
+    def spy(numel, min_piece=None):
+        seen.append(pieces := real(numel, min_piece))
+        return pieces
+
+    real = offload.pinned_pieces
+    monkeypatch.setattr(offload, "pinned_pieces", spy)
+    runs = {}
+    for mode in (True, "offload"):
+        model = Llama(config)
+        model.load_state_dict(state)
+        model.usp_offloader = offload.HostOffloader(min_piece=8)
+        Levers(activation_checkpointing=mode).apply(model)
+        loss = model(ids, labels=shift_labels(ids))
+        loss.backward()
+        runs[mode] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    # 48 tokens x hidden 32 = 1536 = 1024 + 512 elements: two pieces per layer input
+    assert seen == [[1024, 512]] * TINY["num_hidden_layers"]
+    assert torch.equal(runs["offload"][0], runs[True][0])
+    assert all(torch.equal(g, runs[True][1][n]) for n, g in runs["offload"][1].items())
+
+
 def test_tiled_mlp_holds_one_tile_of_intermediate_activations():
     """Peak bytes of one MLP's forward+backward (torch.profiler memory events): untiled,
     the [tokens, intermediate] activations of the whole input; tiled, of one tile."""

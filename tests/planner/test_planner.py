@@ -334,12 +334,20 @@ def test_a_pessimistic_line_is_corrected_by_measuring(tmp_path):
     assert longest == expected
 
 
-def test_the_search_steps_down_a_pinned_rounding_cliff(tmp_path):
-    """Offloaded layer inputs on CUDA: every block takes the next power of two, so the
-    host's need jumps where a block passes 2^k bytes. The search adds that rounding
-    exactly to its line and ends at the last length below the jump (a plain line through
-    two lengths below it predicted far past it, and kept missing)."""
+@pytest.mark.parametrize("pieces", [False, True])
+def test_the_search_steps_down_a_pinned_rounding_cliff(tmp_path, monkeypatch, pieces):
+    """Offloaded layer inputs on CUDA: a pinned block takes the next power of two, so
+    held as one block (``pieces=False``: no power-of-two piece small enough) the host's
+    need jumps where a block passes 2^k bytes. The search adds that rounding exactly to
+    its line and ends at the last length below the jump (a plain line through two
+    lengths below it predicted far past it, and kept missing). Held in pieces (the
+    default: usp.models.offload.pinned_pieces) the rounding is at most one small piece
+    a layer, and the longest goes past that cliff to what the bytes themselves allow."""
+    import usp.models.offload as offload_module
     from usp.planner import search
+
+    if not pieces:
+        monkeypatch.setattr(offload_module, "MIN_PIECE_ELEMENTS", 2**62)
     from usp.planner.footprint import Extras, Footprint, Phase
     from usp.planner.measure import offload_rounding
 
@@ -366,5 +374,10 @@ def test_the_search_steps_down_a_pinned_rounding_cliff(tmp_path):
 
     assert chosen == layout and host_total(longest) <= limit < host_total(longest + multiple)
     boundary = limit / layers  # the largest power of two block that fits
-    assert 2 ** math.floor(math.log2(boundary)) // block // multiple * multiple == longest
+    cliff = 2 ** math.floor(math.log2(boundary)) // block // multiple * multiple
+    if not pieces:
+        assert longest == cliff
+    else:  # within one multiple and one small piece's rounding a layer of the bytes' limit
+        waste = 2 * offload_module.MIN_PIECE_ELEMENTS * 2  # under 2 pieces' bytes (bf16)
+        assert cliff < longest and limit - layers * (waste + block * multiple) <= host_total(longest)
     assert len(set(measured.asked)) <= 6

@@ -16,6 +16,15 @@ Only the one tensor named (the hidden states) moves; the layer's other inputs (t
 tables, shared by every layer) stay where they are. Values are copied bit for bit, so
 the losses and gradients equal on-device checkpointing exactly.
 
+**Pieces.** torch's pinned (CUDA host) allocator gives every block the next power of two
+of bytes (``CachingHostAllocator``), so one pinned block per layer input would cost up
+to twice its bytes: a 3.53 GiB input takes 4 GiB, one just past 4 GiB takes 8. Each host
+copy is therefore kept as the pieces :func:`pinned_pieces` names -- the powers of two of
+its element count's binary form down to :data:`MIN_PIECE_ELEMENTS`, then the rest as one
+piece -- which the allocator takes as they are, but for the last piece's rounding (under
+2 MiB in bf16). The pieces are the same on every device (the CPU path runs them too), and
+``usp plan`` counts the same rounding (:func:`pinned_waste`).
+
 Where the host copies go is :attr:`HostOffloader.host_device` (``cpu``; real runs keep
 it). A memory estimate that runs a CUDA step on CPU fake tensors (a torch without CUDA,
 :mod:`usp.planner.measure`) sets it to ``meta``, so its memory tracker counts the copies
@@ -32,6 +41,41 @@ import torch
 #: the values of ``activation_checkpointing`` (model option and ``[train]`` key)
 ACTIVATION_CHECKPOINTING = (False, True, "offload")
 
+#: the smallest power-of-two piece of a host copy; what is left below it is one piece
+#: (so a copy has at most ~log2(numel / this) + 1 pieces, 12 for 2^31 elements)
+MIN_PIECE_ELEMENTS = 2**20
+
+
+def pinned_pieces(numel: int, min_piece: int | None = None) -> list[int]:
+    """The element counts of a host copy's pieces, largest first: each power of two of
+    ``numel``'s binary form that is at least ``min_piece``, then the remainder (below
+    ``min_piece``) as one piece. They add up to ``numel``; in a dtype whose size is a
+    power of two every piece but the last is a power of two of bytes. ``min_piece``:
+    :data:`MIN_PIECE_ELEMENTS` by default."""
+    min_piece = MIN_PIECE_ELEMENTS if min_piece is None else min_piece
+    pieces = []
+    rest = numel
+    bit = 1 << (numel.bit_length() - 1) if numel > 0 else 0
+    while bit >= min_piece and rest:
+        if rest & bit:
+            pieces.append(bit)
+            rest -= bit
+        bit >>= 1
+    if rest:
+        pieces.append(rest)
+    return pieces
+
+
+def pinned_waste(numel: int, itemsize: int, min_piece: int | None = None) -> int:
+    """Bytes the pinned allocator adds to a host copy of ``numel`` elements of
+    ``itemsize`` bytes held as :func:`pinned_pieces` (each piece rounded up to a power of
+    two of bytes; 0 when every piece is one already)."""
+    waste = 0
+    for n in pinned_pieces(numel, min_piece):
+        nbytes = n * itemsize
+        waste += (1 << (nbytes - 1).bit_length()) - nbytes if nbytes > 1 else 0
+    return waste
+
 
 def check_activation_checkpointing(value) -> bool | str:
     """``value`` if it is one of :data:`ACTIVATION_CHECKPOINTING`, else a ValueError."""
@@ -44,32 +88,49 @@ def check_activation_checkpointing(value) -> bool | str:
 
 
 class _HostCopy:
-    """One offloaded tensor: its host copy, and how to bring it back."""
+    """One offloaded tensor: its host copy in pieces (:func:`pinned_pieces`), and how to
+    bring it back as one tensor."""
 
-    __slots__ = ("device", "host", "ready")
+    __slots__ = ("device", "dtype", "pieces", "ready", "shape")
 
-    def __init__(self, tensor: torch.Tensor, stream, host_device: torch.device):
-        self.device = tensor.device
+    def __init__(self, tensor: torch.Tensor, stream, host_device: torch.device, min_piece: int):
+        self.device, self.dtype, self.shape = tensor.device, tensor.dtype, tensor.shape
         self.ready = None
-        if stream is None:  # CPU (or no CUDA runtime): a plain, distinct host copy
-            self.host = tensor.detach().to(host_device, copy=True)
+        flat = tensor.detach().reshape(-1)  # a view of the (contiguous) hidden states
+        bounds = _bounds(pinned_pieces(flat.numel(), min_piece))
+        if stream is None:  # CPU (or no CUDA runtime): plain, distinct host copies
+            self.pieces = [flat[a:b].to(host_device, copy=True) for a, b in bounds]
             return
-        # pinned host memory; the copy runs on the side stream once the producer is done
-        self.host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+        # pinned host memory; the copies run on the side stream once the producer is done
+        self.pieces = [
+            torch.empty(b - a, dtype=tensor.dtype, device="cpu", pin_memory=True) for a, b in bounds
+        ]
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(stream):
-            self.host.copy_(tensor, non_blocking=True)
+            for piece, (a, b) in zip(self.pieces, bounds):
+                piece.copy_(flat[a:b], non_blocking=True)
             self.ready = torch.cuda.Event()
             self.ready.record(stream)
-        tensor.record_stream(stream)  # its memory is not reused before the copy is done
+        tensor.record_stream(stream)  # its memory is not reused before the copies are done
 
     def restore(self) -> torch.Tensor:
-        """The tensor on its device again (after the copy to the host has finished)."""
-        if self.ready is None:
-            return self.host if self.host.device == self.device else self.host.to(self.device)
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(self.ready)
-        return self.host.to(self.device, non_blocking=True)
+        """The tensor on its device again (after the copies to the host have finished)."""
+        if self.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        flat = out.view(-1)
+        for piece, (a, b) in zip(self.pieces, _bounds([p.numel() for p in self.pieces])):
+            flat[a:b].copy_(piece, non_blocking=self.ready is not None)
+        return out
+
+
+def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` of consecutive pieces of these sizes."""
+    out, start = [], 0
+    for n in sizes:
+        out.append((start, start + n))
+        start += n
+    return out
 
 
 class HostOffloader:
@@ -78,11 +139,13 @@ class HostOffloader:
 
     ``host_device``: where the host copies of non-CUDA tensors go (``cpu``). Only a
     memory estimate changes it (to ``meta``, under fake tensors: see the module
-    docstring); CUDA tensors of a CUDA runtime always go to pinned CPU memory."""
+    docstring); CUDA tensors of a CUDA runtime always go to pinned CPU memory.
+    ``min_piece``: :func:`pinned_pieces`' smallest power-of-two piece (elements)."""
 
-    def __init__(self):
+    def __init__(self, min_piece: int | None = None):
         self._streams: dict[torch.device, object] = {}
         self.host_device = torch.device("cpu")
+        self.min_piece = min_piece
 
     def _stream(self, device: torch.device):
         if device.type != "cuda" or not torch.cuda.is_available():
@@ -102,7 +165,7 @@ class HostOffloader:
         def pack(saved):
             if saved is not target():
                 return saved
-            return _HostCopy(saved, self._stream(saved.device), self.host_device)
+            return _HostCopy(saved, self._stream(saved.device), self.host_device, self.min_piece)
 
         def unpack(packed):
             return packed.restore() if isinstance(packed, _HostCopy) else packed

@@ -135,18 +135,19 @@ def measure_extras(target: Target, layout: Layout, built: BuiltStep) -> Extras:
 
 def offload_rounding(target: Target, layout: Layout, seq_len: int, layers: int) -> int:
     """What the pinned allocator adds to a CUDA step's offloaded layer inputs at
-    ``seq_len`` (``activation_checkpointing = "offload"``: one block per layer, a
-    micro-batch's local tokens x hidden in the compute dtype, each rounded up to a power
-    of two; 0 for other levers or devices). A step function of the length: the
-    longest-sequence search adds it exactly to its line (:mod:`usp.planner.search`)."""
+    ``seq_len`` (``activation_checkpointing = "offload"``: one copy per layer of a
+    micro-batch's local tokens x hidden in the compute dtype, held in the pieces of
+    :func:`usp.models.offload.pinned_pieces`, each rounded up to a power of two; 0 for
+    other levers or devices). A step function of the length: the longest-sequence search
+    adds it exactly to its line (:mod:`usp.planner.search`)."""
+    from usp.models.offload import pinned_waste
     from usp.train import components
 
     if target.device != "cuda" or layout.levers.activation_checkpointing != "offload":
         return 0
     tokens = seq_len * target.job.train.micro_batch // layout.sp
     item = components.compute_dtype(target.job, torch.device("cuda")).itemsize
-    block = tokens * target.model.hidden_size * item
-    return layers * (pinned_bytes(block) - block)
+    return layers * pinned_waste(tokens * target.model.hidden_size, item)
 
 
 def _fsdp_units(model) -> list[list[int]]:

@@ -21,8 +21,10 @@ device, per rank (CUDA)
 host, per node
   * the ranks' measured host tensors (offloaded activations, offloaded parameters,
     gradients and AdamW state) plus **pinned rounding** (torch's pinned allocator gives
-    each block a power of two: a 3.53 GiB layer copy takes 4 GiB; measured per tensor
-    in the step, :mod:`usp.planner.measure`);
+    each block a power of two: a 3.53 GiB block takes 4 GiB. Offloaded layer inputs are
+    held in power-of-two pieces, :func:`usp.models.offload.pinned_pieces`, so only their
+    last small piece rounds; FSDP's offloaded shards are one block each; counted per
+    tensor of the step, :mod:`usp.planner.measure`);
   * **rank processes** -- :data:`RANK_PROCESS_HOST_GIB` each;
   * **OS, page cache and data pipeline** -- :data:`NODE_RESERVE_FRACTION` of the node
     (at least :data:`NODE_RESERVE_MIN_GIB`).
@@ -325,7 +327,8 @@ class Overheads:
             lines.append(Item(
                 "pinned rounding", pinned,
                 "torch's pinned allocator rounds each block up to a power of two "
-                "(offloaded layer inputs, parameter and gradient shards)",
+                "(offloaded parameter and gradient shards; the last small piece of each "
+                "offloaded layer input)",
                 where="host",
             ))  # fmt: skip
         return lines + list(self.host_rank) + list(self.host_node)

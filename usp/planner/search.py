@@ -379,8 +379,9 @@ def _predict(points, costs: Overheads, multiple: int, rounding=None) -> int:
     every item, :mod:`usp.planner.overheads`) and a rank's host share (the node's
     memory less its reserve, over its ranks, less each rank's process). ``rounding``:
     the pinned rounding of offloaded layer inputs at a length (:func:`usp.planner.
-    measure.offload_rounding`), a step function -- each block jumps to the next power
-    of two --, so the host's line is drawn without it and it is added back exactly."""
+    measure.offload_rounding`), a step function -- each rounded piece jumps to the next
+    power of two --, so the host's line is drawn without it and it is added back
+    exactly."""
     (s0, f0), (s1, f1) = points
     budget = costs.budget(f1.extras)
     lengths = []
