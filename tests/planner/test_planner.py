@@ -379,5 +379,6 @@ def test_the_search_steps_down_a_pinned_rounding_cliff(tmp_path, monkeypatch, pi
         assert longest == cliff
     else:  # within one multiple and one small piece's rounding a layer of the bytes' limit
         waste = 2 * offload_module.MIN_PIECE_ELEMENTS * 2  # under 2 pieces' bytes (bf16)
-        assert cliff < longest and limit - layers * (waste + block * multiple) <= host_total(longest)
+        assert cliff < longest
+        assert limit - layers * (waste + block * multiple) <= host_total(longest)
     assert len(set(measured.asked)) <= 6
