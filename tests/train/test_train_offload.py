@@ -58,11 +58,14 @@ def _fsdp_params(model):
         yield from (group.fsdp_params if group is not None else ())
 
 
-def run_offload_steps(offload_parameters: bool):
-    """Body: the same job with and without the offload levers, stepped side by side."""
+def run_offload_steps(offload_parameters: bool, lora: dict | None = None):
+    """Body: the same job with and without the offload levers, stepped side by side
+    (``lora``: ``[train] lora`` in both: the host AdamW holds the adapters only, the
+    frozen base never leaves its shards unchanged)."""
     topo = topology(2, 2)
-    config = base_config(offload_optimizer=True, offload_parameters=offload_parameters)
-    plain_config = base_config()
+    extra = {} if lora is None else {"lora": lora}
+    config = base_config(offload_optimizer=True, offload_parameters=offload_parameters, **extra)
+    plain_config = base_config(**extra)
     plan = components.build_plan(train_config_from_dict(config), topo)
     job, model, optimizer, step = _built(config, plan, topo)
     _, plain_model, plain_optimizer, plain_step = _built(plain_config, plan, topo)
@@ -83,6 +86,7 @@ def run_offload_steps(offload_parameters: bool):
         in_model = any(host.data_ptr() == _local(p).data_ptr() for p in model.parameters())
         calls.append((untouched, in_model))
 
+    base = {n: _local(p).clone() for n, p in model.named_parameters() if not p.requires_grad}
     host_optimizer.adamw = watched_adamw
     try:
         for seed in (1, 2, 3):
@@ -94,8 +98,13 @@ def run_offload_steps(offload_parameters: bool):
                 assert torch.equal(_local(p), _local(q)), "offloaded AdamW = on-device AdamW"
     finally:
         host_optimizer.adamw = real_adamw
-    params = list(model.parameters())
-    assert len(calls) == 3 * len(params), "one host update per parameter and step"
+    params = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert bool(frozen) == (lora is not None)
+    assert len(calls) == 3 * len(params), "one host update per trainable parameter and step"
+    assert all(p not in optimizer.state for p in frozen)
+    named = dict(model.named_parameters())
+    assert all(torch.equal(_local(named[n]), before) for n, before in base.items())
     if offload_parameters:  # updated in place, on FSDP's host shards
         assert all(in_model and not untouched for untouched, in_model in calls)
     else:  # on its own host copy; the model's shard changes only at the copy-back
@@ -122,6 +131,15 @@ def _twin(param, model, other):
 def test_offloaded_steps_equal_on_device_adamw_bit_for_bit(distributed, offload_parameters):
     counts = distributed.run(run_offload_steps, offload_parameters, world_size=4, timeout=TIMEOUT)
     assert counts[0] > 0 and len(set(counts)) == 1
+
+
+def test_offloaded_lora_steps_equal_on_device_adamw_bit_for_bit(distributed):
+    """LoRA (rank 4 on q_proj and down_proj, dropout 0.1) with both offload levers: the
+    host AdamW updates the adapters only (2 per target, 2 targets, 2 layers), bit for bit
+    as on-device AdamW, and the frozen base stays as built."""
+    lora = {"rank": 4, "targets": ["q_proj", "down_proj"], "dropout": 0.1}
+    counts = distributed.run(run_offload_steps, True, lora, world_size=4, timeout=TIMEOUT)
+    assert counts == [2 * 2 * 2] * 4
 
 
 OFFLOADED = base_config(offload_optimizer=True, offload_parameters=True)
