@@ -111,7 +111,10 @@ class _HostCopy:
                 piece.copy_(flat[a:b], non_blocking=True)
             self.ready = torch.cuda.Event()
             self.ready.record(stream)
-        tensor.record_stream(stream)  # its memory is not reused before the copies are done
+        # neither memory is reused before the copies are done (``flat`` is ``tensor``'s
+        # storage, or its contiguous copy when the hidden states were strided)
+        tensor.record_stream(stream)
+        flat.record_stream(stream)
 
     def restore(self) -> torch.Tensor:
         """The tensor on its device again (after the copies to the host have finished)."""
