@@ -6,11 +6,6 @@
 #                  reference, their self-checks, NaN/inf semantics, host syncs; a backend
 #                  that fails its self-check FAILS here, it is not skipped
 #   cuda_tests     every other test marked @pytest.mark.cuda (none yet is fine)
-#   kernel_bench   benchmarks/kernel_bench.py: TFLOP/s per backend at 8k, 32k, 128k
-#                  tokens; exits non-zero when a backend is unavailable or fails
-#   emulate        benchmarks/emulate.py: one rank of 8- and 64-rank jobs (fake group)
-#   peers          benchmarks/peers.py: usp next to PyTorch context parallel and others
-#   train_emulate  benchmarks/train_emulate.py: one rank's training step
 #   plan_check     benchmarks/plan_check.py: usp plan's fake-tensor memory estimate of 4
 #                  layers of Llama-3.1-8B at 64k tokens (one of 8 ranks) against
 #                  torch.cuda.max_memory_allocated of the same step; fails beyond 10%
@@ -19,6 +14,11 @@
 #                  after, each CUDA backend's backward workspace, the allocator reserve
 #                  with and without expandable_segments, pinned rounding, a rank's VmRSS)
 #                  against the planner's figure; fails where the planner is optimistic
+#   kernel_bench   benchmarks/kernel_bench.py: TFLOP/s per backend at 8k, 32k, 128k
+#                  tokens; exits non-zero when a backend is unavailable or fails
+#   emulate        benchmarks/emulate.py: one rank of 8- and 64-rank jobs (fake group)
+#   peers          benchmarks/peers.py: usp next to PyTorch context parallel and others
+#   train_emulate  benchmarks/train_emulate.py: one rank's training step
 #   host_overhead  benchmarks/host_overhead.py --device auto (cuda): the host time of one
 #                  usp_attention layer call beyond its kernels (bf16, auto backend, fake
 #                  group), the GPU time it spans, and its aten ops
@@ -114,12 +114,14 @@ step kernel_tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEsxX \
     --junitxml="$OUT/kernel_tests.xml" tests/kernels
 step cuda_tests 90 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEsxX -m cuda \
     --junitxml="$OUT/cuda_tests.xml" --ignore=tests/kernels tests
+# the planner's checks next: an optimistic plan is an out-of-memory on a booked cluster,
+# so a short budget still runs them
+script_step plan_check 120 benchmarks/plan_check.py benchmarks/plan_check.py --out "$OUT"
+script_step overheads 150 benchmarks/overheads_check.py benchmarks/overheads_check.py --out "$OUT"
 step kernel_bench 120 "$PYTHON" benchmarks/kernel_bench.py --out "$OUT"
 step emulate 180 "$PYTHON" benchmarks/emulate.py --out "$OUT"
 script_step peers 90 benchmarks/peers.py benchmarks/peers.py --out "$OUT"
 script_step train_emulate 90 benchmarks/train_emulate.py benchmarks/train_emulate.py --out "$OUT"
-script_step plan_check 120 benchmarks/plan_check.py benchmarks/plan_check.py --out "$OUT"
-script_step overheads 150 benchmarks/overheads_check.py benchmarks/overheads_check.py --out "$OUT"
 step host_overhead 60 "$PYTHON" benchmarks/host_overhead.py --device auto --repeats 100 --out "$OUT"
 script_step cuda_graph 150 benchmarks/cuda_graph_check.py benchmarks/cuda_graph_check.py \
     --cases 2 --out "$OUT"
