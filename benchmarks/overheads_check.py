@@ -21,7 +21,7 @@ On one GPU:
   ranks on the fake group), with ``expandable_segments`` (usp train's default) and in a
   second process without (``overheads.ALLOCATOR_RESERVE``);
 - **pinned rounding**: ``torch.cuda.host_memory_stats`` after pinning 2^30 + 1 bytes
-  (the next power of two expected: ``overheads.pinned_bytes``);
+  (the next power of two expected: ``usp.models.offload.pinned_bytes``);
 - **rank process host memory**: this process's VmRSS after all of the above
   (``overheads.RANK_PROCESS_HOST_GIB``).
 On the CPU: the CPU flash kernel's workspace from torch.profiler's allocator events.
@@ -207,7 +207,7 @@ def context_and_nccl_rows() -> list[dict]:
 def pinned_rows() -> list[dict]:
     import torch
 
-    from usp.planner.overheads import pinned_bytes
+    from usp.models.offload import pinned_bytes
 
     def reserved() -> int | None:
         stats = torch.cuda.host_memory_stats()

@@ -97,11 +97,10 @@ def test_offload_moves_each_layer_input_off_the_device_tensor():
 def test_host_copies_are_held_in_power_of_two_pieces(numel):
     """``pinned_pieces``: the binary form's powers of two down to the minimum piece, then
     the rest; they add up to the copy. Rounded by the pinned allocator (next power of two
-    of bytes, ``usp.planner.overheads.pinned_bytes``) they waste at most the last piece's
+    of bytes, ``usp.models.offload.pinned_bytes``) they waste at most the last piece's
     rounding, where one block of a 3.53 GiB layer input (1,895,825,408 bf16 elements:
     Llama-3.1-8B at 462,848 local tokens) would waste 0.47 GiB."""
-    from usp.models.offload import MIN_PIECE_ELEMENTS, pinned_pieces, pinned_waste
-    from usp.planner.overheads import pinned_bytes
+    from usp.models.offload import MIN_PIECE_ELEMENTS, pinned_bytes, pinned_pieces, pinned_waste
 
     pieces = pinned_pieces(numel)
     assert sum(pieces) == numel and all(p > 0 for p in pieces)

@@ -11,10 +11,11 @@ from planner_cases import target_of, write_config
 from torch.profiler import ProfilerActivity, profile
 
 from usp.models import Levers
+from usp.models.offload import pinned_bytes
 from usp.planner import overheads, search
 from usp.planner.footprint import Footprint, Layout, Phase
 from usp.planner.measure import measure
-from usp.planner.overheads import GIB, attention_workspace, communicators, pinned_bytes
+from usp.planner.overheads import GIB, attention_workspace, communicators
 from usp.train import allocator
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)

@@ -66,15 +66,18 @@ def pinned_pieces(numel: int, min_piece: int | None = None) -> list[int]:
     return pieces
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """What torch's pinned (CUDA host) allocator takes for a block of ``nbytes``: the
+    next power of two (``CachingHostAllocator``: ``PowerOf2Ceil``). The one statement of
+    that rule: ``usp plan``'s pinned rounding (:mod:`usp.planner.overheads`) uses it too."""
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
 def pinned_waste(numel: int, itemsize: int, min_piece: int | None = None) -> int:
     """Bytes the pinned allocator adds to a host copy of ``numel`` elements of
-    ``itemsize`` bytes held as :func:`pinned_pieces` (each piece rounded up to a power of
-    two of bytes; 0 when every piece is one already)."""
-    waste = 0
-    for n in pinned_pieces(numel, min_piece):
-        nbytes = n * itemsize
-        waste += (1 << (nbytes - 1).bit_length()) - nbytes if nbytes > 1 else 0
-    return waste
+    ``itemsize`` bytes held as :func:`pinned_pieces` (each piece rounded up by
+    :func:`pinned_bytes`; 0 when every piece is a power of two already)."""
+    return sum(pinned_bytes(n * itemsize) - n * itemsize for n in pinned_pieces(numel, min_piece))
 
 
 def check_activation_checkpointing(value) -> bool | str:

@@ -52,6 +52,7 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from usp.models.offload import pinned_bytes, pinned_waste
 from usp.models.tiling import representative_tiles
 from usp.planner.footprint import (
     HOST_STAND_IN,
@@ -65,7 +66,6 @@ from usp.planner.footprint import (
     scaling_runs,
 )
 from usp.planner.kernels import KernelLog, planning_backend, planning_kernels
-from usp.planner.overheads import pinned_bytes
 from usp.process_groups.fake import fake_world
 from usp.train.step import clip_gradients
 
@@ -140,7 +140,6 @@ def offload_rounding(target: Target, layout: Layout, seq_len: int, layers: int) 
     :func:`usp.models.offload.pinned_pieces`, each rounded up to a power of two; 0 for
     other levers or devices). A step function of the length: the longest-sequence search
     adds it exactly to its line (:mod:`usp.planner.search`)."""
-    from usp.models.offload import pinned_waste
     from usp.train import components
 
     if target.device != "cuda" or layout.levers.activation_checkpointing != "offload":

@@ -226,12 +226,6 @@ class Item:
     added: bool = True
 
 
-def pinned_bytes(nbytes: int) -> int:
-    """What torch's pinned (CUDA host) allocator takes for a block of ``nbytes``: the
-    next power of two (``CachingHostAllocator``: ``PowerOf2Ceil``)."""
-    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
-
-
 def node_reserve(host_memory_gib: float) -> int:
     return int(max(NODE_RESERVE_MIN_GIB, NODE_RESERVE_FRACTION * host_memory_gib) * GIB)
 
