@@ -42,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from usp.train.config import load_train_config
     from usp.train.data_view import view_data, view_text
-    from usp.train.trainer import user_errors
+    from usp.train.setup import user_errors
 
     try:
         job = load_train_config(args.config, sets=args.sets, output_dir=args.output)

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         write_error_file(f"usp train: error: {err}", 2)
         return 2
     from usp.train.guard import EXIT_STATUS, CollectiveFailedError, TrainingDivergedError
-    from usp.train.trainer import user_errors as user_error_kinds
+    from usp.train.setup import user_errors as user_error_kinds
 
     user_errors = user_error_kinds()
     topology, synchronised = None, True
