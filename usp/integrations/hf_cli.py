@@ -14,6 +14,7 @@ import argparse
 import os
 from pathlib import Path
 
+from usp.cli.args import nonnegative_int, positive_int
 from usp.integrations.hf_plan import plan_config
 from usp.integrations.hf_setup import launch_plan
 from usp.models import DEFAULT_LOSS_CHUNK_TOKENS, Levers
@@ -23,27 +24,13 @@ from usp.plan import Plan
 _CHECKPOINTING = {"off": False, "on": True, "offload": "offload"}
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the grid (``--ulysses``, ``--ring``, ``--topology``, ``--layout``) and the
     levers (``--activation-checkpointing``, ``--mlp-tile-tokens``,
     ``--attention-head-chunks``, ``--loss-chunk-tokens``) to ``parser``."""
     grid = parser.add_argument_group("usp: sequence parallelism (per data-parallel replica)")
-    grid.add_argument("--ulysses", type=_positive, default=1, help="Ulysses degree (default 1)")
-    grid.add_argument("--ring", type=_positive, default=1, help="ring degree (default 1)")
+    grid.add_argument("--ulysses", type=positive_int, default=1, help="Ulysses degree (default 1)")
+    grid.add_argument("--ring", type=positive_int, default=1, help="ring degree (default 1)")
     grid.add_argument(
         "--topology",
         metavar="FILE",
@@ -58,17 +45,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="recompute each decoder layer in backward; offload: keep its input in host memory",
     )
     levers.add_argument(
-        "--mlp-tile-tokens", type=_count, default=0, help="run each MLP over tiles of N tokens"
+        "--mlp-tile-tokens",
+        type=nonnegative_int,
+        default=0,
+        help="run each MLP over tiles of N tokens",
     )
     levers.add_argument(
         "--attention-head-chunks",
-        type=_positive,
+        type=positive_int,
         default=1,
         help="the ring attends to N groups of KV heads in turn",
     )
     levers.add_argument(
         "--loss-chunk-tokens",
-        type=_count,
+        type=nonnegative_int,
         default=DEFAULT_LOSS_CHUNK_TOKENS,
         help="rows of logits at a time in the loss; 0: the model's full logits "
         f"(default {DEFAULT_LOSS_CHUNK_TOKENS})",
