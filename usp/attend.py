@@ -28,7 +28,7 @@ from usp.call_check import call_fields, checked_call, needs_grad
 from usp.comm.agreement import Field
 from usp.comm.traced import TracedGroup
 from usp.kernels.spec import validate_inputs
-from usp.options import BACKENDS, LAYOUTS, RING_IMPLS
+from usp.options import BACKENDS, LAYOUTS, RING_IMPLS, layout_chunks
 from usp.packing import PackedSequence, PlanError, check_packed_fits
 from usp.process_groups import HeadLayoutError
 from usp.ring.api import RING_ERRORS, prepare_ring, ring_placement, run_ring
@@ -134,9 +134,11 @@ def attend(
     Under ``torch.compile`` the call is checked (and, with ``verify``, agreed across the
     SP ranks) while the graph is traced, once per plan and call shape
     (:func:`traced_call`): the graph holds only the collectives and the computation."""
+    documents = None
     if torch.compiler.is_compiling():
         call = _traced(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks)
         ulysses = call.ulysses
+        documents = live_documents(packed)
     else:
         grad = needs_grad(q, k, v)
         call = checked(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad)
@@ -145,7 +147,7 @@ def attend(
     if plan.ulysses_degree > 1:
         k, v = replicate_kv_heads(k, v, call.kv_replication)
         q, k, v = to_head_sharded([q, k, v], ulysses, stats)  # [B, S/r, h/u, D]
-    out, _ = run_ring(q, k, v, call.ring)
+    out, _ = run_ring(q, k, v, call.ring, documents)
     if plan.ulysses_degree > 1:
         out = to_sequence_sharded(out, ulysses, stats)  # [B, S/P, H, D]
     return out
@@ -191,22 +193,58 @@ def _tensor_signature(x):
     return tuple(operator.index(n) for n in x.shape), x.dtype, x.device
 
 
-def packed_signature(packed):
-    """A PackedSequence as constants: its boundaries and what it was built for (so that a
-    new PackedSequence of the same documents reuses the graph: no guard on its identity)."""
-    if packed is None:
-        return None
+def _check_packed_type(packed) -> None:
     if not isinstance(packed, PackedSequence):
         raise PlanError(
             "under torch.compile, packed documents must be a usp.PackedSequence built outside "
             "the compiled call (plan.pack(cu_seqlens)): raw cu_seqlens would be read on the host "
             "inside the graph"
         )
+
+
+def packed_signature(packed):
+    """A PackedSequence as constants: its boundaries and what it was built for (so that a
+    new PackedSequence of the same documents reuses the graph: no guard on its identity).
+    ``operator.index`` makes Dynamo specialise each boundary (a recompile for new
+    documents keeps them constants instead of making them symbolic)."""
+    if packed is None:
+        return None
+    _check_packed_type(packed)
     placement = packed.placement
     return (
-        packed.bounds, packed.ring_degree, packed.ulysses_degree, packed.layout,
-        placement.device, bool(placement.segments),
+        tuple(operator.index(b) for b in packed.bounds), packed.ring_degree,
+        packed.ulysses_degree, packed.layout, placement.device, bool(placement.segments),
     )  # fmt: skip
+
+
+def call_signature(packed):
+    """What a compiled attention call is specialised to of its PackedSequence. The p2p
+    ring and a ring of one read only the sequence's shape (its length, and whether it
+    holds several documents: one document is a dense sequence): the boundaries reach
+    the graph as a tensor (:func:`live_documents`), so one graph serves every packing
+    of that shape. The all-gather ring indexes the gathered K/V by document (index
+    tensors whose sizes depend on the documents): its graph is specialised to the
+    boundaries (:func:`packed_signature`), and new documents recompile."""
+    if packed is None:
+        return None
+    _check_packed_type(packed)
+    placement = packed.placement
+    if bool(placement.segments):  # (bool(): what Dynamo reads of a constant's dict)
+        return packed_signature(packed)
+    return (
+        "shape", operator.index(packed.seq_len), packed.ring_degree, packed.ulysses_degree,
+        packed.layout, placement.device, placement.packed,
+    )  # fmt: skip
+
+
+def live_documents(packed) -> torch.Tensor | None:
+    """In a compiled graph, the p2p ring's piece boundaries of the PackedSequence given
+    to this call (a graph input; int32 on the device, the same for query and key pieces),
+    for :func:`usp.ring.api.run_ring`: None when there are none (dense, one document)
+    or when the graph is specialised to them (the all-gather ring)."""
+    if packed is None or bool(packed.placement.segments) or not packed.placement.packed:
+        return None
+    return packed.placement.piece_docs.cu_q
 
 
 def _traced(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks) -> CheckedCall:
@@ -216,7 +254,7 @@ def _traced(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks) -
     choices = (plan.layout, plan.ring_impl, plan.backend, plan.verify_calls)
     return traced_call(
         type(plan), plan.topology, choices, _tensor_signature(q), _tensor_signature(k),
-        _tensor_signature(v), causal, softmax_scale, packed_signature(packed), verify,
+        _tensor_signature(v), causal, softmax_scale, call_signature(packed), verify,
         head_chunks, needs_grad(q, k, v),
     )  # fmt: skip
 
@@ -255,9 +293,15 @@ def _stand_in(signature):
 
 def stand_in_packed(plan, signature) -> PackedSequence | None:
     """The PackedSequence a signature describes, built again by ``plan`` (refused as the
-    original would be where it does not fit the plan)."""
+    original would be where it does not fit the plan). For a :func:`call_signature` of
+    the shape only, a packing of that shape: one document, or two (the first one chunk
+    of every ring rank long), which the checks and the kernels' choice see alike."""
     if signature is None:
         return None
+    if signature[0] == "shape":
+        _, seq_len, ring_degree, ulysses_degree, layout, device, several = signature
+        bounds = (0, layout_chunks(layout, ring_degree), seq_len) if several else (0, seq_len)
+        signature = (bounds, ring_degree, ulysses_degree, layout, device, False)
     bounds, ring_degree, ulysses_degree, layout, device, has_segments = signature
     check_packed_fits(
         (ring_degree, ulysses_degree, layout), (plan.ring_degree, plan.ulysses_degree, plan.layout)

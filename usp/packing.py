@@ -47,6 +47,10 @@ class PackedSequence:
     documents: Documents
     ulysses_degree: int
     placement: RankPlacement
+    #: this rank's tokens as indices into the global sequence, in local order (int64
+    #: [S/P], CPU): made here so that a compiled forward reads a tensor, not the
+    #: documents (one graph for every packing)
+    token_indices: torch.Tensor
     #: equal on two ranks exactly when their boundaries are equal
     fingerprint: int = field(init=False)
     #: every token's position inside its document, global sequence (int64 [S])

@@ -265,7 +265,10 @@ class Plan:
             allgather=self.ring_impl == "allgather",
         )
         cpu = cu_seqlens.detach().to("cpu", torch.int32)
-        return PackedSequence(cpu, bounds, documents, self.ulysses_degree, placement)
+        indices = rank_token_indices(
+            documents, self.ring_rank, self.ulysses_degree, self.ulysses_rank
+        )
+        return PackedSequence(cpu, bounds, documents, self.ulysses_degree, placement, indices)
 
     def packed_sequence(
         self, packed, *, device=None, seq_len: int | None = None
@@ -302,6 +305,8 @@ class Plan:
         (int64 [S/P])."""
         if self.topology is None and packed is None:  # one process, dense: natural order
             return torch.arange(seq_len, device=device)
+        if isinstance(packed, PackedSequence):  # worked out when it was packed
+            return self.packed_sequence(packed, seq_len=seq_len).token_indices.to(device)
         documents = self._documents(seq_len, packed)
         return rank_token_indices(
             documents, self.ring_rank, self.ulysses_degree, self.ulysses_rank

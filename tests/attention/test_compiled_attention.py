@@ -209,3 +209,71 @@ def run_front_doors_compiled():
 def test_the_front_doors_compile(distributed):
     for errors in distributed.run(run_front_doors_compiled, world_size=2, timeout=600):
         assert max(errors) <= TOL, errors
+
+
+#: global document boundaries, as fractions of the sequence in units of the document
+#: multiple: each packing has another number of documents
+PACKINGS = [(3, 1), (1, 1, 2), (2, 1, 1, 1, 1, 2)]
+
+
+def _boundaries(units, seq: int, multiple: int) -> torch.Tensor:
+    step = seq // multiple // sum(units) * multiple  # a document unit, in tokens
+    bounds = [0]
+    for n in units[:-1]:
+        bounds.append(bounds[-1] + n * step)
+    return torch.tensor(bounds + [seq], dtype=torch.int32)
+
+
+def run_compiled_packings(ulysses: int, ring: int):
+    """One compiled attention function called with three packings (2, 3 and 6
+    documents): per ring implementation, its outputs and gradients against eager for
+    each, and the graphs Dynamo made. The p2p ring runs with a non-default softmax
+    scale and two KV-head chunks (both reach the compiled kernels)."""
+    from torch._dynamo.utils import counters
+
+    topo = topology(ulysses, ring)
+    seq = 4 * LOCAL * ulysses * ring
+    multiple = 2 * ring * ulysses
+    gen = torch.Generator().manual_seed(11 + topo.ulysses_rank + 10 * topo.ring_rank)
+    shapes = [(1, seq // (ulysses * ring), HEADS, DIM)] + [
+        (1, seq // (ulysses * ring), KV_HEADS, DIM)
+    ] * 2
+    results = {}
+    for impl, options in (("p2p", {"softmax_scale": 0.3, "head_chunks": 2}), ("allgather", {})):
+        plan = usp.Plan(topo, ring_impl=impl, backend="cpu")
+
+        def attend(q, k, v, packed, plan=plan, options=options):
+            return plan.attention(q, k, v, causal=True, packed=packed, **options)
+
+        torch._dynamo.reset()
+        counters.clear()
+        graphs: list = []
+        compiled = torch.compile(attend, fullgraph=True, backend=_recording_backend(graphs))
+        errors = []
+        for units in PACKINGS:
+            packed = plan.pack(_boundaries(units, seq, multiple))
+            inputs = [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
+            dout = torch.randn(shapes[0], generator=gen)
+            got, want = (fn(*inputs, packed) for fn in (compiled, attend))
+            grads = [torch.autograd.grad(o, inputs, dout) for o in (got, want)]
+            errors.append(max(((a - b).abs().max() / b.abs().max()).item()
+                              for a, b in zip((got, *grads[0]), (want, *grads[1]))))  # fmt: skip
+        breaks = sum(counters["graph_break"].values())
+        results[impl] = (errors, breaks, counters["stats"]["unique_graphs"], len(graphs) // 2)
+    torch._dynamo.reset()
+    return results
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 2), (1, 4)], ids=["u2xr2", "u1xr4"])
+def test_one_compiled_graph_serves_every_packing_of_the_p2p_ring(distributed, ulysses, ring):
+    """The p2p ring's graph takes the documents as a tensor: three packings with 2, 3
+    and 6 documents run one graph (forward and backward), each equal to eager; the
+    all-gather ring's graph indexes by document and is made again per packing (a
+    recompile that works: a second packing once failed to trace)."""
+    results = distributed.run(run_compiled_packings, ulysses, ring, world_size=4, timeout=900)
+    for by_impl in results:
+        for impl, (errors, breaks, unique, compiled_pairs) in by_impl.items():
+            assert max(errors) <= TOL, (impl, errors)
+            assert breaks == 0, (impl, breaks)
+            expected = 1 if impl == "p2p" else len(PACKINGS)
+            assert unique == compiled_pairs == expected, (impl, unique, compiled_pairs)

@@ -53,6 +53,28 @@ def test_llama_compiles_fullgraph_at_plan_none(causal_packed):
     _compare(model, lambda m: m(ids, labels=labels, cu_seqlens=cu))
 
 
+def test_llama_compiled_once_serves_new_packings_at_plan_none():
+    """A compiled model takes a new packing (another document count) without
+    recompiling, equal to eager: the documents reach the graph as a tensor."""
+    torch.manual_seed(0)
+    plan = usp.Plan(None)
+    model = Llama(LlamaConfig(**{**TINY, "num_hidden_layers": 1}), plan)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 16))
+    labels = torch.randint(0, TINY["vocab_size"], ids.shape)
+    packings = [[0, 6, 16], [0, 3, 9, 12, 16], [0, 16]]  # 2, 4 and 1 document(s)
+    packs = [plan.pack(torch.tensor(b, dtype=torch.int32)) for b in packings]
+    _compare(model, lambda m: m(ids, labels=labels, cu_seqlens=packs[0]))  # compiles
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled(ids, labels=labels, cu_seqlens=packs[0])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for packed in packs[1:2]:
+            got = compiled(ids, labels=labels, cu_seqlens=packed)
+            torch.testing.assert_close(got, model(ids, labels=labels, cu_seqlens=packed))
+    # one document is a dense sequence: another graph, as a dense call has
+    got = compiled(ids, labels=labels, cu_seqlens=packs[2])
+    torch.testing.assert_close(got, model(ids, labels=labels, cu_seqlens=packs[2]))
+
+
 def test_hf_plugin_compiles_fullgraph_at_plan_none():
     transformers = pytest.importorskip("transformers")
     from usp.models import hf
@@ -166,8 +188,9 @@ def test_llama_compiles_under_sp_4_ranks(distributed):
 
 
 def run_hf_sp_compile():
-    """The HF plug-in under u2 x r2, fullgraph: a 2-D mask, cu_seq_lens and usp_packed,
-    each against eager; then inputs the graph refuses on the device, on every rank."""
+    """The HF plug-in under u2 x r2, fullgraph: a 2-D mask, cu_seq_lens and usp_packed
+    (two packings), each against eager; then inputs the graph refuses on the device, on
+    every rank."""
     import transformers
     from usp_cases import topology
 
@@ -186,10 +209,14 @@ def run_hf_sp_compile():
     cu = torch.tensor([0, 16, 24, 32], dtype=torch.int32)
     packed = shard_batch(plan, ids[:1], cu_seqlens=cu).hf_kwargs()
     by_cu = {**packed, "usp_packed": None, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+    # new documents (another count) as usp_packed: the plug-in's graph recompiles for them
+    # (a second packing once failed to trace)
+    more = torch.tensor([0, 8, 16, 24, 32], dtype=torch.int32)
+    repacked = shard_batch(plan, ids[:1], cu_seqlens=more).hf_kwargs()
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager_decomp_partition")
     errors = []
-    for kwargs in (dense, packed, by_cu):
+    for kwargs in (dense, packed, by_cu, repacked):
 
         def run(m, kwargs=kwargs):
             return m(**kwargs).logits.square().mean()

@@ -1,7 +1,9 @@
 """``[train] compile = true``: every decoder layer compiled whole (``usp.train.parallelize.
 compile_layers``: fullgraph, Inductor with ``usp.compile_options``, the attention's
 collectives inside the graph), trained on 4 gloo ranks (ulysses 2 x ring 2, FSDP2) for
-5 steps against the same job in eager mode on the same ranks.
+5 steps against the same job in eager mode on the same ranks, on the main job's data:
+generated documents packed into sequences, a new packing at every step, which the
+compiled layers take without recompiling (``error_on_recompile``).
 
 Tolerance: Inductor fuses and reorders float32 arithmetic, so losses and gradient norms
 agree to float32 rounding, not bit for bit: 1e-5 relative per step (observed in one
@@ -11,10 +13,8 @@ process: 5e-8 on the loss, gradient norms equal).
 from __future__ import annotations
 
 import io
-import json
 
 import pytest
-import torch
 from train_cases import base_config
 from usp_cases import topology
 
@@ -39,30 +39,33 @@ def run_compile_case(config, out):
     counters.clear()
     job = train_config_from_dict(config)
     plan = Plan(topology(2, 2), verify_calls=False)  # as usp train does
-    result = train(job, plan, output_dir=out, stream=io.StringIO())
+    packings = []  # the document count of every packed micro-batch
+    pack = plan.pack
+
+    def recording_pack(cu_seqlens, **kwargs):
+        packings.append(len(cu_seqlens) - 1)
+        return pack(cu_seqlens, **kwargs)
+
+    plan.pack = recording_pack
+    # a new packing must reuse the layers' graphs: a recompile is an error
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        result = train(job, plan, output_dir=out, stream=io.StringIO())
     rows = [(r["step"], r["loss"], r["grad_norm"]) for r in result.metrics]
     breaks = sum(counters["graph_break"].values())
-    return {"rows": rows, "graphs": counters["stats"]["unique_graphs"], "breaks": breaks}
-
-
-def whole_sequence_documents(path, *, count=24, length=64) -> dict:
-    """A [data] table of documents exactly one sequence long: every batch has the same
-    shapes, so each layer compiles a few graphs once (packed batches of ever-new
-    document lengths would recompile the attention's per-document code)."""
-    gen = torch.Generator().manual_seed(21)
-    rows = torch.randint(0, 256, (count, length), generator=gen).tolist()
-    path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
-    return {"source": "jsonl", "files": [str(path)], "tokenizer": "byte"}
+    graphs = counters["stats"]["unique_graphs"]
+    return {"rows": rows, "graphs": graphs, "breaks": breaks, "packings": packings}
 
 
 def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
     runs = {}
-    data = whole_sequence_documents(tmp_path / "docs.jsonl")
     for compile in (False, True):
+        # the main job's data (examples/configs/cpu_finetune.toml): documents of 20-40
+        # letters, padded to multiples of 8, about 6 packed into each 256-token sequence
         config = base_config(
-            steps=STEPS, checkpoint_interval=0, compile=compile, global_batch=2, micro_batch=2
-        )
-        config["data"] = data
+            steps=STEPS, checkpoint_interval=0, compile=compile, global_batch=2, micro_batch=2,
+            seq_len=256,
+            data={"synthetic_documents": 256, "synthetic_length": 40, "document_multiple": 8},
+        )  # fmt: skip
         out = tmp_path / f"compile_{compile}"
         runs[compile] = distributed.run(
             run_compile_case, config, str(out), world_size=4, timeout=COMPILE_TIMEOUT
@@ -71,6 +74,10 @@ def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
     assert all(r["graphs"] == 0 for r in eager)
     assert all(r["graphs"] > 0 for r in compiled), [r["graphs"] for r in compiled]
     assert all(r["breaks"] == 0 for r in compiled)  # each layer whole (fullgraph=True)
+    # every step a new packing, with different document counts: reused without recompiling
+    packings = compiled[0]["packings"]
+    assert len(packings) == STEPS and len(set(packings)) > 1 and min(packings) > 1, packings
+    assert packings == eager[0]["packings"]
     assert all(r["rows"] == compiled[0]["rows"] for r in compiled), "ranks log alike"
     rows, reference = compiled[0]["rows"], eager[0]["rows"]
     assert [r[0] for r in rows] == list(range(1, STEPS + 1))

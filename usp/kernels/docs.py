@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -73,3 +74,14 @@ class PackedDocs:
         """((q0, q1), (k0, k1)) per document."""
         bq, bk = self.bounds_q, self.bounds_k
         return zip(zip(bq, bq[1:]), zip(bk, bk[1:]))
+
+
+class DeviceBounds(NamedTuple):
+    """Document boundaries as a compiled graph holds them: the int32 tensors on the
+    device and an upper bound of the longest document (no host values, so that one
+    graph serves every packing of a shape). The compiled kernel calls take these."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int

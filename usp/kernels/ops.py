@@ -8,23 +8,31 @@ code calls the dispatcher directly (``usp.ring.calls`` switches on
 need to pay.
 
 Outputs are contiguous (the fake implementations say so, and compiled graphs rely on
-the strides they state). Packed calls pass the document boundaries as int lists: a
-compiled graph is specialised to them (a new packing recompiles).
+the strides they state). Packed calls pass the document boundaries as tensors and the
+longest document as an upper bound (the ring's piece length), so one compiled graph
+serves every packing; a backend without a varlen kernel reads the boundaries on the
+host (free on the CPU) and keeps its per-document calls per packing.
 
 The ops are defined with ``torch.library.Library`` (schema, one implementation for every
 device, a fake implementation), not ``torch.library.custom_op``, whose Python autograd
 wrapper costs about 8 us of host time per call (12.9 against 4.9 us for an op that does
-nothing, measured on this CPU): a compiled u1 x r8 layer call makes 16 of them, a packed
-one 68. They have no autograd formula: the ring calls them inside its autograd
-function, where no gradient is recorded.
+nothing, measured on this CPU): a compiled u1 x r8 layer call makes 16 of them, dense or
+packed. They have no autograd formula: the ring calls them inside its autograd
+function, where no gradient is recorded. What an implementation decides from its
+arguments (the spec, the backend's per-shape decisions, a packing's per-document calls)
+is made once per shape or packing and kept (``functools.lru_cache``, bounded): building
+it at every call cost more host time than the dispatch.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from usp.kernels.backends import registry
-from usp.kernels.dispatch import dense_backward, dense_forward, docs_backward, docs_forward
+from usp.kernels.backends.base import Backend
+from usp.kernels.dispatch import PreparedDense, docs_backward, docs_forward
 from usp.kernels.docs import PackedDocs
 from usp.kernels.masks import accumulation_dtype
 from usp.kernels.spec import AttentionSpec
@@ -33,15 +41,32 @@ Tensor = torch.Tensor
 _LIB = torch.library.Library("usp", "FRAGMENT")  # the ops of this package
 
 
-def _spec(q: Tensor, k: Tensor, causal: bool, varlen: bool) -> AttentionSpec:
-    if varlen:  # q [Tq, H, D], k [Tk, Hkv, D]
-        return AttentionSpec(
-            1, q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2], q.dtype, q.device,
-            causal, None, varlen=True,
-        )  # fmt: skip
+@functools.lru_cache(maxsize=4096)
+def _dense_call(
+    impl: Backend, shape_q: torch.Size, shape_k: torch.Size, dtype: torch.dtype,
+    device: torch.device, causal: bool, scale: float,
+) -> PreparedDense:  # fmt: skip
+    """The :class:`PreparedDense` call of a dense block shape (q [B, Sq, H, D], k
+    [B, Sk, Hkv, D]), made once per process: a compiled graph calls the same few block
+    shapes at every step and layer, and building a spec and its decisions per call cost
+    more host time than the op dispatch itself. Holds no tensor."""
+    batch, seqlen_q, heads, head_dim = shape_q
+    spec = AttentionSpec(
+        batch, seqlen_q, shape_k[1], heads, shape_k[2], head_dim, dtype, device, causal, None
+    )  # fmt: skip
+    return PreparedDense(impl, spec, scale)
+
+
+@functools.lru_cache(maxsize=4096)
+def _varlen_spec(
+    shape_q: torch.Size, shape_k: torch.Size, dtype: torch.dtype, device: torch.device,
+    causal: bool,
+) -> AttentionSpec:  # fmt: skip
+    """The spec of a packed call, q [Tq, H, D], k [Tk, Hkv, D] (made once per shape)."""
+    tokens_q, heads, head_dim = shape_q
     return AttentionSpec(
-        q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype,
-        q.device, causal, None,
+        1, tokens_q, shape_k[0], heads, shape_k[1], head_dim, dtype, device, causal, None,
+        varlen=True,
     )  # fmt: skip
 
 
@@ -64,14 +89,16 @@ _LIB.define(
 def _dense_forward(q, k, v, backend, causal, scale):
     """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> out [B, Sq, H, D], lse [B, H, Sq]."""
     impl = registry.get(backend)
-    out, lse = dense_forward(impl, q, k, v, _spec(q, k, causal, False), scale)
+    call = _dense_call(impl, q.shape, k.shape, q.dtype, q.device, causal, scale)
+    out, lse = call.forward(q, k, v)
     return out.contiguous(), lse.contiguous()
 
 
 def _dense_backward(dout, q, k, v, out, lse, backend, causal, scale):
     impl = registry.get(backend)
-    grads = dense_backward(impl, dout, q, k, v, out, lse, _spec(q, k, causal, False), scale)
-    return tuple(g.contiguous() for g in grads)
+    call = _dense_call(impl, q.shape, k.shape, q.dtype, q.device, causal, scale)
+    dq, dk, dv = call.backward(dout, q, k, v, out, lse)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 _LIB.impl("dense_forward", _dense_forward, "CompositeExplicitAutograd")
@@ -90,34 +117,54 @@ def _(dout, q, k, v, out, lse, backend, causal, scale):
 
 # ------------------------------------------------------------------ packed documents
 _LIB.define(
-    "docs_forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, int[] bounds_q, "
-    "int[] bounds_k, str backend, bool causal, float scale) -> (Tensor, Tensor)"
+    "docs_forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, int max_q, "
+    "int max_k, str backend, bool causal, float scale) -> (Tensor, Tensor)"
 )
 _LIB.define(
     "docs_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-    "Tensor cu_q, Tensor cu_k, int[] bounds_q, int[] bounds_k, str backend, bool causal, "
+    "Tensor cu_q, Tensor cu_k, int max_q, int max_k, str backend, bool causal, "
     "float scale) -> (Tensor, Tensor, Tensor)"
 )
 
 
-def _docs(cu_q: Tensor, cu_k: Tensor, bounds_q: list[int], bounds_k: list[int]) -> PackedDocs:
-    return PackedDocs.build(bounds_q, bounds_k, cu_q.device, cu_q=cu_q, cu_k=cu_k)
+@functools.lru_cache(maxsize=256)
+def _boundaries(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], device) -> PackedDocs:
+    """The :class:`PackedDocs` of a packing, built once per process: what a backend
+    without a varlen kernel works out per block shape (its ``DocumentCalls``: each
+    document's call, the rows of documents batched together) is kept in it, so that
+    every layer and step of a batch, forward and backward, reuses it."""
+    return PackedDocs.build(bounds_q, bounds_k, device)
 
 
-def _docs_forward(q, k, v, cu_q, cu_k, bounds_q, bounds_k, backend, causal, scale):
-    """q [Tq, H, D], k/v [Tk, Hkv, D] -> out [Tq, H, D], lse [H, Tq]."""
-    docs = _docs(cu_q, cu_k, bounds_q, bounds_k)
+def _documents(cu_q: Tensor, cu_k: Tensor) -> PackedDocs:
+    """The boundaries read on the host, for one kernel call per document: free for CPU
+    tensors; on CUDA a device synchronisation (only a backend without a varlen kernel
+    needs it, e.g. ``backend="cudnn"`` with packed documents)."""
+    return _boundaries(tuple(cu_q.tolist()), tuple(cu_k.tolist()), cu_q.device)
+
+
+def _docs_forward(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, scale):
+    """q [Tq, H, D], k/v [Tk, Hkv, D] -> out [Tq, H, D], lse [H, Tq]. ``max_q``/``max_k``
+    bound the longest document (a varlen kernel's grid); the boundaries themselves are
+    the tensors, so one graph serves every packing."""
     impl = registry.get(backend)
-    out, lse = docs_forward(impl, q, k, v, docs, _spec(q, k, causal, True), scale)
+    spec = _varlen_spec(q.shape, k.shape, q.dtype, q.device, causal)
+    if impl.supports_varlen:
+        out, lse = impl.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, spec, scale)
+    else:
+        out, lse = docs_forward(impl, q, k, v, _documents(cu_q, cu_k), spec, scale)
     return out.contiguous(), lse.contiguous()
 
 
-def _docs_backward(dout, q, k, v, out, lse, cu_q, cu_k, bounds_q, bounds_k, backend, causal, scale):
-    docs = _docs(cu_q, cu_k, bounds_q, bounds_k)
+def _docs_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, backend, causal, scale):
     impl = registry.get(backend)
-    spec = _spec(q, k, causal, True)
-    grads = docs_backward(impl, dout, q, k, v, out, lse, docs, spec, scale)
-    return tuple(g.contiguous() for g in grads)
+    spec = _varlen_spec(q.shape, k.shape, q.dtype, q.device, causal)
+    if impl.supports_varlen:
+        grads = impl.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, spec, scale)
+    else:
+        grads = docs_backward(impl, dout, q, k, v, out, lse, _documents(cu_q, cu_k), spec, scale)
+    dq, dk, dv = grads
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 _LIB.impl("docs_forward", _docs_forward, "CompositeExplicitAutograd")
@@ -125,12 +172,12 @@ _LIB.impl("docs_backward", _docs_backward, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("usp::docs_forward", lib=_LIB)
-def _(q, k, v, cu_q, cu_k, bounds_q, bounds_k, backend, causal, scale):
+def _(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, scale):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],)), _lse_like(q, True)
 
 
 @torch.library.register_fake("usp::docs_backward", lib=_LIB)
-def _(dout, q, k, v, out, lse, cu_q, cu_k, bounds_q, bounds_k, backend, causal, scale):
+def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, backend, causal, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

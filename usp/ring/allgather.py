@@ -91,7 +91,10 @@ def _scatter_grads(dkv: torch.Tensor, cfg: RingConfig) -> torch.Tensor:
     return mine
 
 
-def allgather_forward(q, k, v, cfg: RingConfig):
+def allgather_forward(q, k, v, cfg: RingConfig, documents=None):
+    """``documents`` is not read: the all-gather ring's segments index the gathered K/V
+    by document (sizes that depend on the packing), so its compiled graph is specialised
+    to the packing ``cfg`` was placed for."""
     batch, local_len, heads, _ = q.shape
     group_size = heads // k.shape[2]
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
@@ -110,7 +113,7 @@ def allgather_forward(q, k, v, cfg: RingConfig):
     return out, lse
 
 
-def allgather_backward(dout, q, k, v, out, lse, cfg: RingConfig):
+def allgather_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None):
     group_size = q.shape[2] // k.shape[2]
     acc = accumulation_dtype(q.dtype)
     dq = torch.empty_like(q)

@@ -42,12 +42,12 @@ class RingInputError(InputError):
     """The inputs of a ring-attention call do not fit its group or layout."""
 
 
-def _local_forward(q, k, v, cfg: RingConfig):
+def _local_forward(q, k, v, cfg: RingConfig, documents=None):
     """Ring of one with a dense sequence: the local kernel, no communication at all."""
     return calls_for(cfg, None).forward(q, k, v, cfg.causal)
 
 
-def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig):
+def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None):
     return calls_for(cfg, None).backward(dout, q, k, v, out, lse, cfg.causal)
 
 
@@ -89,26 +89,30 @@ class _NoSecondDerivative(torch.autograd.Function):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, cfg: RingConfig, q, k, v):
-        out, lse = _implementation(cfg)[0](q, k, v, cfg)
+    def forward(ctx, cfg: RingConfig, q, k, v, documents):
+        out, lse = _implementation(cfg)[0](q, k, v, cfg, documents)
         ctx.mark_non_differentiable(lse)
         ctx.cfg = cfg
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, documents)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, documents = ctx.saved_tensors
         with torch.no_grad():
-            dq, dk, dv = _implementation(ctx.cfg)[1](dout.contiguous(), q, k, v, out, lse, ctx.cfg)
+            backward = _implementation(ctx.cfg)[1]
+            dq, dk, dv = backward(dout.contiguous(), q, k, v, out, lse, ctx.cfg, documents)
         if torch.is_grad_enabled():  # create_graph=True: refuse a second derivative loudly
             dq, dk, dv = _NoSecondDerivative.apply(dq, dk, dv, dout, q, k, v)
-        return None, dq, dk, dv
+        return None, dq, dk, dv, None
 
 
-def run_ring(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """A validated call (see :func:`ring_attention`): (out, lse), differentiable in q/k/v."""
-    return _RingAttention.apply(cfg, q, k, v)
+def run_ring(q, k, v, cfg: RingConfig, documents=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A validated call (see :func:`ring_attention`): (out, lse), differentiable in q/k/v.
+    ``documents``: in a compiled graph, the live packing's piece boundaries (int32 on
+    the device; see :func:`usp.ring.p2p._plan`), since ``cfg`` is then the trace's
+    constant, shared by every packing of the call's shape; None: ``cfg``'s own."""
+    return _RingAttention.apply(cfg, q, k, v, documents)
 
 
 def ring_attention(

@@ -25,7 +25,7 @@ import torch
 from usp.kernels import ops
 from usp.kernels.backends.base import Backend
 from usp.kernels.dispatch import PreparedDense, docs_backward, docs_forward, document_calls
-from usp.kernels.docs import PackedDocs
+from usp.kernels.docs import DeviceBounds, PackedDocs
 from usp.kernels.selection import select_backend
 from usp.kernels.spec import AttentionSpec
 
@@ -108,9 +108,11 @@ def _shape(q, k) -> tuple[int, int, int, int]:
 class PackedCalls:
     """Varlen calls with fixed document boundaries for q rows and k rows (batch 1): the
     backend's varlen kernel, or the ``DocumentCalls`` of the block shape (built
-    once per batch, see :func:`usp.kernels.dispatch.document_calls`)."""
+    once per batch, see :func:`usp.kernels.dispatch.document_calls`). Eagerly ``docs``
+    is the batch's :class:`PackedDocs`; in a compiled graph its :class:`DeviceBounds`
+    (the kernel ops read nothing else)."""
 
-    def __init__(self, kernels: BlockKernels, docs: PackedDocs):
+    def __init__(self, kernels: BlockKernels, docs: PackedDocs | DeviceBounds):
         self.kernels = kernels
         self.docs = docs
 
@@ -119,9 +121,8 @@ class PackedCalls:
         if torch.compiler.is_compiling():
             name = backend_name(self.kernels, _shape(q, k), causal, True)
             out, lse = ops.docs_forward_op(
-                q[0], k[0], v[0], d.cu_q, d.cu_k, list(d.bounds_q), list(d.bounds_k), name,
-                causal, scale,
-            )  # fmt: skip
+                q[0], k[0], v[0], d.cu_q, d.cu_k, d.max_q, d.max_k, name, causal, scale
+            )
             return out[None], lse[None]
         impl, spec = self.kernels.resolve(*_shape(q, k), causal, True)
         if impl.supports_varlen:
@@ -135,8 +136,8 @@ class PackedCalls:
         if torch.compiler.is_compiling():
             name = backend_name(self.kernels, _shape(q, k), causal, True)
             grads = ops.docs_backward_op(
-                dout[0], q[0], k[0], v[0], out[0], lse[0], d.cu_q, d.cu_k, list(d.bounds_q),
-                list(d.bounds_k), name, causal, scale,
+                dout[0], q[0], k[0], v[0], out[0], lse[0], d.cu_q, d.cu_k, d.max_q, d.max_k,
+                name, causal, scale,
             )  # fmt: skip
             return tuple(g[None] for g in grads)
         impl, spec = self.kernels.resolve(*_shape(q, k), causal, True)
@@ -147,7 +148,7 @@ class PackedCalls:
         return tuple(g[None] for g in grads)
 
 
-def calls_for(cfg, docs: PackedDocs | None):
+def calls_for(cfg, docs: PackedDocs | DeviceBounds | None):
     """Dense calls, or packed calls over ``docs``, with the call's resolved kernels."""
     if docs is None:
         return DenseCalls(cfg.kernels)

@@ -31,12 +31,15 @@ def _part(x: torch.Tensor, heads: slice) -> torch.Tensor:
     return x[:, :, heads].contiguous()  # [B, L, h, D] -> [B, L, h/chunks, D]
 
 
-def forward_by_heads(forward, q, k, v, cfg):
-    """``forward(q, k, v, cfg) -> (out, lse)`` once per head group (``cfg.kv_head_chunks``):
-    q [B, L, H, D], k/v [B, L, Hkv, D] -> out [B, L, H, D], lse [B, H, L]."""
+def forward_by_heads(forward, q, k, v, cfg, documents=None):
+    """``forward(q, k, v, cfg, documents) -> (out, lse)`` once per head group
+    (``cfg.kv_head_chunks``): q [B, L, H, D], k/v [B, L, Hkv, D] -> out [B, L, H, D],
+    lse [B, H, L]."""
     out = lse = None
     for q_heads, kv_heads in _groups(q, k, cfg.kv_head_chunks):
-        part_out, part_lse = forward(_part(q, q_heads), _part(k, kv_heads), _part(v, kv_heads), cfg)
+        part_out, part_lse = forward(
+            _part(q, q_heads), _part(k, kv_heads), _part(v, kv_heads), cfg, documents
+        )
         if out is None:
             out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
             lse = part_lse.new_empty((q.shape[0], q.shape[2], q.shape[1]))  # [B, H, L]
@@ -46,13 +49,14 @@ def forward_by_heads(forward, q, k, v, cfg):
     return out, lse
 
 
-def backward_by_heads(backward, dout, q, k, v, out, lse, cfg):
-    """``backward(dout, q, k, v, out, lse, cfg) -> (dq, dk, dv)`` once per head group."""
+def backward_by_heads(backward, dout, q, k, v, out, lse, cfg, documents=None):
+    """``backward(dout, q, k, v, out, lse, cfg, documents) -> (dq, dk, dv)`` once per
+    head group."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for q_heads, kv_heads in _groups(q, k, cfg.kv_head_chunks):
         part = backward(
             _part(dout, q_heads), _part(q, q_heads), _part(k, kv_heads), _part(v, kv_heads),
-            _part(out, q_heads), lse[:, q_heads].contiguous(), cfg,
+            _part(out, q_heads), lse[:, q_heads].contiguous(), cfg, documents,
         )  # fmt: skip
         dq[:, :, q_heads], dk[:, :, kv_heads], dv[:, :, kv_heads] = part
         del part

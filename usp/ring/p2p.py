@@ -17,6 +17,7 @@ import torch
 from usp.comm import traced
 from usp.comm.ring_exchange import RingExchange, TracedRingExchange
 from usp.kernels import merge_into
+from usp.kernels.docs import DeviceBounds
 from usp.kernels.masks import accumulation_dtype
 from usp.ring.calls import calls_for
 from usp.ring.config import RingConfig
@@ -35,15 +36,21 @@ def _exchange(cfg: RingConfig):
     return RingExchange(cfg.group, cfg.stats)
 
 
-def _plan(cfg: RingConfig, local_len: int):
-    """(blocks of a step, the kernel calls that compute them) for dense or packed input."""
+def _plan(cfg: RingConfig, local_len: int, documents: torch.Tensor | None = None):
+    """(blocks of a step, the kernel calls that compute them) for dense or packed input.
+    ``documents``: a compiled graph's piece boundaries (int32 on the device, the same
+    for q and k pieces), read from the live PackedSequence because ``cfg`` is the
+    trace's constant, shared by every packing of the shape; None: ``cfg``'s own."""
     if not cfg.packed:
         return (lambda i, j: step_blocks(cfg.layout, cfg.causal, i, j, local_len)), calls_for(
             cfg, None
         )
     piece_len = cfg.placement.piece_len
     blocks = lambda i, j: packed_step_blocks(cfg.layout, cfg.causal, i, j, piece_len)  # noqa: E731
-    return blocks, calls_for(cfg, cfg.placement.piece_docs)
+    if documents is None:
+        return blocks, calls_for(cfg, cfg.placement.piece_docs)
+    # no document is longer than a piece: the varlen kernels' bound, known without the values
+    return blocks, calls_for(cfg, DeviceBounds(documents, documents, piece_len, piece_len))
 
 
 def block_shapes(cfg: RingConfig, local_len: int, heads: int, kv_heads: int) -> set[tuple]:
@@ -126,12 +133,13 @@ def _start_accumulator(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return x if x.dtype == acc else x.to(acc)
 
 
-def p2p_forward(q, k, v, cfg: RingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, L, H, D], k/v [B, L, Hkv, D] (local) -> out [B, L, H, D], lse [B, H, L]."""
+def p2p_forward(q, k, v, cfg: RingConfig, documents=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, L, H, D], k/v [B, L, Hkv, D] (local) -> out [B, L, H, D], lse [B, H, L];
+    ``documents`` as in :func:`_plan`."""
     ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
     kv = _DoubleBuffer(torch.stack([k, v]), ring.size > 1)  # [2, B, L, Hkv, D]: one message
-    blocks, calls = _plan(cfg, q.shape[1])
+    blocks, calls = _plan(cfg, q.shape[1], documents)
     q_rows = _Rows(q)
     out_rows = lse_rows = None  # float32 accumulators [B, L, H, D] and [B, H, L]
     for step in range(ring.size):
@@ -173,7 +181,7 @@ def _add_block_grads(dkv: _Pair, block_grads) -> None:
         dkv.second[kv_rows].add_(dv_block)
 
 
-def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
+def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None):
     """Gradients of :func:`p2p_forward`. Every buffer is dropped as soon as nothing reads
     it any more (a block's kernel outputs once added, the spare K/V buffer once no
     receive is left, the accumulators before the casts at the end), so that at most
@@ -197,7 +205,7 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig):
     own = _Pair(torch.zeros((2,) + k.shape, dtype=acc, device=k.device))
     travelling: list[_Pair] = []
     current, dkv_pending = 0, None
-    blocks, calls = _plan(cfg, q.shape[1])
+    blocks, calls = _plan(cfg, q.shape[1], documents)
     for step in range(ring.size):
         kv_pending = kv.start(ring) if step + 1 < ring.size else None
         held = kv.current

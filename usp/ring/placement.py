@@ -72,7 +72,12 @@ def packed_placement(
     if allgather:
         segments = {c: _segments(documents, ring_rank, c, packed, device) for c in (False, True)}
     bounds = documents.piece_bounds
-    piece_docs = PackedDocs.build(bounds, bounds, device) if packed else None
+    piece_docs = None
+    if packed:
+        piece_docs = PackedDocs.build(bounds, bounds, device)
+        # a compiled graph takes these boundaries as a tensor of any length: one graph
+        # for every packing, from the first (no recompile when the document count changes)
+        torch._dynamo.maybe_mark_dynamic(piece_docs.cu_q, 0)
     return RankPlacement(documents, ring_rank, device, packed, piece_docs, segments)
 
 
