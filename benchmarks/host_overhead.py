@@ -29,11 +29,13 @@ What is reported per layer call (median over ``--repeats`` calls, ``perf_counter
 Tiny shapes make the kernels cheap, so the overhead dominates and is what this
 measures; it is not a throughput benchmark (see ``emulate.py``).
 
-``--compile`` measures each case twice in the same run: eager, then the same layer call
-compiled (``torch.compile(fullgraph=True)``, Inductor by default, ``--compile-backend``
-to change it): the rows gain ``compiled`` and ``compile_s`` (the first call: tracing and
-code generation, forward and backward); ``aten_ops`` is then the ops the compiled call
-is not counted (None: a ``TorchDispatchMode`` makes Dynamo run the call eagerly).
+``--compile`` measures each case twice in the same run: eager, and the same layer call
+compiled (``torch.compile(fullgraph=True)``, Inductor with ``usp.compile_options()`` by
+default, ``--compile-backend`` to change it), their repeats interleaved so that both see
+the same load: the rows gain ``compiled`` and ``compile_s`` (the first call: tracing and
+code generation, forward and backward), and the table the compiled overhead over the
+eager one; the compiled call's ``aten_ops`` are not counted (None: a
+``TorchDispatchMode`` makes Dynamo run the call eagerly).
 
 ``--device cuda`` runs the same calls on the GPU in bf16 with ``--backend auto`` (by
 default): the times are then host times, the GPU running behind (nothing waits for it
@@ -143,13 +145,16 @@ def _document_bounds(seq_len: int, multiple: int) -> torch.Tensor:
 
 def measure(
     ulysses: int, ring: int, packed: bool, repeats: int, warmup: int, backend: str,
-    device: torch.device = CPU, compile_backend: str | None = None,
-) -> dict:  # fmt: skip
-    """One grid, per layer call: median total and kernel milliseconds, their difference,
-    the smallest overhead of any repeat, the kernel calls and aten ops, and on CUDA the
-    median GPU time the call spans (``device_ms``; None on the CPU). ``compile_backend``:
-    the call compiled with ``torch.compile(fullgraph=True, backend=...)`` (its first
-    call, not timed as a repeat, gives ``compile_s``)."""
+    device: torch.device = CPU, compile_backends: tuple[str | None, ...] = (None,),
+) -> list[dict]:  # fmt: skip
+    """One grid, per layer call, for each of ``compile_backends`` (None: eager; a name:
+    the call compiled with ``torch.compile(fullgraph=True, backend=...)``, Inductor with
+    ``usp.compile_options()``; its first call, not timed as a repeat, gives
+    ``compile_s``): median total and kernel milliseconds, their difference, the smallest
+    overhead of any repeat, the kernel calls and aten ops, and on CUDA the median GPU
+    time the call spans (``device_ms``; None on the CPU). The variants' repeats are
+    interleaved (eager, compiled, eager, ...), so that both see the same load: their
+    ratio is measured side by side, not an hour apart."""
     timer = KernelTimer()
     cuda = device.type == "cuda"
     dtype = default_compute_dtype(device)  # what training computes in
@@ -169,59 +174,79 @@ def measure(
             documents = None
             if packed:
                 documents = plan.pack(_document_bounds(seq_len, 2 * WORLD), device=device)
-            totals, kernels, spans, calls = [], [], [], 0
             events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
 
             def call(q, k, v):
                 return plan.attention(q, k, v, causal=True, packed=documents)
 
-            compile_s = None
-            if compile_backend is not None:
-                torch._dynamo.reset()
-                call = torch.compile(call, fullgraph=True, backend=compile_backend)
-                start = time.perf_counter()
-                torch.autograd.grad(call(q, k, v), (q, k, v), dout)
-                compile_s = time.perf_counter() - start
+            torch._dynamo.reset()
+            variants = [
+                _Variant(call, compile_backend, q, k, v, dout)
+                for compile_backend in compile_backends
+            ]
             with timer.installed():
                 for i in range(warmup + repeats):
-                    timer.reset()
-                    if cuda:
-                        events[0].record()
-                    start = time.perf_counter()
-                    out = call(q, k, v)
-                    torch.autograd.grad(out, (q, k, v), dout)
-                    elapsed = time.perf_counter() - start
-                    if cuda:  # outside the timed part: the next repeat starts on an idle GPU
-                        events[1].record()
-                        torch.cuda.synchronize()
-                    if i >= warmup:
-                        totals.append(elapsed)
-                        kernels.append(timer.seconds)
-                        calls = timer.calls
+                    for variant in variants:
+                        timer.reset()
                         if cuda:
-                            spans.append(events[0].elapsed_time(events[1]) / 1e3)
-            counter = None
-            if compile_backend is None:  # compiled code runs under no dispatch mode
-                counter = OpCounter(timer)
-                with timer.installed(), counter:
-                    out = call(q, k, v)
-                    torch.autograd.grad(out, (q, k, v), dout)
+                            events[0].record()
+                        start = time.perf_counter()
+                        out = variant.call(q, k, v)
+                        torch.autograd.grad(out, (q, k, v), dout)
+                        elapsed = time.perf_counter() - start
+                        if cuda:  # outside the timed part: the next repeat starts on an idle GPU
+                            events[1].record()
+                            torch.cuda.synchronize()
+                        if i >= warmup:
+                            span = events[0].elapsed_time(events[1]) / 1e3 if cuda else None
+                            variant.record(elapsed, timer.seconds, timer.calls, span)
+            for variant in variants:
+                if variant.compile_backend is None:  # compiled code runs under no dispatch mode
+                    counter = OpCounter(timer)
+                    with timer.installed(), counter:
+                        out = call(q, k, v)
+                        torch.autograd.grad(out, (q, k, v), dout)
+                    variant.aten_ops = counter.ops
         finally:
             topo.destroy()
-            if compile_backend is not None:
-                torch._dynamo.reset()  # its graphs hold the fake world's groups
-    total, kernel = statistics.median(totals), statistics.median(kernels)
-    return {
-        "total_ms": total * 1e3,
-        "kernel_ms": kernel * 1e3,
-        "overhead_ms": (total - kernel) * 1e3,
-        "best_overhead_ms": min(t - k for t, k in zip(totals, kernels)) * 1e3,
-        "kernel_calls": calls,
-        "aten_ops": None if counter is None else counter.ops,
-        "device_ms": statistics.median(spans) * 1e3 if cuda else None,
-        "compiled": compile_backend is not None,
-        "compile_s": compile_s,
-    }
+            torch._dynamo.reset()  # compiled graphs hold the fake world's groups
+    return [variant.row() for variant in variants]
+
+
+class _Variant:
+    """One way of making the layer call (eager or compiled) and its samples."""
+
+    def __init__(self, call, compile_backend: str | None, q, k, v, dout):
+        self.compile_backend = compile_backend
+        self.call, self.compile_s, self.aten_ops = call, None, None
+        self.totals, self.kernels, self.spans, self.calls = [], [], [], 0
+        if compile_backend is not None:
+            options = {"options": usp.compile_options()} if compile_backend == "inductor" else {}
+            self.call = torch.compile(call, fullgraph=True, backend=compile_backend, **options)
+            start = time.perf_counter()
+            torch.autograd.grad(self.call(q, k, v), (q, k, v), dout)
+            self.compile_s = time.perf_counter() - start
+
+    def record(self, total: float, kernel: float, calls: int, span: float | None) -> None:
+        self.totals.append(total)
+        self.kernels.append(kernel)
+        self.calls = calls
+        if span is not None:
+            self.spans.append(span)
+
+    def row(self) -> dict:
+        total, kernel = statistics.median(self.totals), statistics.median(self.kernels)
+        return {
+            "total_ms": total * 1e3,
+            "kernel_ms": kernel * 1e3,
+            "overhead_ms": (total - kernel) * 1e3,
+            "best_overhead_ms": min(t - k for t, k in zip(self.totals, self.kernels)) * 1e3,
+            "kernel_calls": self.calls,
+            "aten_ops": self.aten_ops,
+            "device_ms": statistics.median(self.spans) * 1e3 if self.spans else None,
+            "compiled": self.compile_backend is not None,
+            "compile_s": self.compile_s,
+        }
 
 
 def _line(row: dict, eager: dict, device: torch.device, compiling: bool) -> str:
@@ -235,7 +260,8 @@ def _line(row: dict, eager: dict, device: torch.device, compiling: bool) -> str:
     if device.type == "cuda":
         line += f" {row['device_ms']:>10.3f}"
     if compiling and row["compiled"]:
-        line += f" {row['total_ms'] / eager['total_ms']:>9.2f} {row['compile_s']:>10.1f}"
+        ratio = row["overhead_ms"] / eager["overhead_ms"]
+        line += f" {ratio:>9.2f} {row['compile_s']:>10.1f}"
     return line
 
 
@@ -286,22 +312,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{'case':<16} {'total ms':>9} {'kernel ms':>10} {'overhead ms':>12} "
         f"{'best ovh ms':>12} {'calls':>6} {'aten ops':>9}"
         + (f" {'device ms':>10}" if device.type == "cuda" else "")
-        + (f" {'vs eager':>9} {'compile s':>10}" if args.compile else "")
+        + (f" {'ovh/eager':>9} {'compile s':>10}" if args.compile else "")
     )
-    backends = [None, args.compile_backend] if args.compile else [None]
+    backends = (None, args.compile_backend) if args.compile else (None,)
     for packed in (False, True):
         for u, r in args.grids:
-            eager = None
-            for compile_backend in backends:
-                row = {"ulysses": u, "ring": r, "packed": packed}
-                row.update(
-                    measure(
-                        u, r, packed, args.repeats, args.warmup, backend, device, compile_backend
-                    )  # fmt: skip
-                )
-                rows.append(row)
-                eager = eager or row
-                print(_line(row, eager, device, args.compile))
+            measured = measure(u, r, packed, args.repeats, args.warmup, backend, device, backends)
+            case = [{"ulysses": u, "ring": r, "packed": packed, **result} for result in measured]
+            for row in case:  # the eager row first
+                print(_line(row, case[0], device, args.compile))
+            rows.extend(case)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         payload = {"setup": setup, "rows": rows}
