@@ -134,11 +134,11 @@ def attend(
     Under ``torch.compile`` the call is checked (and, with ``verify``, agreed across the
     SP ranks) while the graph is traced, once per plan and call shape
     (:func:`traced_call`): the graph holds only the collectives and the computation."""
-    documents = None
+    live = None  # the placement a compiled graph reads documents from (cfg's eagerly)
     if torch.compiler.is_compiling():
         call = _traced(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks)
         ulysses = call.ulysses
-        documents = live_documents(packed)
+        live = live_placement(packed)
     else:
         grad = needs_grad(q, k, v)
         call = checked(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad)
@@ -147,7 +147,7 @@ def attend(
     if plan.ulysses_degree > 1:
         k, v = replicate_kv_heads(k, v, call.kv_replication)
         q, k, v = to_head_sharded([q, k, v], ulysses, stats)  # [B, S/r, h/u, D]
-    out, _ = run_ring(q, k, v, call.ring, documents)
+    out, _ = run_ring(q, k, v, call.ring, live)
     if plan.ulysses_degree > 1:
         out = to_sequence_sharded(out, ulysses, stats)  # [B, S/P, H, D]
     return out
@@ -221,7 +221,7 @@ def call_signature(packed):
     """What a compiled attention call is specialised to of its PackedSequence. The p2p
     ring and a ring of one read only the sequence's shape (its length, and whether it
     holds several documents: one document is a dense sequence): the boundaries reach
-    the graph as a tensor (:func:`live_documents`), so one graph serves every packing
+    the graph as tensors (:func:`live_placement`), so one graph serves every packing
     of that shape. The all-gather ring indexes the gathered K/V by document (index
     tensors whose sizes depend on the documents): its graph is specialised to the
     boundaries (:func:`packed_signature`), and new documents recompile."""
@@ -237,14 +237,14 @@ def call_signature(packed):
     )  # fmt: skip
 
 
-def live_documents(packed) -> torch.Tensor | None:
-    """In a compiled graph, the p2p ring's piece boundaries of the PackedSequence given
-    to this call (a graph input; int32 on the device, the same for query and key pieces),
-    for :func:`usp.ring.api.run_ring`: None when there are none (dense, one document)
-    or when the graph is specialised to them (the all-gather ring)."""
+def live_placement(packed):
+    """In a compiled graph, the placement of the PackedSequence given to this call (its
+    tensors are graph inputs), for :func:`usp.ring.api.run_ring`: None when it has no
+    piece documents (dense, one document) or when the graph is specialised to them (the
+    all-gather ring)."""
     if packed is None or bool(packed.placement.segments) or not packed.placement.packed:
         return None
-    return packed.placement.piece_docs.cu_q
+    return packed.placement
 
 
 def _traced(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks) -> CheckedCall:

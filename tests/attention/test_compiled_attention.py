@@ -277,3 +277,60 @@ def test_one_compiled_graph_serves_every_packing_of_the_p2p_ring(distributed, ul
             assert breaks == 0, (impl, breaks)
             expected = 1 if impl == "p2p" else len(PACKINGS)
             assert unique == compiled_pairs == expected, (impl, unique, compiled_pairs)
+
+
+def test_compiled_varlen_kernels_get_each_packings_longest_document(monkeypatch):
+    """A varlen kernel sizes its grid by the longest document: one compiled graph hands
+    each packing's own bound (a symbolic size from the PackedSequence) and boundaries to
+    the kernel, not the first packing's nor the piece length. Recorded by a varlen kernel
+    standing in for the CPU backend's name while the compiled calls run."""
+    from usp.kernels.backends import registry
+    from usp.kernels.dispatch import docs_backward, docs_forward
+    from usp.kernels.docs import PackedDocs
+
+    plan = usp.Plan(None, backend="cpu")
+    seq, gen = 32, torch.Generator().manual_seed(5)
+    packings = [[0, 8, 32], [0, 12, 16, 24, 32], [0, 4, 8, 12, 16, 20, 24, 28, 32]]
+    packs = [plan.pack(torch.tensor(b, dtype=torch.int32)) for b in packings]
+    inputs = [torch.randn(1, seq, h, DIM, generator=gen).requires_grad_() for h in (HEADS, 2, 2)]
+
+    def attend(q, k, v, packed):
+        return plan.attention(q, k, v, causal=True, packed=packed)
+
+    def run(fn, packed):
+        out = fn(*inputs, packed)
+        return [out, *torch.autograd.grad(out.square().sum(), inputs)]
+
+    expected = [run(attend, p) for p in packs]
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    run(compiled, packs[0])  # traced (with the CPU backend's per-document calls)
+    cpu, real_get = registry.get("cpu"), registry.get
+    seen = []
+
+    class RecordingVarlen:
+        name, supports_varlen = "cpu", True
+
+        def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, spec, scale):
+            seen.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k))
+            docs = PackedDocs.build(cu_q.tolist(), cu_k.tolist(), q.device)
+            return docs_forward(cpu, q, k, v, docs, spec, scale)
+
+        def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, spec, scale):
+            seen.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k))
+            docs = PackedDocs.build(cu_q.tolist(), cu_k.tolist(), q.device)
+            return docs_backward(cpu, dout, q, k, v, out, lse, docs, spec, scale)
+
+    monkeypatch.setattr(registry, "get", lambda n: RecordingVarlen() if n == "cpu" else real_get(n))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for packed, want in zip(packs, expected):
+            seen.clear()
+            got = run(compiled, packed)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
+            # the eager placement's piece boundaries (one piece of whole documents on a
+            # ring of one) and the longest of them, for this packing
+            piece = list(packed.placement.documents.piece_bounds)
+            longest = max(y - x for x, y in zip(piece, piece[1:]))
+            assert seen and all(s == (piece, piece, longest, longest) for s in seen), seen
+    torch._dynamo.reset()

@@ -9,7 +9,7 @@ need to pay.
 
 Outputs are contiguous (the fake implementations say so, and compiled graphs rely on
 the strides they state). Packed calls pass the document boundaries as tensors and the
-longest document as an upper bound (the ring's piece length), so one compiled graph
+longest document as a ``SymInt`` (a symbolic size in a compiled graph), so one graph
 serves every packing; a backend without a varlen kernel reads the boundaries on the
 host (free on the CPU) and keeps its per-document calls per packing.
 
@@ -117,12 +117,12 @@ def _(dout, q, k, v, out, lse, backend, causal, scale):
 
 # ------------------------------------------------------------------ packed documents
 _LIB.define(
-    "docs_forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, int max_q, "
-    "int max_k, str backend, bool causal, float scale) -> (Tensor, Tensor)"
+    "docs_forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, SymInt max_q, "
+    "SymInt max_k, str backend, bool causal, float scale) -> (Tensor, Tensor)"
 )
 _LIB.define(
     "docs_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-    "Tensor cu_q, Tensor cu_k, int max_q, int max_k, str backend, bool causal, "
+    "Tensor cu_q, Tensor cu_k, SymInt max_q, SymInt max_k, str backend, bool causal, "
     "float scale) -> (Tensor, Tensor, Tensor)"
 )
 
@@ -144,9 +144,9 @@ def _documents(cu_q: Tensor, cu_k: Tensor) -> PackedDocs:
 
 
 def _docs_forward(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, scale):
-    """q [Tq, H, D], k/v [Tk, Hkv, D] -> out [Tq, H, D], lse [H, Tq]. ``max_q``/``max_k``
-    bound the longest document (a varlen kernel's grid); the boundaries themselves are
-    the tensors, so one graph serves every packing."""
+    """q [Tq, H, D], k/v [Tk, Hkv, D] -> out [Tq, H, D], lse [H, Tq]. ``max_q``/``max_k``:
+    the longest document (a varlen kernel's grid); the boundaries are the tensors, so
+    one graph serves every packing."""
     impl = registry.get(backend)
     spec = _varlen_spec(q.shape, k.shape, q.dtype, q.device, causal)
     if impl.supports_varlen:

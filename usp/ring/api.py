@@ -12,6 +12,7 @@ from usp.comm.agreement import Field, stable_hash
 from usp.comm.stats import CommStats
 from usp.comm.traced import TracedGroup
 from usp.errors import InputError
+from usp.kernels.docs import DeviceBounds
 from usp.kernels.spec import (
     AttentionInputError,
     AttentionSpec,
@@ -87,32 +88,50 @@ class _NoSecondDerivative(torch.autograd.Function):
         )
 
 
+def _device_bounds(boundaries, longest) -> DeviceBounds | None:
+    """The piece-vs-piece documents of a compiled graph (None eagerly): the boundaries
+    for query and key pieces alike, and the longest document (a symbolic size)."""
+    if boundaries is None:
+        return None
+    return DeviceBounds(boundaries, boundaries, longest, longest)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, cfg: RingConfig, q, k, v, documents):
+    def forward(ctx, cfg: RingConfig, q, k, v, boundaries, longest):
+        documents = _device_bounds(boundaries, longest)
         out, lse = _implementation(cfg)[0](q, k, v, cfg, documents)
         ctx.mark_non_differentiable(lse)
-        ctx.cfg = cfg
-        ctx.save_for_backward(q, k, v, out, lse, documents)
+        ctx.cfg, ctx.longest = cfg, longest
+        ctx.save_for_backward(q, k, v, out, lse, boundaries)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, documents = ctx.saved_tensors
+        q, k, v, out, lse, boundaries = ctx.saved_tensors
+        documents = _device_bounds(boundaries, ctx.longest)
         with torch.no_grad():
             backward = _implementation(ctx.cfg)[1]
             dq, dk, dv = backward(dout.contiguous(), q, k, v, out, lse, ctx.cfg, documents)
         if torch.is_grad_enabled():  # create_graph=True: refuse a second derivative loudly
             dq, dk, dv = _NoSecondDerivative.apply(dq, dk, dv, dout, q, k, v)
-        return None, dq, dk, dv, None
+        return None, dq, dk, dv, None, None
 
 
-def run_ring(q, k, v, cfg: RingConfig, documents=None) -> tuple[torch.Tensor, torch.Tensor]:
+def run_ring(
+    q, k, v, cfg: RingConfig, placement: RankPlacement | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A validated call (see :func:`ring_attention`): (out, lse), differentiable in q/k/v.
-    ``documents``: in a compiled graph, the live packing's piece boundaries (int32 on
-    the device; see :func:`usp.ring.p2p._plan`), since ``cfg`` is then the trace's
-    constant, shared by every packing of the call's shape; None: ``cfg``'s own."""
-    return _RingAttention.apply(cfg, q, k, v, documents)
+    ``placement``: in a compiled graph, the live packing's (its piece boundaries and
+    longest document reach the kernels as a tensor and a symbolic size, see
+    :func:`usp.ring.p2p._plan`), since ``cfg`` is then the trace's constant, shared by
+    every packing of the call's shape; None: ``cfg``'s own."""
+    if placement is None:
+        return _RingAttention.apply(cfg, q, k, v, None, None)
+    # .size(0), not .shape[0]: Dynamo (torch 2.13) fails on .shape of a tensor held by a
+    # constant of the trace (the HF plug-in's placement is one)
+    longest = placement.longest.size(0)
+    return _RingAttention.apply(cfg, q, k, v, placement.piece_docs.cu_q, longest)
 
 
 def ring_attention(

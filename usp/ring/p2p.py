@@ -36,21 +36,19 @@ def _exchange(cfg: RingConfig):
     return RingExchange(cfg.group, cfg.stats)
 
 
-def _plan(cfg: RingConfig, local_len: int, documents: torch.Tensor | None = None):
+def _plan(cfg: RingConfig, local_len: int, documents: DeviceBounds | None = None):
     """(blocks of a step, the kernel calls that compute them) for dense or packed input.
-    ``documents``: a compiled graph's piece boundaries (int32 on the device, the same
-    for q and k pieces), read from the live PackedSequence because ``cfg`` is the
-    trace's constant, shared by every packing of the shape; None: ``cfg``'s own."""
+    ``documents``: a compiled graph's piece-vs-piece documents (device boundaries and
+    the longest document as a symbolic size), from the live PackedSequence because
+    ``cfg`` is the trace's constant, shared by every packing of the shape; None:
+    ``cfg``'s own."""
     if not cfg.packed:
         return (lambda i, j: step_blocks(cfg.layout, cfg.causal, i, j, local_len)), calls_for(
             cfg, None
         )
     piece_len = cfg.placement.piece_len
     blocks = lambda i, j: packed_step_blocks(cfg.layout, cfg.causal, i, j, piece_len)  # noqa: E731
-    if documents is None:
-        return blocks, calls_for(cfg, cfg.placement.piece_docs)
-    # no document is longer than a piece: the varlen kernels' bound, known without the values
-    return blocks, calls_for(cfg, DeviceBounds(documents, documents, piece_len, piece_len))
+    return blocks, calls_for(cfg, cfg.placement.piece_docs if documents is None else documents)
 
 
 def block_shapes(cfg: RingConfig, local_len: int, heads: int, kv_heads: int) -> set[tuple]:

@@ -41,6 +41,10 @@ class RankPlacement:
     piece_docs: PackedDocs | None
     #: all-gather: query segments, for causal=False and causal=True
     segments: dict[bool, tuple[Segment, ...]]
+    #: p2p, packed: an empty tensor of shape [n, 0], n the longest document of a piece:
+    #: how a compiled graph takes that bound (varlen kernels size their grid by it) as a
+    #: symbolic size, so that a new packing reuses the graph; None otherwise
+    longest: torch.Tensor | None = None
     #: tokens per piece (``documents.piece_len``; a field: traced code reads fields only)
     piece_len: int = field(init=False)
 
@@ -72,13 +76,15 @@ def packed_placement(
     if allgather:
         segments = {c: _segments(documents, ring_rank, c, packed, device) for c in (False, True)}
     bounds = documents.piece_bounds
-    piece_docs = None
+    piece_docs = longest = None
     if packed:
         piece_docs = PackedDocs.build(bounds, bounds, device)
-        # a compiled graph takes these boundaries as a tensor of any length: one graph
-        # for every packing, from the first (no recompile when the document count changes)
+        longest = torch.empty((piece_docs.max_q, 0), device=device)  # no storage
+        # a compiled graph takes both as tensors of any size: one graph for every
+        # packing, from the first (no recompile when the documents change)
         torch._dynamo.maybe_mark_dynamic(piece_docs.cu_q, 0)
-    return RankPlacement(documents, ring_rank, device, packed, piece_docs, segments)
+        torch._dynamo.maybe_mark_dynamic(longest, 0)
+    return RankPlacement(documents, ring_rank, device, packed, piece_docs, segments, longest)
 
 
 def single_rank_placement(seq_len: int, device) -> RankPlacement:
