@@ -78,7 +78,7 @@ class PackedDocs:
 
 class DeviceBounds(NamedTuple):
     """Document boundaries as a compiled graph holds them: the int32 tensors on the
-    device and an upper bound of the longest document (no host values, so that one
+    device and the longest document as a symbolic size (no host values, so that one
     graph serves every packing of a shape). The compiled kernel calls take these."""
 
     cu_q: torch.Tensor
