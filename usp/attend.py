@@ -217,6 +217,13 @@ def packed_signature(packed):
     )  # fmt: skip
 
 
+def _specialised(placement) -> bool:
+    """Whether a compiled graph is specialised to the placement's documents: the
+    all-gather ring's segments index by document (bool(): what Dynamo reads of a
+    constant's dict)."""
+    return bool(placement.segments)
+
+
 def call_signature(packed):
     """What a compiled attention call is specialised to of its PackedSequence. The p2p
     ring and a ring of one read only the sequence's shape (its length, and whether it
@@ -229,7 +236,7 @@ def call_signature(packed):
         return None
     _check_packed_type(packed)
     placement = packed.placement
-    if bool(placement.segments):  # (bool(): what Dynamo reads of a constant's dict)
+    if _specialised(placement):
         return packed_signature(packed)
     return (
         "shape", operator.index(packed.seq_len), packed.ring_degree, packed.ulysses_degree,
@@ -242,7 +249,7 @@ def live_placement(packed):
     tensors are graph inputs), for :func:`usp.ring.api.run_ring`: None when it has no
     piece documents (dense, one document) or when the graph is specialised to them (the
     all-gather ring)."""
-    if packed is None or bool(packed.placement.segments) or not packed.placement.packed:
+    if packed is None or _specialised(packed.placement) or not packed.placement.packed:
         return None
     return packed.placement
 

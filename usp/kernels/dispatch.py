@@ -18,7 +18,7 @@ from torch._guards import active_fake_mode
 
 from usp.kernels.backends.base import Backend, Grads
 from usp.kernels.backends.math import MathBackend
-from usp.kernels.docs import PackedDocs
+from usp.kernels.docs import DeviceBounds, PackedDocs
 from usp.kernels.masks import accumulation_dtype, empty_row_count
 from usp.kernels.merge import merge_pair
 from usp.kernels.spec import AttentionSpec
@@ -156,9 +156,13 @@ def _doc_spec(spec: AttentionSpec, len_q: int, len_k: int, batch: int = 1) -> At
     )  # fmt: skip
 
 
-def docs_forward(impl: Backend, q, k, v, docs: PackedDocs, spec: AttentionSpec, scale: float):
+def docs_forward(
+    impl: Backend, q, k, v, docs: PackedDocs | DeviceBounds, spec: AttentionSpec, scale: float
+):
     """Run a validated packed call (q [Tq, H, D], k/v [Tk, Hkv, D]) on a chosen backend:
-    its varlen kernel, or one dense call per document."""
+    its varlen kernel, or one dense call per document. A varlen kernel reads only the
+    device boundaries and bounds (``DeviceBounds`` is enough); per-document calls need
+    a :class:`PackedDocs`."""
     if impl.supports_varlen:
         return impl.varlen_forward(
             q, k, v, docs.cu_q, docs.cu_k, docs.max_q, docs.max_k, spec, scale
@@ -168,8 +172,9 @@ def docs_forward(impl: Backend, q, k, v, docs: PackedDocs, spec: AttentionSpec, 
 
 
 def docs_backward(
-    impl: Backend, dout, q, k, v, out, lse, docs: PackedDocs, spec: AttentionSpec, scale: float
-) -> Grads:
+    impl: Backend, dout, q, k, v, out, lse, docs: PackedDocs | DeviceBounds,
+    spec: AttentionSpec, scale: float,
+) -> Grads:  # fmt: skip
     if impl.supports_varlen:
         return impl.varlen_backward(
             dout, q, k, v, out, lse, docs.cu_q, docs.cu_k, docs.max_q, docs.max_k, spec, scale

@@ -33,7 +33,7 @@ import torch
 from usp.kernels.backends import registry
 from usp.kernels.backends.base import Backend
 from usp.kernels.dispatch import PreparedDense, docs_backward, docs_forward
-from usp.kernels.docs import PackedDocs
+from usp.kernels.docs import DeviceBounds, PackedDocs
 from usp.kernels.masks import accumulation_dtype
 from usp.kernels.spec import AttentionSpec
 
@@ -136,11 +136,16 @@ def _boundaries(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], device) ->
     return PackedDocs.build(bounds_q, bounds_k, device)
 
 
-def _documents(cu_q: Tensor, cu_k: Tensor) -> PackedDocs:
-    """The boundaries read on the host, for one kernel call per document: free for CPU
-    tensors; on CUDA a device synchronisation (only a backend without a varlen kernel
-    needs it, e.g. ``backend="cudnn"`` with packed documents)."""
-    return _boundaries(tuple(cu_q.tolist()), tuple(cu_k.tolist()), cu_q.device)
+def _docs(impl, cu_q: Tensor, cu_k: Tensor, max_q, max_k) -> PackedDocs | DeviceBounds:
+    """What :func:`~usp.kernels.dispatch.docs_forward` needs of the documents: a varlen
+    kernel reads the device boundaries as they are; one call per document needs them on
+    the host (free for CPU tensors; on CUDA a device synchronisation, only for a backend
+    without a varlen kernel, e.g. ``backend="cudnn"`` with packed documents)."""
+    if impl.supports_varlen:
+        return DeviceBounds(cu_q, cu_k, max_q, max_k)
+    bounds_q = tuple(cu_q.tolist())
+    bounds_k = bounds_q if cu_k is cu_q else tuple(cu_k.tolist())  # the ring's are one tensor
+    return _boundaries(bounds_q, bounds_k, cu_q.device)
 
 
 def _docs_forward(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, scale):
@@ -149,21 +154,16 @@ def _docs_forward(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, scale):
     one graph serves every packing."""
     impl = registry.get(backend)
     spec = _varlen_spec(q.shape, k.shape, q.dtype, q.device, causal)
-    if impl.supports_varlen:
-        out, lse = impl.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, spec, scale)
-    else:
-        out, lse = docs_forward(impl, q, k, v, _documents(cu_q, cu_k), spec, scale)
+    docs = _docs(impl, cu_q, cu_k, max_q, max_k)
+    out, lse = docs_forward(impl, q, k, v, docs, spec, scale)
     return out.contiguous(), lse.contiguous()
 
 
 def _docs_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, backend, causal, scale):
     impl = registry.get(backend)
     spec = _varlen_spec(q.shape, k.shape, q.dtype, q.device, causal)
-    if impl.supports_varlen:
-        grads = impl.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, spec, scale)
-    else:
-        grads = docs_backward(impl, dout, q, k, v, out, lse, _documents(cu_q, cu_k), spec, scale)
-    dq, dk, dv = grads
+    docs = _docs(impl, cu_q, cu_k, max_q, max_k)
+    dq, dk, dv = docs_backward(impl, dout, q, k, v, out, lse, docs, spec, scale)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
