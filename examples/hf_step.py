@@ -118,4 +118,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except usp.UspError as err:  # a refused model or input: the message says what to do
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from usp.errors import UspError
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     from usp.integrations.hf_cli import add_arguments
@@ -136,7 +138,11 @@ def main(argv=None, *, plan=None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
+    try:
+        status = main()
+    except UspError as err:  # a refused model or input: the message says what to do
+        print(f"error: {err}", file=sys.stderr)
+        status = 2
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(status)

@@ -234,3 +234,18 @@ def test_without_matplotlib_the_plots_are_skipped_with_the_reason(
     assert all(v == "skipped: matplotlib is not installed (pip install matplotlib, or usp[plot])"
                for v in files.values()), files  # fmt: skip
     assert not list(tmp_path.iterdir())
+
+
+def test_a_hybrid_hf_directory_is_refused_in_one_line(tmp_path, capsys):
+    """usp eval computes usp's families only: a Qwen3.5 export (Gated DeltaNet layers) is
+    refused by name, exit 2, one line, before anything runs."""
+    pytest.importorskip("transformers", minversion="5.24")
+    from hybrid_cases import HYBRID, build
+
+    build("qwen3_5_text", HYBRID["qwen3_5_text"]).save_pretrained(tmp_path / "qwen3_5")
+    capsys.readouterr()  # transformers' progress bar of the save
+    status = _usp_eval([str(tmp_path / "qwen3_5"), "--lengths", "16"])
+    stderr = capsys.readouterr().err
+    assert status == 2, stderr
+    assert "Qwen3_5ForCausalLM is not a usp model family" in stderr, stderr
+    assert stderr.count("\n") == 1, "one line, no traceback"

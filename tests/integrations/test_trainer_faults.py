@@ -8,7 +8,10 @@ every rank (its class and message), and the process groups stay usable after it.
   was fed correctly and learns of replica 0's error through the replicas' agreement);
 * a model feature USP attention cannot compute exactly: attention dropout (refused when
   the trainer is built) and a Mistral sliding window shorter than the sequences
-  (refused at the first micro-batch, on dp2 x r2).
+  (refused at the first micro-batch, on dp2 x r2);
+* a hybrid model (Qwen3.5: Gated DeltaNet layers beside attention) under SP, refused
+  when ``UspTrainer`` / ``UspSFTTrainer`` is built, with the model type, the layers and
+  the fix, on every rank.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ pytest.importorskip("datasets", reason="the examples read their data with datase
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
 
 import trainer_cases as tc  # noqa: E402
+from hybrid_cases import HYBRID, build  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +34,9 @@ def workdir(tmp_path_factory):
     tc.write_checkpoint(root / "llama", "llama")
     tc.write_checkpoint(root / "dropout", "llama", attention_dropout=0.1)
     tc.write_checkpoint(root / "mistral", "mistral", sliding_window=16)
+    hybrid = build("qwen3_5_text", HYBRID["qwen3_5_text"], seed=5)
+    hybrid.save_pretrained(root / "qwen3_5")
+    tc.write_tokenizer(root / "qwen3_5")
     tc.write_token_rows(root / "tokens.jsonl", 16, 32)
     tc.write_texts(root / "texts.jsonl", 16)
     return root
@@ -106,3 +113,21 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused_on_every_rank(dis
     same_error_everywhere(
         results, "UnsupportedModelError", "attend within 16 tokens", "sliding_window"
     )
+
+
+@pytest.mark.parametrize("example", ["hf_trainer", "trl_sft"])
+def test_a_hybrid_model_is_refused_when_the_trainer_is_built(distributed, workdir, example):
+    """Qwen3.5's GDN layers would see only each rank's shard: refused at construction
+    (an UnsupportedModelError naming the model type, the layers and the fix, not an
+    AttributeError), the same on every rank, the groups usable afterwards."""
+    data = "texts.jsonl" if example == "hf_trainer" else "chats.jsonl"
+    if example == "trl_sft":
+        tc.write_chats(workdir / data, 8)
+    argv = flags(workdir, "qwen3_5", data, workdir / f"hybrid-{example}")
+    results = distributed.run(
+        run_expecting_an_error, example, argv, 1, 2, world_size=4, timeout=600
+    )
+    same_error_everywhere(
+        results, "UnsupportedModelError", "model_type 'qwen3_5_text'",
+        "layers 0: linear_attn (Qwen3_5GatedDeltaNet", "ulysses 1 x ring 2", "ulysses = ring = 1",
+    )  # fmt: skip

@@ -21,6 +21,7 @@ from torch import nn
 import usp.models.hf as usp_hf
 from usp.errors import ModelConfigError, TopologyError
 from usp.models import Levers, decoder_layers
+from usp.models.hf_mixers import mixer_problem
 from usp.plan import Plan
 from usp.process_groups import build_topology
 from usp.train.parallelize import fully_shard_model
@@ -77,12 +78,17 @@ def attention_window(config) -> int | None:
     return min(windows) if windows else None
 
 
-def feature_problems(model: nn.Module, levers: Levers) -> list[str]:
+def feature_problems(model: nn.Module, levers: Levers, plan: Plan | None = None) -> list[str]:
     """What in ``model`` (its config and attention modules) USP attention or the chosen
-    levers cannot compute exactly; empty when everything can. Deterministic from the
-    model, so every rank finds the same."""
+    levers cannot compute exactly; empty when everything can. Under ``plan``'s sequence
+    parallelism also any module that mixes tokens outside attention (Mamba, linear
+    attention, convolutions: :mod:`usp.models.hf_mixers`). Deterministic from the model,
+    so every rank finds the same."""
     config = model.config
     problems = []
+    mixers = None if plan is None else mixer_problem(model, plan)
+    if mixers is not None:
+        problems.append(mixers)
     if getattr(config, "is_encoder_decoder", False):
         problems.append("an encoder-decoder model (usp serves decoder-only causal LMs)")
     softcap = getattr(config, "attn_logit_softcapping", None)
@@ -102,7 +108,8 @@ def feature_problems(model: nn.Module, levers: Levers) -> list[str]:
     except ModelConfigError as err:
         problems.append(str(err))
         layers = []
-    if any(getattr(layer.self_attn, "sinks", None) is not None for layer in layers):
+    attentions = [getattr(layer, "self_attn", None) for layer in layers]
+    if any(getattr(attention, "sinks", None) is not None for attention in attentions):
         problems.append("attention sinks (per-head sink logits): USP attention has none")
     if levers.loss_chunk_tokens is not None:
         try:
@@ -153,12 +160,12 @@ def prepare_model(
     levers = Levers() if levers is None else levers
     if not isinstance(levers, Levers):
         raise TypeError(f"levers must be a usp.models.Levers, got {type(levers).__name__}")
-    problems = feature_problems(model, levers)
+    problems = feature_problems(model, levers, plan)
     if problems:
         raise UnsupportedModelError(
             f"{type(model).__name__} cannot be trained exactly under usp: " + "; ".join(problems)
         )
-    name = usp_hf.register(plan, name=name)
+    name = usp_hf.register(plan, name=name, model=model)  # inspected here, not on meta
     model.set_attn_implementation(name)
     model.config.use_cache = False  # a KV cache has no place in SP training
     levers.apply(model, plan)

@@ -117,7 +117,7 @@ def family_for_hf(config: dict[str, Any], *, source: str = "config") -> ModelFam
     raise ModelConfigError(
         f"{source}: {what} is not a usp model family; supported: {supported()}. Other HF "
         "models that use transformers' AttentionInterface run under USP via "
-        "usp.models.hf.register"
+        "usp.models.hf.register (refused under SP where they mix tokens outside attention)"
     )
 
 

@@ -11,7 +11,9 @@
     loss = usp.models.hf.causal_lm_loss(model, batch, plan)
 
 Every model that calls attention through ``AttentionInterface`` (Llama, Qwen2/3,
-Mistral whose sliding window holds the sequence, ...) runs this way. What the model must
+Mistral whose sliding window holds the sequence, ...) runs this way, if nothing else in
+it mixes tokens: under SP a hybrid model (Mamba, linear attention, short convolutions) is
+refused before its first forward computes anything (:mod:`usp.models.hf_mixers`). What the model must
 be given: this rank's ``input_ids`` shard, the tokens' global ``position_ids`` (HF would
 otherwise number the shard 0..S/P-1), ``use_cache=False``, and for packed documents
 ``usp_packed=plan.pack(cu_seqlens)`` or the global ``cu_seq_lens_q/k`` (forwarded to
@@ -50,6 +52,7 @@ from usp.models.hf_inputs import (
     padding_mask_function,
     window_problem,
 )
+from usp.models.hf_mixers import MixerCheck, TokenMixerError, check_model  # noqa: F401
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, loss_dtype, sp_cross_entropy, sp_normalise
 from usp.plan import as_plan
@@ -68,7 +71,7 @@ def _transformers():
     return transformers
 
 
-def register(plan, *, name: str = "usp", **attention_options) -> str:
+def register(plan, *, name: str = "usp", model=None, **attention_options) -> str:
     """Register USP attention in ``transformers.AttentionInterface`` under ``name`` and
     return the name (give it as ``attn_implementation=``; register before building the
     model). ``plan``: a Plan (or a Topology, or None for one process, made into a Plan
@@ -79,7 +82,13 @@ def register(plan, *, name: str = "usp", **attention_options) -> str:
     Also registers a usp mask function under ``name`` in transformers'
     ``AttentionMaskInterface`` (:func:`usp.models.hf_inputs.padding_mask_function`): it
     checks 2-D padding masks and builds no mask. A name that already has someone else's
-    mask function is refused."""
+    mask function is refused.
+
+    Under SP (more than one SP rank) a model that mixes tokens outside attention (Mamba,
+    linear attention, short convolutions: :mod:`usp.models.hf_mixers`) is refused with a
+    :class:`~usp.models.hf_mixers.TokenMixerError` before its first forward computes
+    anything: here when ``model`` (an already built model) is given, else at the first
+    attention or mask call, from a meta-device build of the model's config."""
     transformers = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -96,13 +105,16 @@ def register(plan, *, name: str = "usp", **attention_options) -> str:
             f"name {name!r} has a mask function in transformers; choose a name without one"
         )
     # the mask function sees the 2-D padding mask (once per forward) and returns None
+    check = MixerCheck(plan)
+    if model is not None:
+        check.accept(model)
     seen = PaddingSeen()
-    AttentionMaskInterface.register(name, padding_mask_function(plan, name, seen))
-    transformers.AttentionInterface.register(name, _attention_function(plan, name, seen))
+    AttentionMaskInterface.register(name, padding_mask_function(plan, name, seen, check))
+    transformers.AttentionInterface.register(name, _attention_function(plan, name, seen, check))
     return name
 
 
-def _attention_function(plan, name: str, seen: PaddingSeen):
+def _attention_function(plan, name: str, seen: PaddingSeen, check: MixerCheck):
     packed_inputs = PackedInputs(plan, name)  # one PackedSequence per forward
 
     def usp_attention_forward(
@@ -120,6 +132,7 @@ def _attention_function(plan, name: str, seen: PaddingSeen):
     ):
         """query [B, H, S/P, D], key/value [B, Hkv, S/P, D] (after RoPE) ->
         (out [B, S/P, H, D], None)."""
+        check(getattr(module, "config", None))  # the model mixes tokens only here (SP)
         # a window that holds the whole global sequence changes nothing (Mistral's 4096)
         window = window_problem(plan, sliding_window, key.shape[2], 0)
         unsupported = {

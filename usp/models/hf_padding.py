@@ -141,16 +141,19 @@ class PaddingSeen:
             raise HFInputError(message)
 
 
-def padding_mask_function(plan, name: str, seen: PaddingSeen):
+def padding_mask_function(plan, name: str, seen: PaddingSeen, check_model_of=None):
     """The mask function registered with attention ``name``: checks the 2-D padding mask
     (once per forward) and returns None, so the layers get no mask. Under SP the ranks
     agree on the verdict, so a refusal is raised on every rank. A mask built with
     transformers' bidirectional mask function counts as non-causal whatever the config.
     A sliding-window or chunked mask whose window is shorter than the sequence is refused
-    (:func:`window_problem`)."""
+    (:func:`window_problem`). ``check_model_of(config)``, when given, first checks the model
+    behind the config (:class:`usp.models.hf_mixers.MixerCheck`)."""
     from transformers.masking_utils import bidirectional_mask_function
 
     def usp_padding_mask(*args, attention_mask=None, config=None, mask_function=None, **kwargs):
+        if check_model_of is not None:
+            check_model_of(config)
         problem = None
         seen.padded = False
         window = window_problem(

@@ -46,7 +46,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from usp.errors import InputError
+from usp.models.decoder import CausalLM
 from usp.models.family import decoder_layers
+from usp.models.hf_mixers import check_model
 from usp.models.lora import low_rank
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, check_chunk_tokens
 from usp.models.mlp_tiles import tiled_swiglu
@@ -141,8 +143,10 @@ class Levers:
                     f"{self.attention_head_chunks!r}"
                 )
         if self.mlp_tile_tokens:
-            for layer in decoder_layers(model):
-                _swiglu_weights(layer.mlp)
+            for index, layer in enumerate(decoder_layers(model)):
+                _swiglu_weights(_mlp_of(layer, index))
+        if plan is not None and not isinstance(model, CausalLM):
+            check_model(model, plan)  # an HF model under SP: token mixers outside attention
 
     def apply(self, model: nn.Module, plan=None) -> nn.Module:
         """Set these levers on ``model`` (in place; returns it). Applying again replaces
@@ -153,10 +157,13 @@ class Levers:
         if self.activation_checkpointing == "offload":
             offloader = getattr(model, "usp_offloader", None) or HostOffloader()
             model.usp_offloader = offloader  # the planner redirects its host copies
-        for layer in decoder_layers(model):
+        for index, layer in enumerate(decoder_layers(model)):
             _wrap(layer, _Checkpointed, self.activation_checkpointing, offloader)
-            _wrap(layer.mlp, _TiledMLP, self.mlp_tile_tokens)
-            layer.self_attn.head_chunks = self.attention_head_chunks
+            if self.mlp_tile_tokens or hasattr(layer, "mlp"):
+                _wrap(_mlp_of(layer, index), _TiledMLP, self.mlp_tile_tokens)
+            attention = getattr(layer, "self_attn", None)  # hybrid models: some layers lack one
+            if attention is not None:
+                attention.head_chunks = self.attention_head_chunks
         model.loss_chunk_tokens = self.loss_chunk_tokens
         model.usp_levers = self
         return model
@@ -272,6 +279,17 @@ class _TiledMLP(_LeverForward):
 
 
 _SWIGLU = ("gate_proj", "up_proj", "down_proj")
+
+
+def _mlp_of(layer: nn.Module, index: int) -> nn.Module:
+    """A decoder layer's MLP (``layer.mlp``), or a LeverError naming the layer."""
+    mlp = getattr(layer, "mlp", None)
+    if not isinstance(mlp, nn.Module):
+        raise LeverError(
+            f"mlp_tile_tokens needs each decoder layer's MLP as .mlp; layer {index} "
+            f"({type(layer).__name__}) has none: use mlp_tile_tokens = 0"
+        )
+    return mlp
 
 
 def _swiglu_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,263 @@
+"""Which modules of an HF model mix tokens, and whether usp computes them under SP.
+
+Under sequence parallelism a rank holds ``S/P`` tokens. USP attention (the function the
+plug-in registers) sees the whole sequence; every other module sees only the rank's shard.
+A model is exact under SP only if everything outside the attention call is token-local
+(the output at a token depends on that token alone). A Mamba/SSM mixer, a linear-
+attention recurrence (Gated DeltaNet, lightning attention) or a short convolution over the
+sequence breaks that, and would run without an error and give wrong results.
+
+The rule, which does not depend on remembering architectures: every module inside the
+decoder (``model.get_decoder()``) must be one of
+
+- known token-local building blocks: ``nn.Linear`` (and transformers' ``Conv1D``, a
+  linear layer), ``nn.Embedding``, ``nn.Dropout``, ``nn.Identity``, ``nn.LayerNorm``,
+  activations (``torch.nn`` and ``transformers.activations``), and classes whose names
+  end in a token-local role (:data:`TOKEN_LOCAL_SUFFIXES`: norms, MLPs, MoE blocks,
+  experts, routers, rotary embeddings) — their children are checked too;
+- an attention module whose ``forward`` calls attention through transformers'
+  ``ALL_ATTENTION_FUNCTIONS`` (the call usp computes);
+- the decoder itself, its layer list, and the layers in it (their own code only adds
+  and routes what their children return).
+
+A convolution or recurrent module (``nn.Conv1d``, ``nn.RNN``, ...) mixes tokens; any other
+module is *unknown* and refused, not trusted. The config's per-layer kinds
+(``layer_types``, ``layers_block_type``, ``block_types``) that are not attention are
+refused too. In one process (SP degree 1) nothing is refused: there is no shard.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from usp.errors import ModelConfigError
+
+#: class-name endings of modules that act on each token alone (their children are checked)
+TOKEN_LOCAL_SUFFIXES = (
+    "Norm", "NormGated", "MLP", "Mlp", "FeedForward", "Experts", "MoE", "Moe", "MoeBlock",
+    "MoEBlock", "SparseMoeBlock", "Router", "TopKRouter", "Gate", "RotaryEmbedding",
+)  # fmt: skip
+#: leaf modules that act on each token alone
+TOKEN_LOCAL_TYPES = (nn.Linear, nn.Embedding, nn.Dropout, nn.Identity, nn.LayerNorm)
+#: modules that combine neighbouring tokens along the sequence
+SEQUENCE_MIXING_TYPES = (nn.modules.conv._ConvNd, nn.RNNBase, nn.modules.padding._ConstantPadNd)
+#: per-layer kinds (``config.layer_types`` and kin) that are attention usp computes
+ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+LAYER_KIND_FIELDS = ("layer_types", "layers_block_type", "block_types")
+_ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
+
+
+class TokenMixerError(ModelConfigError):
+    """An HF model mixes tokens outside the attention call USP computes, under SP."""
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """One module that mixes tokens (or may): its path in the decoder, its class, why."""
+
+    path: str
+    cls: str
+    why: str
+
+
+def sequence_mixers(model: nn.Module) -> list[Mixer]:
+    """The modules of ``model``'s decoder that are not token-local and not the attention
+    usp computes (outermost first; a flagged module's children are not listed), then the
+    config's non-attention layer kinds. Empty when the model is exact under SP."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    structural = {id(decoder)}
+    for child in decoder.children():
+        if isinstance(child, nn.ModuleList):  # the layer stack: layers, h, blocks
+            structural.update(id(layer) for layer in child)
+    found: list[Mixer] = []
+    flagged: list[str] = []
+    for path, module in decoder.named_modules():
+        if any(path.startswith(prefix + ".") for prefix in flagged):
+            continue
+        if id(module) in structural or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        why = _why_mixing(module)
+        if why is not None:
+            found.append(Mixer(path, type(module).__name__, why))
+            flagged.append(path)
+    found.extend(_layer_kind_mixers(getattr(model, "config", None)))
+    return found
+
+
+def _why_mixing(module: nn.Module) -> str | None:
+    """None for a module usp knows to be token-local (or USP attention); else why not."""
+    if isinstance(module, SEQUENCE_MIXING_TYPES):
+        return f"{type(module).__name__} combines neighbouring tokens of the sequence"
+    if isinstance(module, TOKEN_LOCAL_TYPES) or _is_linear_alias(module):
+        return None
+    cls = type(module)
+    if cls.__module__.startswith(_ACTIVATION_MODULES) or _calls_attention_interface(cls):
+        return None
+    if cls.__name__.endswith(TOKEN_LOCAL_SUFFIXES):
+        return None
+    inner = [type(m).__name__ for m in module.modules() if isinstance(m, SEQUENCE_MIXING_TYPES)]
+    if inner:
+        return f"it runs {', '.join(sorted(set(inner)))} along the sequence"
+    return "usp does not know it to be token-local and it is not the attention usp computes"
+
+
+def _is_linear_alias(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2 style) is a linear layer with transposed weight."""
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils"
+
+
+@functools.cache
+def _calls_attention_interface(cls: type) -> bool:
+    """Whether ``cls.forward`` hands attention to transformers' attention interface (so
+    that attn_implementation=usp computes it)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source (compiled, built in): not known
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source
+
+
+def _layer_kind_mixers(config) -> list[Mixer]:
+    found = []
+    for field in LAYER_KIND_FIELDS:
+        kinds = getattr(config, field, None)
+        if not isinstance(kinds, (list, tuple)):
+            continue
+        for index, kind in enumerate(kinds):
+            if isinstance(kind, str) and kind not in ATTENTION_LAYER_KINDS:
+                found.append(Mixer(f"layers.{index}", f"{field}={kind!r}", "a layer kind"))
+    return found
+
+
+def mixer_message(model: nn.Module, mixers: list[Mixer], grid: str) -> str:
+    """One message naming the model type, the layers and modules concerned, and the fix."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None) or "?"
+    modules = _group_by_layer(mixers)
+    return (
+        f"{type(model).__name__} (model_type {model_type!r}) mixes tokens outside the "
+        f"attention usp computes: {modules}. Under sequence parallelism ({grid}) each rank "
+        "would run those modules on its shard of the sequence only, and the results would be "
+        "silently wrong. Run it with one SP rank (ulysses = ring = 1; data parallelism is "
+        "fine), train a model family usp computes (usp.models.FAMILIES), or wait for usp's "
+        "linear-attention support"
+    )
+
+
+def _group_by_layer(mixers: list[Mixer]) -> str:
+    """'layers 0, 1, 2: linear_attn (Qwen3_5GatedDeltaNet: ...)', one part per module
+    kind, the layers it appears in gathered."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for mixer in mixers:
+        parts = mixer.path.split(".")
+        if len(parts) >= 2 and parts[1].isdigit():  # <stack>.<index>.<rest>
+            key, where = (parts[0], ".".join(parts[2:]), f"{mixer.cls}: {mixer.why}"), parts[1]
+        else:
+            key, where = ("", mixer.path, f"{mixer.cls}: {mixer.why}"), ""
+        groups.setdefault(key, []).append(where)
+    shown = []
+    for (stack, rest, what), indices in groups.items():
+        if stack:
+            target = f" {rest}" if rest else ""
+            shown.append(f"{stack} {', '.join(indices)}:{target} ({what})")
+        else:
+            shown.append(f"{rest} ({what})")
+    return "; ".join(shown)
+
+
+def grid_of(plan) -> str:
+    return f"ulysses {plan.ulysses_degree} x ring {plan.ring_degree}"
+
+
+def mixer_problem(model: nn.Module, plan) -> str | None:
+    """The refusal message for ``model`` under ``plan``, or None (exact, or one SP rank)."""
+    if plan.sp_degree == 1:
+        return None
+    mixers = sequence_mixers(model)
+    return mixer_message(model, mixers, grid_of(plan)) if mixers else None
+
+
+def check_model(model: nn.Module, plan) -> None:
+    """Refuse (:class:`TokenMixerError`) an HF model that mixes tokens outside USP attention
+    when ``plan`` has more than one SP rank. Deterministic from the model, so every rank
+    raises the same error, before any collective."""
+    problem = mixer_problem(model, plan)
+    if problem is not None:
+        raise TokenMixerError(problem)
+
+
+class MixerCheck:
+    """The plug-in's check of the model behind an attention call, once per model config.
+
+    The attention function and the mask function see the model's ``config``, not the
+    model: the check builds the model's structure from the config on the meta device (no
+    memory, no weights) and inspects it (:func:`sequence_mixers`). The verdict is kept per
+    config object, so the later calls of a forward cost a dictionary look-up."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self._verdicts: dict[int, tuple[object, str | None]] = {}
+
+    def accept(self, model: nn.Module) -> None:
+        """Check ``model`` itself (raising as :func:`check_model`) and keep the verdict
+        for its config: its calls then need no meta build."""
+        problem = mixer_problem(model, self.plan)
+        self._verdicts[id(model.config)] = (model.config, problem)
+        if problem is not None:
+            raise TokenMixerError(problem)
+
+    def problem(self, config) -> str | None:
+        if self.plan.sp_degree == 1 or config is None:
+            return None
+        known = self._verdicts.get(id(config))
+        if known is not None and known[0] is config:
+            return known[1]
+        verdict = _problem_of_config(config, self.plan)
+        self._verdicts[id(config)] = (config, verdict)  # holds config: its id stays its own
+        return verdict
+
+    def __call__(self, config) -> None:
+        compiling = torch.compiler.is_compiling()
+        problem = _traced_problem(self, config) if compiling else self.problem(config)
+        if problem is not None:
+            raise TokenMixerError(problem)
+
+
+@torch._dynamo.assume_constant_result
+def _traced_problem(check: MixerCheck, config) -> str | None:
+    """The verdict, computed eagerly while a compiled graph is traced (a constant of it)."""
+    return check.problem(config)
+
+
+def _problem_of_config(config, plan) -> str | None:
+    model = _meta_model(config)
+    if model is None:
+        return (
+            f"usp cannot inspect the model of config {type(config).__name__} "
+            f"(model_type {getattr(config, 'model_type', None)!r}: no transformers causal-LM "
+            "class builds it) to see whether it mixes tokens outside attention; call "
+            "usp.models.hf.check_model(model, plan) on the built model before its first "
+            "forward"
+        )
+    return mixer_problem(model, plan)
+
+
+def _meta_model(config) -> nn.Module | None:
+    """The transformers model of ``config``, built on the meta device (no memory)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    for auto in (AutoModelForCausalLM, AutoModel):
+        try:
+            auto_class = auto._model_mapping[type(config)]
+        except KeyError:
+            continue
+        with torch.device("meta"):
+            return auto_class._from_config(copy.deepcopy(config))
+    return None
