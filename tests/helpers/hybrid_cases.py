@@ -73,12 +73,16 @@ HYBRID = {
 }  # fmt: skip
 
 #: model types whose only token mixer is the attention usp computes: they must run
-#: exactly under SP (LFM2 with attention layers only; a mixture of experts)
+#: exactly under SP (LFM2 with attention layers only; a mixture of experts; Nemotron-H
+#: without Mamba layers)
 TOKEN_LOCAL = {
     "llama": {},
     "lfm2": dict(layer_types=["full_attention", "full_attention"], block_ff_dim=32,
                  block_auto_adjust_ff_dim=False),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    # Nemotron-H with attention and MLP layers only ("mlp" is a token-local layer kind)
+    "nemotron_h": dict(layers_block_type=["attention", "mlp"], mamba_num_heads=4,
+                       mamba_head_dim=16, ssm_state_size=8, n_groups=1, expand=2),
 }  # fmt: skip
 
 
