@@ -51,6 +51,7 @@ SEQUENCE_MIXING_TYPES = (nn.modules.conv._ConvNd, nn.RNNBase, nn.modules.padding
 ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention")
 #: per-layer kinds that act on each token alone (Nemotron-H's MLP and MoE layers)
 TOKEN_LOCAL_LAYER_KINDS = ("mlp", "moe")
+_COMPUTED_LAYER_KINDS = ATTENTION_LAYER_KINDS + TOKEN_LOCAL_LAYER_KINDS
 LAYER_KIND_FIELDS = ("layer_types", "layers_block_type", "block_types")
 _ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
 
@@ -133,7 +134,7 @@ def _layer_kind_mixers(config) -> list[Mixer]:
         if not isinstance(kinds, (list, tuple)):
             continue
         for index, kind in enumerate(kinds):
-            if isinstance(kind, str) and kind not in ATTENTION_LAYER_KINDS + TOKEN_LOCAL_LAYER_KINDS:
+            if isinstance(kind, str) and kind not in _COMPUTED_LAYER_KINDS:
                 found.append(Mixer(f"layers.{index}", f"{field}={kind!r}", "a layer kind"))
     return found
 
