@@ -2,8 +2,8 @@
 replica, a collator's batch as usp's global batch, the batch fingerprint, USP attention
 under autocast against sdpa under autocast, the HF-model levers (MLP tiles, head chunks,
 the chunked loss inside the model's forward), the refusals of model features and
-Trainer settings, the launch's plan, the command-line flags, and ``usp plan`` reading
-the config a run writes.
+Trainer settings, the launch's plan, the command-line flags, ``usp plan`` reading
+the config a run writes, and two shuffled epochs of a Trainer in two orders.
 """
 
 from __future__ import annotations
@@ -418,3 +418,44 @@ def test_a_one_process_trainer_under_its_own_attention_name(tmp_path):
     assert model.config._attn_implementation == "usp-named"
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     assert len(losses) == 2 and all(loss > 0 for loss in losses)
+
+
+def test_two_shuffled_epochs_of_the_trainer_see_two_orders(tmp_path):
+    """A one-process UspTrainer over 2 epochs with the default random sampling: each
+    epoch's batches are the sampler's permutation for that epoch (``seed + epoch``:
+    the Trainer's ``set_epoch`` reaches the sampler), so the two orders differ and each
+    holds every row once."""
+    import trainer_cases
+
+    ckpt = trainer_cases.write_checkpoint(tmp_path / "llama", "llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    rows = [{"input_ids": [6 + i] + [5] * 7, "labels": [6 + i] + [5] * 7} for i in range(8)]
+    seen = []
+
+    def recording_collator(features):
+        seen.append([f["input_ids"][0] - 6 for f in features])
+        return transformers.default_data_collator(features)
+
+    trainer = UspTrainer(
+        model=model,
+        args=_args(
+            tmp_path / "out",
+            num_train_epochs=2,
+            per_device_train_batch_size=2,
+            optim="sgd",
+            disable_tqdm=True,
+            save_strategy="no",
+            seed=11,
+        ),  # fmt: skip
+        train_dataset=rows,
+        data_collator=recording_collator,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 8
+    assert len(seen) == 8, seen
+    orders = [sum(seen[:4], []), sum(seen[4:8], [])]
+    assert all(sorted(order) == list(range(8)) for order in orders), seen
+    for epoch, order in enumerate(orders):
+        expected = torch.randperm(8, generator=torch.Generator().manual_seed(11 + epoch))
+        assert order == expected.tolist(), (epoch, seen)
+    assert orders[0] != orders[1]

@@ -64,6 +64,15 @@ def test_every_family_is_registered_once():
     assert len(usp.models.PRESETS) == sum(len(f.presets) for f in FAMILIES)  # unique names
 
 
+def hf_window(hf_config) -> int | None:
+    """The sliding window transformers' model applies for ``hf_config``: its
+    ``sliding_window`` when no ``layer_types`` are given or some layer slides."""
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return getattr(hf_config, "sliding_window", None)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_config_reads_as_transformers_reads_it(checkpoints, name):
     """The checkpoint's config.json through the registry; a config.json without the keys
@@ -90,6 +99,10 @@ def test_config_reads_as_transformers_reads_it(checkpoints, name):
     ours, theirs = config_from_hf(bare), type(hf)(**bare)
     for field in ("num_key_value_heads", "rms_norm_eps", "max_position_embeddings"):
         assert getattr(ours, field) == getattr(theirs, field), (name, field)
+    # the window transformers applies to a bare config (Mistral's class assumes 4096)
+    assert ours.attention_window == hf_window(theirs), name
+    null = {**bare, "sliding_window": None}  # Mistral v0.2 on: an explicit null, no window
+    assert config_from_hf(null).attention_window == hf_window(type(hf)(**null)), name
     assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
     assert ours.attention_head_dim == (getattr(theirs, "head_dim", None) or 128 // 32)
 

@@ -217,6 +217,44 @@ def test_levers_refuse_a_compiled_layer_and_a_non_swiglu_mlp():
         tile_mlp(mlp, 4)
 
 
+def test_tiled_mlp_takes_only_silu_among_transformers_activations():
+    """Every activation transformers names (``ACT2FN``) in an HF gated MLP: tiling is
+    exact (SiLU: output and gradients equal the untiled MLP's, float64) or refused with
+    a LeverError; GELU variants (Gemma's ``gelu_pytorch_tanh``) must not pass as SiLU."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.activations import ACT2FN
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    x = torch.randn(2, 12, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    tiled = set()
+    for name in sorted(ACT2FN):
+        config = transformers.LlamaConfig(
+            hidden_size=16, intermediate_size=40, num_attention_heads=4, hidden_act=name
+        )
+        torch.manual_seed(0)
+        mlp = LlamaMLP(config).double()
+        try:
+            tile_mlp(mlp, 5)
+        except LeverError as err:
+            assert "needs a SwiGLU MLP" in str(err) and "mlp_tile_tokens = 0" in str(err)
+            continue
+        tiled.add(name)
+        inputs = x.clone().requires_grad_()
+        out = mlp(inputs)
+        out.square().sum().backward()
+        grads = [inputs.grad, *(p.grad for p in mlp.parameters())]
+        tile_mlp(mlp, 0)
+        mlp.zero_grad()
+        inputs = x.clone().requires_grad_()
+        expected = mlp(inputs)
+        expected.square().sum().backward()
+        expected_grads = [inputs.grad, *(p.grad for p in mlp.parameters())]
+        assert relative_error(out, expected) <= 1e-12, name
+        assert max(map(relative_error, grads, expected_grads)) <= 1e-12, name
+    assert {"silu", "swish"} <= tiled, tiled  # transformers' SiLU and torch's
+    assert not tiled & {"gelu", "gelu_pytorch_tanh", "gelu_new", "quick_gelu", "relu"}, tiled
+
+
 @pytest.mark.parametrize("family", [f.name for f in FAMILIES])
 def test_every_family_takes_every_lever(family):
     """Each family's model with all levers on equals its plain model (float64)."""

@@ -3,7 +3,8 @@ with USP attention, on 4 and 8 gloo ranks, against transformers single-process i
 float64 (tests/helpers/model_cases.py): logits, the loss (identical on every rank) and every
 parameter's gradient summed over the SP group; dense and packed; KV replication; tied
 embeddings; llama3 RoPE scaling; SFT prompts so that one rank has no labels; bf16;
-every user option; bad input.
+every user option; bad input; SP ranks with the same tokens but different labels (one
+RankDisagreementError on every rank, dense and packed).
 
 Tolerances (float32 against HF float64, the issue's "done when"): logits 1e-4 relative,
 loss 1e-5, gradients 1e-4 relative per parameter. float64 with the math backend against
@@ -435,3 +436,44 @@ def test_bad_input_on_sp_ranks(distributed, checkpoints):
     assert "multiple of 8" in messages["length"] and "12" in messages["length"]
     assert "labels shape (1, 3) differs from input_ids shape (1, 4)" in messages["labels"]
     assert messages["no labels"] == (0.0, 0.0)
+
+
+def different_labels_case(packed: bool):
+    """Every SP rank holds the same tokens; rank 1's labels differ in one position (a
+    prompt token masked). Returns (the error, the fingerprint a valid call agrees on afterwards)."""
+    from datetime import timedelta
+
+    topo = topology(1, 2)
+    plan = Plan(topo)
+    topo.sp_group.set_timeout(timedelta(seconds=20))  # a missed agreement fails fast
+    try:
+        ids = global_batch(1, 16, seed=3)
+        labels = ids.clone()
+        if dist.get_rank() == 1:
+            labels[0, 5] = IGNORE
+        cu = cu_of([12, 4]) if packed else None
+        try:
+            shard_batch(plan, ids, labels=labels, cu_seqlens=cu)
+            error = "no error"
+        except Exception as err:  # noqa: BLE001 - the test compares type and text
+            error = f"{type(err).__name__}: {err}"
+        agreed = shard_batch(plan, ids, labels=ids, cu_seqlens=cu)  # the group still works
+        dist.barrier(group=topo.sp_group)
+    finally:
+        topo.sp_group.set_timeout(timedelta(seconds=600))  # the harness's
+    return error, agreed.fingerprint
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_sp_ranks_with_the_same_tokens_but_different_labels_fail_every_rank(distributed, packed):
+    """The batch fingerprint the SP ranks agree on covers the labels: ranks holding the
+    same tokens with different labels raise one RankDisagreementError on every rank
+    (dense: shard_batch's own agreement; packed: Plan.pack's)."""
+    results = distributed.run(different_labels_case, packed, world_size=2, timeout=60)
+    errors = {error for error, _ in results}
+    assert len(errors) == 1, errors
+    error = errors.pop()
+    assert error.startswith("RankDisagreementError: "), error
+    assert "the global batch they shard" in error, error
+    fingerprints = [fingerprint for _, fingerprint in results]
+    assert fingerprints[0] is not None and fingerprints[0] == fingerprints[1]

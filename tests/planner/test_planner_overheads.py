@@ -1,9 +1,12 @@
 """What ``usp plan`` adds to the measured step (:mod:`usp.planner.overheads`): the kernel
 workspaces against the real CPU kernel's allocations and inside the measured step, the
 communicators per layout, the budget's arithmetic, the pinned rounding, the parameter
-offload's host accounting and the allocator setting ``usp train`` uses."""
+offload's host accounting, the budget as the sum of the printed lines, and the
+allocator setting ``usp train`` uses."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -12,8 +15,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from usp.models import Levers
 from usp.models.offload import pinned_bytes
-from usp.planner import overheads, search
-from usp.planner.footprint import Footprint, Layout, Phase
+from usp.planner import overheads, report, search
+from usp.planner.footprint import Extras, Footprint, Layout, Phase
 from usp.planner.measure import measure
 from usp.planner.overheads import GIB, attention_workspace, communicators
 from usp.train import allocator
@@ -184,6 +187,62 @@ def test_the_budget_adds_every_item_and_judges_at_its_edge():
     assert limit < 0.9 * 79.6 * GIB
 
 
+_ROW = re.compile(r"^  (\+ |  )?(\S.*?)\s+(\d+\.\d+) GiB  (\S+)")
+_TOTALS = re.compile(r"^  = device (\d+\.\d) of .* GiB; host (\d+\.\d) of ")
+
+
+def _assert_budget_is_the_sum_of_the_printed_lines(candidate, cluster) -> set[str]:
+    """The totals the planner judges by (device and host) are the sums of the lines
+    ``usp plan`` prints ("+" lines added, unmarked ones shown only): exactly from the
+    items, and to the printed rounding from the printed text. Returns the printed names."""
+    costs, footprint = candidate.overheads, candidate.footprint
+    budget = costs.budget(footprint.extras)
+    items = costs.items(footprint.peak_device, footprint.extras)
+    added = {w: sum(i.nbytes for i in items if i.where == w and i.added) for w in WHERE}
+    device = footprint.peak_device + added["device"]
+    assert abs(budget.device_total(footprint.peak_device) - device) <= 1  # int() of the reserve
+    host = cluster.gpus_per_node * (footprint.peak_host + added["host"]) + added["node"]
+    assert budget.host_total(footprint.host_total) == host
+    lines = report.overhead_lines(candidate, cluster)
+    rows = [_ROW.match(line).groups() for line in lines[:-1]]
+    assert len(rows) == len(items) + 1  # the measured step, then one line per item
+    printed = {w: sum(float(g) for mark, _, g, w2 in rows if mark != "  " and w2 == w)
+               for w in WHERE.values()}  # fmt: skip
+    shown_device, shown_host = map(float, _TOTALS.match(lines[-1]).groups())
+    tolerance = 0.005 * len(rows) + 0.05  # each line rounded to 0.01, the total to 0.1
+    assert abs(printed["device"] - shown_device) <= tolerance, lines
+    printed_host = (
+        cluster.gpus_per_node * (footprint.peak_host / GIB + printed["host/rank"])
+        + printed["host/node"]
+    )
+    assert abs(printed_host - shown_host) <= cluster.gpus_per_node * tolerance, lines
+    assert abs(shown_device - device / GIB) <= 0.05 and abs(shown_host - host / GIB) <= 0.05
+    return {(mark or "") + name for mark, name, _, _ in rows}
+
+
+WHERE = {"device": "device", "host": "host/rank", "node": "host/node"}
+
+
+def test_the_budget_is_the_sum_of_the_printed_lines():
+    """Every line the report prints with "+" is in the budget the planner judges by:
+    a footprint with a workspace (shown, inside the step), parameter offload copies
+    (device, added) and pinned rounding (host, added), on an H100 node of 8."""
+    layout = Layout(2, 2, 2, Levers(True, offload_optimizer=True, offload_parameters=True))
+    _, costs = _h100(layout)
+    cluster = search.Cluster(1, 8, 79.6, 2048.0, gpu="H100")
+    extras = Extras(workspace=3 * GIB // 7, workspace_call="q [1, 4096, 8, 128]",
+                    pinned=GIB // 3, offload_copies=5 * GIB // 4)  # fmt: skip
+    footprint = Footprint((Phase(40 * GIB, 0), Phase(30 * GIB, 6 * GIB)), 1, extras=extras)
+    candidate = search.Candidate(layout, 4096, footprint, True, None, 1.0, overheads=costs)
+    names = _assert_budget_is_the_sum_of_the_printed_lines(candidate, cluster)
+    assert {
+        "+ parameter offload copies", "+ pinned rounding", "  attention kernel workspace"
+    } <= names, names  # fmt: skip
+    fits, _ = search.judge(footprint, costs)
+    limit = costs.budget(extras).device_peak_limit
+    assert fits and limit < (79.6 * GIB - 5 * GIB // 4)  # the copies lower the limit
+
+
 def test_a_cpu_rank_pays_only_the_margin(tmp_path):
     target = target_of(write_config(tmp_path, gpus=2), 2)
     costs = search.overheads(target, Layout(1, 2, 1), search.Cluster(1, 2, 1.0, 2.0))
@@ -226,6 +285,12 @@ def test_parameter_offload_moves_the_training_state_to_the_host(tmp_path):
     assert both.phases[-1].device < optimizer.phases[-1].device
     assert both.extras.offload_copies > 0 and optimizer.extras.offload_copies == 0
     assert both.extras.pinned > 0  # FSDP pins each shard and gradient on CUDA
+    layout = Layout(2, 2, 1, Levers(True, offload_optimizer=True, offload_parameters=True))
+    cluster = search.Cluster(1, 4, 79.6, 2048.0, gpu="H100")
+    costs = search.overheads(target, layout, cluster)
+    candidate = search.Candidate(layout, 1024, both, True, None, 1.0, overheads=costs)
+    names = _assert_budget_is_the_sum_of_the_printed_lines(candidate, cluster)
+    assert "+ parameter offload copies" in names, names
 
 
 # ----------------------------------------------------------------------------- allocator

@@ -12,6 +12,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 import pytest
+from cli_flags import assert_flags_are_the_commands
 
 from usp.cli import main
 from usp.config import ConfigError, config_from_dict, load_config
@@ -517,14 +518,34 @@ def test_bad_arguments_exit_2_with_a_message(capsys, argv, message):
 
 
 def test_auto_cluster_in_usp_topo(tmp_path, capsys):
+    """Without a launch an "auto" cluster value comes from the grid's own world size
+    (ulysses 8 x ring 2, dp auto: the fewest ranks that fill whole nodes) or from
+    --world-size / --gpus-per-node; where the grid leaves the world open too, the error
+    names flags usp topo has."""
     path = write(tmp_path, BASE.replace("nodes = 2", 'nodes = "auto"'))
-    assert 'nodes = "auto" is taken from the launch' in expect_cli_error(capsys, path)
+    code, out, _ = run_cli(capsys, path, "--json")
+    assert code == 0 and (json.loads(out)["nodes"], json.loads(out)["world_size"]) == (2, 16)
     code, out, _ = run_cli(capsys, path, "--world-size", "32", "--json")
     assert code == 0 and json.loads(out)["nodes"] == 4
     path = write(tmp_path, BASE.replace("gpus_per_node = 8", 'gpus_per_node = "auto"'))
-    assert "usp topo --gpus-per-node N" in expect_cli_error(capsys, path)
+    code, out, _ = run_cli(capsys, path, "--json")
+    shape = json.loads(out)
+    assert code == 0 and (shape["ranks_per_node"], shape["world_size"]) == (8, 16)
+    code, out, _ = run_cli(capsys, path, "--world-size", "32", "--json")
+    shape = json.loads(out)
+    assert code == 0 and (shape["ranks_per_node"], shape["degrees"]["dp"]) == (16, 2)
     code, out, _ = run_cli(capsys, path, "--gpus-per-node", "8", "--json")
     assert code == 0 and json.loads(out)["world_size"] == 16
+    for cluster in ('nodes = "auto"', 'gpus_per_node = "auto"'):
+        key = cluster.split()[0]
+        text = BASE.replace(f"{key} = {2 if key == 'nodes' else 8}", cluster)
+        path = write(tmp_path, text.replace("ulysses = 8", 'ulysses = "auto"'))
+        err = expect_cli_error(capsys, path)
+        assert f"{cluster} is taken from the launch" in err, err
+        assert_flags_are_the_commands(err, "topo")
+        fix = "--set cluster.nodes=2" if key == "nodes" else "--set cluster.gpus_per_node=8"
+        code, out, _ = run_cli(capsys, path, "--json", *fix.split())
+        assert code == 0 and json.loads(out)["world_size"] == 16
 
 
 def test_training_configs_are_read_the_way_usp_train_reads_them(tmp_path, capsys):

@@ -135,3 +135,23 @@ def test_text_view_marks_spans_and_counts_files(job_file, tmp_path, capsys):
 def test_errors_exit_2(job_file, capsys):
     assert main(["data", str(job_file), "--set", "data.files=missing.jsonl"]) == 2
     assert "usp data: error:" in capsys.readouterr().err
+
+
+def test_an_auto_cluster_is_the_grids_own_world_or_the_world_size(job_file, tmp_path, capsys):
+    """``gpus_per_node = "auto"`` (the launch's) without a launch: the grid's own world
+    (ulysses 1 x ring 2, dp auto: 2 ranks, dp 1), or ``--world-size 4`` (dp 2); a grid
+    that leaves the world open too is one error naming flags usp data has."""
+    from cli_flags import assert_flags_are_the_commands
+
+    text = job_file.read_text().replace("gpus_per_node = 2", 'gpus_per_node = "auto"')
+    job_file.write_text(text)
+    out = tmp_path / "out"
+    assert data_json(capsys, job_file, "--output", out)["dp"] == 1
+    assert data_json(capsys, job_file, "--output", out, "--world-size", "4")["dp"] == 2
+    job_file.write_text(text.replace("ring = 2", 'ring = "auto"'))
+    assert main(["data", str(job_file), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usp data: error: ") and "Traceback" not in err, err
+    assert 'gpus_per_node = "auto" is taken from the launch' in err, err
+    assert assert_flags_are_the_commands(err, "data") == {"--world-size", "--set"}
+    assert data_json(capsys, job_file, "--output", out, "--world-size", "2")["dp"] == 1

@@ -7,6 +7,8 @@ checkpoints) is checked before it is used, and its damage ends in one clear mess
   those of the undamaged run (4 gloo ranks through the trainer);
 - the temporary directory of a builder killed with ``kill -9`` is removed by the next
   build;
+- one flipped byte in any rank's shard file (not only rank 0's) is the same error on
+  every rank (checksums recorded and verified on 4 ranks, files of 4 or 8 writers);
 - a checkpoint with 16 flipped bytes in a weight, or a missing or empty ``.metadata``,
   falls back to the previous checkpoint with one message naming the file, and DCP's own
   tracebacks stay off the console (in ``checkpoints/dcp.log``);
@@ -196,6 +198,71 @@ def test_checksums_match_an_independent_computation_and_find_damage(tmp_path):
     (tmp_path / "small").unlink()
     assert find_damage(tmp_path, recorded) == "small is missing"
     assert file_checksum(tmp_path / "empty") == one[1]
+
+
+def run_checksums_of_every_rank(directory, writers):
+    """Record the checksums of ``writers`` ranks' shard files (and ``.metadata``) on
+    this world, then damage each file in turn (one flipped byte) and verify: returns
+    {file: the error every rank raised}. A 20 s world timeout: a rank skipping the
+    agreement fails fast."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from usp.train.checkpoint_integrity import record_checksums, verify_checksums
+
+    directory = Path(directory)
+    rank = torch.distributed.get_rank()
+    names = [f"__{w}_0.distcp" for w in range(writers)]
+    if rank == 0:
+        for index, name in enumerate([*names, ".metadata"]):
+            (directory / name).write_bytes(bytes([index]) * 4096)
+    torch.distributed.barrier()
+    metadata = SimpleNamespace(
+        storage_data={i: SimpleNamespace(relative_path=n) for i, n in enumerate(names)}
+    )
+    torch.distributed.group.WORLD.set_timeout(timedelta(seconds=20))
+    errors = {}
+    try:
+        recorded, _ = record_checksums(directory, metadata)
+        recorded = [recorded]
+        torch.distributed.broadcast_object_list(recorded, src=0)
+        assert sorted(recorded[0]["files"]) == sorted([*names, ".metadata"])
+        verify_checksums(directory, recorded[0])  # undamaged: no error anywhere
+        for name in [*names, ".metadata"]:
+            path = directory / name
+            data = path.read_bytes()
+            torch.distributed.barrier()
+            if rank == 0:
+                path.write_bytes(data[:100] + bytes([data[100] ^ 0x01]) + data[101:])
+            torch.distributed.barrier()
+            try:
+                verify_checksums(directory, recorded[0])
+                errors[name] = "no error"
+            except Exception as err:  # noqa: BLE001 - the test compares type and text
+                errors[name] = f"{type(err).__name__}: {err}"
+            torch.distributed.barrier()
+            if rank == 0:
+                path.write_bytes(data)
+    finally:
+        torch.distributed.group.WORLD.set_timeout(timedelta(seconds=600))  # the harness's
+    return errors
+
+
+@pytest.mark.parametrize("writers", [4, 8], ids=["4-writers", "8-writers"])
+def test_a_flipped_byte_in_any_ranks_shard_is_found_on_every_rank(distributed, tmp_path, writers):
+    """Every rank's shard files are verified, not only those rank 0 reads: one flipped
+    byte in any file (each rank's shard, ``.metadata``) is one CheckpointDamagedError
+    naming that file on all 4 ranks; also for a checkpoint written by 8 ranks."""
+    results = distributed.run(
+        run_checksums_of_every_rank, str(tmp_path), writers, world_size=4, timeout=120
+    )
+    names = [f"__{w}_0.distcp" for w in range(writers)] + [".metadata"]
+    for name in names:
+        seen = {errors[name] for errors in results}
+        assert len(seen) == 1, (name, seen)  # the same error on every rank
+        error = seen.pop()
+        assert error.startswith("CheckpointDamagedError: "), (name, error)
+        assert f"{name} does not match the checksum recorded when it was written" in error
 
 
 # ----------------------------------------------------------------------------- token cache

@@ -15,6 +15,7 @@ that disagrees with it is an error naming both shapes; ``nodes = "auto"`` /
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -55,25 +56,59 @@ def resolve_config(
             )
         check_cluster_matches_launch(config.cluster, launch)
         return _resolve(config, launch.world_size, launch.node_of_rank)
-    return _resolve(config, _planned_world_size(config.cluster, world_size), None)
+    return _resolve(*_planned_cluster(config, world_size), None)
 
 
-def _planned_world_size(cluster: ClusterConfig, world_size: int | None) -> int:
-    """The world size to check a file against when there is no launch."""
-    if cluster.gpus_per_node == AUTO:
+def _planned_cluster(config: _Sections, world_size: int | None) -> tuple[_Sections, int]:
+    """The config and world size to check a file against when there is no launch.
+
+    A ``"auto"`` cluster value is what the launch would give, so without one it comes
+    from the rest: ``gpus_per_node = "auto"`` is ``world / nodes`` (one node when
+    ``nodes`` is auto too), ``nodes = "auto"`` is ``world / gpus_per_node``; the world
+    is ``world_size`` when given, else ``nodes * gpus_per_node`` when both are numbers,
+    else the grid's own (``ulysses * ring * dp``, the smallest ``dp`` that fills whole
+    nodes when dp is auto). The commands that check a file without a launch (``usp
+    topo``, ``usp data``) both take the flags the messages name."""
+    cluster, p = config.cluster, config.parallel
+    nodes, per_node = cluster.nodes, cluster.gpus_per_node
+    if per_node != AUTO:
+        if world_size is None and nodes != AUTO:
+            return config, nodes * per_node
+        world = world_size if world_size is not None else _grid_world(p, per_node)
+        if world is None:
+            raise ConfigError(
+                '[cluster] nodes = "auto" is taken from the launch, and [parallel] leaves '
+                'the world size open ("auto" degrees); to check this config without a '
+                "launch, give the world size (--world-size N) or the node count "
+                "(--set cluster.nodes=N)"
+            )
+        return config, world
+    world = world_size if world_size is not None else _grid_world(p, 1 if nodes == AUTO else nodes)
+    if world is None:
         raise ConfigError(
-            '[cluster] gpus_per_node = "auto" is taken from the launch; to check this '
-            "config without one, give the ranks per node (usp topo --gpus-per-node N)"
+            '[cluster] gpus_per_node = "auto" is taken from the launch, and [parallel] '
+            'leaves the world size open ("auto" degrees); to check this config without a '
+            "launch, give the world size (--world-size N) or the ranks per node "
+            "(--set cluster.gpus_per_node=N)"
         )
-    if world_size is not None:
-        return world_size
-    if cluster.nodes == AUTO:
+    count = 1 if nodes == AUTO else nodes
+    if world % count != 0:
         raise ConfigError(
-            '[cluster] nodes = "auto" is taken from the launch; to check this config '
-            "without one, give the node count or the world size (usp topo --nodes N or "
-            "--world-size N)"
+            f"world_size({world}) is not a multiple of [cluster] nodes({count}), so "
+            '[cluster] gpus_per_node = "auto" has no value'
         )
-    return cluster.nodes * cluster.gpus_per_node
+    return replace(config, cluster=replace(cluster, gpus_per_node=world // count)), world
+
+
+def _grid_world(parallel: ParallelConfig, node_size: int) -> int | None:
+    """``ulysses * ring * dp`` when ulysses and ring are numbers; an auto dp is the
+    smallest that makes the world a multiple of ``node_size``. None otherwise."""
+    u, r, d = parallel.ulysses, parallel.ring, parallel.dp
+    if u == AUTO or r == AUTO:
+        return None
+    if d == AUTO:
+        d = node_size // math.gcd(u * r, node_size)
+    return u * r * d
 
 
 def check_cluster_matches_launch(cluster: ClusterConfig, launch: Launch) -> None:

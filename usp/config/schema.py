@@ -105,10 +105,11 @@ class UspConfig:
         """Turn ``"auto"`` into numbers and validate everything through the rank math
         (the rules: :mod:`usp.config.resolve`).
 
-        Without ``launch`` (checking a file, ``usp topo``): ``world_size`` defaults to
-        ``nodes * gpus_per_node``; a different world size keeps ``gpus_per_node`` as the
-        ranks per node (so the node count changes). ``gpus_per_node = "auto"`` then
-        needs a number from an override, and ``nodes = "auto"`` a ``world_size``.
+        Without ``launch`` (checking a file: ``usp topo``, ``usp data``): ``world_size``
+        defaults to ``nodes * gpus_per_node``; a different world size keeps
+        ``gpus_per_node`` as the ranks per node (so the node count changes). An
+        ``"auto"`` cluster value comes from the rest: the world size given, else the
+        grid's own (``ulysses * ring * dp`` when ulysses and ring are numbers).
 
         With the running job's ``launch``: the cluster must describe it (``"auto"``
         values take it), and the rank map uses the nodes observed, including uneven or
