@@ -7,3 +7,7 @@
 - :mod:`usp.linear.gdn`: :func:`gated_deltanet_usp`, the conv + recurrence under a Plan;
 - :mod:`usp.linear.module`: :class:`GatedDeltaNet`, transformers' Qwen3.5 GDN layer.
 """
+
+from usp.linear.gdn import LinearAttentionError, gated_deltanet_usp
+
+__all__ = ["LinearAttentionError", "gated_deltanet_usp"]
