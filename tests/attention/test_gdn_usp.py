@@ -7,6 +7,8 @@ formula; refusals on every rank before the first collective.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -130,6 +132,10 @@ def run_gdn_case(ulysses, ring, layout, kind, conv, seed):
     )
     forward_bytes = topo.comm_stats.snapshot()
     out.backward(plan.shard(dout, packed=cu))
+    backward_bytes = {
+        kind: {key: n - forward_bytes.get(kind, {}).get(key, 0) for key, n in counts.items()}
+        for kind, counts in topo.comm_stats.snapshot().items()
+    }
     grads = [plan.gather(t.grad, packed=cu) for t in local]
     for w in my_ws or []:  # a replicated weight's gradient: the sum over the SP ranks
         dist.all_reduce(w.grad, group=topo.sp_group)
@@ -137,7 +143,28 @@ def run_gdn_case(ulysses, ring, layout, kind, conv, seed):
     errors = {"out": relative_error(plan.gather(out.detach(), packed=cu), expected)}
     names = ["dq", "dk", "dv", "dg", "dbeta", "dwq", "dwk", "dwv"]
     errors.update({n: relative_error(a, e) for n, a, e in zip(names, grads, expected_grads)})
-    return errors, forward_bytes
+    docs = 1 if cu is None else len(plan.pack(cu, agree_ranks=False).documents.lengths)
+    shape = {"batch": batch, "seq_len": seq_len, "hk": hk, "heads": heads, "docs": docs}
+    shape["kernel"] = 4 if conv else 1
+    return errors, forward_bytes, backward_bytes, shape
+
+
+def expected_bytes(u, r, layout, segments_per_piece, batch, seq_len, hk, heads, kernel):
+    """The README's formula (float64 everywhere here: 8-byte elements; dk 8, dv 6)."""
+    dk, dv, e = 8, 6, 8
+    times = math.lcm(hk, u) // hk  # key heads repeated so that u ranks split them
+    key_channels = hk * times * dk
+    tokens = batch * seq_len // (u * r)
+    a2a = tokens * (2 * key_channels + heads * dv + 2 * heads) * e * (u - 1) // u
+    a2a += tokens * heads * dv * e * (u - 1) // u
+    segments = (2 if layout == "zigzag" else 1) * segments_per_piece
+    chained = layout == "zigzag" or r > 1
+    ring = 0
+    if r > 1 and chained:
+        tails = (kernel - 1) * (2 * key_channels + heads * dv) // u
+        maps = heads // u * dk * (dk + dv)
+        ring = (r - 1) * batch * segments * (tails + maps) * e
+    return a2a, ring
 
 
 GRIDS = [(1, 4), (2, 2), (4, 1)]
@@ -154,8 +181,73 @@ def test_gdn_usp_matches_one_process(distributed, grid):
     ]
     for seed, case in enumerate(cases):
         results = distributed.run(run_gdn_case, *grid, *case, seed, world_size=4, timeout=TIMEOUT)
-        for rank, (errors, _) in enumerate(results):
+        layout, kind, _ = case
+        for rank, (errors, forward, backward, shape) in enumerate(results):
             for name, err in errors.items():
                 if not err < 1e-10:
                     failures.append(f"{grid} {case} rank {rank} {name}: {err:.3g}")
+            a2a, ring = expected_bytes(*grid, layout, shape.pop("docs"), **shape)
+            got = {k: forward.get(k, {}).get("sent", 0) for k in ("all_to_all", "all_gather")}
+            back = {k: backward.get(k, {}).get("sent", 0) for k in ("all_to_all", "reduce_scatter")}
+            if got != {"all_to_all": a2a, "all_gather": ring}:
+                failures.append(f"{grid} {case} rank {rank} forward bytes {got} != {a2a, ring}")
+            if back != {"all_to_all": a2a, "reduce_scatter": ring}:
+                failures.append(f"{grid} {case} rank {rank} backward bytes {back} != {a2a, ring}")
     assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------------ refusals
+def run_refusals():
+    """Each bad call raises the same error on every rank, moves no bytes, and leaves the
+    groups usable (a valid call after it is exact)."""
+    topo = topology(2, 2)
+    plan = usp.Plan(topo, layout="contiguous")
+    rank = dist.get_rank()
+    inputs, ws, _ = gdn_inputs(1, 16, 2, 4, 8, 6, 4, seed=9)
+    local = [plan.shard(t) for t in inputs]
+    odd, _, _ = gdn_inputs(1, 16, 3, 3, 8, 6, 4, seed=9)  # 3 value heads over u=2
+    bad_cu = torch.tensor([0, 5, 16], dtype=torch.int32)  # 5 tokens: not 2 chunks
+    calls = {
+        "heads": lambda: gated_deltanet_usp(*[plan.shard(t) for t in odd], plan),
+        "activation": lambda: gated_deltanet_usp(*local, plan, conv_weights=ws, activation="gelu"),
+        "documents": lambda: gated_deltanet_usp(*local, plan, packed=bad_cu),
+        "shape_on_one_rank": lambda: gated_deltanet_usp(
+            *[t[:, :2] if rank == 3 else t for t in local], plan
+        ),
+        "chunk_size": lambda: gated_deltanet_usp(*local, plan, chunk_size=0),
+        "conv_weights": lambda: gated_deltanet_usp(*local, plan, conv_weights=ws[:2]),
+    }
+    messages = {}
+    for name, call in calls.items():
+        topo.comm_stats.reset()
+        try:
+            call()
+            messages[name] = "no error"
+        except Exception as err:  # noqa: BLE001 - the test compares type and text
+            messages[name] = f"{type(err).__name__}: {err}"
+        assert topo.comm_stats.total_sent == 0, (name, topo.comm_stats.snapshot())
+    out = gated_deltanet_usp(*local, plan, conv_weights=ws)
+    error = relative_error(plan.gather(out), reference_gdn(*inputs, ws))
+    dist.barrier()
+    return messages, error
+
+
+EXPECTED = {
+    "heads": ("UlyssesHeadError", "gated_deltanet_usp failed on ranks 0, 1, 2, 3", "ulysses"),
+    "activation": ("LinearAttentionError", "activation must be one of"),
+    "documents": ("ShardingError", "multiple of 2"),
+    "shape_on_one_rank": ("RankDisagreementError", "disagree on q shape"),
+    "chunk_size": ("LinearAttentionError", "chunk_size must be a positive int"),
+    "conv_weights": ("LinearAttentionError", "conv_weights must be (wq, wk, wv)"),
+}
+
+
+def test_refusals_are_the_same_on_every_rank_before_any_traffic(distributed):
+    results = distributed.run(run_refusals, world_size=4, timeout=60)
+    for name, parts in EXPECTED.items():
+        messages = {messages[name] for messages, _ in results}
+        assert len(messages) == 1, f"{name}: ranks raised different errors: {messages}"
+        message = messages.pop()
+        for part in parts:
+            assert part in message, message
+    assert all(error < 1e-10 for _, error in results)

@@ -48,10 +48,10 @@ from usp.linear.kernel import (
 )
 from usp.linear.ring import Segments, conv_contexts, ring_all_gather, segment_tails, start_states
 from usp.packing import PackedSequence
-from usp.process_groups import HeadLayoutError
+from usp.process_groups import HeadLayoutError, degrees
 from usp.ring.documents import Documents
 from usp.sharding import sequence_documents
-from usp.ulysses import kv_replication_for, to_head_sharded, to_sequence_sharded
+from usp.ulysses import UlyssesHeadError, to_head_sharded, to_sequence_sharded
 
 __all__ = ["LinearAttentionError", "gated_deltanet_usp"]
 
@@ -170,7 +170,11 @@ def gated_deltanet_usp(
     error, documents, times = None, None, 1
     try:
         _check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale)
-        times = kv_replication_for(v.shape[2], q.shape[2], u, u * r)
+        times = degrees.kv_replication_for(
+            v.shape[2], q.shape[2], u, u * r, error=UlyssesHeadError,
+            subject=f"cannot split {v.shape[2]} GDN value heads / {q.shape[2]} key heads "
+            f"over ulysses={u}",
+        )  # fmt: skip
         documents = _documents(plan, v.shape[1] * u * r, packed)
         if r > 1 and dist.get_rank(plan.ring_group) != plan.ring_rank:
             raise LinearAttentionError(
@@ -189,7 +193,7 @@ def gated_deltanet_usp(
             "gated_deltanet_usp",
             fields,
             error,
-            (LinearAttentionError, HeadLayoutError, ShardingError, InputError),
+            (LinearAttentionError, UlyssesHeadError, HeadLayoutError, ShardingError, InputError),
         )
     if error is not None:
         raise error
