@@ -1,0 +1,48 @@
+"""Gated DeltaNet test helpers: global inputs and a one-process float64 reference built
+from parts that are not the code under test (``F.conv1d`` with zero padding per
+document, and the token-by-token recurrence, itself checked against transformers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from usp.linear.kernel import recurrent_gated_delta_rule
+
+
+def gdn_inputs(batch, seq_len, hk, heads, dk, dv, kernel, seed=0, dtype=torch.float64):
+    """q, k [B, S, Hk, dk], v [B, S, H, dv], g (<= 0), beta (0..1) [B, S, H], the conv
+    weights (wq, wk, wv) and an output gradient."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    q, k = randn(batch, seq_len, hk, dk), randn(batch, seq_len, hk, dk)
+    v = randn(batch, seq_len, heads, dv)
+    g = -torch.rand(batch, seq_len, heads, generator=gen, dtype=dtype)
+    beta = torch.rand(batch, seq_len, heads, generator=gen, dtype=dtype)
+    ws = [randn(c, kernel) * 0.5 for c in (hk * dk, hk * dk, heads * dv)]
+    dout = randn(batch, seq_len, heads, dv)
+    return [q, k, v, g, beta], ws, dout
+
+
+def reference_gdn(q, k, v, g, beta, ws, cu_seqlens=None, activation="silu", scale=None):
+    """Conv (when ``ws``) and recurrence per document, one process."""
+    seq_len = v.shape[1]
+    bounds = [0, seq_len] if cu_seqlens is None else [int(b) for b in cu_seqlens]
+    outs = []
+    for a, b in zip(bounds, bounds[1:]):
+        qd, kd, vd = q[:, a:b], k[:, a:b], v[:, a:b]
+        if ws is not None:
+            x = torch.cat([t.flatten(2) for t in (qd, kd, vd)], -1).transpose(1, 2)
+            w = torch.cat(ws, 0)
+            y = F.conv1d(x, w[:, None], padding=w.shape[1] - 1, groups=x.shape[1])[..., : b - a]
+            y = (F.silu(y) if activation == "silu" else y).transpose(1, 2)
+            parts = y.split([qd[0, 0].numel(), kd[0, 0].numel(), vd[0, 0].numel()], -1)
+            qd, kd, vd = (p.unflatten(-1, t.shape[2:]) for p, t in zip(parts, (qd, kd, vd)))
+        o, _ = recurrent_gated_delta_rule(
+            qd, kd, vd, g[:, a:b], beta[:, a:b], scale=scale, use_qk_l2norm=True
+        )
+        outs.append(o)
+    return torch.cat(outs, dim=1)

@@ -1,0 +1,13 @@
+"""Linear attention (Gated DeltaNet) under hybrid sequence parallelism.
+
+- :mod:`usp.linear.kernel`: the gated delta rule in torch (chunked, any dtype) and its
+  step-by-step reference;
+- :mod:`usp.linear.conv`: the causal depthwise short convolution on segments;
+- :mod:`usp.linear.ring`: segments of a rank's ring block and the ring scan of states;
+- :mod:`usp.linear.gdn`: :func:`gated_deltanet_usp`, the conv + recurrence under a Plan;
+- :mod:`usp.linear.module`: :class:`GatedDeltaNet`, transformers' Qwen3.5 GDN layer.
+"""
+
+from usp.linear.gdn import LinearAttentionError, gated_deltanet_usp
+
+__all__ = ["LinearAttentionError", "gated_deltanet_usp"]

@@ -1,0 +1,296 @@
+"""Gated DeltaNet under hybrid SP: Ulysses over heads x the ring's state pass.
+
+:func:`gated_deltanet_usp` takes a rank's sequence shard of the conv's inputs (or of
+q, k, v directly) and returns its shard of the recurrence's output, exact (forward and
+backward) against one process:
+
+1. Ulysses: one all-to-all trades sequence for heads ([B, S/P, H, D] -> [B, S/r, H/u, D])
+   for q, k, v, g and beta together. Value heads split over u; key heads too, repeated
+   ``lcm(Hk, u) / Hk`` times first when u does not divide them (as KV heads for GQA).
+2. The rank's ring block is cut into segments (one chunk of one document each, see
+   :mod:`usp.linear.ring`) and computed as a padded batch:
+   - the causal depthwise conv reads each segment's left context: the last
+     ``kernel - 1`` inputs before it in its document, from one all-gather of every
+     segment's tail over the ring (zeros at a document's start);
+   - the recurrence runs on every segment from the state [0 | I] (the value columns
+     extended by d_k identity columns): the first d_v output columns are the output from
+     a zero state, the others ``q~ = P^T q`` (P the transition from the segment's start),
+     and the final state holds the segment's affine map (B, M). One all-gather of the
+     maps over the ring; every rank composes them in chunk order into its segments'
+     start states S0, and adds ``q~ S0`` to the outputs.
+3. The inverse all-to-all returns [B, S/P, H, dv].
+
+No rank waits for another's recurrence: the ring costs two all-gathers whose size does
+not depend on S (per rank and direction, (r - 1) x segments x B x (the conv tails
+(kernel - 1) x channels/u + the maps H/u x dk x (dk + dv))), and d_k extra value columns
+in the kernel (about 2x its work for dk = dv), paid only when r > 1. The backward is
+autograd's: the all-gathers' backward is a reduce-scatter of the same size.
+
+Documents (``packed``) restart the conv and the state at every boundary. One process
+(``plan`` None or of one rank) runs the same code without communication.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from usp.comm.agreement import Field, agree, float_bits, stable_hash
+from usp.errors import InputError, ShardingError
+from usp.linear.kernel import (
+    compute_dtype,
+    from_padded,
+    gated_delta_rule_padded,
+    l2norm,
+    segment_rows,
+    to_padded,
+)
+from usp.linear.ring import Segments, conv_contexts, ring_all_gather, segment_tails, start_states
+from usp.packing import PackedSequence
+from usp.process_groups import HeadLayoutError, degrees
+from usp.ring.documents import Documents
+from usp.sharding import sequence_documents
+from usp.ulysses import UlyssesHeadError, to_head_sharded, to_sequence_sharded
+
+__all__ = ["LinearAttentionError", "gated_deltanet_usp"]
+
+ACTIVATIONS = (None, "silu")
+
+
+class LinearAttentionError(InputError):
+    """Inputs or options the Gated DeltaNet path cannot compute."""
+
+
+def _check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale):
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4:
+        raise LinearAttentionError(
+            f"q and k must be [B, S, Hk, dk] of one shape and v [B, S, H, dv]; got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if v.shape[:2] != q.shape[:2] or g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
+        raise LinearAttentionError(
+            f"g and beta must be [B, S, H] = {tuple(v.shape[:3])} and q, v share [B, S]; got "
+            f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, q {tuple(q.shape)}"
+        )
+    if v.shape[2] % q.shape[2]:
+        raise LinearAttentionError(
+            f"{v.shape[2]} value heads are not a multiple of {q.shape[2]} key heads"
+        )
+    if activation not in ACTIVATIONS:
+        raise LinearAttentionError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise LinearAttentionError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise LinearAttentionError(f"scale must be a number or None, got {scale!r}")
+    if conv_weights is not None:
+        expected = [q.shape[2] * q.shape[3], k.shape[2] * k.shape[3], v.shape[2] * v.shape[3]]
+        ws = list(conv_weights)
+        if len(ws) != 3 or any(w.dim() != 2 for w in ws):
+            raise LinearAttentionError("conv_weights must be (wq, wk, wv), each [channels, kernel]")
+        got = [w.shape[0] for w in ws]
+        kernels = {w.shape[1] for w in ws}
+        if got != expected or len(kernels) != 1:
+            raise LinearAttentionError(
+                f"conv_weights must be [channels, kernel] with channels {expected} and one "
+                f"kernel size; got {[tuple(w.shape) for w in ws]}"
+            )
+
+
+def _documents(plan, seq_len: int, packed) -> Documents:
+    if plan is None:
+        if isinstance(packed, PackedSequence):
+            packed = packed.cu_seqlens
+        return sequence_documents(seq_len, 1, 1, "contiguous", packed)
+    if isinstance(packed, PackedSequence) or packed is None:
+        packed = plan.packed_sequence(packed, seq_len=seq_len)
+        if packed is not None:
+            return packed.documents
+    return sequence_documents(seq_len, plan.ring_degree, plan.ulysses_degree, plan.layout, packed)
+
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fields(q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents):
+    """What the SP ranks must agree on before the first collective."""
+    kernel = -1 if conv_weights is None else conv_weights[0].shape[1]
+    dtype = _DTYPES.index(v.dtype) if v.dtype in _DTYPES else len(_DTYPES)
+    options = (ACTIVATIONS.index(activation) if activation in ACTIVATIONS else -1,
+               float_bits(-1.0 if scale is None else scale), int(use_qk_l2norm))  # fmt: skip
+    docs = 0 if documents is None else stable_hash(documents.lengths)
+    return [
+        Field("q shape", stable_hash(q.shape), _hashed),
+        Field("v shape", stable_hash(v.shape), _hashed),
+        Field("dtype", dtype, lambda i: str(_DTYPES[i]) if i < len(_DTYPES) else "other"),
+        Field("conv kernel", kernel),
+        Field("chunk_size", chunk_size if isinstance(chunk_size, int) else -1),
+        Field("activation, scale, use_qk_l2norm", stable_hash(options), _hashed),
+        Field("documents", docs, _hashed),
+    ]
+
+
+def _hashed(value: int) -> str:
+    return f"hash {value & 0xFFFFFFFF:08x}"
+
+
+def gated_deltanet_usp(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    plan=None,
+    *,
+    conv_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    activation: str | None = "silu",
+    packed=None,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """The Gated DeltaNet token mixer on this rank's sequence shard (exact under SP).
+
+    q, k [B, S/P, Hk, dk]; v [B, S/P, H, dv]; g (log decay) and beta [B, S/P, H], in the
+    plan's layout (:meth:`usp.Plan.shard`). With ``conv_weights`` = (wq [Hk*dk, K],
+    wk [Hk*dk, K], wv [H*dv, K]) q, k, v are the conv's inputs: each channel is convolved
+    causally (kernel K, no bias) and ``activation`` applied (transformers' Qwen3.5
+    channel order: channel h*dk + i is head h, dim i). Then q and k are l2-normalised
+    (``use_qk_l2norm``), q scaled by ``scale`` (default dk**-0.5), and the gated delta
+    rule run per value head (value head e reads key head e // (H / Hk)); its state
+    restarts at every document of ``packed`` (cu_seqlens or a PackedSequence of ``plan``).
+    Returns [B, S/P, H, dv] in v's dtype. ``plan``: a :class:`usp.Plan`, or None for one
+    process. ``chunk_size``: the kernel's chunk length (work, not results).
+
+    Raises :class:`LinearAttentionError` / ``UlyssesHeadError`` / ``ShardingError`` on
+    every SP rank, before any data moves, for what it cannot compute.
+    """
+    u = 1 if plan is None else plan.ulysses_degree
+    r = 1 if plan is None else plan.ring_degree
+    error, documents, times = None, None, 1
+    try:
+        _check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale)
+        times = degrees.kv_replication_for(
+            v.shape[2], q.shape[2], u, u * r, error=UlyssesHeadError,
+            subject=f"cannot split {v.shape[2]} GDN value heads / {q.shape[2]} key heads "
+            f"over ulysses={u}",
+        )  # fmt: skip
+        documents = _documents(plan, v.shape[1] * u * r, packed)
+        if r > 1 and dist.get_rank(plan.ring_group) != plan.ring_rank:
+            raise LinearAttentionError(
+                f"the ring group orders its ranks differently from the ring rank "
+                f"({dist.get_rank(plan.ring_group)} != {plan.ring_rank}); gated_deltanet_usp "
+                "reads the gathered chunks in ring-rank order"
+            )
+    except (InputError, HeadLayoutError) as err:
+        error = err
+    if plan is not None and plan.sp_degree > 1:
+        fields = _fields(
+            q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents
+        )
+        agree(
+            plan.sp_group,
+            "gated_deltanet_usp",
+            fields,
+            error,
+            (LinearAttentionError, UlyssesHeadError, HeadLayoutError, ShardingError, InputError),
+        )
+    if error is not None:
+        raise error
+
+    if times > 1:  # key heads repeated so that u ranks split them
+        q, k = (t.repeat_interleave(times, dim=2) for t in (q, k))
+    ws = None if conv_weights is None else _replicated_weights(conv_weights, q, k, times)
+    tensors = [q, k, v, g[..., None], beta[..., None]]
+    if u > 1:  # [B, S/P, h, D] -> [B, S/r, h/u, D]
+        tensors = to_head_sharded(tensors, plan.ulysses_group, plan.comm_stats)
+        if ws is not None:
+            ws = _rank_weights(ws, u, plan.ulysses_rank)
+    q, k, v_local, g, beta = tensors
+    ring = None if r == 1 else (plan.ring_group, plan.comm_stats)
+    ring_rank = 0 if plan is None else plan.ring_rank
+    out = _ring_block(
+        q, k, v_local, g[..., 0], beta[..., 0], documents, ring, ring_rank, ws, activation, scale,
+        use_qk_l2norm, chunk_size,
+    )  # fmt: skip
+    if u > 1:  # [B, S/r, H/u, dv] -> [B, S/P, H, dv]
+        out = to_sequence_sharded(out, plan.ulysses_group, plan.comm_stats)
+    return out
+
+
+def _replicated_weights(conv_weights, q, k, times):
+    wq, wk, wv = conv_weights
+    if times == 1:
+        return [wq, wk, wv]
+    heads = q.shape[2] // times
+    return [
+        w.reshape(heads, -1, w.shape[-1]).repeat_interleave(times, 0).reshape(-1, w.shape[-1])
+        for w in (wq, wk)
+    ] + [wv]
+
+
+def _rank_weights(ws, u, rank):
+    """The channels of this Ulysses rank's heads (rank j holds the j-th 1/u of the heads;
+    channels are head-major)."""
+    return [w[rank * (w.shape[0] // u) : (rank + 1) * (w.shape[0] // u)] for w in ws]
+
+
+def _conv(x_pad, weight, context, activation):
+    """Depthwise causal conv of segments [N, L, C] after their contexts [N, K-1, C]."""
+    full = torch.cat([context, x_pad], dim=1).transpose(1, 2)  # [N, C, K-1+L]
+    out = F.conv1d(full, weight.to(full.dtype)[:, None, :], groups=full.shape[1])
+    out = out.transpose(1, 2)  # [N, L, C]
+    return F.silu(out) if activation == "silu" else out
+
+
+def _ring_block(
+    q, k, v, g, beta, documents, ring, ring_rank, ws, activation, scale, use_qk_l2norm, chunk
+):
+    """The conv and the recurrence on a rank's ring block [B, S/r, h, D] (head-local)."""
+    batch, _, hk, dk = q.shape
+    heads, dv = v.shape[2:]
+    segments = Segments(documents, ring_rank)
+    chained = documents.chunks_per_doc > 1  # a document's chunks follow one another
+
+    def gather(x):  # [..] -> [r, ..]: every ring rank's (zigzag with r = 1: this rank's)
+        return x[None] if ring is None else ring_all_gather(x, *ring)
+
+    rows, valid, _ = segment_rows(segments.bounds)
+    dtype = compute_dtype(v.dtype)
+    mask = valid.repeat(batch, 1).to(v.device)[..., None, None]  # [B*N, L, 1, 1]
+    if ws is not None:
+        x = torch.cat([t.flatten(2) for t in (q, k, v)], dim=-1).to(dtype)  # [B, S/r, C]
+        x_pad = to_padded(x, rows, valid)  # [B*N, L, C]
+        width = ws[0].shape[1] - 1
+        if not chained or width == 0:
+            context = x_pad.new_zeros(x_pad.shape[0], width, x_pad.shape[2])
+        else:
+            tails = segment_tails(x_pad, segments, batch, width)  # [B, N, K-1, C]
+            every = gather(tails)  # [r, B, N, K-1, C]
+            context = conv_contexts(every, segments, width).flatten(0, 1)
+        y = _conv(x_pad, torch.cat(ws, 0), context, activation)
+        qp, kp, vp = y.split([hk * dk, hk * dk, heads * dv], dim=-1)
+        qp, kp = (t.unflatten(-1, (hk, dk)) for t in (qp, kp))
+        vp = vp.unflatten(-1, (heads, dv))
+    else:
+        qp, kp, vp = (to_padded(t.to(dtype), rows, valid) for t in (q, k, v))
+    gp, bp = (to_padded(t.to(dtype), rows, valid) for t in (g, beta))
+    qp, kp = (t.repeat_interleave(heads // hk, dim=2) for t in (qp, kp))
+    if use_qk_l2norm:
+        qp, kp = l2norm(qp), l2norm(kp)
+    qp = qp * (dk**-0.5 if scale is None else scale)
+    qp, kp, vp = (t * mask for t in (qp, kp, vp))  # the conv wrote past the segments' ends
+
+    if not chained:
+        o, _ = gated_delta_rule_padded(qp, kp, vp, gp, bp, chunk_size=chunk)
+    else:
+        n = qp.shape[0]
+        eye = torch.eye(dk, dtype=dtype, device=v.device).expand(n, heads, dk, dk)
+        start = torch.cat([eye.new_zeros(n, heads, dk, dv), eye], dim=-1)  # [0 | I]
+        vp = torch.cat([vp, vp.new_zeros(*vp.shape[:3], dk)], dim=-1)
+        o, maps = gated_delta_rule_padded(qp, kp, vp, gp, bp, initial_state=start, chunk_size=chunk)
+        maps = maps.reshape(batch, segments.count, *maps.shape[1:])
+        every = gather(maps)  # [r, B, N, h, dk, dv + dk]
+        s0 = start_states(every, segments, dv).flatten(0, 1)  # [B*N, h, dk, dv]
+        o = o[..., :dv] + torch.einsum("nlhk,nhkv->nlhv", o[..., dv:], s0)
+    return from_padded(o, valid, batch).to(v.dtype)

@@ -1,0 +1,155 @@
+"""The ring part of a linear-attention layer: a rank's ring block as segments, and the
+exchanges that make every segment start where the previous chunk of its document ended.
+
+After the Ulysses all-to-all a rank holds its ring rank's whole block (see
+:mod:`usp.ring.documents`): ``pieces`` pieces (2 for zigzag, 1 for contiguous), each
+holding one chunk of every document. A *segment* is one (piece, document) pair: the
+tokens of one chunk of one document. Its global chunk index is
+``documents.chunk_of(ring_rank, piece)``; chunk c of every document lives on ring rank
+``owner(c)`` in piece ``piece(c)``.
+
+Two things pass between the chunks of a document, both by one all-gather over the ring
+(so every rank sees every chunk's summary at once and no rank waits for another's
+compute):
+
+- the conv's context: each segment's last ``kernel - 1`` inputs (:func:`conv_contexts`
+  builds each segment's left context from the earlier chunks' tails);
+- the state: each segment computed from a zero state gives its affine map
+  ``S_end = M S_start + B`` (M [d_k, d_k], B [d_k, d_v]); :func:`start_states` composes
+  them in chunk order into each segment's start state (a prefix scan, on every rank).
+
+The backward of an all-gather is a reduce-scatter (:class:`RingAllGather`), so
+gradients flow back to the chunks the tails and states came from, exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from usp.comm.collectives import all_gather_into, reduce_scatter_into
+from usp.comm.stats import CommStats
+from usp.ring.documents import Documents
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Rank ``ring_rank``'s block as segments, in block order (piece-major)."""
+
+    documents: Documents
+    ring_rank: int
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.documents.lengths)
+
+    @property
+    def count(self) -> int:
+        return self.documents.pieces * self.num_docs
+
+    @property
+    def bounds(self) -> list[int]:
+        """Cumulative boundaries of the segments inside the block ([0, ..., local_len])."""
+        docs = self.documents
+        out = [0]
+        for piece in range(docs.pieces):
+            base = piece * docs.piece_len
+            out.extend(base + b for b in docs.piece_bounds[1:])
+        return out
+
+    def chunk_length(self, doc: int) -> int:
+        return self.documents.lengths[doc] // self.documents.chunks_per_doc
+
+    def chunk(self, segment: int) -> int:
+        """The global chunk index (inside its document) of local segment ``segment``."""
+        return self.documents.chunk_of(self.ring_rank, segment // self.num_docs)
+
+    def doc(self, segment: int) -> int:
+        return segment % self.num_docs
+
+    def source(self, chunk: int, doc: int) -> tuple[int, int]:
+        """(ring rank, its local segment index) holding chunk ``chunk`` of ``doc``."""
+        r = self.documents.ring_size
+        if chunk < r:
+            return chunk, doc
+        return 2 * r - 1 - chunk, self.num_docs + doc
+
+
+class RingAllGather(torch.autograd.Function):
+    """[..] on every ring rank -> [r, ..] (ring-rank order); backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, stats: CommStats | None):
+        ctx.group, ctx.stats = group, stats
+        size = dist.get_world_size(group)
+        out = x.new_empty(size, *x.shape)
+        all_gather_into(out.view(size * x.shape[0], *x.shape[1:]), x.contiguous(), group, stats)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        size = grad.shape[0]
+        out = grad.new_empty(grad.shape[1:])
+        full = grad.contiguous().view(size * grad.shape[1], *grad.shape[2:])
+        reduce_scatter_into(out, full, ctx.group, ctx.stats)
+        return out, None, None
+
+
+def ring_all_gather(x: torch.Tensor, group, stats: CommStats | None) -> torch.Tensor:
+    return RingAllGather.apply(x, group, stats)
+
+
+def segment_tails(x_padded: torch.Tensor, segments: Segments, batch: int, width: int):
+    """The last ``width`` inputs of every segment ([B * N, L, C] -> [B, N, width, C]),
+    left-padded with zeros when a segment is shorter."""
+    rows = []
+    length = x_padded.shape[1]
+    for segment in range(segments.count):
+        n = segments.chunk_length(segments.doc(segment))
+        idx = torch.arange(n - width, n)
+        rows.append(torch.where(idx >= 0, idx, length))  # `length`: a zero row
+    index = torch.stack(rows).to(x_padded.device)  # [N, width]
+    x = x_padded.reshape(batch, segments.count, length, -1)
+    x = torch.cat([x, x.new_zeros(batch, segments.count, 1, x.shape[-1])], dim=2)
+    return torch.stack([x[:, s, index[s]] for s in range(segments.count)], dim=1)
+
+
+def conv_contexts(tails: torch.Tensor, segments: Segments, width: int) -> torch.Tensor:
+    """Each local segment's left context: the last ``width`` inputs of its document
+    before it (zeros before the document's start). ``tails`` [r, B, N, width, C] (every
+    ring rank's :func:`segment_tails`) -> [B, N, width, C]."""
+    # zeros that depend on ``tails``: every rank's gathered tensor is in its graph, so every
+    # rank enters the backward's reduce-scatter (a rank of first chunks reads no tail)
+    zeros = tails[0, :, 0] * 0
+    out = []
+    for segment in range(segments.count):
+        doc, chunk = segments.doc(segment), segments.chunk(segment)
+        real = min(width, segments.chunk_length(doc))
+        parts = [zeros]
+        for c in range(max(0, chunk - -(-width // real)), chunk):  # the chunks it reaches
+            rank, index = segments.source(c, doc)
+            parts.append(tails[rank, :, index, width - real :])
+        out.append(torch.cat(parts, dim=1)[:, -width:])
+    return torch.stack(out, dim=1)
+
+
+def start_states(pairs: torch.Tensor, segments: Segments, dv: int) -> torch.Tensor:
+    """Each local segment's start state from every segment's affine map.
+
+    ``pairs`` [r, B, N, H, dk, dv + dk]: segment maps computed from the state [0 | I]
+    (columns :dv are B, the rest M: S_end = M S_start + B). Returns [B, N, H, dk, dv]."""
+    docs = segments.num_docs
+    chunks = segments.documents.chunks_per_doc
+    needed = max(segments.chunk(s) for s in range(segments.count))
+    state = pairs[0, :, :docs, ..., :dv] * 0  # in the graph on every rank (see above)
+    before = [state]  # before[c]: every document's state at the start of chunk c
+    for c in range(min(needed, chunks)):
+        sources = [segments.source(c, d) for d in range(docs)]
+        pair = torch.stack([pairs[rank, :, index] for rank, index in sources], dim=1)
+        state = pair[..., dv:] @ state + pair[..., :dv]
+        before.append(state)
+    return torch.stack(
+        [before[segments.chunk(s)][:, segments.doc(s)] for s in range(segments.count)], dim=1
+    )
