@@ -53,6 +53,18 @@ FAMILY_CASES = {
     # per-head q/k norms; head_dim 8 != hidden / heads = 4; biases on all four projections
     "qwen3": ("Qwen3Config", {"attention_bias": True}),
     "mistral": ("MistralConfig", {"sliding_window": 4096}),  # a window longer than any sequence
+    # 4 experts, top 2 renormalised; layer 0 dense (mlp_only_layers), layer 1 sparse
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "attention_bias": True,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
 }
 
 
@@ -116,18 +128,35 @@ def _rms_norm_float64(self, x):
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
+def _router_float64(self, hidden_states):
+    """HF's MoE routers take the softmax in float32 even for float64 inputs; the float64
+    reference takes it in float64 (same formula as Qwen3MoeTopKRouter.forward)."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    router_probs = torch.softmax(router_logits, dim=-1)
+    top_value, indices = torch.topk(router_probs, self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+    return router_logits, top_value, indices
+
+
 def load_hf_reference(directory: Path, dtype=torch.float64, attn_implementation="sdpa"):
     """transformers' own model from ``directory`` (any family): float64, SDPA attention
-    (float64 all through; eager's softmax is float32), RMSNorm in float64."""
+    (float64 all through; eager's softmax is float32), RMSNorm in float64; MoE experts
+    by transformers' loop ("eager": its grouped GEMM has no float64) and the router's
+    softmax in float64."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, dtype=dtype, attn_implementation=attn_implementation
-    )
+        directory, dtype=dtype, attn_implementation=attn_implementation,
+        experts_implementation="eager",
+    )  # fmt: skip
     if dtype == torch.float64:
         for module in model.modules():
             if type(module).__name__.endswith("RMSNorm"):
                 module.forward = types.MethodType(_rms_norm_float64, module)
+            elif type(module).__name__.endswith("TopKRouter"):
+                module.forward = types.MethodType(_router_float64, module)
     return model
 
 

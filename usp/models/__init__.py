@@ -1,4 +1,4 @@
-"""Models under USP: decoder-only model families (Llama, Qwen2/2.5, Qwen3, Mistral) built
+"""Models under USP: decoder-only model families (Llama, Qwen2/2.5, Qwen3, Mistral, Qwen3-MoE) built
 natively, HF checkpoints, HF transformers' attention plug-in (:mod:`usp.models.hf`), the
 SP-correct loss, the memory levers and LoRA adapters (:mod:`usp.models.lora`).
 
@@ -47,6 +47,7 @@ from usp.models.loss import (
 from usp.models.mistral import Mistral, MistralConfig
 from usp.models.qwen2 import Qwen2, Qwen2Config
 from usp.models.qwen3 import Qwen3, Qwen3Config
+from usp.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 
 
 def from_pretrained(path: str | Path, plan=None, **kwargs) -> CausalLM:
@@ -80,6 +81,8 @@ __all__ = [
     "Qwen2Config",
     "Qwen3",
     "Qwen3Config",
+    "Qwen3Moe",
+    "Qwen3MoeConfig",
     "ShardedBatch",
     "apply_lora",
     "config_from_file",

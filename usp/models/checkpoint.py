@@ -15,6 +15,7 @@ import torch
 
 from usp.errors import CheckpointError  # noqa: F401 - re-exported here
 from usp.models.config import DecoderConfig, ModelConfigError
+from usp.models.moe import expert_key, join_expert_tensors, split_expert_tensors
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -113,9 +114,19 @@ def load_pretrained(cls, path, topology=None, *, dtype=None, device=None, config
         model = cls(config, topology, **kwargs)
     expected = dict(model.named_parameters())
     state, unexpected, wrong_shape = {}, [], []
+    experts: dict = {}  # per-expert tensors of grouped parameters (usp.models.moe)
     for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as reader:
             for key in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                grouped = expert_key(key) if key not in expected else None
+                if grouped is not None and grouped[0] in expected:
+                    name, expert, projection = grouped
+                    piece = reader.get_tensor(key)
+                    dtype = dtype or piece.dtype
+                    experts.setdefault(name, {}).setdefault(expert, {})[projection] = piece.to(
+                        dtype
+                    )
+                    continue
                 if key not in expected:
                     unexpected.append(key)
                     continue
@@ -127,6 +138,9 @@ def load_pretrained(cls, path, topology=None, *, dtype=None, device=None, config
                     continue
                 dtype = dtype or tensor.dtype  # no dtype asked or in config: the first tensor's
                 state[key] = tensor.to(dtype)
+    joined, misshapen = join_expert_tensors(experts, expected)
+    state.update(joined)
+    wrong_shape.extend(misshapen)
     unexpected = [
         k
         for k in unexpected
@@ -172,7 +186,8 @@ def save_pretrained(model, path) -> Path:
                 f"parameter {name} is {where}; save_pretrained needs full local tensors "
                 "(gather a sharded model's state dict first)"
             )
-        state[name] = param.detach().to("cpu").contiguous()
+        # grouped expert weights go out as transformers reads them: one tensor per expert
+        state.update(split_expert_tensors(name, param.detach().to("cpu").contiguous()))
     dtypes = {t.dtype for t in state.values()}
     dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else None
     directory.mkdir(parents=True, exist_ok=True)

@@ -139,6 +139,11 @@ class DecoderConfig:
     def replace(self, **changes) -> DecoderConfig:
         return dataclasses.replace(self, **changes)
 
+    def layer_variants(self) -> list[tuple[DecoderConfig, int]]:
+        """``(one-layer config, how many layers are like it)`` for each kind of decoder
+        layer (parameter and FLOP counts build one layer of each kind)."""
+        return [(self.replace(num_hidden_layers=1), self.num_hidden_layers)]
+
     def shape(self) -> dict[str, Any]:
         """What decides the parameters' shapes (checkpoints record and compare it)."""
         names = (

@@ -18,7 +18,9 @@ from usp.models.family import decoder_layers, family_of
 
 @dataclass(frozen=True)
 class ModelCounts:
-    """Parameter counts of a config (elements, not bytes) and what its FLOPs need."""
+    """Parameter counts of a config (elements, not bytes) and what its FLOPs need. Layers
+    that differ (dense and mixture-of-experts layers) are counted each as it is; the
+    per-layer fields are then means over the layers."""
 
     per_layer: int  # one decoder layer's parameters
     other: int  # embeddings, the final norm and an untied output projection
@@ -27,10 +29,18 @@ class ModelCounts:
     layers: int
     heads: int  # query heads
     head_dim: int
+    experts: int = 0  # every expert's parameters, all layers (mixture-of-experts models)
+    routed: int = 0  # the parameters of the experts one token is routed to, all layers
 
     @property
     def total(self) -> int:
         return self.layers * self.per_layer + self.other
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: :attr:`total` less the experts it is not routed to
+        (equal to :attr:`total` for a dense model)."""
+        return self.total - self.experts + self.routed
 
     @property
     def matmul(self) -> int:
@@ -55,21 +65,37 @@ class ModelCounts:
 
 
 def model_counts(config) -> ModelCounts:
-    """The counts of ``config``'s family's model (one layer built on the meta device)."""
-    with torch.device("meta"):
-        model = family_of(config).build(config.replace(num_hidden_layers=1))
-    layer = decoder_layers(model)[0]
-    per_layer = sum(p.numel() for p in layer.parameters())
-    layer_matmul = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
-    total = sum(p.numel() for p in model.parameters())
+    """The counts of ``config``'s family's model: one layer of each kind
+    (``config.layer_variants()``) built on the meta device."""
+    family = family_of(config)
+    per_layer = matmul = experts = routed = other = 0
+    for variant, repeats in config.layer_variants():
+        with torch.device("meta"):
+            model = family.build(variant)
+        layer = decoder_layers(model)[0]
+        per_layer += repeats * sum(p.numel() for p in layer.parameters())
+        for module in layer.modules():
+            if isinstance(module, nn.Linear):
+                matmul += repeats * module.weight.numel()
+            elif hasattr(module, "matmul_parameters"):  # a router, grouped experts
+                matmul += repeats * module.matmul_parameters()
+            if hasattr(module, "top_k") and hasattr(module, "gate_up_proj"):  # experts
+                experts += repeats * sum(p.numel() for p in module.parameters())
+                routed += repeats * module.matmul_parameters()
+        other = sum(p.numel() for p in model.parameters()) - sum(
+            p.numel() for p in layer.parameters()
+        )
+    layers = config.num_hidden_layers
     return ModelCounts(
-        per_layer=per_layer,
-        other=total - per_layer,
-        layer_matmul=layer_matmul,
+        per_layer=per_layer // layers,
+        other=other + per_layer % layers,  # the total stays exact
+        layer_matmul=round(matmul / layers),
         head_matmul=config.hidden_size * config.vocab_size,
-        layers=config.num_hidden_layers,
+        layers=layers,
         heads=config.num_attention_heads,
         head_dim=config.attention_head_dim,
+        experts=experts,
+        routed=routed,
     )
 
 

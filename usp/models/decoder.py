@@ -25,6 +25,7 @@ from torch import nn
 from usp.models.config import DecoderConfig
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, sp_cross_entropy
+from usp.models.moe import collect_router_stats, sp_router_aux_loss
 from usp.models.norm import rms_norm
 from usp.models.plans import check_heads, pack_once
 from usp.models.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
@@ -117,12 +118,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, plan, attention_class: type[Attention]):
+    def __init__(
+        self, config: DecoderConfig, plan, attention_class: type[Attention], mlp: nn.Module
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = attention_class(config, plan)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = mlp
 
     def forward(self, x, cos, sin, packed=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, packed)
@@ -132,13 +135,17 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """Embeddings, decoder layers and the final norm (HF's ``model.`` prefix)."""
 
-    def __init__(self, config: DecoderConfig, plan, attention_class: type[Attention]):
+    def __init__(
+        self, config: DecoderConfig, plan, attention_class: type[Attention], make_mlp=None
+    ):
         super().__init__()
         self.config = config
         self.plan = plan
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        make_mlp = make_mlp or (lambda config, index: MLP(config))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, plan, attention_class) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, plan, attention_class, make_mlp(config, index))
+            for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -189,6 +196,11 @@ class CausalLM(nn.Module):
     #: the family's named shapes (``from_config("name")``)
     presets: ClassVar[dict[str, DecoderConfig]] = {}
 
+    @staticmethod
+    def make_mlp(config: DecoderConfig, index: int) -> nn.Module:
+        """Layer ``index``'s MLP (a family with other MLPs, e.g. experts, overrides it)."""
+        return MLP(config)
+
     def __init__(self, config: DecoderConfig, plan=None, **attention_options):
         super().__init__()
         if not isinstance(config, self.config_class):
@@ -200,7 +212,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.plan = as_plan(plan, **attention_options)
         check_heads(self.plan, config.num_attention_heads, config.num_key_value_heads)
-        self.model = DecoderStack(config, self.plan, self.attention_class)
+        self.model = DecoderStack(config, self.plan, self.attention_class, self.make_mlp)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -268,6 +280,8 @@ class CausalLM(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            elif hasattr(module, "init_weights") and module is not self:
+                module.init_weights(std, generator)  # e.g. grouped expert weights, a router
 
     # ------------------------------------------------------------------ structure
     @property
@@ -292,10 +306,13 @@ class CausalLM(nn.Module):
         ignore_index: int = IGNORE_INDEX,
     ) -> torch.Tensor:
         _check_tokens(input_ids, labels, position_ids)
-        hidden = self.hidden_states(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens)
+        # MoE families with output_router_logits: the load-balancing term joins the loss
+        with_aux = labels is not None and bool(getattr(self.config, "output_router_logits", 0))
+        with collect_router_stats(with_aux) as stats:
+            hidden = self.hidden_states(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens)
         if labels is None:
             return F.linear(hidden, self.output_weight)  # [B, S/P, V]
-        return sp_cross_entropy(
+        loss = sp_cross_entropy(
             hidden,
             self.output_weight,
             labels,
@@ -304,6 +321,10 @@ class CausalLM(nn.Module):
             chunk_tokens=self.loss_chunk_tokens,
             num_items_in_batch=num_items_in_batch,
         )
+        if stats is not None and stats.probabilities:  # as transformers: CE + coef * aux
+            aux = sp_router_aux_loss(stats, self.config.num_experts, self.plan.sp_group)
+            loss = loss + self.config.router_aux_loss_coef * aux.to(loss.dtype)
+        return loss
 
     def hidden_states(
         self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None, cu_seqlens=None

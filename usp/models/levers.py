@@ -16,7 +16,9 @@ planner's search space is this class's values (:mod:`usp.planner.search`).
   each recomputed in backward (:mod:`usp.models.mlp_tiles`), so only one tile's
   ``[N, intermediate]`` activations exist. Needs ``gate_proj``/``up_proj``/``down_proj``
   without bias and SiLU (every family here; an HF MLP that differs is refused); LoRA
-  adapters on them (:mod:`usp.models.lora`) are computed per tile too.
+  adapters on them (:mod:`usp.models.lora`) are computed per tile too. A
+  mixture-of-experts MLP (:mod:`usp.models.moe`) is left untiled: the dense layers of
+  such a model are tiled, its experts not.
 * ``attention_head_chunks``: 1 (off) or N dividing the KV heads each rank's ring attends
   to (Hkv after KV replication, / ulysses): the ring runs once per group of those
   heads, so its float32 accumulators and K/V buffers exist for one group at a time
@@ -52,6 +54,7 @@ from usp.models.hf_mixers import check_model
 from usp.models.lora import low_rank
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, check_chunk_tokens
 from usp.models.mlp_tiles import tiled_swiglu
+from usp.models.moe import is_moe
 from usp.models.offload import HostOffloader, check_activation_checkpointing
 from usp.models.plans import ring_kv_heads
 
@@ -144,7 +147,9 @@ class Levers:
                 )
         if self.mlp_tile_tokens:
             for index, layer in enumerate(decoder_layers(model)):
-                _swiglu_weights(_mlp_of(layer, index))
+                mlp = _mlp_of(layer, index)
+                if not is_moe(mlp):  # experts run untiled (below)
+                    _swiglu_weights(mlp)
         if plan is not None and not isinstance(model, CausalLM):
             check_model(model, plan)  # an HF model under SP: token mixers outside attention
 
@@ -160,7 +165,10 @@ class Levers:
         for index, layer in enumerate(decoder_layers(model)):
             _wrap(layer, _Checkpointed, self.activation_checkpointing, offloader)
             if self.mlp_tile_tokens or hasattr(layer, "mlp"):
-                _wrap(_mlp_of(layer, index), _TiledMLP, self.mlp_tile_tokens)
+                mlp = _mlp_of(layer, index)
+                # a mixture-of-experts MLP is not tiled: its experts' buffers hold the
+                # routed rows ([B*S/P*k, .]), which tiles of tokens would not bound
+                _wrap(mlp, _TiledMLP, 0 if is_moe(mlp) else self.mlp_tile_tokens)
             attention = getattr(layer, "self_attn", None)  # hybrid models: some layers lack one
             if attention is not None:
                 attention.head_chunks = self.attention_head_chunks

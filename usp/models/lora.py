@@ -34,6 +34,10 @@ is frozen (``requires_grad = False``): it gets no gradient and no optimizer stat
   the tiled MLP (``mlp_tile_tokens``) computes the MLP's adapters per tile in its own
   backward (:class:`usp.models.mlp_tiles.LowRank`, via :func:`low_rank`).
 
+Mixture-of-experts models (:mod:`usp.models.moe`): the attention projections (and the
+dense MLPs of ``mlp_only_layers``, named like the experts' projections) take adapters;
+targets naming the experts' projections are refused (:data:`EXPERT_TARGETS`).
+
 Export (:mod:`usp.models.lora_export`): a PEFT adapter directory and merged weights.
 """
 
@@ -50,10 +54,13 @@ from usp.errors import InputError, ModelConfigError
 from usp.models.family import decoder_layers, family_of
 from usp.models.lora_dropout import apply_mask, keep_mask, module_salt
 from usp.models.mlp_tiles import LowRank
+from usp.models.moe import has_experts
 
 #: the default targets: every projection of the decoder layers (attention and MLP), as
 #: QLoRA found best and as the usp issue proposed; HF's module names
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: targets that would name a mixture-of-experts model's experts (refused there)
+EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "experts", "gate")
 #: the adapter parameters' names on a target Linear
 ADAPTER_NAMES = ("lora_A", "lora_B")
 
@@ -178,6 +185,14 @@ def apply_lora(model: nn.Module, lora: Lora, *, seed: int = 0) -> nn.Module:
         ) from None
     if lora_of(model) is not None:
         raise LoraError("this model already has LoRA adapters")
+    on_experts = [t for t in lora.targets if t in EXPERT_TARGETS]
+    if on_experts and has_experts(model):
+        raise LoraError(
+            f"targets {list(on_experts)} name MLP projections, which are experts (grouped "
+            f"weights, not Linear modules) in this mixture-of-experts "
+            f"{type(model).__name__}: LoRA adapters on experts are not supported; use "
+            'targets = ["q_proj", "k_proj", "v_proj", "o_proj"]'
+        )
     modules = adapted_modules(model, lora.targets)
     for param in model.parameters():
         param.requires_grad_(False)

@@ -1,0 +1,352 @@
+"""The mixture-of-experts block (usp.models.moe) and the Qwen3-MoE family beyond what
+test_families.py checks for every family (float64 logits, loss and gradients against
+transformers with the aux loss off, 4 gloo ranks, export).
+
+Checked here: grouped experts (sorted segments, and torch's grouped GEMM in float32)
+against the per-expert loop, forward and backward, with experts that get no token; the
+load-balancing loss against transformers' own ``aux_loss`` (which it takes in float32) and
+against a float64 closed form of the same formula over transformers' router logits; the
+training loss with the aux term (``output_router_logits``) and every gradient against
+transformers in float64, one process and u2 x r2 / u1 x r4 on 4 gloo ranks (packed
+documents, activation checkpointing), the loss the same on every rank; transformers'
+layer rule (``decoder_sparse_step``, ``mlp_only_layers``); total vs active parameters;
+refusals (configs, checkpoints missing an expert, LoRA on experts).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from model_cases import (
+    FAMILY_CASES,
+    IGNORE,
+    TINY,
+    cu_of,
+    global_batch,
+    grad_errors,
+    load_hf_reference,
+    relative_error,
+    sft_labels,
+    write_family_checkpoint,
+)
+from usp_cases import topology
+
+transformers = pytest.importorskip("transformers", reason="the reference is HF transformers")
+pytest.importorskip("safetensors", reason="checkpoints are safetensors files")
+
+import usp  # noqa: E402
+from usp.models import (  # noqa: E402
+    CheckpointError,
+    Levers,
+    Lora,
+    LoraError,
+    ModelConfigError,
+    Qwen3Moe,
+    Qwen3MoeConfig,
+    apply_lora,
+    config_from_hf,
+    model_counts,
+    preset,
+)
+from usp.models.moe import (  # noqa: E402
+    Experts,
+    Router,
+    collect_router_stats,
+    experts_loop,
+    grouped_gemm_available,
+    sp_router_aux_loss,
+)
+
+COEF = 0.5  # large, so that the aux term moves the gradients visibly
+MOE = {**TINY, **FAMILY_CASES["qwen3_moe"][1]}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The tiny Qwen3-MoE written by transformers, with the aux loss on (coefficient 0.5)
+    and 3 layers: 0 dense (mlp_only_layers), 1 and 2 sparse."""
+    root = tmp_path_factory.mktemp("moe")
+    return write_family_checkpoint(
+        root / "qwen3_moe",
+        "qwen3_moe",
+        seed=11,
+        num_hidden_layers=3,
+        output_router_logits=True,
+        router_aux_loss_coef=COEF,
+    )
+
+
+# ---------------------------------------------------------------------- the experts
+def _experts(num_experts=6, hidden=12, inner=8, top_k=3, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    experts = Experts(num_experts, hidden, inner, top_k).to(dtype)
+    experts.init_weights(0.3)
+    return experts
+
+
+def _routing(tokens, num_experts, top_k, *, skip=(), seed=1, dtype=torch.float64):
+    """Random top-k routing that never picks the experts in ``skip``."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, num_experts, generator=gen, dtype=torch.float64)
+    scores[:, list(skip)] = -1
+    weights, experts = scores.topk(top_k, dim=-1)
+    return experts, weights.to(dtype)
+
+
+@pytest.mark.parametrize("grouped", [False, None])
+def test_grouped_experts_equal_the_loop(grouped):
+    """Sorted segments (float64, and forced with grouped_gemm=False in float32) and
+    torch's grouped GEMM (float32 where torch has one) against the per-expert loop:
+    outputs and the gradients of input, routing weights and both grouped weights; experts
+    2 and 4 get no token."""
+    dtype = torch.float64 if grouped is False else torch.float32
+    for dt in {dtype, torch.float32}:
+        experts = _experts(dtype=dt)
+        experts.grouped_gemm = grouped
+        x = torch.randn(10, 12, dtype=dt, requires_grad=True)
+        idx, weights = _routing(10, 6, 3, skip=(2, 4), dtype=dt)
+        weights.requires_grad_(True)
+        ours = experts(x, idx, weights)
+        ref_params = [p.detach().clone().requires_grad_(True) for p in experts.parameters()]
+        x_ref = x.detach().clone().requires_grad_(True)
+        w_ref = weights.detach().clone().requires_grad_(True)
+        ref = experts_loop(x_ref, idx, w_ref, *ref_params)
+        probe = torch.randn_like(ref)
+        (ours * probe).sum().backward()
+        (ref * probe).sum().backward()
+        tol = 1e-13 if dt == torch.float64 else 2e-6
+        assert relative_error(ours, ref) <= tol
+        assert relative_error(x.grad, x_ref.grad) <= tol
+        assert relative_error(weights.grad, w_ref.grad) <= tol
+        for p, r in zip(experts.parameters(), ref_params):
+            assert relative_error(p.grad, r.grad) <= tol
+        assert experts.gate_up_proj.grad[[2, 4]].abs().max() == 0  # untouched experts
+    assert grouped_gemm_available(torch.float64, torch.device("cpu")) is False
+
+
+def test_router_top_k_and_renormalisation():
+    """Softmax in float32 for a bf16 input (its weights cast back to bf16); the top-k
+    weights renormalised to sum to 1 only with norm_topk_prob."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 12)
+    for norm in (False, True):
+        router = Router(12, 5, 2, norm)
+        router.init_weights(0.5)
+        probs, weights, experts = router(x)
+        expected = torch.softmax(x @ router.weight.T, dim=-1)
+        assert torch.allclose(probs, expected, atol=1e-7)
+        top = expected.gather(1, experts)
+        assert torch.equal(experts, expected.topk(2, dim=-1).indices)
+        assert torch.allclose(weights, top / top.sum(-1, keepdim=True) if norm else top)
+        probs16, weights16, _ = router.to(torch.bfloat16)(x.bfloat16())
+        assert probs16.dtype == torch.float32 and weights16.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------- the aux loss
+def _closed_form_aux(router_logits, num_experts, top_k):
+    """Switch Transformer's loss as transformers writes it (no attention mask), in
+    float64: E * sum_e (share of top-k assignments) * (mean router probability)."""
+    logits = torch.cat(router_logits)  # [layers * tokens, E]
+    probs = torch.softmax(logits, dim=-1)
+    chosen = probs.topk(top_k, dim=-1).indices
+    assigned = F.one_hot(chosen, num_experts).sum(1).double()  # [rows, E]
+    return num_experts * (assigned.mean(0) * probs.mean(0)).sum()
+
+
+def _reference(ckpt, ids, labels, cu=None):
+    """transformers in float64 (router softmax in float64), document by document: logits,
+    CE mean + COEF * closed-form aux, every gradient; and transformers' own float32
+    aux_loss of the unpacked row."""
+    model = load_hf_reference(ckpt)
+    bounds = [0, ids.shape[1]] if cu is None else cu.tolist()
+    logits, router = [], []
+    for a, b in zip(bounds, bounds[1:]):
+        out = model(ids[:, a:b], use_cache=False, output_router_logits=True)
+        logits.append(out.logits)
+        router.extend(out.router_logits)
+    logits = torch.cat(logits, dim=1)
+    ce = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE
+    )
+    aux = _closed_form_aux(router, MOE["num_experts"], MOE["num_experts_per_tok"])
+    (ce + COEF * aux).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    hf_aux = None
+    if cu is None:
+        with torch.no_grad():
+            hf_aux = model(ids, use_cache=False, output_router_logits=True).aux_loss.item()
+    return {"loss": (ce + COEF * aux).item(), "aux": aux.item(), "hf_aux": hf_aux, "grads": grads}
+
+
+def test_aux_loss_one_process_matches_transformers(checkpoint):
+    """Dense rows (2 x 20) and a packed row; the aux statistics over every token of the
+    batch and both sparse layers. transformers' own aux_loss agrees to its float32."""
+    model = usp.models.from_pretrained(checkpoint, dtype=torch.float64, backend="math")
+    assert model.config.output_router_logits and model.config.router_aux_loss_coef == COEF
+    dense = global_batch(2, 20, seed=31)
+    packed, cu = global_batch(1, 24, seed=32), cu_of([9, 15])
+    for ids, labels, cu_seqlens in (
+        (dense, sft_labels(dense, [3]), None),
+        (packed, sft_labels(packed, [2, 4], cu), cu),
+    ):
+        expected = _reference(checkpoint, ids, labels, cu_seqlens)
+        model.zero_grad()
+        with collect_router_stats() as stats:
+            model.hidden_states(ids, cu_seqlens=cu_seqlens)
+        aux = sp_router_aux_loss(stats, MOE["num_experts"])
+        assert stats.rows == 2 * ids.numel()  # two sparse layers
+        assert abs(aux.item() - expected["aux"]) <= 1e-12 * expected["aux"]
+        if expected["hf_aux"] is not None:
+            assert abs(aux.item() - expected["hf_aux"]) <= 1e-6 * expected["hf_aux"]
+        loss = model(ids, labels=labels, cu_seqlens=cu_seqlens)
+        loss.backward()
+        assert abs(loss.item() - expected["loss"]) <= 1e-12 * expected["loss"]
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        assert max(grad_errors(grads, expected["grads"]).values()) <= 1e-11
+    # without output_router_logits the loss is the cross-entropy alone (as transformers)
+    plain = Qwen3Moe(model.config.replace(output_router_logits=False), backend="math").double()
+    plain.load_state_dict(model.state_dict())
+    with collect_router_stats(enabled=False) as nothing:
+        assert nothing is None
+    ce, expected_ce = (
+        plain(dense, labels=sft_labels(dense, [3])).item(),
+        _reference_ce(checkpoint, dense),
+    )
+    assert abs(ce - expected_ce) <= 1e-12 * expected_ce
+
+
+def _reference_ce(ckpt, ids):
+    model = load_hf_reference(ckpt)
+    with torch.no_grad():
+        logits = model(ids, use_cache=False).logits
+    labels = sft_labels(ids, [3])
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE
+    ).item()
+
+
+def sp_aux_case(ckpt, ids, labels, cu):
+    """float64 on u2 x r2 and u1 x r4 (math backend, activation checkpointing, MLP tiles
+    on the dense layer): the loss on every rank and the gradients summed over SP."""
+    results = {}
+    for ulysses, ring in ((2, 2), (1, 4)):
+        plan = usp.Plan(topology(ulysses, ring), backend="math")
+        model = usp.models.from_pretrained(ckpt, plan, dtype=torch.float64)
+        Levers(activation_checkpointing=True, mlp_tile_tokens=3).apply(model)
+        batch = usp.models.shard_batch(plan, ids, labels=labels, cu_seqlens=cu, shift=False)
+        loss = model(batch.input_ids, **batch.model_kwargs())
+        loss.backward()
+        losses = [None] * 4
+        dist.all_gather_object(losses, loss.item(), group=plan.sp_group)
+        grads = {}
+        for n, p in model.named_parameters():
+            grads[n] = p.grad.detach().clone()
+            dist.all_reduce(grads[n], group=plan.sp_group)
+        results[f"u{ulysses}r{ring}"] = {"losses": losses, "grads": grads}
+    return results if dist.get_rank() == 0 else None
+
+
+def test_aux_loss_on_4_ranks_matches_transformers(distributed, checkpoint):
+    cu = cu_of([16, 24])  # multiples of 2r = 8 (zigzag on the ring of 4)
+    ids = global_batch(1, 40, seed=33)
+    labels = sft_labels(ids, [3, 5], cu)
+    expected = _reference(checkpoint, ids, labels, cu)
+    results = distributed.run(
+        sp_aux_case, str(checkpoint), ids, labels, cu, world_size=4, timeout=240
+    )[0]
+    for grid, result in results.items():
+        assert len(set(result["losses"])) == 1, (grid, result["losses"])
+        assert abs(result["losses"][0] - expected["loss"]) <= 1e-10 * expected["loss"], grid
+        assert max(grad_errors(result["grads"], expected["grads"]).values()) <= 1e-10, grid
+
+
+# ---------------------------------------------------------------------- the family
+def test_layer_kinds_follow_transformers(tmp_path):
+    """decoder_sparse_step 2 with mlp_only_layers [3] over 4 layers: only layer 1 sparse,
+    as in transformers' model (the same parameter names and shapes); the export reads
+    back equal and loads in transformers with equal logits."""
+    ckpt = write_family_checkpoint(
+        tmp_path / "step", "qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2,
+        mlp_only_layers=[3], norm_topk_prob=False,
+    )  # fmt: skip
+    model = usp.models.from_pretrained(ckpt)
+    config = model.config
+    assert [config.is_sparse(i) for i in range(4)] == [False, True, False, False]
+    hf = load_hf_reference(ckpt, dtype=torch.float32)
+    assert {n: p.shape for n, p in model.named_parameters()} == {
+        n: p.shape for n, p in hf.named_parameters()
+    }
+    written = json.loads((ckpt / "config.json").read_text())
+    assert "num_local_experts" in written  # transformers 5's name for num_experts
+    assert config.num_experts == written["num_local_experts"] == 4
+    assert config_from_hf(config.to_hf_dict()) == config
+    ids = global_batch(2, 12, seed=34)
+    with torch.no_grad():
+        assert relative_error(model(ids), hf(ids, use_cache=False).logits) <= 1e-5
+
+
+def test_grouped_checkpoint_layout_loads_and_missing_experts_are_refused(tmp_path, checkpoint):
+    """A file with the grouped names (transformers 5's in-memory layout) loads to the same
+    model; a checkpoint without one expert's tensor is refused, naming it."""
+    from safetensors.torch import load_file, save_file
+
+    model = usp.models.from_pretrained(checkpoint)
+    grouped = tmp_path / "grouped"
+    grouped.mkdir()
+    (grouped / "config.json").write_text((checkpoint / "config.json").read_text())
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
+              str(grouped / "model.safetensors"))  # fmt: skip
+    again = usp.models.from_pretrained(grouped)
+    assert all(torch.equal(p, again.get_parameter(n)) for n, p in model.named_parameters())
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((checkpoint / "config.json").read_text())
+    del tensors["model.layers.2.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.experts\.3\.up_proj\.weight"):
+        usp.models.from_pretrained(broken)
+
+
+def test_total_and_active_parameters():
+    """The tiny config's counts from its model; Qwen3-30B-A3B: 30.5B parameters, 3.35B
+    active (the published 30B / 3B)."""
+    config = Qwen3MoeConfig(**{**MOE, "num_hidden_layers": 3, "mlp_only_layers": (1,)})
+    model = Qwen3Moe(config)
+    counts = model_counts(config)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert counts.experts == sum(p.numel() for m in experts for p in m.parameters())
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size
+    assert counts.routed == 2 * config.num_experts_per_tok * per_expert  # two sparse layers
+    assert counts.active == counts.total - 2 * (4 - 2) * per_expert
+    big = model_counts(preset("qwen3-30b-a3b"))
+    assert round(big.total / 1e9, 2) == 30.53 and round(big.active / 1e9, 2) == 3.35
+
+
+def test_bad_configs_are_refused():
+    base = {k: v for k, v in MOE.items() if k != "mlp_only_layers"}
+    for change, message in (
+        ({"num_experts_per_tok": 5}, r"num_experts_per_tok\(5\) must be at most num_experts\(4\)"),
+        ({"mlp_only_layers": [2]}, r"mlp_only_layers must hold layer indices in \[0, 2\)"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step must be an integer >= 1"),
+        ({"router_aux_loss_coef": -1.0}, "router_aux_loss_coef must be a number >= 0"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ):
+        with pytest.raises(ModelConfigError, match=message):
+            config_from_hf({"architectures": ["Qwen3MoeForCausalLM"], **base, **change})
+    with pytest.raises(ModelConfigError, match=r"num_experts\(4\) and num_local_experts\(8\)"):
+        config_from_hf({"model_type": "qwen3_moe", **base, "num_local_experts": 8})
+
+
+def test_lora_on_experts_is_refused_and_attention_adapters_train():
+    model = Qwen3Moe(preset("qwen3-moe-tiny"))
+    with pytest.raises(LoraError, match=r"\['gate_proj', 'up_proj', 'down_proj'\].*experts"):
+        apply_lora(model, Lora())
+    apply_lora(model, Lora(rank=2, targets=("q_proj", "v_proj")))
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n and "self_attn" in n for n in trained)

@@ -1,0 +1,348 @@
+"""A token-local mixture-of-experts block (Qwen3-MoE's routing), its router statistics
+and the load-balancing loss, exact under sequence parallelism.
+
+* :class:`Router` (HF's ``mlp.gate``): logits ``x W^T`` [N, E], a softmax in float32 (or
+  wider: float64 stays float64), the top-k experts of each token and their weights
+  (renormalised to sum to 1 with ``norm_topk_prob``), cast back to the input's dtype.
+* :class:`Experts` (HF's ``mlp.experts``): grouped weights ``gate_up_proj`` [E, 2I, H] and
+  ``down_proj`` [E, H, I], the parameter names and layout transformers 5 keeps in memory
+  (checkpoints hold one tensor per expert: :func:`split_expert_tensors` /
+  :func:`join_expert_tensors`). The forward sorts the (token, expert) pairs by expert
+  once, gathers the routed rows into one ``[N*k, H]`` buffer and runs every expert on its
+  contiguous segment: one ``torch._grouped_mm`` per projection where torch offers it for
+  the dtype and device (no host sync), else one matmul per expert over its segment (one
+  host sync for the segment sizes). The weighted rows are added back per token with one
+  ``index_add``. :func:`experts_loop` is the per-expert reference (transformers' scheme).
+* :class:`SparseMoE` (HF's ``Qwen3MoeSparseMoeBlock``): router + experts, the decoder
+  layer's ``mlp``. Every token stays on its rank (no expert parallelism): under SP the
+  block needs no communication. Expert parallelism would replace the gather/scatter of
+  :meth:`Experts.forward` by an all-to-all of the sorted rows over an expert axis, behind
+  the same module.
+
+The load-balancing loss (Switch Transformer, as transformers' ``load_balancing_loss_func``
+computes it without an attention mask) is ``E * sum_e f_e * p_e`` with ``f_e`` the share
+of top-k assignments to expert ``e`` and ``p_e`` its mean router probability, both over
+every token of the batch and every MoE layer. Both are sums over tokens: each rank sums
+its own tokens' (:class:`RouterStats`, collected while a forward runs inside
+:func:`collect_router_stats`) and :func:`sp_router_aux_loss` sums them over the SP group
+in one ``all_reduce`` before dividing. Its value is then the same on every rank and its
+gradient is this rank's share (the SUM over the SP group of the gradients is one
+process's), as :func:`usp.models.loss.sp_normalise` does for the cross-entropy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+#: the checkpoint's per-expert projection names (``mlp.experts.{e}.{name}.weight``)
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+#: the grouped parameters' names in :class:`Experts`
+GROUPED_NAMES = ("gate_up_proj", "down_proj")
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Router probabilities and statistics: float32 at least (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ---------------------------------------------------------------------- the router
+class Router(nn.Module):
+    """Top-k softmax routing: ``x`` [N, H] -> (probabilities [N, E] in :func:`stats_dtype`,
+    top-k weights [N, k] in ``x``'s dtype, top-k expert indices [N, k])."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor):
+        logits = F.linear(x, self.weight)  # [N, E]
+        probs = torch.softmax(logits.to(stats_dtype(logits.dtype)), dim=-1)  # [N, E]
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights.to(x.dtype), experts
+
+    @torch.no_grad()
+    def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
+        self.weight.normal_(0.0, std, generator=generator)
+
+    def matmul_parameters(self) -> int:
+        return self.weight.numel()
+
+
+# ---------------------------------------------------------------------- the experts
+class Experts(nn.Module):
+    """``E`` SwiGLU experts as grouped weights; ``forward(x [N, H], experts [N, k], weights
+    [N, k]) -> [N, H]``: each token's weighted sum of its experts' outputs."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        #: None: grouped GEMM where torch has one for the dtype and device; False: never
+        self.grouped_gemm: bool | None = None
+
+    @torch.no_grad()
+    def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
+        self.gate_up_proj.normal_(0.0, std, generator=generator)
+        self.down_proj.normal_(0.0, std, generator=generator)
+
+    def matmul_parameters(self) -> int:
+        """Parameters one token multiplies by (its ``top_k`` experts'), for FLOP counts."""
+        return self.top_k * (self.gate_up_proj[0].numel() + self.down_proj[0].numel())
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+        k = experts.shape[-1]
+        flat = experts.reshape(-1)  # [N*k], token t's j-th expert at t*k + j
+        order = flat.argsort(stable=True)  # the (token, expert) pairs sorted by expert
+        tokens = order // k  # [N*k]: the token of each sorted row
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E] rows per expert
+        rows = x.index_select(0, tokens)  # [N*k, H], grouped by expert
+        if self._use_grouped_gemm(x):
+            hidden = _grouped_swiglu(rows, self.gate_up_proj, self.down_proj, counts)
+        else:
+            hidden = _segment_swiglu(rows, self.gate_up_proj, self.down_proj, counts)
+        hidden = hidden * weights.reshape(-1).index_select(0, order).unsqueeze(1)  # [N*k, H]
+        return torch.zeros_like(x).index_add_(0, tokens, hidden)  # [N, H]
+
+    def _use_grouped_gemm(self, x: torch.Tensor) -> bool:
+        if self.grouped_gemm is False or _is_fake(x):
+            return False
+        return grouped_gemm_available(x.dtype, x.device)
+
+
+def grouped_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` runs for ``dtype`` on ``device`` (float32 and bf16
+    on CPU in torch 2.13; bf16 on Hopper; never float64)."""
+    if not hasattr(torch, "_grouped_mm") or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cpu"
+
+
+def _is_fake(x: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(x)
+
+
+def _swiglu_halves(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _grouped_swiglu(rows, gate_up_proj, down_proj, counts) -> torch.Tensor:
+    """rows [M, H] sorted by expert, counts [E] -> [M, H]: two grouped GEMMs."""
+    offsets = counts.cumsum(0).to(torch.int32)  # [E] segment ends (no host sync)
+    gate_up = torch._grouped_mm(rows, gate_up_proj.transpose(1, 2), offs=offsets)  # [M, 2I]
+    return torch._grouped_mm(_swiglu_halves(gate_up), down_proj.transpose(1, 2), offs=offsets)
+
+
+def _segment_swiglu(rows, gate_up_proj, down_proj, counts) -> torch.Tensor:
+    """rows [M, H] sorted by expert, counts [E] -> [M, H]: one matmul pair per expert
+    with rows. Under fake tensors (the planner) the sizes are unknown: the rows are split
+    evenly, which allocates what any routing does (every buffer is ``[M, .]`` in total)."""
+    if _is_fake(counts):
+        experts = counts.shape[0]
+        sizes = [rows.shape[0] // experts + (e < rows.shape[0] % experts) for e in range(experts)]
+    else:
+        sizes = counts.tolist()  # host sync
+    outputs = []
+    for expert, segment in enumerate(rows.split(sizes)):
+        if segment.shape[0]:
+            hidden = _swiglu_halves(F.linear(segment, gate_up_proj[expert]))  # [n, I]
+            outputs.append(F.linear(hidden, down_proj[expert]))  # [n, H]
+    if not outputs:
+        return rows.new_zeros(rows.shape)
+    return torch.cat(outputs)
+
+
+def experts_loop(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """The reference: for each expert, find its tokens, run it, add its weighted output
+    (one ``nonzero`` and four small ops per expert with tokens)."""
+    out = torch.zeros_like(x)
+    for expert in range(gate_up_proj.shape[0]):
+        token, slot = torch.nonzero(experts == expert, as_tuple=True)
+        if token.numel():
+            hidden = _swiglu_halves(F.linear(x[token], gate_up_proj[expert]))
+            y = F.linear(hidden, down_proj[expert]) * weights[token, slot, None]
+            out.index_add_(0, token, y)
+    return out
+
+
+# ---------------------------------------------------------------------- the block
+class SparseMoE(nn.Module):
+    """A decoder layer's MoE MLP: ``x`` [B, S/P, H] -> [B, S/P, H], token by token.
+    Inside :func:`collect_router_stats` it adds its tokens' router statistics."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+    ):
+        super().__init__()
+        self.gate = Router(hidden_size, num_experts, top_k, norm_topk_prob)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, top_k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [B*S/P, H]
+        probs, weights, experts = self.gate(flat)
+        stats = _COLLECTOR.get()
+        if stats is not None:
+            stats.add(probs, experts)
+        return self.experts(flat, experts, weights).view_as(x)
+
+
+# ---------------------------------------------------------------------- statistics
+@dataclass
+class RouterStats:
+    """This rank's router statistics of one forward, summed over its MoE layers: top-k
+    assignments per expert (no gradient), router probabilities per expert (with their
+    gradient) and the number of (token, layer) rows."""
+
+    assignments: list[torch.Tensor] = field(default_factory=list)
+    probabilities: list[torch.Tensor] = field(default_factory=list)
+    rows: int = 0
+
+    def add(self, probs: torch.Tensor, experts: torch.Tensor) -> None:
+        """probs [N, E], experts [N, k] of one layer."""
+        counts = torch.zeros(probs.shape[1], dtype=probs.dtype, device=probs.device)
+        flat = experts.reshape(-1)
+        self.assignments.append(
+            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=probs.dtype))
+        )
+        self.probabilities.append(probs.sum(dim=0))
+        self.rows += probs.shape[0]
+
+
+_COLLECTOR: contextvars.ContextVar[RouterStats | None] = contextvars.ContextVar(
+    "usp_router_stats", default=None
+)
+
+
+@contextlib.contextmanager
+def collect_router_stats(enabled: bool = True):
+    """Yield a :class:`RouterStats` that every :class:`SparseMoE` run inside the block adds
+    to (``None`` when not ``enabled``). A checkpointed layer's recompute in backward
+    runs outside the block and adds nothing."""
+    stats = RouterStats() if enabled else None
+    token = _COLLECTOR.set(stats)
+    try:
+        yield stats
+    finally:
+        _COLLECTOR.reset(token)
+
+
+def sp_router_aux_loss(stats: RouterStats, num_experts: int, group=None) -> torch.Tensor:
+    """The load-balancing loss of the whole (SP-sharded) batch: see the module docstring.
+
+    One ``all_reduce`` of ``[2E + 1]`` float64 numbers on ``group`` (``None``: single
+    process). Value: from the all-reduced sums, the same bits on every rank; gradient:
+    ``E * f_e / R`` per unit of this rank's probability sum, ``R`` the global row count.
+    """
+    probs = torch.stack(stats.probabilities).sum(0)  # [E], with gradient
+    counts = torch.stack(stats.assignments).sum(0)  # [E]
+    rows = torch.tensor([float(stats.rows)], dtype=torch.float64, device=probs.device)
+    totals = torch.cat([counts.detach().double(), probs.detach().double(), rows])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(totals, group=group)
+    global_counts, global_probs, global_rows = totals.split([num_experts, num_experts, 1])
+    global_rows = global_rows.clamp(min=1)
+    share = (global_counts / global_rows).to(probs.dtype)  # f_e
+    value = num_experts * (global_counts / global_rows * global_probs / global_rows).sum()
+    own = num_experts * (share * (probs - probs.detach()) / global_rows.to(probs.dtype)).sum()
+    return value.to(probs.dtype) + own
+
+
+# ---------------------------------------------------------------------- checkpoints
+def expert_key(key: str) -> tuple[str, int, str] | None:
+    """``(grouped parameter name, expert, projection)`` of a per-expert checkpoint key
+    (``...mlp.experts.3.up_proj.weight`` -> ``(...mlp.experts.gate_up_proj, 3,
+    "up_proj")``), else None."""
+    parts = key.split(".")
+    if (
+        len(parts) < 4
+        or parts[-1] != "weight"
+        or parts[-2] not in EXPERT_PROJECTIONS
+        or not parts[-3].isdigit()
+        or parts[-4] != "experts"
+    ):
+        return None
+    prefix = ".".join(parts[:-3])
+    grouped = "down_proj" if parts[-2] == "down_proj" else "gate_up_proj"
+    return f"{prefix}.{grouped}", int(parts[-3]), parts[-2]
+
+
+def join_expert_tensors(
+    pieces: dict[str, dict[int, dict[str, torch.Tensor]]], expected: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Grouped parameters from per-expert tensors (``pieces[grouped name][expert]
+    [projection]``): ``(state, problems)``, a problem for each missing or misshapen piece."""
+    state, problems = {}, []
+    for name, by_expert in pieces.items():
+        want = expected[name]
+        experts = want.shape[0]
+        parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+        missing = [
+            f"{name.removesuffix(name.rpartition('.')[2])}{e}.{p}.weight"
+            for e in range(experts)
+            for p in parts
+            if p not in by_expert.get(e, {})
+        ]
+        extra = [e for e in by_expert if e >= experts]
+        if missing or extra:
+            problems.extend(missing[:3] + [f"{name}: expert {e} of {experts}" for e in extra])
+            continue
+        stacked = torch.stack([torch.cat([by_expert[e][p] for p in parts]) for e in range(experts)])
+        if stacked.shape != want.shape:
+            problems.append(f"{name}: {tuple(stacked.shape)} (config wants {tuple(want.shape)})")
+            continue
+        state[name] = stacked
+    return state, problems
+
+
+def split_expert_tensors(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One grouped parameter as the per-expert checkpoint keys transformers reads (and
+    the published checkpoints hold); other parameters unchanged."""
+    prefix, _, last = name.rpartition(".")
+    if not prefix.endswith("experts") or last not in GROUPED_NAMES or tensor.dim() != 3:
+        return {name: tensor}
+    out = {}
+    for expert, weight in enumerate(tensor):
+        if last == "down_proj":
+            out[f"{prefix}.{expert}.down_proj.weight"] = weight.contiguous()
+        else:
+            gate, up = weight.chunk(2, dim=0)
+            out[f"{prefix}.{expert}.gate_proj.weight"] = gate.contiguous()
+            out[f"{prefix}.{expert}.up_proj.weight"] = up.contiguous()
+    return out
+
+
+def is_moe(module: nn.Module) -> bool:
+    return isinstance(module, SparseMoE)
+
+
+def has_experts(model: nn.Module) -> bool:
+    return any(isinstance(m, SparseMoE) for m in model.modules())
