@@ -1,0 +1,63 @@
+"""Attention sinks (and sliding windows) through USP attention on 4 gloo ranks, against
+a single-process float64 reference with the sinks as an extra softmax column (as
+transformers' gpt-oss) and the window as a mask: out, dq, dk, dv and dsinks (summed over
+the SP group), every ring implementation and layout, dense and packed. One launch per
+grid runs every case. Tolerances: float64 1e-10; bfloat16 2e-2 (out) and 5e-2 (grads).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from usp_cases import topology
+from window_cases import case_inputs, usp_case
+
+TOL = {torch.float64: (1e-10, 1e-10), torch.bfloat16: (2e-2, 5e-2)}
+#: dsinks in a lower-precision dtype than the inputs (rounded once, at the end)
+DSINKS_TOL = {torch.float32: 1e-6, torch.bfloat16: 5e-2}
+DOCS = [0, 16, 24, 64]  # 3 documents, each a multiple of 8 tokens (zigzag on r=2, u=2)
+
+
+def run_sinks(ulysses, ring):
+    topo = topology(ulysses, ring)
+    inputs = case_inputs(64, 4, 2, seed=1)
+    results = []
+    for layout, ring_impl, packed in itertools.product(
+        ("zigzag", "contiguous"), ("p2p", "allgather"), (None, DOCS)
+    ):
+        case = dict(layout=layout, ring_impl=ring_impl, packed=packed)
+        case["sinks_dtype"] = torch.float32 if packed else torch.float64
+        errors = usp_case(
+            topo, inputs, window=None, with_sinks=True, dtype=torch.float64, **case
+        )  # fmt: skip
+        results.append((case, torch.float64, errors))
+    # bfloat16 inputs with bfloat16 sinks
+    case = dict(layout="zigzag", ring_impl="p2p", packed=None, sinks_dtype=torch.bfloat16)
+    errors = usp_case(topo, inputs, window=None, with_sinks=True, dtype=torch.bfloat16, **case)
+    results.append((case, torch.bfloat16, errors))
+    return results
+
+
+def _failures(results_by_rank) -> list[str]:
+    failures = []
+    for rank, results in enumerate(results_by_rank):
+        for case, dtype, errors in results:
+            out_tol, grad_tol = TOL[dtype]
+            assert set(errors) >= {"out", "dq", "dk", "dv"}
+            for name, err in errors.items():
+                tol = out_tol if name == "out" else grad_tol
+                if name == "dsinks":  # the gradient comes back in the sinks' dtype
+                    tol = max(tol, DSINKS_TOL.get(case.get("sinks_dtype"), 0.0))
+                if not err <= tol:
+                    failures.append(f"rank {rank} {case} {dtype}: {name} {err:.3g}")
+    return failures
+
+
+@pytest.mark.parametrize("grid", [(2, 2), (1, 4)], ids=["u2r2", "u1r4"])
+def test_sinks_match_the_extra_softmax_column(distributed, grid):
+    results = distributed.run(run_sinks, *grid, world_size=4, timeout=300)
+    assert all("dsinks" in errors for _, _, errors in results[0])
+    failures = _failures(results)
+    assert not failures, "\n".join(failures)
