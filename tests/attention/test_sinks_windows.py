@@ -61,3 +61,40 @@ def test_sinks_match_the_extra_softmax_column(distributed, grid):
     assert all("dsinks" in errors for _, _, errors in results[0])
     failures = _failures(results)
     assert not failures, "\n".join(failures)
+
+
+#: transformers' sliding_window: 1 (only itself), shorter than a chunk, spanning chunks,
+#: and longer than the sequence (= plain causal)
+WINDOWS = (1, 5, 20, 100)
+
+
+def run_windows(ulysses, ring):
+    topo = topology(ulysses, ring)
+    inputs = case_inputs(64, 4, 2, seed=2)
+    results = []
+    combos = itertools.product(("zigzag", "contiguous"), ("p2p", "allgather"), (None, DOCS))
+    for index, (layout, ring_impl, packed) in enumerate(combos):
+        for window in WINDOWS:
+            case = dict(layout=layout, ring_impl=ring_impl, packed=packed, window=window)
+            # sinks with a window in some cases; always at window 1, where a row sees only
+            # itself and dq, dk would be zero (rounding noise) without them
+            sinks = window == 1 or (index + window) % 3 == 0
+            errors = usp_case(
+                topo, inputs, with_sinks=sinks, dtype=torch.float64,
+                sinks_dtype=torch.float64, **case,
+            )  # fmt: skip
+            results.append((case, torch.float64, errors))
+    case = dict(layout="zigzag", ring_impl="p2p", packed=None, window=7)
+    errors = usp_case(
+        topo, inputs, with_sinks=True, dtype=torch.bfloat16, sinks_dtype=torch.float32, **case
+    )
+    results.append((case, torch.bfloat16, errors))
+    return results
+
+
+@pytest.mark.parametrize("grid", [(2, 2), (1, 4)], ids=["u2r2", "u1r4"])
+def test_windows_match_the_masked_reference(distributed, grid):
+    results = distributed.run(run_windows, *grid, world_size=4, timeout=300)
+    assert any("dsinks" in errors for _, _, errors in results[0])
+    failures = _failures(results)
+    assert not failures, "\n".join(failures)

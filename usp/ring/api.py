@@ -46,11 +46,11 @@ class RingInputError(InputError):
 
 def _local_forward(q, k, v, cfg: RingConfig, documents=None):
     """Ring of one with a dense sequence: the local kernel, no communication at all."""
-    return calls_for(cfg, None).forward(q, k, v, cfg.causal)
+    return calls_for(cfg, None).forward(q, k, v, cfg.causal, cfg.window)
 
 
 def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None):
-    return calls_for(cfg, None).backward(dout, q, k, v, out, lse, cfg.causal)
+    return calls_for(cfg, None).backward(dout, q, k, v, out, lse, cfg.causal, cfg.window)
 
 
 def _implementation(cfg: RingConfig):
@@ -276,8 +276,6 @@ def prepare_ring(
             f"the documents place {placement.documents.local_len} tokens on each ring rank, "
             f"but q holds {spec.seqlen_q}"
         )
-    if window is not None:
-        raise RingInputError(f"sliding windows (window={window + 1}) are not supported yet")
     if group is not None:
         _check_device(group, spec.device)
     if isinstance(kv_head_chunks, bool) or not isinstance(kv_head_chunks, int):
@@ -296,11 +294,18 @@ def prepare_ring(
     # the largest local kernel call first (the same on every rank, so a backend that
     # cannot run it fails alike everywhere), then every block shape this ring runs
     widest = spec.seqlen_k * (size if ring_impl == "allgather" else 1)
-    first = (spec.seqlen_q, widest, spec.num_heads, spec.num_kv_heads, causal, placement.packed)
+    first = (
+        spec.seqlen_q, widest, spec.num_heads, spec.num_kv_heads, causal, placement.packed, window
+    )  # fmt: skip
     kernels.resolve(*first)
-    for shape in sorted(_block_shapes(cfg, spec)):
+    for shape in sorted(_block_shapes(cfg, spec), key=_shape_order):
         kernels.resolve(*shape)
     return cfg
+
+
+def _shape_order(shape: tuple) -> tuple:
+    """A block shape as a sort key the same on every rank (a window may be None)."""
+    return (*shape[:-1], -1 if shape[-1] is None else shape[-1])
 
 
 def _block_shapes(cfg: RingConfig, spec: AttentionSpec) -> set[tuple]:
