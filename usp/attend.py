@@ -110,12 +110,20 @@ def kernel_window(window: int | None, longest: int) -> int | None:
 
 
 def check_call(
-    plan, q, k, v, causal, softmax_scale, packed, head_chunks=1, sinks=None, window=None
-) -> CheckedCall:
-    """Everything that could fail, checked on this rank before anything is sent."""
+    plan, q, k, v, causal, softmax_scale, packed, head_chunks=1, sinks=None, window=None,
+    compiled=False,
+) -> CheckedCall:  # fmt: skip
+    """Everything that could fail, checked on this rank before anything is sent
+    (``compiled``: while a compiled graph is traced)."""
     spec = validate_inputs(q, k, v, causal=causal, window=None)
     check_sinks(sinks, spec)
     check_window(window, causal)
+    if compiled and window is not None:
+        raise AttentionInputError(
+            f"window={window} is not supported under torch.compile yet: call usp attention "
+            "with a window eagerly (outside the compiled region, e.g. compile only the "
+            "model's full-attention layers)"
+        )
     u, r = plan.ulysses_degree, plan.ring_degree
     local_len = spec.seqlen_q
     if packed is not None:
@@ -190,13 +198,9 @@ def attend(
     (:func:`traced_call`): the graph holds only the collectives and the computation."""
     live = None  # the placement a compiled graph reads documents from (cfg's eagerly)
     if torch.compiler.is_compiling():
-        if window is not None:  # checked while tracing, before any collective of the graph
-            raise AttentionInputError(
-                f"window={window} is not supported under torch.compile yet: call usp "
-                "attention with a window eagerly (outside the compiled region), or compile "
-                "the model's full-attention layers only"
-            )
-        call = _traced(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, sinks)
+        call = _traced(
+            plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, sinks, window
+        )
         ulysses = call.ulysses
         live = live_placement(packed)
     else:
@@ -219,7 +223,7 @@ def attend(
 
 def checked(
     plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad: bool, sinks=None,
-    window=None,
+    window=None, compiled=False,
 ) -> CheckedCall:  # fmt: skip
     """The call validated on this rank and, with ``verify``, agreed across the SP ranks
     (the same error on every rank when any rank's call fails); ``grad``: whether the
@@ -232,7 +236,7 @@ def checked(
         total = q_shape[1] * plan.sp_degree if len(q_shape) > 1 else None
         packed_seq = plan.packed_sequence(packed, device=getattr(q, "device", None), seq_len=total)
         return check_call(
-            plan, q, k, v, causal, softmax_scale, packed_seq, head_chunks, sinks, window
+            plan, q, k, v, causal, softmax_scale, packed_seq, head_chunks, sinks, window, compiled
         )
 
     def fields():
@@ -341,7 +345,7 @@ def live_placement(packed):
 
 
 def _traced(
-    plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, sinks=None
+    plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, sinks=None, window=None
 ) -> CheckedCall:
     """Traced by Dynamo: the call's description as constants, then :func:`traced_call`.
     The plan goes as its class, topology and choices (a plan made inside the trace, as
@@ -350,14 +354,14 @@ def _traced(
     return traced_call(
         type(plan), plan.topology, choices, _tensor_signature(q), _tensor_signature(k),
         _tensor_signature(v), causal, softmax_scale, call_signature(packed), verify,
-        head_chunks, needs_grad(q, k, v, sinks), _tensor_signature(sinks),
+        head_chunks, needs_grad(q, k, v, sinks), _tensor_signature(sinks), window,
     )  # fmt: skip
 
 
 @torch._dynamo.assume_constant_result
 def traced_call(
     plan_type, topology, choices, q_sig, k_sig, v_sig, causal, softmax_scale, packed_sig,
-    verify, head_chunks, grad, sinks_sig=None,
+    verify, head_chunks, grad, sinks_sig=None, window=None,
 ) -> CheckedCall:  # fmt: skip
     """The checked call of a compiled graph, run eagerly while Dynamo traces (its result
     is a constant of the graph): :func:`checked` on stand-ins of the tensors (their shape,
@@ -367,7 +371,8 @@ def traced_call(
     rank alike when ``verify``."""
     plan = plan_type.lasting(topology, *choices)
     key = (
-        q_sig, k_sig, v_sig, causal, softmax_scale, packed_sig, verify, head_chunks, grad, sinks_sig
+        q_sig, k_sig, v_sig, causal, softmax_scale, packed_sig, verify, head_chunks, grad, sinks_sig,
+        window,
     )  # fmt: skip
     cache = plan.traced_calls
     call = cache.get(key)
@@ -375,8 +380,9 @@ def traced_call(
         q, k, v, sinks = (_stand_in(s) for s in (q_sig, k_sig, v_sig, sinks_sig))
         packed = stand_in_packed(plan, packed_sig)
         call = checked(
-            plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad, sinks
-        )
+            plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad, sinks,
+            window, compiled=True,
+        )  # fmt: skip
         cache.put(key, call)
     return call
 

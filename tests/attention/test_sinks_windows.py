@@ -11,8 +11,12 @@ import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
+from reference import relative_error
 from usp_cases import topology
 from window_cases import case_inputs, usp_case
+
+import usp
 
 TOL = {torch.float64: (1e-10, 1e-10), torch.bfloat16: (2e-2, 5e-2)}
 #: dsinks in a lower-precision dtype than the inputs (rounded once, at the end)
@@ -98,3 +102,81 @@ def test_windows_match_the_masked_reference(distributed, grid):
     assert any("dsinks" in errors for _, _, errors in results[0])
     failures = _failures(results)
     assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------------ refusals and compile
+def _message(call) -> str:
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 - the test compares type and text
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def run_refusals():
+    """Bad windows and sinks on rank 1 only (u1r2, verify on): every rank raises rank 1's
+    error before the first collective, and the groups stay usable (a valid windowed
+    call and a barrier after each; the harness's short timeout catches a hang)."""
+    rank = dist.get_rank()
+    topo = topology(1, 2)
+    q, k, v, dout, sinks = case_inputs(32, 4, 2, seed=3)
+    local = [usp.shard_sequence(t, topo) for t in (q, k, v)]
+    attend = lambda **kw: usp.usp_attention(*local, topo, **kw)  # noqa: E731
+    bad = {
+        "non-causal": dict(causal=rank == 0, window=4) if rank else dict(causal=True, window=4),
+        "zero": dict(causal=True, window=0 if rank else 4),
+        "bool": dict(causal=True, window=True if rank else 4),
+        "sinks-shape": dict(causal=True, sinks=sinks[:3] if rank else sinks),
+        "sinks-int": dict(causal=True, sinks=sinks.long() if rank else sinks),
+    }
+    messages = {}
+    for name, options in bad.items():
+        messages[name] = _message(lambda: attend(**options))  # noqa: B023
+        out = attend(causal=True, window=4)  # still usable
+        dist.barrier()
+    plan = usp.Plan(topo, backend="cpu")
+    compiled = torch.compile(
+        lambda a, b, c: plan.attention(a, b, c, causal=True, window=4),
+        fullgraph=True, backend="eager",
+    )  # fmt: skip
+    messages["compile"] = _message(lambda: compiled(*local))
+    torch._dynamo.reset()
+    # sinks under torch.compile(fullgraph=True): the eager result
+    leaves = [t.clone().requires_grad_() for t in local]
+    s = sinks.clone().requires_grad_()
+    compiled_sinks = torch.compile(
+        lambda a, b, c, s: plan.attention(a, b, c, causal=True, sinks=s),
+        fullgraph=True, backend="aot_eager",
+    )  # fmt: skip
+    got = compiled_sinks(*leaves, s)
+    got.sum().backward()
+    eager_leaves = [t.clone().requires_grad_() for t in local]
+    s_eager = sinks.clone().requires_grad_()
+    want = plan.attention(*eager_leaves, causal=True, sinks=s_eager)
+    want.sum().backward()
+    torch._dynamo.reset()
+    pairs = [(got, want), (s.grad, s_eager.grad)] + [
+        (a.grad, b.grad) for a, b in zip(leaves, eager_leaves)
+    ]
+    compile_error = max(relative_error(a, b) for a, b in pairs)
+    return messages, out.shape, compile_error
+
+
+def test_what_cannot_be_computed_is_refused_on_every_rank(distributed):
+    results = distributed.run(run_refusals, world_size=2, timeout=120)
+    expected = {
+        "non-causal": "window=4 needs causal=True",
+        "zero": "window must be None (full attention) or an int >= 1",
+        "bool": "window must be None (full attention) or an int >= 1",
+        "sinks-shape": "sinks must have shape [num_heads] = [4]",
+        "sinks-int": "sinks must be a floating-point tensor",
+        "compile": "window=4 is not supported under torch.compile",
+    }
+    for messages, shape, compile_error in results:
+        assert shape == (1, 16, 4, 8)
+        assert compile_error < 1e-12
+        for name, part in expected.items():
+            assert part in messages[name], (name, messages[name])
+            if name != "compile":  # agreed: rank 1's error on both ranks
+                assert "failed on rank 1 of 2" in messages[name], messages[name]
+    assert results[0][0] == results[1][0]
