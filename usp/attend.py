@@ -27,7 +27,7 @@ import torch
 from usp.call_check import call_fields, checked_call, needs_grad
 from usp.comm.agreement import Field
 from usp.comm.traced import TracedGroup
-from usp.kernels.spec import validate_inputs
+from usp.kernels.spec import AttentionInputError, validate_inputs
 from usp.options import BACKENDS, LAYOUTS, RING_IMPLS, layout_chunks
 from usp.packing import PackedSequence, PlanError, check_packed_fits
 from usp.process_groups import HeadLayoutError
@@ -54,6 +54,8 @@ class CheckedCall:
     kv_replication: int
     ring: RingConfig
     ulysses: TracedGroup | None = None
+    #: the query heads this rank attends to after the all-to-all (the slice of ``sinks``)
+    heads: tuple[int, int] = (0, 0)
 
 
 def _check_segments(plan, has_segments: bool) -> None:
@@ -65,9 +67,63 @@ def _check_segments(plan, has_segments: bool) -> None:
         )
 
 
-def check_call(plan, q, k, v, causal, softmax_scale, packed, head_chunks=1) -> CheckedCall:
-    """Everything that could fail, checked on this rank before anything is sent."""
+def check_sinks(sinks, spec) -> None:
+    """``sinks``: None, or a floating-point tensor [H] (one logit per query head) on q's
+    device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        what = sinks.dtype if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise AttentionInputError(f"sinks must be a floating-point tensor [num_heads], got {what}")
+    if tuple(sinks.shape) != (spec.num_heads,):
+        raise AttentionInputError(
+            f"sinks must have shape [num_heads] = [{spec.num_heads}] (one logit per query "
+            f"head, all heads on every rank), got {tuple(sinks.shape)}"
+        )
+    if sinks.device != spec.device:
+        raise AttentionInputError(f"sinks must be on q's device {spec.device}, got {sinks.device}")
+
+
+def check_window(window, causal) -> None:
+    """``window``: None, or an int >= 1 with ``causal=True``."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise AttentionInputError(
+            f"window must be None (full attention) or an int >= 1 (keys i-window+1 .. i), "
+            f"got {window!r}"
+        )
+    if causal is not True:
+        raise AttentionInputError(
+            f"window={window} needs causal=True: usp computes sliding windows of causal "
+            "attention only (keys i-window+1 .. i)"
+        )
+
+
+def kernel_window(window: int | None, longest: int) -> int | None:
+    """transformers' ``sliding_window`` W (keys i-W+1 .. i) as the kernels' left window
+    (W - 1 keys before the query's own); None when no document is longer than W keys
+    (the window changes nothing: plain causal attention)."""
+    if window is None or window >= longest:
+        return None
+    return window - 1
+
+
+def check_call(
+    plan, q, k, v, causal, softmax_scale, packed, head_chunks=1, sinks=None, window=None,
+    compiled=False,
+) -> CheckedCall:  # fmt: skip
+    """Everything that could fail, checked on this rank before anything is sent
+    (``compiled``: while a compiled graph is traced)."""
     spec = validate_inputs(q, k, v, causal=causal, window=None)
+    check_sinks(sinks, spec)
+    check_window(window, causal)
+    if compiled and window is not None:
+        raise AttentionInputError(
+            f"window={window} is not supported under torch.compile yet: call usp attention "
+            "with a window eagerly (outside the compiled region, e.g. compile only the "
+            "model's full-attention layers)"
+        )
     u, r = plan.ulysses_degree, plan.ring_degree
     local_len = spec.seqlen_q
     if packed is not None:
@@ -105,13 +161,17 @@ def check_call(plan, q, k, v, causal, softmax_scale, packed, head_chunks=1) -> C
         if packed is not None
         else ring_placement(ring_spec, ring_group, plan.layout, plan.ring_impl, None)
     )
+    longest = max(placement.documents.lengths)
     ring = prepare_ring(
         ring_spec, ring_group, placement, causal=causal, softmax_scale=softmax_scale,
         layout=plan.layout, ring_impl=plan.ring_impl, backend=plan.backend,
         comm_stats=plan.comm_stats, kv_head_chunks=head_chunks,
+        window=kernel_window(window, longest),
     )  # fmt: skip
     ulysses = TracedGroup.of(plan.ulysses_group) if u > 1 else None
-    return CheckedCall(replication, ring, ulysses)
+    per_rank = spec.num_heads // u
+    first = 0 if ulysses is None else ulysses.rank * per_rank  # all-to-all: chunk j to rank j
+    return CheckedCall(replication, ring, ulysses, (first, first + per_rank))
 
 
 def attend(
@@ -125,6 +185,8 @@ def attend(
     packed=None,
     verify: bool | None = None,
     head_chunks: int = 1,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:meth:`usp.Plan.attention` (see :func:`usp.usp_attention` for the arguments);
     ``plan`` is a :class:`usp.Plan`. ``head_chunks``: the ring attends to that many
@@ -136,26 +198,33 @@ def attend(
     (:func:`traced_call`): the graph holds only the collectives and the computation."""
     live = None  # the placement a compiled graph reads documents from (cfg's eagerly)
     if torch.compiler.is_compiling():
-        call = _traced(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks)
+        call = _traced(
+            plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, sinks, window
+        )
         ulysses = call.ulysses
         live = live_placement(packed)
     else:
-        grad = needs_grad(q, k, v)
-        call = checked(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad)
+        grad = needs_grad(q, k, v, sinks)
+        call = checked(
+            plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad, sinks,
+            window,
+        )  # fmt: skip
         ulysses = plan.ulysses_group
     stats = plan.comm_stats
     if plan.ulysses_degree > 1:
         k, v = replicate_kv_heads(k, v, call.kv_replication)
         q, k, v = to_head_sharded([q, k, v], ulysses, stats)  # [B, S/r, h/u, D]
-    out, _ = run_ring(q, k, v, call.ring, live)
+    local_sinks = None if sinks is None else sinks[call.heads[0] : call.heads[1]]  # [H/u]
+    out, _ = run_ring(q, k, v, call.ring, live, local_sinks)
     if plan.ulysses_degree > 1:
         out = to_sequence_sharded(out, ulysses, stats)  # [B, S/P, H, D]
     return out
 
 
 def checked(
-    plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad: bool
-) -> CheckedCall:
+    plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad: bool, sinks=None,
+    window=None, compiled=False,
+) -> CheckedCall:  # fmt: skip
     """The call validated on this rank and, with ``verify``, agreed across the SP ranks
     (the same error on every rank when any rank's call fails); ``grad``: whether the
     call needs gradients (part of what the ranks agree on)."""
@@ -166,7 +235,9 @@ def checked(
         q_shape = getattr(q, "shape", ())
         total = q_shape[1] * plan.sp_degree if len(q_shape) > 1 else None
         packed_seq = plan.packed_sequence(packed, device=getattr(q, "device", None), seq_len=total)
-        return check_call(plan, q, k, v, causal, softmax_scale, packed_seq, head_chunks)
+        return check_call(
+            plan, q, k, v, causal, softmax_scale, packed_seq, head_chunks, sinks, window, compiled
+        )
 
     def fields():
         options = {
@@ -179,9 +250,28 @@ def checked(
         return call_fields(
             q, k, causal=causal, softmax_scale=softmax_scale, options=options,
             documents_hash=documents, needs_grad=grad,
-        ) + [Field("head_chunks", chunks)]  # fmt: skip
+        ) + [
+            Field("head_chunks", chunks), Field("sinks", _sinks_code(sinks), _show_sinks),
+            Field("window", -1 if window is None else window if type(window) is int else -2, _show_window),
+        ]  # fmt: skip
 
     return checked_call(plan.sp_group, "usp_attention", fields, validate, USP_ERRORS, verify)
+
+
+def _sinks_code(sinks) -> int:
+    """What the ranks agree on of ``sinks``: absent (0), given as a tensor (its length +
+    1), or something else (-1)."""
+    if sinks is None:
+        return 0
+    return sinks.numel() + 1 if isinstance(sinks, torch.Tensor) else -1
+
+
+def _show_window(code: int) -> str:
+    return {-2: "not an int", -1: "none"}.get(code, str(code))
+
+
+def _show_sinks(code: int) -> str:
+    return {0: "none", -1: "not a tensor"}.get(code, f"{code - 1} logits")
 
 
 # ------------------------------------------------------------------ compiled graphs
@@ -254,7 +344,9 @@ def live_placement(packed):
     return packed.placement
 
 
-def _traced(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks) -> CheckedCall:
+def _traced(
+    plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, sinks=None, window=None
+) -> CheckedCall:
     """Traced by Dynamo: the call's description as constants, then :func:`traced_call`.
     The plan goes as its class, topology and choices (a plan made inside the trace, as
     ``usp_attention(..., topology)`` makes one, is not an object outside it)."""
@@ -262,14 +354,14 @@ def _traced(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks) -
     return traced_call(
         type(plan), plan.topology, choices, _tensor_signature(q), _tensor_signature(k),
         _tensor_signature(v), causal, softmax_scale, call_signature(packed), verify,
-        head_chunks, needs_grad(q, k, v),
+        head_chunks, needs_grad(q, k, v, sinks), _tensor_signature(sinks), window,
     )  # fmt: skip
 
 
 @torch._dynamo.assume_constant_result
 def traced_call(
     plan_type, topology, choices, q_sig, k_sig, v_sig, causal, softmax_scale, packed_sig,
-    verify, head_chunks, grad,
+    verify, head_chunks, grad, sinks_sig=None, window=None,
 ) -> CheckedCall:  # fmt: skip
     """The checked call of a compiled graph, run eagerly while Dynamo traces (its result
     is a constant of the graph): :func:`checked` on stand-ins of the tensors (their shape,
@@ -278,13 +370,19 @@ def traced_call(
     *choices)``). A failed check fails the trace with the check's message, on every
     rank alike when ``verify``."""
     plan = plan_type.lasting(topology, *choices)
-    key = (q_sig, k_sig, v_sig, causal, softmax_scale, packed_sig, verify, head_chunks, grad)
+    key = (
+        q_sig, k_sig, v_sig, causal, softmax_scale, packed_sig, verify, head_chunks, grad, sinks_sig,
+        window,
+    )  # fmt: skip
     cache = plan.traced_calls
     call = cache.get(key)
     if call is None:
-        q, k, v = (_stand_in(s) for s in (q_sig, k_sig, v_sig))
+        q, k, v, sinks = (_stand_in(s) for s in (q_sig, k_sig, v_sig, sinks_sig))
         packed = stand_in_packed(plan, packed_sig)
-        call = checked(plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad)
+        call = checked(
+            plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad, sinks,
+            window, compiled=True,
+        )  # fmt: skip
         cache.put(key, call)
     return call
 

@@ -27,6 +27,8 @@ def usp_attention(
     backend: str | None = None,
     cu_seqlens=None,
     verify: bool | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over the sequence sharded across the SP group.
 
@@ -41,21 +43,30 @@ def usp_attention(
     Attention is then block-diagonal by document, causal inside each document when
     ``causal``. ``verify``: agree on the call across the SP ranks before anything is sent
     (default: on for gloo, off for NCCL; see :mod:`usp.call_check`).
+    ``window``: a sliding window (an int >= 1, ``causal=True`` only): the query at
+    position i of its document sees keys i-window+1 .. i, as transformers'
+    ``sliding_window``; None is full attention.
+    ``sinks``: attention sinks, a floating-point tensor [H] (one logit per query head,
+    the whole tensor on every rank, as gpt-oss's ``sinks``), added to every row's softmax
+    denominator as ``exp(sink)``; any dtype, computed in float32 (float64 for float64
+    inputs). Its gradient on each rank covers that rank's rows: summed over the SP group
+    (as FSDP sums gradients) it is the whole sequence's.
     Bytes moved are counted in ``plan.comm_stats`` (not inside a compiled graph).
     Second derivatives are refused. Under ``torch.compile(fullgraph=True)`` the call is
     one piece of the graph, its checks run while tracing (README, *torch.compile*).
     """
     plan = as_plan(plan, layout=layout, ring_impl=ring_impl, backend=backend)
     return attend(
-        plan, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=cu_seqlens, verify=verify
-    )
+        plan, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=cu_seqlens,
+        verify=verify, window=window, sinks=sinks,
+    )  # fmt: skip
 
 
 class UspAttention(nn.Module):
     """``nn.Module`` form of :func:`usp_attention` (no parameters: it replaces the
     ``softmax(QK^T)V`` core of an attention layer, after projections and RoPE).
     ``plan``: a Plan or a Topology, as for the function. Defaults as the function:
-    ``causal=False``."""
+    ``causal=False``. ``sinks`` (the module holds no parameter) go to ``forward``."""
 
     def __init__(
         self,
@@ -66,6 +77,7 @@ class UspAttention(nn.Module):
         layout: str | None = None,
         ring_impl: str | None = None,
         backend: str | None = None,
+        window: int | None = None,
     ):
         super().__init__()
         self.plan = as_plan(plan, layout=layout, ring_impl=ring_impl, backend=backend)
@@ -73,17 +85,20 @@ class UspAttention(nn.Module):
             raise AttentionInputError(f"causal must be a bool, got {causal!r}")
         self.causal = causal
         self.softmax_scale = softmax_scale
+        self.window = window
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None, sinks=None
     ) -> torch.Tensor:
         return self.plan.attention(
-            q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, packed=cu_seqlens
-        )
+            q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, packed=cu_seqlens,
+            window=self.window, sinks=sinks,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         p = self.plan
         return (
             f"ulysses={p.ulysses_degree}, ring={p.ring_degree}, causal={self.causal}, "
+            f"window={self.window}, "
             f"layout={p.layout}, ring_impl={p.ring_impl}, backend={p.backend}"
         )

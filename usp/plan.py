@@ -350,15 +350,18 @@ class Plan:
         packed=None,
         verify: bool | None = None,
         head_chunks: int = 1,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Exact attention over the global sequence: q [B, S/P, H, D], k/v
         [B, S/P, Hkv, D] (this rank's shard, after RoPE) -> [B, S/P, H, D], in q's dtype.
         ``packed``: a :class:`PackedSequence` (or global cu_seqlens) for block-diagonal
-        attention by document. ``head_chunks``: see :func:`usp.attend.attend`. See
-        :func:`usp.usp_attention`."""
+        attention by document. ``head_chunks``: see :func:`usp.attend.attend`. ``window``,
+        ``sinks``: see :func:`usp.usp_attention`."""
         return attend(
             self, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=packed,
             verify=self.verify_calls if verify is None else verify, head_chunks=head_chunks,
+            window=window, sinks=sinks,
         )  # fmt: skip
 
     def verify_batch(self, *tensors: torch.Tensor, packed=None) -> None:

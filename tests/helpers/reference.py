@@ -66,3 +66,30 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     diff = (actual - expected).masked_fill(both_inf, 0.0).abs().max().item()
     scale = expected.masked_fill(torch.isinf(expected), 0.0).abs().max().item()
     return diff / max(scale, 1e-30)
+
+
+def reference_sink_attention(q, k, v, sinks, *, causal=False, window=None, scale=None, mask=None):
+    """:func:`reference_attention` with attention sinks: one extra softmax column per
+    query head holding the logit ``sinks[h]`` (as transformers' gpt-oss eager attention),
+    dropped after the softmax. Returns out [B, Sq, H, D]."""
+    groups = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(groups, dim=2)
+    v = v.repeat_interleave(groups, dim=2)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if mask is None:
+        mask = reference_mask(q.shape[1], k.shape[1], causal, window)
+    scores = scores.masked_fill(~mask.to(q.device), float("-inf"))
+    column = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def window_document_mask(cu_seqlens: list[int], window: int | None) -> torch.Tensor:
+    """Causal block-diagonal [T, T] mask in which query i of a document sees keys
+    i-window+1 .. i of it (transformers' ``sliding_window``); None: full causal."""
+    mask = document_mask(cu_seqlens, True)
+    if window is not None:
+        pos = torch.arange(cu_seqlens[-1])
+        mask &= pos[None, :] > pos[:, None] - window
+    return mask

@@ -74,7 +74,9 @@ WINDOW = "a mask of attention limited to {} tokens"
         ("bidirectional", {}, "ones", None),
         ("bidirectional", {}, "right", BIDIRECTIONAL),  # whatever config.is_causal says
         ("sliding causal", {"sliding_window": SEQ}, "right", None),  # the window holds all
-        ("sliding causal", {"sliding_window": SEQ - 1}, "none", WINDOW.format(SEQ - 1)),
+        # served: the layers get sliding_window, which USP attention computes
+        ("sliding causal", {"sliding_window": SEQ - 1}, "none", None),
+        ("sliding causal", {"sliding_window": 2}, "right", None),
         ("sliding bidirectional", {"sliding_window": 4}, "ones", WINDOW.format(4)),
         ("chunked", {"attention_chunk_size": SEQ}, "right", None),
         ("chunked", {"attention_chunk_size": 4}, "none", WINDOW.format(4)),

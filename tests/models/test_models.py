@@ -26,6 +26,7 @@ from model_cases import (
     sft_labels,
     write_hf_checkpoint,
 )
+from reference import reference_attention
 
 import usp
 from usp.models import (
@@ -440,8 +441,16 @@ def test_hf_plugin_errors(checkpoints):
         fn(module, q, kv, kv, torch.zeros(1, 1, 6, 6))
     with pytest.raises(ValueError, match="dropout=0.1"):
         fn(module, q, kv, kv, None, dropout=0.1)
-    with pytest.raises(ValueError, match="sliding_window=4"):
+    module.is_causal = False  # a bidirectional sliding window is refused
+    with pytest.raises(ValueError, match="causal attention only.*sliding_window=4"):
         fn(module, q, kv, kv, None, sliding_window=4)
+    del module.is_causal
+    windowed, _ = fn(module, q, kv, kv, None, sliding_window=4, scaling=0.5)  # keys i-3 .. i
+    want, _ = reference_attention(
+        q.transpose(1, 2), kv.transpose(1, 2), kv.transpose(1, 2), causal=True, window=3,
+        scale=0.5,
+    )  # fmt: skip
+    assert relative_error(windowed, want) < 1e-5
     with pytest.raises(ValueError, match="use_cache=False"):
         fn(module, q, torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8), None)
     out, weights = fn(module, q, kv, kv, None, scaling=0.5)

@@ -55,11 +55,17 @@ class RingExchange:
             self._coalesced = self.group._get_backend(device).supports_coalescing
         return self._coalesced
 
-    def start(self, send: torch.Tensor, recv_into: torch.Tensor | None = None) -> PendingExchange:
+    def start(
+        self, send: torch.Tensor, recv_into: torch.Tensor | None = None, hops: int = 1
+    ) -> PendingExchange:
         """Post ``send`` -> next rank and a receive from the previous rank into ``recv_into``
-        (a fresh buffer like ``send`` when None). Returns a handle; call ``wait()``."""
+        (a fresh buffer like ``send`` when None). Returns a handle; call ``wait()``.
+        ``hops``: send ``hops`` ranks ahead and receive from ``hops`` ranks behind instead
+        (a windowed ring returning its gradients to their owners early)."""
         if self.size == 1:
             raise RuntimeError("RingExchange.start called on a ring of size 1")
+        if hops != 1:
+            return self._shift(send, recv_into, hops)
         recv = torch.empty_like(send) if recv_into is None else recv_into
         # NCCL: one coalesced batch (separate calls could deadlock)
         if self._coalescing(send.device):
@@ -76,6 +82,21 @@ class RingExchange:
                 self.group.send([send], (self.rank + 1) % self.size, 0),
                 self.group.recv([recv], (self.rank - 1) % self.size, 0),
             ]
+        if self.stats is not None:
+            self.stats.record("p2p", sent=_bytes(send), received=_bytes(recv))
+        return PendingExchange(recv, requests)
+
+    def _shift(self, send, recv_into, hops: int) -> PendingExchange:
+        recv = torch.empty_like(send) if recv_into is None else recv_into
+        to, source = (self.rank + hops) % self.size, (self.rank - hops) % self.size
+        if self._coalescing(send.device):
+            ops = [
+                dist.P2POp(dist.isend, send, dist.get_global_rank(self.group, to), self.group),
+                dist.P2POp(dist.irecv, recv, dist.get_global_rank(self.group, source), self.group),
+            ]
+            requests = dist.batch_isend_irecv(ops)
+        else:
+            requests = [self.group.send([send], to, 0), self.group.recv([recv], source, 0)]
         if self.stats is not None:
             self.stats.record("p2p", sent=_bytes(send), received=_bytes(recv))
         return PendingExchange(recv, requests)

@@ -11,7 +11,8 @@
     loss = usp.models.hf.causal_lm_loss(model, batch, plan)
 
 Every model that calls attention through ``AttentionInterface`` (Llama, Qwen2/3,
-Mistral whose sliding window holds the sequence, ...) runs this way, if nothing else in
+Mistral, Gemma 3 and gpt-oss with their sliding windows, gpt-oss's attention sinks
+(``s_aux``), ...) runs this way, if nothing else in
 it mixes tokens: under SP a hybrid model (Mamba, linear attention, short convolutions) is
 refused before its first forward computes anything (:mod:`usp.models.hf_mixers`). What the model must
 be given: this rank's ``input_ids`` shard, the tokens' global ``position_ids`` (HF would
@@ -50,7 +51,6 @@ from usp.models.hf_inputs import (
     PackedInputs,
     PaddingSeen,
     padding_mask_function,
-    window_problem,
 )
 from usp.models.hf_mixers import MixerCheck, TokenMixerError, check_model  # noqa: F401
 from usp.models.labels import IGNORE_INDEX
@@ -133,22 +133,19 @@ def _attention_function(plan, name: str, seen: PaddingSeen, check: MixerCheck):
         """query [B, H, S/P, D], key/value [B, Hkv, S/P, D] (after RoPE) ->
         (out [B, S/P, H, D], None)."""
         check(getattr(module, "config", None))  # the model mixes tokens only here (SP)
-        # a window that holds the whole global sequence changes nothing (Mistral's 4096)
-        window = window_problem(plan, sliding_window, key.shape[2], 0)
         unsupported = {
             "a 4-D attention_mask (or another prepared mask)": attention_mask is not None,
             f"dropout={dropout}": bool(dropout),
-            f"sliding_window={sliding_window} ({window})": window is not None,
             f"softcap={softcap}": softcap is not None,
-            "attention sinks (s_aux)": kwargs.get("s_aux") is not None,
         }
         problems = [what for what, bad in unsupported.items() if bad]
         if problems:
             raise HFInputError(
                 f"attn_implementation={name!r} (USP attention) does not support "
                 f"{', '.join(problems)} in {type(module).__name__}: it computes exact "
-                "causal or full attention, with packed documents from usp_packed=plan.pack(cu) "
-                "or cu_seq_lens_q/k, and checks 2-D padding masks itself"
+                "causal or full attention (with a sliding window and attention sinks), with "
+                "packed documents from usp_packed=plan.pack(cu) or cu_seq_lens_q/k, and "
+                "checks 2-D padding masks itself"
             )
         if key.shape[2] != query.shape[2]:
             raise HFInputError(
@@ -156,6 +153,12 @@ def _attention_function(plan, name: str, seen: PaddingSeen, check: MixerCheck):
                 "tokens: call the model with use_cache=False (no KV cache under SP)"
             )
         causal = _is_causal(module, is_causal)
+        if sliding_window is not None and not causal:
+            raise HFInputError(
+                f"attn_implementation={name!r} (USP attention) computes sliding windows of "
+                f"causal attention only; {type(module).__name__} attends bidirectionally "
+                f"(is_causal=False) within sliding_window={sliding_window}"
+            )
         if not causal:
             seen.refuse_if_padded(
                 plan,
@@ -172,6 +175,7 @@ def _attention_function(plan, name: str, seen: PaddingSeen, check: MixerCheck):
             out = plan.attention(
                 q, k, v, causal=causal, softmax_scale=scaling, packed=packed,
                 head_chunks=getattr(module, "head_chunks", 1),  # usp.models.Levers sets it
+                window=sliding_window, sinks=kwargs.get("s_aux"),  # gpt-oss's sinks: s_aux
             )  # fmt: skip
         return out, None
 

@@ -107,10 +107,10 @@ def padding_in_graph(plan, name: str, attention_mask: torch.Tensor, causal: bool
 def window_problem(plan, local_size, kv_length, kv_offset) -> str | None:
     """Why a mask of attention limited to ``local_size`` tokens cannot be served, or None.
 
-    transformers' sliding-window and chunked masks (``create_sliding_window_causal_mask``,
-    ``create_chunked_causal_mask``, the bidirectional sliding window) give the mask
-    function ``local_size``; USP attention has no window, so it is exact only when the
-    window holds the whole (global) sequence. Shapes and the config only: the same on
+    transformers' chunked masks (``create_chunked_causal_mask``) and the bidirectional
+    sliding window give the mask function ``local_size``; USP attention computes neither
+    (its windows are causal sliding windows, :func:`sliding_causal`), so it is exact only
+    when the window holds the whole (global) sequence. Shapes and the config only: the same on
     every rank, and a plain Python check under ``torch.compile`` too."""
     if local_size is None:
         return None
@@ -123,6 +123,19 @@ def window_problem(plan, local_size, kv_length, kv_offset) -> str | None:
         f"{total} tokens; USP attention computes full causal or bidirectional attention "
         f"only: give sequences of at most {local_size} tokens or use attn_implementation='sdpa'"
     )
+
+
+def sliding_causal(local_size, config, mask_kwargs) -> bool:
+    """Whether a mask limited to ``local_size`` tokens is transformers' causal sliding
+    window (``create_sliding_window_causal_mask``: the config's ``sliding_window``, not an
+    attention chunk, and not the bidirectional builder, which alone passes
+    ``allow_is_bidirectional_skip``): its layers hand the attention function
+    ``sliding_window``, which USP attention computes."""
+    if local_size is None or "allow_is_bidirectional_skip" in mask_kwargs:
+        return False
+    if local_size == getattr(config, "attention_chunk_size", None):
+        return False
+    return local_size == getattr(config, "sliding_window", None)
 
 
 class PaddingSeen:
@@ -146,7 +159,8 @@ def padding_mask_function(plan, name: str, seen: PaddingSeen, check_model_of=Non
     (once per forward) and returns None, so the layers get no mask. Under SP the ranks
     agree on the verdict, so a refusal is raised on every rank. A mask built with
     transformers' bidirectional mask function counts as non-causal whatever the config.
-    A sliding-window or chunked mask whose window is shorter than the sequence is refused
+    A chunked or bidirectional sliding-window mask whose window is shorter than the
+    sequence is refused (a causal sliding window is computed by the attention call)
     (:func:`window_problem`). ``check_model_of(config)``, when given, first checks the model
     behind the config (:class:`usp.models.hf_mixers.MixerCheck`)."""
     from transformers.masking_utils import bidirectional_mask_function
@@ -156,8 +170,11 @@ def padding_mask_function(plan, name: str, seen: PaddingSeen, check_model_of=Non
             check_model_of(config)
         problem = None
         seen.padded = False
+        local_size = kwargs.get("local_size")
+        if sliding_causal(local_size, config, kwargs):
+            local_size = None  # the attention call gets sliding_window and computes it
         window = window_problem(
-            plan, kwargs.get("local_size"), kwargs.get("kv_length", 0), kwargs.get("kv_offset", 0)
+            plan, local_size, kwargs.get("kv_length", 0), kwargs.get("kv_offset", 0)
         )  # the same on every rank (shapes and config): no agreement needed
         if window is not None:
             raise HFInputError(_padding_message(name, window))

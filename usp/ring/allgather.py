@@ -51,6 +51,7 @@ def block_shapes(cfg: RingConfig, local_len: int, heads: int, kv_heads: int) -> 
             chunk_kv,
             cfg.causal,
             s.docs is not None,
+            cfg.window,
         )
         for s in cfg.placement.segments[cfg.causal]
     }
@@ -106,7 +107,7 @@ def allgather_forward(q, k, v, cfg: RingConfig, documents=None):
         for q_rows, kv_rows, calls in segments:
             visible = kv.index_select(2, kv_rows)  # [2, B, n, hc, D]
             seg_out, seg_lse = calls.forward(
-                q[:, q_rows, q_heads], visible[0], visible[1], cfg.causal
+                q[:, q_rows, q_heads], visible[0], visible[1], cfg.causal, cfg.window
             )
             out[:, q_rows, q_heads] = seg_out
             lse[:, q_heads, q_rows] = seg_lse
@@ -134,6 +135,7 @@ def allgather_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None)
                 out[:, q_rows, q_heads],
                 lse[:, q_heads, q_rows],
                 cfg.causal,
+                cfg.window,
             )
             dq[:, q_rows, q_heads] = dq_seg
             dkv.index_add_(2, kv_rows, torch.stack([dk_seg, dv_seg]).to(acc))

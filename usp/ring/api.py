@@ -37,6 +37,7 @@ from usp.ring.placement import (
     packed_placement,
     single_rank_placement,
 )
+from usp.ring.sinks import apply_sinks, sinks_grad
 
 
 class RingInputError(InputError):
@@ -45,11 +46,11 @@ class RingInputError(InputError):
 
 def _local_forward(q, k, v, cfg: RingConfig, documents=None):
     """Ring of one with a dense sequence: the local kernel, no communication at all."""
-    return calls_for(cfg, None).forward(q, k, v, cfg.causal)
+    return calls_for(cfg, None).forward(q, k, v, cfg.causal, cfg.window)
 
 
 def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None):
-    return calls_for(cfg, None).backward(dout, q, k, v, out, lse, cfg.causal)
+    return calls_for(cfg, None).backward(dout, q, k, v, out, lse, cfg.causal, cfg.window)
 
 
 def _implementation(cfg: RingConfig):
@@ -97,41 +98,52 @@ def _device_bounds(boundaries, longest) -> DeviceBounds | None:
 
 
 class _RingAttention(torch.autograd.Function):
+    """(out, lse) of a validated ring call; with ``sinks`` ([h], this rank's heads) the
+    rescaled output and the LSE with the sinks' column (:mod:`usp.ring.sinks`), which
+    the ring's backward then uses as they are."""
+
     @staticmethod
-    def forward(ctx, cfg: RingConfig, q, k, v, boundaries, longest):
+    def forward(ctx, cfg: RingConfig, q, k, v, boundaries, longest, sinks):
         documents = _device_bounds(boundaries, longest)
         out, lse = _implementation(cfg)[0](q, k, v, cfg, documents)
+        if sinks is not None:
+            out, lse = apply_sinks(out, lse, sinks)
         ctx.mark_non_differentiable(lse)
         ctx.cfg, ctx.longest = cfg, longest
-        ctx.save_for_backward(q, k, v, out, lse, boundaries)
+        ctx.save_for_backward(q, k, v, out, lse, boundaries, sinks)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, boundaries = ctx.saved_tensors
+        q, k, v, out, lse, boundaries, sinks = ctx.saved_tensors
         documents = _device_bounds(boundaries, ctx.longest)
+        dsinks = None
         with torch.no_grad():
             backward = _implementation(ctx.cfg)[1]
-            dq, dk, dv = backward(dout.contiguous(), q, k, v, out, lse, ctx.cfg, documents)
+            dout = dout.contiguous()
+            dq, dk, dv = backward(dout, q, k, v, out, lse, ctx.cfg, documents)
+            if sinks is not None and ctx.needs_input_grad[6]:
+                dsinks = sinks_grad(dout, out, lse, sinks)
         if torch.is_grad_enabled():  # create_graph=True: refuse a second derivative loudly
             dq, dk, dv = _NoSecondDerivative.apply(dq, dk, dv, dout, q, k, v)
-        return None, dq, dk, dv, None, None
+        return None, dq, dk, dv, None, None, dsinks
 
 
 def run_ring(
-    q, k, v, cfg: RingConfig, placement: RankPlacement | None = None
+    q, k, v, cfg: RingConfig, placement: RankPlacement | None = None, sinks=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A validated call (see :func:`ring_attention`): (out, lse), differentiable in q/k/v.
     ``placement``: in a compiled graph, the live packing's (its piece boundaries and
     longest document reach the kernels as a tensor and a symbolic size, see
     :func:`usp.ring.p2p._plan`), since ``cfg`` is then the trace's constant, shared by
-    every packing of the call's shape; None: ``cfg``'s own."""
+    every packing of the call's shape; None: ``cfg``'s own. ``sinks``: [h] logits of
+    this rank's query heads (:mod:`usp.ring.sinks`), or None."""
     if placement is None:
-        return _RingAttention.apply(cfg, q, k, v, None, None)
+        return _RingAttention.apply(cfg, q, k, v, None, None, sinks)
     # .size(0), not .shape[0]: Dynamo (torch 2.13) fails on .shape of a tensor held by a
     # constant of the trace (the HF plug-in's placement is one)
     longest = placement.longest.size(0)
-    return _RingAttention.apply(cfg, q, k, v, placement.piece_docs.cu_q, longest)
+    return _RingAttention.apply(cfg, q, k, v, placement.piece_docs.cu_q, longest, sinks)
 
 
 def ring_attention(
@@ -250,6 +262,7 @@ def prepare_ring(
     backend: str,
     comm_stats: CommStats | None,
     kv_head_chunks: int = 1,
+    window: int | None = None,
 ) -> RingConfig:
     """Every local check of a ring call, so that nothing fails after the first send: the
     group's device, lengths, head chunks, softmax scale and the kernel backend."""
@@ -275,16 +288,24 @@ def prepare_ring(
     size = 1 if group is None else dist.get_world_size(group)
     peers = TracedGroup.of(group) if size > 1 else None
     cfg = RingConfig(
-        group, causal, layout, ring_impl, kernels, placement, comm_stats, kv_head_chunks, peers
-    )
+        group, causal, layout, ring_impl, kernels, placement, comm_stats, kv_head_chunks, peers,
+        window,
+    )  # fmt: skip
     # the largest local kernel call first (the same on every rank, so a backend that
     # cannot run it fails alike everywhere), then every block shape this ring runs
     widest = spec.seqlen_k * (size if ring_impl == "allgather" else 1)
-    first = (spec.seqlen_q, widest, spec.num_heads, spec.num_kv_heads, causal, placement.packed)
+    first = (
+        spec.seqlen_q, widest, spec.num_heads, spec.num_kv_heads, causal, placement.packed, window
+    )  # fmt: skip
     kernels.resolve(*first)
-    for shape in sorted(_block_shapes(cfg, spec)):
+    for shape in sorted(_block_shapes(cfg, spec), key=_shape_order):
         kernels.resolve(*shape)
     return cfg
+
+
+def _shape_order(shape: tuple) -> tuple:
+    """A block shape as a sort key the same on every rank (a window may be None)."""
+    return (*shape[:-1], -1 if shape[-1] is None else shape[-1])
 
 
 def _block_shapes(cfg: RingConfig, spec: AttentionSpec) -> set[tuple]:

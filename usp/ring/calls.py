@@ -28,6 +28,7 @@ from usp.kernels.dispatch import PreparedDense, docs_backward, docs_forward, doc
 from usp.kernels.docs import DeviceBounds, PackedDocs
 from usp.kernels.selection import select_backend
 from usp.kernels.spec import AttentionSpec
+from usp.ring.window import window_documents
 
 
 class BlockKernels:
@@ -50,28 +51,33 @@ class BlockKernels:
         self._prepared: dict[tuple, PreparedDense] = {}
 
     def resolve(
-        self, seqlen_q: int, seqlen_k: int, heads: int, kv_heads: int, causal: bool, varlen: bool
-    ) -> tuple[Backend, AttentionSpec]:
-        """(backend, spec) of a block; raises what ``select_backend`` raises."""
-        key = (seqlen_q, seqlen_k, heads, kv_heads, causal, varlen)
+        self, seqlen_q: int, seqlen_k: int, heads: int, kv_heads: int, causal: bool, varlen: bool,
+        window: int | None = None,
+    ) -> tuple[Backend, AttentionSpec]:  # fmt: skip
+        """(backend, spec) of a block; raises what ``select_backend`` raises. ``window``:
+        the block's left window (spec.py's semantics), None for none."""
+        key = (seqlen_q, seqlen_k, heads, kv_heads, causal, varlen, window)
         hit = self._resolved.get(key)
         if hit is None:
             spec = dataclasses.replace(
                 self._template, batch=1 if varlen else self._template.batch, seqlen_q=seqlen_q,
                 seqlen_k=seqlen_k, num_heads=heads, num_kv_heads=kv_heads, causal=causal,
-                window=None, varlen=varlen,
+                window=window, varlen=varlen,
             )  # fmt: skip
             hit = (select_backend(spec, self.backend), spec)
             self._resolved[key] = hit
             self.names[key] = hit[0].name
         return hit
 
-    def dense(self, seqlen_q: int, seqlen_k: int, heads: int, kv_heads: int, causal: bool):
+    def dense(
+        self, seqlen_q: int, seqlen_k: int, heads: int, kv_heads: int, causal: bool,
+        window: int | None = None,
+    ):  # fmt: skip
         """The :class:`PreparedDense` call of a dense block shape, made once."""
-        key = (seqlen_q, seqlen_k, heads, kv_heads, causal)
+        key = (seqlen_q, seqlen_k, heads, kv_heads, causal, window)
         prepared = self._prepared.get(key)
         if prepared is None:
-            impl, spec = self.resolve(seqlen_q, seqlen_k, heads, kv_heads, causal, False)
+            impl, spec = self.resolve(seqlen_q, seqlen_k, heads, kv_heads, causal, False, window)
             prepared = self._prepared[key] = PreparedDense(impl, spec, self.scale)
         return prepared
 
@@ -80,24 +86,26 @@ def backend_name(kernels: BlockKernels, shape: tuple, causal: bool, varlen: bool
     """The name of the backend a block shape resolved to when the call was prepared
     (``prepare_ring`` resolves every block shape): read, never resolved, while a graph
     is traced, so selection and its caches stay out of the graph."""
-    return kernels.names[(*shape, causal, varlen)]
+    return kernels.names[(*shape, causal, varlen, None)]
 
 
 class DenseCalls:
     def __init__(self, kernels: BlockKernels):
         self.kernels = kernels
 
-    def forward(self, q, k, v, causal):
-        if torch.compiler.is_compiling():  # one opaque op of the graph
+    def forward(self, q, k, v, causal, window=None, delta=0):
+        """``window``: the block's left window; ``delta`` is only for packed blocks (a
+        dense block's geometry is in its rows, :mod:`usp.ring.window`)."""
+        if torch.compiler.is_compiling():  # one opaque op of the graph (no window: refused)
             name = backend_name(self.kernels, _shape(q, k), causal, False)
             return ops.dense_forward_op(q, k, v, name, causal, self.kernels.scale)
-        return self.kernels.dense(*_shape(q, k), causal).forward(q, k, v)
+        return self.kernels.dense(*_shape(q, k), causal, window).forward(q, k, v)
 
-    def backward(self, dout, q, k, v, out, lse, causal):
+    def backward(self, dout, q, k, v, out, lse, causal, window=None, delta=0):
         if torch.compiler.is_compiling():
             name = backend_name(self.kernels, _shape(q, k), causal, False)
             return ops.dense_backward_op(dout, q, k, v, out, lse, name, causal, self.kernels.scale)
-        return self.kernels.dense(*_shape(q, k), causal).backward(dout, q, k, v, out, lse)
+        return self.kernels.dense(*_shape(q, k), causal, window).backward(dout, q, k, v, out, lse)
 
 
 def _shape(q, k) -> tuple[int, int, int, int]:
@@ -116,23 +124,32 @@ class PackedCalls:
         self.kernels = kernels
         self.docs = docs
 
-    def forward(self, q, k, v, causal):
+    def forward(self, q, k, v, causal, window=None, delta=0):
+        """``window``: the left window of every document's call; ``delta`` > 0: the key
+        piece's chunks are ``delta`` chunks before the query piece's in every document
+        (a windowed block between pieces, one call per document, :mod:`usp.ring.window`)."""
         d, scale = self.docs, self.kernels.scale
+        if delta:
+            return window_documents(self.kernels, d, delta, window).forward(q, k, v)
         if torch.compiler.is_compiling():
             name = backend_name(self.kernels, _shape(q, k), causal, True)
             out, lse = ops.docs_forward_op(
                 q[0], k[0], v[0], d.cu_q, d.cu_k, d.max_q, d.max_k, name, causal, scale
             )
             return out[None], lse[None]
-        impl, spec = self.kernels.resolve(*_shape(q, k), causal, True)
+        impl, spec = self.kernels.resolve(*_shape(q, k), causal, True, window)
         if impl.supports_varlen:
             out, lse = docs_forward(impl, q[0], k[0], v[0], d, spec, scale)
         else:
             return document_calls(impl, d, spec, scale).forward(q, k, v)
         return out[None], lse[None]
 
-    def backward(self, dout, q, k, v, out, lse, causal):
+    def backward(self, dout, q, k, v, out, lse, causal, window=None, delta=0):
         d, scale = self.docs, self.kernels.scale
+        if delta:
+            return window_documents(self.kernels, d, delta, window).backward(
+                dout, q, k, v, out, lse
+            )
         if torch.compiler.is_compiling():
             name = backend_name(self.kernels, _shape(q, k), causal, True)
             grads = ops.docs_backward_op(
@@ -140,7 +157,7 @@ class PackedCalls:
                 name, causal, scale,
             )  # fmt: skip
             return tuple(g[None] for g in grads)
-        impl, spec = self.kernels.resolve(*_shape(q, k), causal, True)
+        impl, spec = self.kernels.resolve(*_shape(q, k), causal, True, window)
         if impl.supports_varlen:
             grads = docs_backward(impl, dout[0], q[0], k[0], v[0], out[0], lse[0], d, spec, scale)
         else:

@@ -31,6 +31,9 @@ class RingConfig:
     #: the ring's group as plain values (name, size, this rank), for the functional
     #: collectives of a compiled graph (``usp.comm.traced``); None for a ring of one
     peers: TracedGroup | None = None
+    #: the kernels' left window (keys p - window .. p of a query at position p of its
+    #: document; ``causal`` only), None for full attention (``usp.ring.window``)
+    window: int | None = None
     #: the ring's size, this rank in it, and whether the documents are packed: fields,
     #: not properties: inside an autograd function, traced code reads only the fields
     #: of the objects it is given

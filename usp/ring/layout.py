@@ -20,6 +20,11 @@ class Block:
     q_rows: slice
     kv_rows: slice
     causal: bool
+    #: the kernels' left window of the call (sliding-window layers, ``usp.ring.window``)
+    window: int | None = None
+    #: packed windowed blocks between different pieces: how many chunks the key piece
+    #: is before the query piece (the call then runs per document); 0 otherwise
+    delta: int = 0
 
 
 def step_blocks(

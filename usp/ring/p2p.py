@@ -22,6 +22,12 @@ from usp.kernels.masks import accumulation_dtype
 from usp.ring.calls import calls_for
 from usp.ring.config import RingConfig
 from usp.ring.layout import ALL, packed_step_blocks, step_blocks
+from usp.ring.window import (
+    dense_window_blocks,
+    packed_window_blocks,
+    ring_steps,
+    window_documents,
+)
 
 
 def _kv_rank(ring: RingExchange, step: int) -> int:
@@ -42,13 +48,35 @@ def _plan(cfg: RingConfig, local_len: int, documents: DeviceBounds | None = None
     the longest document as a symbolic size), from the live PackedSequence because
     ``cfg`` is the trace's constant, shared by every packing of the shape; None:
     ``cfg``'s own."""
+    w, layout, size = cfg.window, cfg.layout, cfg.size
     if not cfg.packed:
-        return (lambda i, j: step_blocks(cfg.layout, cfg.causal, i, j, local_len)), calls_for(
-            cfg, None
-        )
+        if w is not None:
+            blocks = lambda i, j: dense_window_blocks(layout, size, i, j, local_len, w)  # noqa: E731
+        else:
+            blocks = lambda i, j: step_blocks(layout, cfg.causal, i, j, local_len)  # noqa: E731
+        return blocks, calls_for(cfg, None)
     piece_len = cfg.placement.piece_len
-    blocks = lambda i, j: packed_step_blocks(cfg.layout, cfg.causal, i, j, piece_len)  # noqa: E731
+    if w is not None:
+        lengths = chunk_lengths(cfg)
+        blocks = lambda i, j: packed_window_blocks(layout, size, i, j, piece_len, lengths, w)  # noqa: E731
+    else:
+        blocks = lambda i, j: packed_step_blocks(layout, cfg.causal, i, j, piece_len)  # noqa: E731
     return blocks, calls_for(cfg, cfg.placement.piece_docs if documents is None else documents)
+
+
+def chunk_lengths(cfg: RingConfig) -> tuple[int, ...]:
+    """The chunk length of every packed document (a piece holds one chunk of each)."""
+    bounds = cfg.placement.documents.piece_bounds
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def steps(cfg: RingConfig, local_len: int) -> int:
+    """How many steps the ring rotates: all of them, or with a window only while some
+    rank still has a block inside it (:func:`usp.ring.window.ring_steps`)."""
+    if cfg.window is None or cfg.size == 1:
+        return cfg.size
+    lengths = chunk_lengths(cfg) if cfg.packed else None
+    return ring_steps(cfg.layout, cfg.size, local_len, lengths, cfg.window)
 
 
 def block_shapes(cfg: RingConfig, local_len: int, heads: int, kv_heads: int) -> set[tuple]:
@@ -56,11 +84,17 @@ def block_shapes(cfg: RingConfig, local_len: int, heads: int, kv_heads: int) -> 
     (the same in forward and backward), from the blocks the loops below run."""
     blocks, _ = _plan(cfg, local_len)
     rows = range(local_len)
-    return {
-        (len(rows[b.q_rows]), len(rows[b.kv_rows]), heads, kv_heads, b.causal, cfg.packed)
-        for kv_rank in range(cfg.size)
-        for b in blocks(cfg.rank, kv_rank)
-    }
+    shapes = set()
+    for kv_rank in range(cfg.size):
+        for b in blocks(cfg.rank, kv_rank):
+            if b.delta:  # one dense call per document
+                docs = cfg.placement.piece_docs
+                calls = window_documents(cfg.kernels, docs, b.delta, b.window)
+                shapes |= calls.shapes(heads, kv_heads)
+                continue
+            shape = (len(rows[b.q_rows]), len(rows[b.kv_rows]), heads, kv_heads, b.causal)
+            shapes.add((*shape, cfg.packed, b.window))
+    return shapes
 
 
 class _Rows:
@@ -136,17 +170,18 @@ def p2p_forward(q, k, v, cfg: RingConfig, documents=None) -> tuple[torch.Tensor,
     ``documents`` as in :func:`_plan`."""
     ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
-    kv = _DoubleBuffer(torch.stack([k, v]), ring.size > 1)  # [2, B, L, Hkv, D]: one message
+    n_steps = steps(cfg, q.shape[1])
+    kv = _DoubleBuffer(torch.stack([k, v]), n_steps > 1)  # [2, B, L, Hkv, D]: one message
     blocks, calls = _plan(cfg, q.shape[1], documents)
     q_rows = _Rows(q)
     out_rows = lse_rows = None  # float32 accumulators [B, L, H, D] and [B, H, L]
-    for step in range(ring.size):
-        pending = kv.start(ring) if step + 1 < ring.size else None
+    for step in range(n_steps):
+        pending = kv.start(ring) if step + 1 < n_steps else None
         held = kv.current
         for block in blocks(ring.rank, _kv_rank(ring, step)):
             block_out, block_lse = calls.forward(
                 q_rows[block.q_rows], held.first[block.kv_rows], held.second[block.kv_rows],
-                block.causal,
+                block.causal, block.window, block.delta,
             )  # fmt: skip
             if out_rows is None and block.q_rows == ALL:  # the first block sees every row
                 out_rows = _Rows(_start_accumulator(block_out, acc))
@@ -161,7 +196,7 @@ def p2p_forward(q, k, v, cfg: RingConfig, documents=None) -> tuple[torch.Tensor,
             del block_out, block_lse  # merged: not alive during the next block's kernel
         del held
         if pending is not None:
-            kv.finish(pending, keep_spare=step + 2 < ring.size)
+            kv.finish(pending, keep_spare=step + 2 < n_steps)
     del kv
     return out_rows.tensor.to(q.dtype), lse_rows.tensor
 
@@ -193,7 +228,8 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None):
         message = traced.stack_after([k, v], dout)  # [2, B, L, Hkv, D]
     else:
         message = torch.stack([k, v])
-    kv = _DoubleBuffer(message, ring.size > 1)
+    n_steps = steps(cfg, q.shape[1])
+    kv = _DoubleBuffer(message, n_steps > 1)
     del message
     # dK/dV in float32: ``own`` keeps this rank's contribution to its own block (step 0);
     # the accumulator of every other block starts at the owner's next rank, collects
@@ -204,15 +240,15 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None):
     travelling: list[_Pair] = []
     current, dkv_pending = 0, None
     blocks, calls = _plan(cfg, q.shape[1], documents)
-    for step in range(ring.size):
-        kv_pending = kv.start(ring) if step + 1 < ring.size else None
+    for step in range(n_steps):
+        kv_pending = kv.start(ring) if step + 1 < n_steps else None
         held = kv.current
         block_grads = []
         for block in blocks(ring.rank, _kv_rank(ring, step)):
             rows, kv_rows = block.q_rows, block.kv_rows
             dq_block, dk_block, dv_block = calls.backward(
                 dout_rows[rows], q_rows[rows], held.first[kv_rows], held.second[kv_rows],
-                out_rows[rows], lse_rows[rows], block.causal,
+                out_rows[rows], lse_rows[rows], block.causal, block.window, block.delta,
             )  # fmt: skip
             dq_rows[rows].add_(dq_block)
             del dq_block  # added: not alive during the next block's kernel
@@ -229,11 +265,18 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None):
         _add_block_grads(dkv, block_grads)
         del block_grads
         if step > 0:
-            dkv_pending = ring.start(dkv.tensor, travelling[1 - current].tensor)
+            # to the next rank, which adds its share at the next step; after a ring cut
+            # short by a window, straight back to the block's owner (step hops behind)
+            hops = 1 if step + 1 < ring.size and step + 1 < n_steps else ring.size - step
+            receive_into = travelling[1 - current].tensor
+            if hops == 1:
+                dkv_pending = ring.start(dkv.tensor, receive_into)
+            else:
+                dkv_pending = ring.start(dkv.tensor, receive_into, hops=hops)
             current = 1 - current
         del dkv
         if kv_pending is not None:
-            kv.finish(kv_pending, keep_spare=step + 2 < ring.size)
+            kv.finish(kv_pending, keep_spare=step + 2 < n_steps)
     del kv
     if dkv_pending is not None:  # everyone else's contributions to this rank's block
         own.tensor.add_(dkv_pending.wait())

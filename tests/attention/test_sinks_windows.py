@@ -1,0 +1,182 @@
+"""Attention sinks (and sliding windows) through USP attention on 4 gloo ranks, against
+a single-process float64 reference with the sinks as an extra softmax column (as
+transformers' gpt-oss) and the window as a mask: out, dq, dk, dv and dsinks (summed over
+the SP group), every ring implementation and layout, dense and packed. One launch per
+grid runs every case. Tolerances: float64 1e-10; bfloat16 2e-2 (out) and 5e-2 (grads).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from reference import relative_error
+from usp_cases import topology
+from window_cases import case_inputs, usp_case
+
+import usp
+
+TOL = {torch.float64: (1e-10, 1e-10), torch.bfloat16: (2e-2, 5e-2)}
+#: dsinks in a lower-precision dtype than the inputs (rounded once, at the end)
+DSINKS_TOL = {torch.float32: 1e-6, torch.bfloat16: 5e-2}
+DOCS = [0, 16, 24, 64]  # 3 documents, each a multiple of 8 tokens (zigzag on r=2, u=2)
+
+
+def run_sinks(ulysses, ring):
+    topo = topology(ulysses, ring)
+    inputs = case_inputs(64, 4, 2, seed=1)
+    results = []
+    for layout, ring_impl, packed in itertools.product(
+        ("zigzag", "contiguous"), ("p2p", "allgather"), (None, DOCS)
+    ):
+        case = dict(layout=layout, ring_impl=ring_impl, packed=packed)
+        case["sinks_dtype"] = torch.float32 if packed else torch.float64
+        errors = usp_case(
+            topo, inputs, window=None, with_sinks=True, dtype=torch.float64, **case
+        )  # fmt: skip
+        results.append((case, torch.float64, errors))
+    # bfloat16 inputs with bfloat16 sinks
+    case = dict(layout="zigzag", ring_impl="p2p", packed=None, sinks_dtype=torch.bfloat16)
+    errors = usp_case(topo, inputs, window=None, with_sinks=True, dtype=torch.bfloat16, **case)
+    results.append((case, torch.bfloat16, errors))
+    return results
+
+
+def _failures(results_by_rank) -> list[str]:
+    failures = []
+    for rank, results in enumerate(results_by_rank):
+        for case, dtype, errors in results:
+            out_tol, grad_tol = TOL[dtype]
+            assert set(errors) >= {"out", "dq", "dk", "dv"}
+            for name, err in errors.items():
+                tol = out_tol if name == "out" else grad_tol
+                if name == "dsinks":  # the gradient comes back in the sinks' dtype
+                    tol = max(tol, DSINKS_TOL.get(case.get("sinks_dtype"), 0.0))
+                if not err <= tol:
+                    failures.append(f"rank {rank} {case} {dtype}: {name} {err:.3g}")
+    return failures
+
+
+@pytest.mark.parametrize("grid", [(2, 2), (1, 4)], ids=["u2r2", "u1r4"])
+def test_sinks_match_the_extra_softmax_column(distributed, grid):
+    results = distributed.run(run_sinks, *grid, world_size=4, timeout=300)
+    assert all("dsinks" in errors for _, _, errors in results[0])
+    failures = _failures(results)
+    assert not failures, "\n".join(failures)
+
+
+#: transformers' sliding_window: 1 (only itself), shorter than a chunk, spanning chunks,
+#: and longer than the sequence (= plain causal)
+WINDOWS = (1, 5, 20, 100)
+
+
+def run_windows(ulysses, ring):
+    topo = topology(ulysses, ring)
+    inputs = case_inputs(64, 4, 2, seed=2)
+    results = []
+    combos = itertools.product(("zigzag", "contiguous"), ("p2p", "allgather"), (None, DOCS))
+    for index, (layout, ring_impl, packed) in enumerate(combos):
+        for window in WINDOWS:
+            case = dict(layout=layout, ring_impl=ring_impl, packed=packed, window=window)
+            # sinks with a window in some cases; always at window 1, where a row sees only
+            # itself and dq, dk would be zero (rounding noise) without them
+            sinks = window == 1 or (index + window) % 3 == 0
+            errors = usp_case(
+                topo, inputs, with_sinks=sinks, dtype=torch.float64,
+                sinks_dtype=torch.float64, **case,
+            )  # fmt: skip
+            results.append((case, torch.float64, errors))
+    case = dict(layout="zigzag", ring_impl="p2p", packed=None, window=7)
+    errors = usp_case(
+        topo, inputs, with_sinks=True, dtype=torch.bfloat16, sinks_dtype=torch.float32, **case
+    )
+    results.append((case, torch.bfloat16, errors))
+    return results
+
+
+@pytest.mark.parametrize("grid", [(2, 2), (1, 4)], ids=["u2r2", "u1r4"])
+def test_windows_match_the_masked_reference(distributed, grid):
+    results = distributed.run(run_windows, *grid, world_size=4, timeout=300)
+    assert any("dsinks" in errors for _, _, errors in results[0])
+    failures = _failures(results)
+    assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------------ refusals and compile
+def _message(call) -> str:
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 - the test compares type and text
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def run_refusals():
+    """Bad windows and sinks on rank 1 only (u1r2, verify on): every rank raises rank 1's
+    error before the first collective, and the groups stay usable (a valid windowed
+    call and a barrier after each; the harness's short timeout catches a hang)."""
+    rank = dist.get_rank()
+    topo = topology(1, 2)
+    q, k, v, dout, sinks = case_inputs(32, 4, 2, seed=3)
+    local = [usp.shard_sequence(t, topo) for t in (q, k, v)]
+    attend = lambda **kw: usp.usp_attention(*local, topo, **kw)  # noqa: E731
+    bad = {
+        "non-causal": dict(causal=rank == 0, window=4) if rank else dict(causal=True, window=4),
+        "zero": dict(causal=True, window=0 if rank else 4),
+        "bool": dict(causal=True, window=True if rank else 4),
+        "sinks-shape": dict(causal=True, sinks=sinks[:3] if rank else sinks),
+        "sinks-int": dict(causal=True, sinks=sinks.long() if rank else sinks),
+    }
+    messages = {}
+    for name, options in bad.items():
+        messages[name] = _message(lambda: attend(**options))  # noqa: B023
+        out = attend(causal=True, window=4)  # still usable
+        dist.barrier()
+    plan = usp.Plan(topo, backend="cpu")
+    compiled = torch.compile(
+        lambda a, b, c: plan.attention(a, b, c, causal=True, window=4),
+        fullgraph=True, backend="eager",
+    )  # fmt: skip
+    messages["compile"] = _message(lambda: compiled(*local))
+    torch._dynamo.reset()
+    # sinks under torch.compile(fullgraph=True): the eager result
+    leaves = [t.clone().requires_grad_() for t in local]
+    s = sinks.clone().requires_grad_()
+    compiled_sinks = torch.compile(
+        lambda a, b, c, s: plan.attention(a, b, c, causal=True, sinks=s),
+        fullgraph=True, backend="aot_eager",
+    )  # fmt: skip
+    got = compiled_sinks(*leaves, s)
+    got.sum().backward()
+    eager_leaves = [t.clone().requires_grad_() for t in local]
+    s_eager = sinks.clone().requires_grad_()
+    want = plan.attention(*eager_leaves, causal=True, sinks=s_eager)
+    want.sum().backward()
+    torch._dynamo.reset()
+    pairs = [(got, want), (s.grad, s_eager.grad)] + [
+        (a.grad, b.grad) for a, b in zip(leaves, eager_leaves)
+    ]
+    compile_error = max(relative_error(a, b) for a, b in pairs)
+    return messages, out.shape, compile_error
+
+
+def test_what_cannot_be_computed_is_refused_on_every_rank(distributed):
+    results = distributed.run(run_refusals, world_size=2, timeout=120)
+    expected = {
+        "non-causal": "window=4 needs causal=True",
+        "zero": "window must be None (full attention) or an int >= 1",
+        "bool": "window must be None (full attention) or an int >= 1",
+        "sinks-shape": "sinks must have shape [num_heads] = [4]",
+        "sinks-int": "sinks must be a floating-point tensor",
+        "compile": "window=4 is not supported under torch.compile",
+    }
+    for messages, shape, compile_error in results:
+        assert shape == (1, 16, 4, 8)
+        assert compile_error < 1e-12
+        for name, part in expected.items():
+            assert part in messages[name], (name, messages[name])
+            if name != "compile":  # agreed: rank 1's error on both ranks
+                assert "failed on rank 1 of 2" in messages[name], messages[name]
+    assert results[0][0] == results[1][0]

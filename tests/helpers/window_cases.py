@@ -1,0 +1,62 @@
+"""Bodies for the sliding-window and attention-sink tests of USP attention (run on every
+rank by the harness): global float64 inputs, a reference with the sink column and the
+window's mask, and the errors of one call's out, dq, dk, dv and dsinks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from reference import reference_sink_attention, relative_error, window_document_mask
+
+import usp
+
+
+def case_inputs(total, heads, kv_heads, seed, dim=8):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (
+        torch.randn(1, total, h, dim, generator=gen, dtype=torch.float64)
+        for h in (heads, kv_heads, kv_heads, heads)
+    )
+    sinks = torch.randn(heads, generator=gen, dtype=torch.float64)
+    return q, k, v, dout, sinks
+
+
+def reference(q, k, v, dout, sinks, cu: list[int], window, with_sinks: bool):
+    """(out, dq, dk, dv, dsinks or None) of the whole sequence in one process."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    s = sinks.clone().requires_grad_() if with_sinks else torch.full_like(sinks, -torch.inf)
+    mask = window_document_mask(cu, window)
+    out = reference_sink_attention(*leaves, s, mask=mask)
+    grads = torch.autograd.grad(out, [*leaves, s] if with_sinks else leaves, dout)
+    return [out.detach(), *grads] + ([] if with_sinks else [None])
+
+
+def usp_case(topo, inputs, *, layout, ring_impl, window, with_sinks, packed, dtype, sinks_dtype):
+    """``packed``: global document boundaries (each a multiple of the layout's chunks),
+    or None for a dense sequence."""
+    q, k, v, dout, sinks = inputs
+    sinks = sinks.to(sinks_dtype).double()  # the reference sees the sinks as given
+    total = q.shape[1]
+    bounds = [0, total] if packed is None else packed
+    cu = None if packed is None else torch.tensor(packed, dtype=torch.int32)
+    expected = reference(q, k, v, dout, sinks, bounds, window, with_sinks)
+    shard = dict(layout=layout, cu_seqlens=cu)
+    local = [usp.shard_sequence(t, topo, **shard).to(dtype).requires_grad_() for t in (q, k, v)]
+    local_sinks = sinks.to(sinks_dtype).detach().requires_grad_() if with_sinks else None
+    out = usp.usp_attention(
+        *local, topo, causal=True, layout=layout, ring_impl=ring_impl, cu_seqlens=cu,
+        window=window, sinks=local_sinks,
+    )  # fmt: skip
+    out.backward(usp.shard_sequence(dout, topo, **shard).to(dtype))
+    actual = [out.detach(), *(t.grad for t in local)]
+    gathered = [usp.gather_sequence(a, topo, **shard) for a in actual]
+    errors = {
+        n: relative_error(a, e) for n, a, e in zip(("out", "dq", "dk", "dv"), gathered, expected)
+    }
+    if with_sinks:
+        if local_sinks.grad.dtype != sinks_dtype:
+            raise AssertionError(f"dsinks came back as {local_sinks.grad.dtype}")
+        dsinks = local_sinks.grad.double()
+        dist.all_reduce(dsinks, group=topo.sp_group)  # as FSDP sums gradients
+        errors["dsinks"] = relative_error(dsinks, expected[4])
+    return errors
