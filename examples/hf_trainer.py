@@ -7,8 +7,10 @@
 
 ``--data``: JSON lines, each ``{"text": "..."}`` (tokenised with the model directory's
 tokenizer, at most ``--max-length`` tokens) or ``{"input_ids": [...]}``. Rows are padded
-on the right by ``DataCollatorForLanguageModeling`` (each row becomes one document
-under usp) or, with ``--padding-free``, flattened by ``DataCollatorWithFlattening``.
+on the right (each row becomes one document under usp; a padded position carries no
+loss) with the tokenizer's pad token, or its EOS token when it has none (Meta's Llama-3
+tokenizers; as TRL does), or, with ``--padding-free``, flattened by
+``DataCollatorWithFlattening``.
 The grid is ``--ulysses x --ring`` SP ranks per data-parallel replica, the rest of the
 world data-parallel; ``--batch-size`` rows per replica per micro-batch. The levers
 (``--activation-checkpointing``, ``--mlp-tile-tokens``, ``--attention-head-chunks``,
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from usp.errors import UspError
+from usp.errors import ConfigError, UspError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,7 +92,28 @@ def build_collator(args, tokenizer):
     if tokenizer is None:
         return transformers.default_data_collator
     tokenizer.padding_side = "right"
-    return transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    if tokenizer.pad_token is None:  # Meta's Llama-3 tokenizers have none
+        if tokenizer.eos_token is None:
+            raise ConfigError(
+                f"the tokenizer of {args.model} has neither a pad nor an EOS token to pad "
+                "rows with: give it a pad_token, or use --padding-free"
+            )
+        tokenizer.pad_token = tokenizer.eos_token  # as TRL does
+    return RightPadded(transformers.DataCollatorWithPadding(tokenizer))
+
+
+class RightPadded:
+    """Rows padded on the right, labels the tokens with ``-100`` on the padded positions
+    (by the attention mask, not the pad id: a pad token that is also the EOS token
+    keeps its real occurrences' labels)."""
+
+    def __init__(self, pad):
+        self.pad = pad
+
+    def __call__(self, features):
+        batch = self.pad(features)
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        return batch
 
 
 def load_tokenizer(path: str):

@@ -211,6 +211,29 @@ def test_errors_say_what_to_give(trained, capsys, argv, message):
     assert stderr.count("\n") == 1, "one line, no traceback"
 
 
+def test_a_grid_for_more_ranks_names_the_flags_that_fix_it(trained, capsys):
+    """``usp eval OUTPUT --config CONFIG`` in one process with a u2 x r2 grid: one line,
+    exit 2, naming the flags that run it here; with them it runs."""
+    from cli_flags import assert_flags_are_the_commands
+
+    tmp, out = trained
+    grid = tmp / "grid.toml"
+    grid.write_text(
+        CONFIG.replace('ulysses = "auto"\nring = "auto"', "ulysses = 2\nring = 2\ndp = 1")
+    )
+    argv = [str(out), "--config", str(grid), "--lengths", "64", "--output", str(tmp / "grid")]
+    status = _usp_eval(argv)
+    stderr = capsys.readouterr().err
+    assert status == 2 and stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+    assert "ulysses(2) * ring(2) * dp(1) = 4 != the running job's world_size(1)" in stderr
+    assert "give --ulysses 1 --ring 1 --dp 1" in stderr, stderr
+    assert "torchrun --nproc-per-node 4 -m usp eval" in stderr, stderr
+    ours = stderr.split("torchrun")[0]  # the rest is torchrun's command line
+    assert assert_flags_are_the_commands(ours, "eval") == {"--ulysses", "--ring", "--dp"}
+    assert _usp_eval([*argv, "--ulysses", "1", "--ring", "1", "--dp", "1"]) == 0
+    capsys.readouterr()
+
+
 def test_flag_values_are_checked(capsys):
     for argv, message in [
         (["x", "--lengths", "4096,abc"], "comma-separated integers"),

@@ -459,3 +459,38 @@ def test_two_shuffled_epochs_of_the_trainer_see_two_orders(tmp_path):
         expected = torch.randperm(8, generator=torch.Generator().manual_seed(11 + epoch))
         assert order == expected.tolist(), (epoch, seen)
     assert orders[0] != orders[1]
+
+
+def test_hf_trainer_example_pads_with_eos_when_the_tokenizer_has_no_pad_token(tmp_path):
+    """A tokenizer without a pad token (as Meta's Llama-3 ones): the example pads text rows
+    of different lengths with the EOS token, as TRL does, and the padded positions carry
+    no loss: the losses equal those of the same run with a pad token, exactly. Without
+    an EOS token either: one ConfigError saying what to do."""
+    pytest.importorskip("datasets", reason="the example reads its data with datasets")
+    import trainer_cases
+
+    texts = trainer_cases.write_texts(tmp_path / "texts.jsonl", 8)
+    losses = {}
+    for name, changes in [("pad", {}), ("no-pad", {"pad_token": None})]:
+        model = trainer_cases.write_checkpoint(tmp_path / name, "llama")
+        tokenizer = trainer_cases.tokenizer_object()
+        for key, value in changes.items():
+            setattr(tokenizer, key, value)
+        tokenizer.save_pretrained(model)
+        reloaded = transformers.AutoTokenizer.from_pretrained(model)
+        assert (reloaded.pad_token is None) == (name == "no-pad"), reloaded.pad_token
+        out = tmp_path / f"out-{name}"
+        argv = ["--model", str(model), "--data", str(texts), "--output-dir", str(out),
+                "--max-steps", "2", "--batch-size", "4", "--sampling", "sequential",
+                "--optim", "sgd", "--no-save-model"]  # fmt: skip
+        assert trainer_cases.run_example_alone("hf_trainer", argv) == 0
+        losses[name] = [row["loss"] for row in trainer_cases.steps_of(out)]
+    assert len(losses["pad"]) == 2 and losses["no-pad"] == losses["pad"], losses
+    example = trainer_cases.load_example("hf_trainer")
+    bare = trainer_cases.tokenizer_object()
+    bare.pad_token, bare.eos_token = None, None
+    args = example.parse_args(
+        ["--model", "M", "--data", "d", "--output-dir", "o", "--max-steps", "1"]
+    )
+    with pytest.raises(usp.ConfigError, match="neither a pad nor an EOS token.*--padding-free"):
+        example.build_collator(args, bare)

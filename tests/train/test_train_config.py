@@ -357,6 +357,32 @@ def test_command_without_torchrun_checks_the_world_size(tmp_path, capsys, monkey
     assert not dist.is_initialized(), "the world of one is torn down after the error"
 
 
+def test_a_grid_for_more_ranks_names_the_flags_that_fix_it(tmp_path, capsys, monkeypatch):
+    """One process, ``gpus_per_node = "auto"`` and a u2 x r2 grid: one line, exit 2,
+    naming usp train's flags that run it here (``--ulysses 1 --ring 1 --dp 1``) or the
+    launch of 4 ranks; with those flags it trains."""
+    from cli_flags import assert_flags_are_the_commands
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    text = MINIMAL.replace("gpus_per_node = 4", 'gpus_per_node = "auto"')
+    path = write(tmp_path, text.replace("steps = 10", "steps = 1"))
+    out = str(tmp_path / "out")
+    args = build_parser().parse_args(["train", str(path), "--output", out])
+    assert args.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "ulysses(2) * ring(2) = 4 does not divide the running job's world_size(1)" in err
+    assert "give --ulysses 1 --ring 1 --dp 1" in err, err
+    assert f"launch 4 ranks: usp train {path} --nproc-per-node 4" in err, err
+    named = assert_flags_are_the_commands(err, "train")
+    assert named == {"--ulysses", "--ring", "--dp", "--nproc-per-node"}, named
+    args = build_parser().parse_args(
+        ["train", str(path), "--output", out, "--ulysses", "1", "--ring", "1", "--dp", "1"]
+    )
+    assert args.run(args) == 0, capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- one config system
 def test_model_section_means_one_thing_per_kind_of_file(tmp_path):
     # a training config names its model; head counts there are refused with the reason

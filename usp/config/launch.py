@@ -7,6 +7,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from usp.config.fields import is_int
+from usp.config.resolve import check_cluster_matches_launch
 from usp.config.schema import UspConfig, load_config
 from usp.config.toml import AUTO, located
 from usp.errors import ConfigError
@@ -62,11 +64,74 @@ def build_topology_from_config(
                     f"{world_size} ranks",
                 )
             )
+        check_grid_fits(config, world_size)
         resolved = config.resolve(world_size)
     else:
         launch = observe_launch(device_type)
+        try:
+            check_cluster_matches_launch(config.cluster, launch)
+        except ConfigError as err:
+            raise ConfigError(located(config.source, str(err))) from None
+        check_grid_fits(config, world_size)
         resolved = config.resolve(launch=launch)
     return topology_from_rank_map(resolved.rank_map, device_type, launch=launch)
+
+
+class GridSizeError(ConfigError):
+    """A config's ``[parallel]`` degrees that do not fit the running job's world size.
+    ``grid``: (ulysses, ring, dp) as the config gives them (``"auto"`` or a number);
+    :meth:`with_fixes` adds the flags of a command that fix it."""
+
+    def __init__(self, message: str, *, grid: tuple, world_size: int):
+        super().__init__(message)
+        self.grid, self.world_size = grid, world_size
+
+    def grid_flags(self) -> str:
+        """``--ulysses/--ring/--dp`` values that run this config on this world size."""
+        u, r, _ = self.grid
+        world = self.world_size
+        if world == 1:
+            return "--ulysses 1 --ring 1 --dp 1"
+        if is_int(u) and is_int(r) and world % (u * r) == 0:
+            return f"--dp {world // (u * r)}"
+        return "--ulysses auto --ring auto --dp 1"
+
+    def with_fixes(self, launch: str | None = None) -> str:
+        """The message and what fixes it on a command with ``--ulysses/--ring/--dp``:
+        this run's grid, or (``launch``, a command line with ``{ranks}``) a launch of
+        the config's ranks (an auto dp as 1) when ulysses and ring are numbers."""
+        text = f"{self}; to run it on {self.world_size} rank(s), give {self.grid_flags()}"
+        u, r, d = self.grid
+        if launch is not None and is_int(u) and is_int(r):
+            ranks = u * r * (d if is_int(d) else 1)
+            text += f", or launch {ranks} ranks: {launch.format(ranks=ranks)}"
+        return text
+
+
+def check_grid_fits(config: UspConfig, world_size: int) -> None:
+    """A :class:`GridSizeError` when the config's numeric degrees cannot make
+    ``world_size`` ranks (their product differs from it, or, with an ``"auto"``
+    degree, does not divide it)."""
+    p = config.parallel
+    grid = (p.ulysses, p.ring, p.dp)
+    numbers = {k: v for k, v in zip(("ulysses", "ring", "dp"), grid) if v != AUTO}
+    product = 1
+    for value in numbers.values():
+        product *= value
+    complete = len(numbers) == 3
+    if (complete and product == world_size) or (not complete and world_size % product == 0):
+        return
+    shown = " * ".join(f"{k}({v})" for k, v in numbers.items())
+    relation = "!=" if complete else "does not divide"
+    raise GridSizeError(
+        located(
+            config.source,
+            f"[parallel] {shown} = {product} {relation} the running job's world_size"
+            f"({world_size})",
+        ),
+        grid=grid,
+        world_size=world_size,
+    )
 
 
 def check_topology_matches(config: UspConfig, topology) -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from usp.cli.args import int_or_auto, positive_int
 from usp.comm.agreement import agree
 from usp.config import AUTO, ConfigError, config_from_dict
+from usp.config.launch import GridSizeError
 from usp.evaluation.report import table, to_json, write_plots
 from usp.evaluation.runner import DEFAULT_DEPTHS, EvalSettings, check_settings, run_checks
 from usp.evaluation.target import eval_tokenizer, held_out_stream, load_model, resolve_target
@@ -122,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         if not synchronised or int(os.environ.get("LOCAL_RANK", 0)) == 0:
             prefix = f"usp eval [rank {os.environ.get('RANK', 0)}]: error: "
             text = str(err) if synchronised else "".join(traceback.format_exception(err))
+            if isinstance(err, GridSizeError):
+                text = err.with_fixes("torchrun --nproc-per-node {ranks} -m usp eval ...")
             print(prefix + text, file=sys.stderr, flush=True)
         return EXIT_USER if synchronised else EXIT_INTERNAL
     finally:

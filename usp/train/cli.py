@@ -26,6 +26,7 @@ import traceback
 from datetime import timedelta
 
 from usp.config import AUTO
+from usp.config.launch import GridSizeError
 from usp.train.allocator import set_allocator_default
 from usp.train.components import build_plan  # the one way a job becomes a Plan
 from usp.train.error_file import write_error_file
@@ -145,9 +146,12 @@ def run(args: argparse.Namespace) -> int:
         # a collective, and only exiting lets torchrun stop the job
         synchronised = isinstance(err, user_errors)
         prefix = f"usp train [rank {os.environ.get('RANK', 0)}]: error: "
+        what = str(err) if isinstance(err, user_errors) else f"{type(err).__name__}: {err}"
+        if isinstance(err, GridSizeError):  # the flags of this command that fix it
+            what = err.with_fixes(f"usp train {args.config} --nproc-per-node {{ranks}}")
         if _should_print(err, user_errors):
             if isinstance(err, user_errors):
-                print(prefix + str(err), file=sys.stderr, flush=True)
+                print(prefix + what, file=sys.stderr, flush=True)
             else:
                 print(
                     prefix + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True
@@ -158,7 +162,6 @@ def run(args: argparse.Namespace) -> int:
             status = (
                 EXIT_STATUS["user"] if isinstance(err, user_errors) else EXIT_STATUS["internal"]
             )
-        what = str(err) if isinstance(err, user_errors) else f"{type(err).__name__}: {err}"
         write_error_file(prefix + " ".join(what.split("\n")), status)
         return status
     finally:
