@@ -123,8 +123,16 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.to(dtype).exp() * F.softplus(a + self.dt_bias.to(dtype))
         weights = self.conv1d.weight[:, 0].split([self.key_dim, self.key_dim, self.value_dim])
         core = gated_deltanet_usp(
-            q, k, v, g, beta, plan, conv_weights=weights, activation=self.activation,
-            packed=packed, chunk_size=self.chunk_size,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            plan,
+            conv_weights=weights,
+            activation=self.activation,
+            packed=packed,
+            chunk_size=self.chunk_size,
         )  # fmt: skip  [B, S/P, H, dv]
         core = self.norm(core, z)
         return self.out_proj(core.reshape(batch, seq_len, self.value_dim))
