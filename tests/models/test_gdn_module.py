@@ -110,14 +110,31 @@ def run_module_under_sp(layout, packed):
     for name, p in mine.named_parameters():
         vs_hf[name] = relative_error(p.grad, expected_params[name])
         exact[name] = relative_error(p.grad, single_params[name])
-    return vs_hf, exact
+    return vs_hf, exact, run_bfloat16_under_sp(plan, theirs.state_dict())
+
+
+def run_bfloat16_under_sp(plan, state):
+    """bfloat16 weights and activations (the decay and beta in float32 travel in their own
+    all-to-all): the SP run against the one-process module, both bfloat16."""
+    modules = []
+    for _ in range(2):
+        module = GatedDeltaNet.from_config(_config())
+        module.load_state_dict(state)
+        modules.append(module.to(torch.bfloat16))
+    x = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    expected = modules[0](x)
+    actual = plan.gather(modules[1](plan.shard(x), plan=plan).detach())
+    assert actual.dtype == torch.bfloat16
+    return relative_error(actual.double(), expected.detach().double())
 
 
 def test_module_under_sp_matches_transformers_document_by_document(distributed):
     failures = []
     for layout, packed in (("zigzag", False), ("contiguous", True)):
         results = distributed.run(run_module_under_sp, layout, packed, world_size=4, timeout=120)
-        for rank, (vs_hf, exact) in enumerate(results):
+        for rank, (vs_hf, exact, bf16) in enumerate(results):
+            if not bf16 < 2e-2:
+                failures.append(f"{layout} {packed} r{rank} bfloat16 {bf16:.3g}")
             failures += [
                 f"{layout} {packed} r{rank} {n} vs hf {e:.3g}"
                 for n, e in vs_hf.items()

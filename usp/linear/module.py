@@ -118,7 +118,7 @@ class GatedDeltaNet(nn.Module):
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         z = self.in_proj_z(hidden_states).unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        beta = self.in_proj_b(hidden_states).sigmoid()
+        beta = self.in_proj_b(hidden_states).to(dtype).sigmoid()
         a = self.in_proj_a(hidden_states).to(dtype)
         g = -self.A_log.to(dtype).exp() * F.softplus(a + self.dt_bias.to(dtype))
         weights = self.conv1d.weight[:, 0].split([self.key_dim, self.key_dim, self.value_dim])
