@@ -101,13 +101,13 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """``packed``: the global document boundaries (cu_seqlens or a PackedSequence of
         the plan); a ``cu_seq_lens_q`` keyword (transformers' padding-free batches) is
-        read as ``packed`` too. ``cache`` and a padding ``attention_mask`` are refused."""
+        read as ``packed`` too, as is the HF plug-in's ``usp_packed``. ``cache`` and a padding ``attention_mask`` are refused."""
         if cache is not None:
             raise ValueError("GatedDeltaNet (usp) computes training forwards: pass use_cache=False")
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("GatedDeltaNet (usp) does not take padding; pack documents instead")
-        if packed is None:
-            packed = kwargs.get("cu_seq_lens_q")
+        if packed is None:  # the HF plug-in's keyword, or transformers' padding-free one
+            packed = kwargs.get("usp_packed", kwargs.get("cu_seq_lens_q"))
         plan = self.plan if plan is None else plan
         batch, seq_len, _ = hidden_states.shape
         dtype = compute_dtype(hidden_states.dtype)
