@@ -251,3 +251,16 @@ def test_refusals_are_the_same_on_every_rank_before_any_traffic(distributed):
         for part in parts:
             assert part in message, message
     assert all(error < 1e-10 for _, error in results)
+
+
+def test_kernel_benchmark_runs_and_agrees_with_transformers():
+    pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    from benchmarks import gdn_kernel
+
+    row = gdn_kernel.main(["--seq-len", "96", "--heads", "2", "--dim", "16", "--repeats", "1",
+                           "--chunk-size", "32", "--batch", "2"])  # fmt: skip
+    assert row["max_abs_difference"] < 1e-5
+    assert row["usp_s"] > 0 and row["transformers_s"] > 0
+    forward = gdn_kernel.main(["--seq-len", "64", "--repeats", "1", "--no-backward",
+                               "--threads", "1"])  # fmt: skip
+    assert forward["max_abs_difference"] < 1e-5

@@ -9,5 +9,6 @@
 """
 
 from usp.linear.gdn import LinearAttentionError, gated_deltanet_usp
+from usp.linear.module import GatedDeltaNet
 
-__all__ = ["LinearAttentionError", "gated_deltanet_usp"]
+__all__ = ["GatedDeltaNet", "LinearAttentionError", "gated_deltanet_usp"]

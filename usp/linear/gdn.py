@@ -73,6 +73,11 @@ def _check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale)
             f"g and beta must be [B, S, H] = {tuple(v.shape[:3])} and q, v share [B, S]; got "
             f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, q {tuple(q.shape)}"
         )
+    if len({q.dtype, k.dtype, v.dtype}) != 1 or g.dtype != beta.dtype:
+        raise LinearAttentionError(
+            f"q, k, v must share a dtype and g, beta another; got {q.dtype}, {k.dtype}, "
+            f"{v.dtype} and {g.dtype}, {beta.dtype}"
+        )
     if v.shape[2] % q.shape[2]:
         raise LinearAttentionError(
             f"{v.shape[2]} value heads are not a multiple of {q.shape[2]} key heads"
@@ -203,7 +208,7 @@ def gated_deltanet_usp(
     ws = None if conv_weights is None else _replicated_weights(conv_weights, q, k, times)
     tensors = [q, k, v, g[..., None], beta[..., None]]
     if u > 1:  # [B, S/P, h, D] -> [B, S/r, h/u, D]
-        tensors = to_head_sharded(tensors, plan.ulysses_group, plan.comm_stats)
+        tensors = _to_head_sharded(tensors, plan)
         if ws is not None:
             ws = _rank_weights(ws, u, plan.ulysses_rank)
     q, k, v_local, g, beta = tensors
@@ -215,6 +220,20 @@ def gated_deltanet_usp(
     )  # fmt: skip
     if u > 1:  # [B, S/r, H/u, dv] -> [B, S/P, H, dv]
         out = to_sequence_sharded(out, plan.ulysses_group, plan.comm_stats)
+    return out
+
+
+def _to_head_sharded(tensors, plan):
+    """One all-to-all per dtype (the decay may be float32 next to bfloat16 q, k, v: an
+    all-to-all moves one dtype, and casting the decay would lose it)."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(index)
+    out = list(tensors)
+    for indices in by_dtype.values():
+        moved = to_head_sharded([tensors[i] for i in indices], plan.ulysses_group, plan.comm_stats)
+        for i, t in zip(indices, moved):
+            out[i] = t
     return out
 
 

@@ -148,10 +148,12 @@ def gated_delta_rule_padded(
 
     state = q.new_zeros(n, heads, dk, dv) if initial_state is None else initial_state.to(q.dtype)
     outs = []
-    for i in range(chunks):
-        u = u0[:, :, i] - w[:, :, i] @ state
-        outs.append(q_decay[:, :, i] @ state + qk[:, :, i] @ u)
-        state = last[:, :, i, None, None] * state + k_tail[:, :, i].transpose(-1, -2) @ u
+    # unbind, not index: the backward of one select per chunk fills a whole zero tensor
+    per_chunk = zip(*(t.unbind(2) for t in (u0, w, q_decay, qk, k_tail, last)))
+    for u0_i, w_i, q_i, qk_i, k_i, last_i in per_chunk:
+        u = u0_i - w_i @ state
+        outs.append(q_i @ state + qk_i @ u)
+        state = last_i[..., None, None] * state + k_i.transpose(-1, -2) @ u
     o = torch.stack(outs, dim=2).reshape(n, heads, chunks * c, dv)[:, :, :length]
     return o.transpose(1, 2), state
 

@@ -52,7 +52,12 @@ from usp.models.hf_inputs import (
     PaddingSeen,
     padding_mask_function,
 )
-from usp.models.hf_mixers import MixerCheck, TokenMixerError, check_model  # noqa: F401
+from usp.models.hf_mixers import (  # noqa: F401
+    MixerCheck,
+    TokenMixerError,
+    check_model,
+    swap_linear_attention,
+)
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, loss_dtype, sp_cross_entropy, sp_normalise
 from usp.plan import as_plan

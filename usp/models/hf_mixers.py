@@ -20,6 +20,10 @@ decoder (``model.get_decoder()``) must be one of
 - the decoder itself, its layer list, and the layers in it (their own code only adds
   and routes what their children return).
 
+- a token mixer usp computes exactly under SP itself (:data:`USP_MIXERS`: usp's Gated
+  DeltaNet, which :func:`swap_linear_attention` puts in place of transformers' Qwen3.5
+  layers); a layer kind (``linear_attention``) is accepted where such a module computes it.
+
 A convolution or recurrent module (``nn.Conv1d``, ``nn.RNN``, ...) mixes tokens; any other
 module is *unknown* and refused, not trusted. The config's per-layer kinds
 (``layer_types``, ``layers_block_type``, ``block_types``) that are not attention are
@@ -37,6 +41,12 @@ import torch
 from torch import nn
 
 from usp.errors import ModelConfigError
+from usp.linear.module import GatedDeltaNet
+
+#: token mixers usp computes exactly under SP (their children are not checked)
+USP_MIXERS = (GatedDeltaNet,)
+#: transformers' classes :func:`swap_linear_attention` replaces (same parameters)
+SWAPPABLE_GDN = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
 
 #: class-name endings of modules that act on each token alone (their children are checked)
 TOKEN_LOCAL_SUFFIXES = (
@@ -79,18 +89,52 @@ def sequence_mixers(model: nn.Module) -> list[Mixer]:
         if isinstance(child, nn.ModuleList):  # the layer stack: layers, h, blocks
             structural.update(id(layer) for layer in child)
     found: list[Mixer] = []
-    flagged: list[str] = []
+    flagged: list[str] = []  # flagged or computed by usp: their children are not listed
+    computed_layers: set[int] = set()  # layer indices whose mixer usp computes
     for path, module in decoder.named_modules():
         if any(path.startswith(prefix + ".") for prefix in flagged):
             continue
         if id(module) in structural or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             continue
+        if isinstance(module, USP_MIXERS):
+            flagged.append(path)
+            parts = path.split(".")
+            if len(parts) >= 2 and parts[1].isdigit():
+                computed_layers.add(int(parts[1]))
+            continue
         why = _why_mixing(module)
         if why is not None:
             found.append(Mixer(path, type(module).__name__, why))
             flagged.append(path)
-    found.extend(_layer_kind_mixers(getattr(model, "config", None)))
+    kinds = _layer_kind_mixers(getattr(model, "config", None))
+    found.extend(m for m in kinds if int(m.path.split(".")[1]) not in computed_layers)
     return found
+
+
+def swap_linear_attention(model: nn.Module, plan) -> int:
+    """Replace transformers' Qwen3.5 Gated DeltaNet layers of ``model`` by usp's
+    (:class:`usp.linear.GatedDeltaNet`: the same parameters, loaded strictly, on the same
+    device and dtype, computing under ``plan``); returns how many. Call it after loading
+    the weights and before ``register(plan, model=model)``, FSDP or an optimizer (the
+    parameters are new tensors)."""
+    replaced = 0
+    for path, module in list(model.named_modules()):
+        if type(module).__name__ not in SWAPPABLE_GDN:
+            continue
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        weight = module.conv1d.weight
+        usp_module = GatedDeltaNet(
+            module.hidden_size, module.num_k_heads, module.num_v_heads, module.head_k_dim,
+            module.head_v_dim, module.conv_kernel_size, module.layer_norm_epsilon,
+            module.activation, plan=plan,
+        )  # fmt: skip
+        usp_module.to(device=weight.device, dtype=weight.dtype)
+        usp_module.load_state_dict(module.state_dict(), strict=True)
+        usp_module.train(module.training)
+        setattr(parent, attr, usp_module)
+        replaced += 1
+    return replaced
 
 
 def _why_mixing(module: nn.Module) -> str | None:
@@ -149,8 +193,9 @@ def mixer_message(model: nn.Module, mixers: list[Mixer], grid: str) -> str:
         f"attention usp computes: {modules}. Under sequence parallelism ({grid}) each rank "
         "would run those modules on its shard of the sequence only, and the results would be "
         "silently wrong. Run it with one SP rank (ulysses = ring = 1; data parallelism is "
-        "fine), train a model family usp computes (usp.models.FAMILIES), or wait for usp's "
-        "linear-attention support"
+        "fine), train a model family usp computes (usp.models.FAMILIES), or, for Qwen3.5's "
+        "Gated DeltaNet layers, let usp compute them: usp.models.hf.swap_linear_attention("
+        "model, plan), then register(plan, model=model)"
     )
 
 

@@ -1,0 +1,95 @@
+"""A transformers Qwen3.5 model under SP through the HF plug-in, its Gated DeltaNet layers
+computed by usp (``usp.models.hf.swap_linear_attention``): logits and every parameter
+gradient on 4 gloo ranks (u2 x r2; dense zigzag, packed contiguous) against transformers
+in one process (document by document when packed: its torch path has no documents).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from hybrid_cases import HYBRID, build
+from reference import relative_error
+from usp_cases import topology
+
+transformers = pytest.importorskip("transformers", minversion="5.24")
+
+import usp  # noqa: E402
+from usp.linear import GatedDeltaNet  # noqa: E402
+from usp.models import hf as usp_hf  # noqa: E402
+from usp.models import shard_batch  # noqa: E402
+from usp.models.hf_mixers import TokenMixerError, mixer_problem  # noqa: E402
+
+TOL = 1e-4  # float32, transformers' order of operations against usp's
+
+
+def _reference(ids, dlogits, bounds):
+    model = build("qwen3_5_text", HYBRID["qwen3_5_text"])
+    logits = []
+    for a, b in zip(bounds, bounds[1:]):  # one document at a time
+        logits.append(model(input_ids=ids[:, a:b], use_cache=False).logits)
+    logits = torch.cat(logits, dim=1)
+    (logits * dlogits).sum().backward()
+    return model, logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def run_swapped(layout: str, packed: bool):
+    plan = usp.Plan(topology(2, 2), layout=layout)
+    name = usp_hf.register(plan, name=f"usp_gdn_{layout}")
+    gen = torch.Generator().manual_seed(5)
+    if packed:
+        cu = usp.pad_documents(torch.tensor([0, 7, 20], dtype=torch.int32), plan.topology,
+                               layout=layout).cu_seqlens  # fmt: skip
+        seq = int(cu[-1])
+    else:
+        cu, seq = None, 16
+    ids = torch.randint(0, 64, (1, seq), generator=gen)
+    dlogits = torch.randn(1, seq, 64, generator=gen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference, expected, expected_grads = _reference(
+            ids, dlogits, cu.tolist() if packed else [0, seq]
+        )
+        model = build("qwen3_5_text", HYBRID["qwen3_5_text"], attn_implementation=name)
+        model.load_state_dict(reference.state_dict())
+        refused_before = mixer_problem(model, plan)
+        swapped = usp_hf.swap_linear_attention(model, plan)
+        usp_hf.register(plan, name=name, model=model)  # accepted now: checks this model
+        batch = shard_batch(plan, ids, cu_seqlens=cu)
+        local = model(**batch.hf_kwargs()).logits  # [1, S/P, V]
+        local.backward(plan.shard(dlogits, packed=cu))
+    for p in model.parameters():  # replicated weights: the sum over the SP ranks
+        dist.all_reduce(p.grad, group=plan.sp_group)
+    errors = {"logits": relative_error(plan.gather(local.detach(), packed=cu), expected)}
+    for n, p in model.named_parameters():
+        errors[n] = relative_error(p.grad, expected_grads[n])
+    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, GatedDeltaNet)})
+    return errors, swapped, kinds, refused_before is not None
+
+
+def test_qwen3_5_gdn_layers_under_sp_match_transformers(distributed):
+    failures = []
+    for layout, packed in (("zigzag", False), ("contiguous", True)):
+        results = distributed.run(run_swapped, layout, packed, world_size=4, timeout=300)
+        for rank, (errors, swapped, kinds, refused_before) in enumerate(results):
+            assert swapped == 1 and kinds == ["GatedDeltaNet"] and refused_before
+            failures += [f"{layout} r{rank} {n}: {e:.3g}" for n, e in errors.items() if not e < TOL]
+    assert not failures, "\n".join(failures)
+
+
+def test_unswapped_qwen3_5_is_still_refused():
+    plan = usp.Plan(None)
+    model = build("qwen3_5_text", HYBRID["qwen3_5_text"])
+    assert mixer_problem(model, plan) is None  # one process: nothing to refuse
+
+    class TwoRanks:  # the checker reads the degrees only
+        sp_degree, ulysses_degree, ring_degree = 2, 1, 2
+
+    assert "Qwen3_5GatedDeltaNet" in mixer_problem(model, TwoRanks())
+    usp_hf.swap_linear_attention(model, None)
+    assert mixer_problem(model, TwoRanks()) is None
+    with pytest.raises(TokenMixerError):  # another hybrid is refused as before
+        usp_hf.check_model(build("qwen3_next", HYBRID["qwen3_next"]), TwoRanks())

@@ -1,0 +1,138 @@
+"""The Gated DeltaNet layer of Qwen3.5 / Qwen3-Next, computed by usp (exact under SP).
+
+:class:`GatedDeltaNet` has transformers' ``Qwen3_5GatedDeltaNet`` parameters under the
+same names (a state dict loads either way) and its forward: projections, the causal
+depthwise conv with SiLU, q/k l2-norm, ``g = -exp(A_log) softplus(a + dt_bias)``,
+``beta = sigmoid(b)``, the gated delta rule, the gated RMSNorm per value head and the
+output projection. Everything but the conv and the recurrence is token-local and runs on
+the rank's sequence shard; those two go through :func:`usp.linear.gated_deltanet_usp`.
+
+Precision: float64 modules compute in float64 throughout (transformers' torch path
+computes the decay, the recurrence and the norm in float32 whatever the module's dtype);
+other dtypes compute those in float32, as transformers does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from usp.linear.gdn import gated_deltanet_usp
+from usp.linear.kernel import compute_dtype
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the last dim, then times silu(gate) (transformers' RMSNormGated)."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(x.dtype)
+        h = x.to(dtype)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        h = self.weight * h.to(x.dtype)
+        return (h * F.silu(gate.to(dtype))).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer: [B, S/P, hidden] -> [B, S/P, hidden] on a rank's shard.
+
+    ``plan``: the :class:`usp.Plan` used when ``forward`` gets none (None: one process).
+    ``chunk_size``: the kernel's chunk length (work, not results).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel_size: int = 4,
+        rms_norm_eps: float = 1e-6,
+        activation: str = "silu",
+        *,
+        plan=None,
+        chunk_size: int = 64,
+    ):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.activation = activation
+        self.plan = plan
+        self.chunk_size = chunk_size
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim, bias=False,
+            padding=conv_kernel_size - 1,
+        )  # fmt: skip
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads).uniform_(0.01, 16)))
+        self.norm = GatedRMSNorm(head_v_dim, eps=rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+
+    @classmethod
+    def from_config(cls, config, **kwargs) -> GatedDeltaNet:
+        """From a transformers Qwen3.5 / Qwen3-Next text config."""
+        return cls(
+            config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+            config.linear_key_head_dim, config.linear_value_head_dim,
+            config.linear_conv_kernel_dim, config.rms_norm_eps, config.hidden_act, **kwargs,
+        )  # fmt: skip
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache=None,
+        attention_mask=None,
+        *,
+        plan=None,
+        packed=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """``packed``: the global document boundaries (cu_seqlens or a PackedSequence of
+        the plan); a ``cu_seq_lens_q`` keyword (transformers' padding-free batches) is
+        read as ``packed`` too, as is the HF plug-in's ``usp_packed``. ``cache`` and a padding ``attention_mask`` are refused."""
+        if cache is not None:
+            raise ValueError("GatedDeltaNet (usp) computes training forwards: pass use_cache=False")
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("GatedDeltaNet (usp) does not take padding; pack documents instead")
+        if packed is None:  # the HF plug-in's keyword, or transformers' padding-free one
+            packed = kwargs.get("usp_packed", kwargs.get("cu_seq_lens_q"))
+        plan = self.plan if plan is None else plan
+        batch, seq_len, _ = hidden_states.shape
+        dtype = compute_dtype(hidden_states.dtype)
+        q, k, v = self.in_proj_qkv(hidden_states).split(
+            [self.key_dim, self.key_dim, self.value_dim], dim=-1
+        )
+        q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
+        k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
+        v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        z = self.in_proj_z(hidden_states).unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        beta = self.in_proj_b(hidden_states).to(dtype).sigmoid()
+        a = self.in_proj_a(hidden_states).to(dtype)
+        g = -self.A_log.to(dtype).exp() * F.softplus(a + self.dt_bias.to(dtype))
+        weights = self.conv1d.weight[:, 0].split([self.key_dim, self.key_dim, self.value_dim])
+        core = gated_deltanet_usp(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            plan,
+            conv_weights=weights,
+            activation=self.activation,
+            packed=packed,
+            chunk_size=self.chunk_size,
+        )  # fmt: skip  [B, S/P, H, dv]
+        core = self.norm(core, z)
+        return self.out_proj(core.reshape(batch, seq_len, self.value_dim))
