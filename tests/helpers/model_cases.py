@@ -185,6 +185,17 @@ def hf_reference(directory: Path, input_ids, labels, cu_seqlens=None) -> dict:
     return {"logits": logits.detach(), "loss": loss.item(), "grads": grads}
 
 
+def closed_form_aux(router_logits, num_experts: int, top_k: int) -> torch.Tensor:
+    """The load-balancing loss as transformers writes it (Switch Transformer, no attention
+    mask) in float64 over a list of router logits [tokens, E] (every layer, every
+    document): E * sum_e (share of top-k assignments to e) * (mean router probability)."""
+    logits = torch.cat(list(router_logits))  # [rows, E]
+    probs = torch.softmax(logits, dim=-1)
+    chosen = probs.topk(top_k, dim=-1).indices
+    assigned = F.one_hot(chosen, num_experts).sum(1).double()  # [rows, E]
+    return num_experts * (assigned.mean(0) * probs.mean(0)).sum()
+
+
 def global_batch(batch, seq_len, *, seed=0, vocab=TINY["vocab_size"]) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq_len), generator=gen)

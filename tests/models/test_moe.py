@@ -25,6 +25,7 @@ from model_cases import (
     FAMILY_CASES,
     IGNORE,
     TINY,
+    closed_form_aux,
     cu_of,
     global_batch,
     grad_errors,
@@ -147,16 +148,6 @@ def test_router_top_k_and_renormalisation():
 
 
 # ---------------------------------------------------------------------- the aux loss
-def _closed_form_aux(router_logits, num_experts, top_k):
-    """Switch Transformer's loss as transformers writes it (no attention mask), in
-    float64: E * sum_e (share of top-k assignments) * (mean router probability)."""
-    logits = torch.cat(router_logits)  # [layers * tokens, E]
-    probs = torch.softmax(logits, dim=-1)
-    chosen = probs.topk(top_k, dim=-1).indices
-    assigned = F.one_hot(chosen, num_experts).sum(1).double()  # [rows, E]
-    return num_experts * (assigned.mean(0) * probs.mean(0)).sum()
-
-
 def _reference(ckpt, ids, labels, cu=None):
     """transformers in float64 (router softmax in float64), document by document: logits,
     CE mean + COEF * closed-form aux, every gradient; and transformers' own float32
@@ -172,7 +163,7 @@ def _reference(ckpt, ids, labels, cu=None):
     ce = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE
     )
-    aux = _closed_form_aux(router, MOE["num_experts"], MOE["num_experts_per_tok"])
+    aux = closed_form_aux(router, MOE["num_experts"], MOE["num_experts_per_tok"])
     (ce + COEF * aux).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     hf_aux = None

@@ -1,0 +1,93 @@
+"""``usp train`` on a tiny Qwen3-MoE checkpoint written by transformers, with the
+load-balancing loss on (``output_router_logits``, ``router_aux_loss_coef`` 0.1).
+
+The step-1 loss of one process equals transformers' on the same tokens: per micro-batch
+(one packed row of two sequences) the cross-entropy sum over the step's label count plus
+the coefficient times the micro-batch's load-balancing loss (its statistics over every
+token of the row and both sparse layers), the micro-batches' losses added as usp's
+trainer (and transformers' Trainer) add them; 1e-5 relative (the trainer runs float32).
+Ulysses 2 x ring 2 on 4 gloo ranks equals the one-process run step by step (its router
+statistics summed over the SP group). The preset ``qwen3-moe-tiny`` trains too.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_cases import closed_form_aux, load_hf_reference, write_family_checkpoint
+from train_cases import _train_on_ranks, assert_matches_single, base_config
+
+from usp.train import components
+from usp.train.config import train_config_from_dict
+from usp.train.data import IGNORE_INDEX, micro_batch_of
+from usp.train.trainer import train
+
+pytest.importorskip("transformers", reason="the reference is HF transformers")
+pytest.importorskip("safetensors", reason="HF checkpoints are safetensors files")
+
+COEF = 0.1
+
+
+def moe_job(checkpoint) -> dict:
+    config = base_config(steps=2, checkpoint_interval=0)
+    config["model"] = {"path": str(checkpoint)}
+    config["data"] = {**config["data"], "tokenizer": "byte"}
+    return config
+
+
+def transformers_first_loss(config: dict) -> float:
+    """transformers' float64 step-1 loss: each micro-batch's documents run alone; CE sum
+    over all micro-batches / the step's label count + COEF * each micro-batch's aux."""
+    job = train_config_from_dict(config)
+    source = components.model_source(job)
+    _, dataset = components.build_dataset(job, source, job.data.document_multiple)
+    model = load_hf_reference(source.directory)
+    cfg = model.config
+    total, count, aux = 0.0, 0, 0.0
+    per_micro = job.train.micro_batch
+    with torch.no_grad():
+        for first in range(0, job.train.global_batch, per_micro):
+            row = micro_batch_of([dataset.sequence(g) for g in range(first, first + per_micro)])
+            bounds = row.cu_seqlens.tolist()
+            router = []
+            for a, b in zip(bounds, bounds[1:]):
+                out = model(row.input_ids[:, a:b], use_cache=False, output_router_logits=True)
+                labels = row.labels[0, a:b]
+                total += F.cross_entropy(
+                    out.logits[0], labels, ignore_index=IGNORE_INDEX, reduction="sum"
+                ).item()
+                count += int((labels != IGNORE_INDEX).sum())
+                router.extend(out.router_logits)
+            aux += closed_form_aux(router, cfg.num_experts, cfg.num_experts_per_tok).item()
+    return total / count + COEF * aux
+
+
+def test_usp_train_qwen3_moe_with_the_aux_loss(distributed, tmp_path):
+    checkpoint = write_family_checkpoint(
+        tmp_path / "moe", "qwen3_moe", seed=13, vocab_size=256,
+        output_router_logits=True, router_aux_loss_coef=COEF,
+    )  # fmt: skip
+    config = moe_job(checkpoint)
+    single = train(train_config_from_dict(config), None, output_dir=tmp_path / "one",
+                   stream=io.StringIO())  # fmt: skip
+    first, expected = single.metrics[0]["loss"], transformers_first_loss(config)
+    assert abs(first - expected) <= 1e-5 * expected, (first, expected)
+    rows = distributed.run(
+        _train_on_ranks, config, 2, 2, str(tmp_path / "u2r2"), world_size=4, timeout=300
+    )
+    assert all(r == rows[0] for r in rows)
+    assert_matches_single(rows[0], single.metrics)
+
+
+def test_usp_train_the_tiny_preset(tmp_path):
+    config = base_config(steps=2, checkpoint_interval=0)
+    config["model"] = {"preset": "qwen3-moe-tiny"}
+    result = train(train_config_from_dict(config), None, output_dir=tmp_path / "tiny",
+                   stream=io.StringIO())  # fmt: skip
+    losses = [row["loss"] for row in result.metrics]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert losses[1] < losses[0]
