@@ -161,6 +161,12 @@ def run_refusals():
         (a.grad, b.grad) for a, b in zip(leaves, eager_leaves)
     ]
     compile_error = max(relative_error(a, b) for a, b in pairs)
+    # the module form: window at construction, sinks in forward; the function's result
+    module = usp.UspAttention(topo, causal=True, window=4, layout="zigzag")
+    assert "window=4" in repr(module)
+    by_module = module(*local, sinks=sinks)
+    by_function = usp.usp_attention(*local, topo, causal=True, window=4, sinks=sinks)
+    compile_error = max(compile_error, relative_error(by_module, by_function))
     return messages, out.shape, compile_error
 
 
