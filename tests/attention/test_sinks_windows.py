@@ -95,6 +95,14 @@ def run_windows(ulysses, ring):
         topo, inputs, with_sinks=True, dtype=torch.bfloat16, sinks_dtype=torch.float32, **case
     )
     results.append((case, torch.bfloat16, errors))
+    # a value head size of its own (MLA): smaller and larger than q/k's 8
+    for value_dim, ring_impl, packed in ((4, "p2p", DOCS), (12, "allgather", None)):
+        mla = case_inputs(64, 4, 2, seed=value_dim, value_dim=value_dim)
+        case = dict(layout="contiguous", ring_impl=ring_impl, packed=packed, window=20)
+        errors = usp_case(
+            topo, mla, with_sinks=True, dtype=torch.float64, sinks_dtype=torch.float64, **case
+        )
+        results.append(({**case, "value_dim": value_dim}, torch.float64, errors))
     return results
 
 
