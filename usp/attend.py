@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from usp.call_check import call_fields, checked_call, needs_grad
 from usp.comm.agreement import Field
@@ -196,6 +197,7 @@ def attend(
     Under ``torch.compile`` the call is checked (and, with ``verify``, agreed across the
     SP ranks) while the graph is traced, once per plan and call shape
     (:func:`traced_call`): the graph holds only the collectives and the computation."""
+    q, k, v, softmax_scale, value_dim = equal_head_dims(q, k, v, softmax_scale)
     live = None  # the placement a compiled graph reads documents from (cfg's eagerly)
     if torch.compiler.is_compiling():
         call = _traced(
@@ -218,7 +220,30 @@ def attend(
     out, _ = run_ring(q, k, v, call.ring, live, local_sinks)
     if plan.ulysses_degree > 1:
         out = to_sequence_sharded(out, ulysses, stats)  # [B, S/P, H, D]
+    if value_dim is not None:
+        out = out[..., :value_dim]  # [B, S/P, H, Dv]: the padded columns are zeros
     return out
+
+
+def equal_head_dims(q, k, v, softmax_scale):
+    """A value head size other than the query/key one (MLA: DeepSeek-V3's q/k 192, v 128)
+    made equal by zero padding, which changes nothing: zero columns of v give zero
+    output columns (sliced off after), zero columns of q and k add nothing to the scores
+    (the default scale stays the query's own head_dim**-0.5). Returns (q, k, v,
+    softmax_scale, the value head size to slice the output to, or None when nothing
+    was padded). Anything else that does not fit is left to the checks."""
+    shapes_fit = all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v))
+    if not shapes_fit or k.shape[:-1] != v.shape[:-1] or k.shape[-1] != q.shape[-1]:
+        return q, k, v, softmax_scale, None
+    qk_dim, value_dim = q.shape[-1], v.shape[-1]
+    if value_dim == qk_dim:
+        return q, k, v, softmax_scale, None
+    if value_dim < qk_dim:
+        return q, k, F.pad(v, (0, qk_dim - value_dim)), softmax_scale, value_dim
+    if softmax_scale is None:
+        softmax_scale = qk_dim**-0.5
+    q, k = (F.pad(t, (0, value_dim - qk_dim)) for t in (q, k))
+    return q, k, v, softmax_scale, value_dim
 
 
 def checked(

@@ -8,6 +8,7 @@ grid runs every case. Tolerances: float64 1e-10; bfloat16 2e-2 (out) and 5e-2 (g
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from usp_cases import topology
 from window_cases import case_inputs, usp_case
 
 import usp
+from usp.planner.traffic import traffic_formula
 
 TOL = {torch.float64: (1e-10, 1e-10), torch.bfloat16: (2e-2, 5e-2)}
 #: dsinks in a lower-precision dtype than the inputs (rounded once, at the end)
@@ -93,6 +95,14 @@ def run_windows(ulysses, ring):
         topo, inputs, with_sinks=True, dtype=torch.bfloat16, sinks_dtype=torch.float32, **case
     )
     results.append((case, torch.bfloat16, errors))
+    # a value head size of its own (MLA): smaller and larger than q/k's 8
+    for value_dim, ring_impl, packed in ((4, "p2p", DOCS), (12, "allgather", None)):
+        mla = case_inputs(64, 4, 2, seed=value_dim, value_dim=value_dim)
+        case = dict(layout="contiguous", ring_impl=ring_impl, packed=packed, window=20)
+        errors = usp_case(
+            topo, mla, with_sinks=True, dtype=torch.float64, sinks_dtype=torch.float64, **case
+        )
+        results.append(({**case, "value_dim": value_dim}, torch.float64, errors))
     return results
 
 
@@ -159,6 +169,12 @@ def run_refusals():
         (a.grad, b.grad) for a, b in zip(leaves, eager_leaves)
     ]
     compile_error = max(relative_error(a, b) for a, b in pairs)
+    # the module form: window at construction, sinks in forward; the function's result
+    module = usp.UspAttention(topo, causal=True, window=4, layout="zigzag")
+    assert "window=4" in repr(module)
+    by_module = module(*local, sinks=sinks)
+    by_function = usp.usp_attention(*local, topo, causal=True, window=4, sinks=sinks)
+    compile_error = max(compile_error, relative_error(by_module, by_function))
     return messages, out.shape, compile_error
 
 
@@ -180,3 +196,65 @@ def test_what_cannot_be_computed_is_refused_on_every_rank(distributed):
             if name != "compile":  # agreed: rank 1's error on both ranks
                 assert "failed on rank 1 of 2" in messages[name], messages[name]
     assert results[0][0] == results[1][0]
+
+
+# ------------------------------------------------------------------ traffic
+def run_window_traffic():
+    """CommStats of one windowed forward and backward per case (bf16, B 1, S 256, 4
+    query / 2 KV heads of 8) under u1r4 and u2r2."""
+    results = {}
+    for grid in ((1, 4), (2, 2)):
+        topo = topology(*grid)
+        q, k, v, dout, _ = case_inputs(256, 4, 2, seed=4)
+        # the all-gather ring gathers everything, window or not: one case of it
+        cases = [*itertools.product(("contiguous", "zigzag"), ["p2p"], (1, 16, 40, 1000))]
+        cases.append(("contiguous", "allgather", 16))
+        for layout, ring_impl, window in cases:
+            local = [
+                usp.shard_sequence(t, topo, layout=layout).to(torch.bfloat16).requires_grad_()
+                for t in (q, k, v)
+            ]
+            topo.comm_stats.reset()
+            out = usp.usp_attention(
+                *local, topo, causal=True, layout=layout, ring_impl=ring_impl, window=window
+            )
+            forward = topo.comm_stats.snapshot()
+            topo.comm_stats.reset()
+            out.backward(usp.shard_sequence(dout, topo, layout=layout).to(torch.bfloat16))
+            backward = topo.comm_stats.snapshot()
+            results[grid, layout, ring_impl, window] = {"forward": forward, "backward": backward}
+    return results
+
+
+def _formula(grid, layout, ring_impl, window, seqlen=256):
+    return traffic_formula(
+        types.SimpleNamespace(heads=4, kv_heads=2, head_dim=8), batch=1, seqlen=seqlen,
+        ulysses=grid[0], ring=grid[1], ring_impl=ring_impl, item_bytes=2, acc_bytes=4,
+        window=window, layout=layout,
+    )  # fmt: skip
+
+
+def test_a_windowed_layer_moves_the_stated_bytes(distributed):
+    failures = []
+    for rank, results in enumerate(distributed.run(run_window_traffic, world_size=4)):
+        for (grid, layout, impl, window), traffic in results.items():
+            want = _formula(grid, layout, impl, window)
+            if traffic != want:
+                failures.append(
+                    f"rank {rank} {grid} {layout} {impl} W={window}: {traffic} != {want}"
+                )
+    assert not failures, "\n".join(failures[:8])
+    # contiguous u1r4, 64 tokens a rank: a window of 16 needs one neighbour's block, a
+    # third of the full ring's K/V bytes (forward and backward), one of 1 nothing
+    full = _formula((1, 4), "contiguous", "p2p", None)
+    w16 = _formula((1, 4), "contiguous", "p2p", 16)
+    for phase in ("forward", "backward"):
+        assert 3 * w16[phase]["p2p"]["sent"] == full[phase]["p2p"]["sent"]
+    assert "p2p" not in _formula((1, 4), "contiguous", "p2p", 1)["forward"]
+    # the issue's case: window 16 on u1r8 at 128k tokens moves 1/7 of the full ring
+    big = dict(seqlen=131072, layout="contiguous", ring_impl="p2p")
+    ratio = (
+        _formula((1, 8), window=16, **big)["backward"]["p2p"]["sent"]
+        / _formula((1, 8), window=None, **big)["backward"]["p2p"]["sent"]
+    )
+    assert ratio == pytest.approx(1 / 7)

@@ -11,11 +11,14 @@ from reference import reference_sink_attention, relative_error, window_document_
 import usp
 
 
-def case_inputs(total, heads, kv_heads, seed, dim=8):
+def case_inputs(total, heads, kv_heads, seed, dim=8, value_dim=None):
+    """Global q, k, v, dout and sinks in float64; ``value_dim``: v's (and out's) head
+    size when it differs from q/k's (MLA)."""
     gen = torch.Generator().manual_seed(seed)
+    value_dim = dim if value_dim is None else value_dim
     q, k, v, dout = (
-        torch.randn(1, total, h, dim, generator=gen, dtype=torch.float64)
-        for h in (heads, kv_heads, kv_heads, heads)
+        torch.randn(1, total, h, d, generator=gen, dtype=torch.float64)
+        for h, d in ((heads, dim), (kv_heads, dim), (kv_heads, value_dim), (heads, value_dim))
     )
     sinks = torch.randn(heads, generator=gen, dtype=torch.float64)
     return q, k, v, dout, sinks

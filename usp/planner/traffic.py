@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from usp.process_groups import kv_replication
+from usp.ring.window import ring_steps
 
 
 class HeadShape(Protocol):
@@ -36,6 +37,8 @@ def traffic_formula(
     ring_impl: str,
     item_bytes: int,
     acc_bytes: int,
+    window: int | None = None,
+    layout: str = "zigzag",
 ) -> dict[str, dict[str, dict[str, int]]]:
     """Bytes one rank sends and receives per collective kind, ``{"forward": {kind:
     {"sent", "received", "calls"}}, "backward": {...}}``, as ``CommStats.snapshot()``.
@@ -51,6 +54,12 @@ def traffic_formula(
       (each accumulator starts at the owner's next rank and reaches the owner in r-1 hops).
       allgather: forward all_gather of (r-1) local K/V; backward all_gather again and
       reduce_scatter of (r-1) accumulator dK/dV blocks ((r-1)/r of the gathered dK/dV).
+    A sliding ``window`` (transformers' W, a dense sequence in ``layout``) shortens the
+    p2p ring to k steps (:func:`usp.ring.window.ring_steps`): k-1 K/V blocks forward,
+    k-1 K/V and k-1 dK/dV blocks backward, the dK/dV's last hop straight to its owner.
+    ``contiguous``: k = min(r, 1 + ceil((W-1) / (S/r))); ``zigzag``: k = r for W >= 2
+    (every rank's second chunk needs the next rank's), 1 for W = 1. The all-gather ring
+    and the all-to-alls move what they move without a window.
     """
     u, r = ulysses, ring
     local = seqlen // (u * r)
@@ -66,9 +75,13 @@ def traffic_formula(
     if r > 1:
         block = 2 * batch * (seqlen // r) * (kv_heads // u) * shape.head_dim  # K and V elements
         kv, dkv = block * item_bytes, block * acc_bytes
+        hops = r - 1
+        if window is not None and window < seqlen:  # a window holding the sequence: none
+            hops = ring_steps(layout, r, seqlen // r, None, window - 1) - 1
         if ring_impl == "p2p":
-            forward["p2p"] = _counts((r - 1) * kv, r - 1)
-            backward["p2p"] = _counts((r - 1) * (kv + dkv), 2 * (r - 1))
+            if hops:  # a window of 1 (each query sees itself): nothing moves
+                forward["p2p"] = _counts(hops * kv, hops)
+                backward["p2p"] = _counts(hops * (kv + dkv), 2 * hops)
         else:
             forward["all_gather"] = _counts((r - 1) * kv, 1)
             backward["all_gather"] = _counts((r - 1) * kv, 1)
