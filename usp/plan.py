@@ -100,6 +100,7 @@ class Plan:
     def from_config(
         cls,
         config_or_path,
+        /,
         *,
         topology: Topology | None | str = "build",
         verify_calls: bool | None = None,

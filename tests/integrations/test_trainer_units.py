@@ -307,12 +307,15 @@ def test_trainer_settings_usp_replaces_are_refused(changes, needle):
 # ----------------------------------------------------------------------------- set-up
 def test_one_process_plans_and_the_flags():
     assert launch_plan().topology is None
-    with pytest.raises(usp.TopologyError, match="torchrun --nproc-per-node 4"):
+    with pytest.raises(usp.TopologyError, match="torchrun --nproc-per-node 4") as info:
         launch_plan(2, 2)
     import argparse
 
     parser = argparse.ArgumentParser()
     hf_cli.add_arguments(parser)
+    # the examples' flags that run one process (those after torchrun's command line)
+    assert "the examples' --ulysses 1 --ring 1" in str(info.value), str(info.value)
+    assert parser.parse_args(["--ulysses", "1", "--ring", "1"]).ring == 1
     for flags, expected in [
         ([], Levers()),
         (["--activation-checkpointing", "offload", "--mlp-tile-tokens", "64",

@@ -457,3 +457,51 @@ def test_hf_plugin_errors(checkpoints):
     assert out.shape == (1, 6, 4, 8) and weights is None
     with pytest.raises(ValueError, match="labels shape"):
         usp_hf.sp_loss(torch.randn(1, 6, 10), torch.zeros(1, 5, dtype=torch.long), None)
+
+
+def _public_entries(path):
+    """Every public constructor and loader of a native model, as ``f(**keywords)``."""
+    from usp.models import family_named
+
+    config = LlamaConfig(**TINY)
+    family = family_named("llama")
+    return {
+        "Llama": lambda **kw: Llama(config, **kw),
+        "Llama.from_config": lambda **kw: Llama.from_config(config, **kw),
+        "Llama.from_pretrained": lambda **kw: Llama.from_pretrained(path, **kw),
+        "usp.models.from_pretrained": lambda **kw: usp.models.from_pretrained(path, **kw),
+        "family.build": lambda **kw: family.build(config, **kw),
+        "family.from_pretrained": lambda **kw: family.from_pretrained(path, **kw),
+        "usp.models.family.build": lambda **kw: usp.models.family.build(config, **kw),
+    }
+
+
+def test_the_renamed_topology_keyword_still_works_with_a_deprecation_warning(checkpoints):
+    """``topology=`` (the first release's name of ``plan=``) on every public constructor
+    and loader: the same model as ``plan=``, with a DeprecationWarning naming ``plan=``
+    that points at the caller; both at once, or a keyword a model does not take (an
+    internal function's parameter name among them), is a TypeError naming the public
+    function, never one about an internal signature."""
+    plan = usp.Plan(None, backend="math")
+    ids = global_batch(1, 12, seed=4)
+    for name, make in _public_entries(checkpoints["plain"]).items():
+        torch.manual_seed(0)
+        expected = make(plan=plan)
+        torch.manual_seed(0)
+        with pytest.warns(
+            DeprecationWarning, match=r"\(topology=\.\.\.\) is now .*\(plan=\.\.\.\)"
+        ) as seen:
+            model = make(topology=plan)
+        assert [w.filename for w in seen] == [__file__], (name, [w.filename for w in seen])
+        assert model.plan.backend == "math", name
+        with torch.no_grad():
+            assert torch.equal(model(ids), expected(ids)), name
+        with pytest.raises(TypeError, match="give plan= only"):
+            make(plan=plan, topology=plan)
+        for keyword in ("cls", "topology_or_plan", "verify_calls", "attention_class", "bogus"):
+            with pytest.raises(TypeError) as info:
+                make(**{keyword: 1})
+            message = str(info.value)
+            assert "multiple values" not in message and "load_pretrained" not in message, message
+            assert "with_options" not in message and "as_plan" not in message, message
+            assert repr(keyword) in message and "plan=" in message, (name, message)

@@ -479,3 +479,45 @@ def test_usp_topo_runs_the_train_and_data_checks(tmp_path, capsys):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.jsonl").write_text('{"text": "hi"}\n')
     assert main(["topo", str(glob_job)]) == 0, capsys.readouterr().err
+
+
+def test_config_overrides_never_clash_with_a_parameter_name(tmp_path):
+    """The config readers and Plan.from_config take every override as a keyword: a name
+    that is also one of their own or an internal function's parameters (``path``,
+    ``source``, ``self``, ...) is an override like any other -- applied when it is a key
+    (``source``: [data] source), else the one "unknown override" error -- never a
+    TypeError about a signature."""
+    import usp
+    from usp.config import config_from_dict, load_config
+    from usp.train.config import train_config_from_dict
+
+    topo = write(
+        tmp_path,
+        "[cluster]\nnodes = 1\ngpus_per_node = 4\n[parallel]\nulysses = 2\nring = 2\n",
+        "t.toml",
+    )
+    job = write(tmp_path, MINIMAL)
+    readers = {
+        "load_config": lambda **kw: load_config(topo, **kw),
+        "config_from_dict": lambda **kw: config_from_dict(load_config(topo).to_dict(), **kw),
+        "UspConfig.with_overrides": lambda **kw: load_config(topo).with_overrides(**kw),
+        "Plan.from_config": lambda **kw: usp.Plan.from_config(topo, topology=None, **kw),
+        "load_train_config": lambda **kw: load_train_config(job, **kw),
+        "train_config_from_dict": lambda **kw: train_config_from_dict(
+            load_train_config(job).tables, **kw
+        ),
+        "TrainJobConfig.with_overrides": lambda **kw: load_train_config(job).with_overrides(**kw),
+    }
+    for name, read in readers.items():
+        for keyword in ("path", "self", "data", "overrides", "config_or_path", "cls"):
+            with pytest.raises(ConfigError, match=f"unknown override '{keyword}'"):
+                read(**{keyword: 1})
+        if name in ("config_from_dict", "train_config_from_dict"):
+            assert read(source="x.toml").source == "x.toml"  # their own parameter: the file
+        elif name in ("load_config", "UspConfig.with_overrides", "Plan.from_config"):
+            with pytest.raises(ConfigError, match="unknown override 'source'"):
+                read(source="x")
+        else:  # a training config's override of [data] source
+            assert read(steps=3).train.steps == 3
+            with pytest.raises(ConfigError, match=r"\[data\] source must be one of"):
+                read(source="nowhere")

@@ -89,9 +89,9 @@ class UspConfig:
         sections = {name: getattr(self, name) for name in SECTIONS}
         return {name: asdict(body) for name, body in sections.items() if body is not None}
 
-    def with_overrides(self, **overrides: Any) -> UspConfig:
+    def with_overrides(self, /, **overrides: Any) -> UspConfig:
         """The same file with ``overrides`` (``ulysses=4``, ...; None: not given)."""
-        return config_from_dict(self.to_dict(), source=self.source, **overrides)
+        return _config_from(self.to_dict(), self.source, overrides)
 
     def with_heads(self, num_heads: int, num_kv_heads: int, head_dim: int | None) -> UspConfig:
         """This config with a ``[model]`` of these head counts (a model's real ones)."""
@@ -144,20 +144,26 @@ class ResolvedConfig:
 
 
 # ----------------------------------------------------------------------------- parsing
-def load_config(path: str | os.PathLike, **overrides: Any) -> UspConfig:
+def load_config(path: str | os.PathLike, /, **overrides: Any) -> UspConfig:
     """Parse a TOML topology config; ``overrides`` (``ulysses=4``, ``nodes=2``, ...)
     replace keys.
 
     An override of ``None`` is ignored, so argparse results can be passed straight in.
     """
     source = os.fspath(path)
-    return config_from_dict(read_toml(source), source=source, **overrides)
+    return _config_from(read_toml(source), source, overrides)
 
 
 def config_from_dict(
-    data: dict[str, Any], *, source: str | None = None, **overrides: Any
+    data: dict[str, Any], /, *, source: str | None = None, **overrides: Any
 ) -> UspConfig:
     """Build a :class:`UspConfig` from the TOML structure (a dict of sections)."""
+    return _config_from(data, source, overrides)
+
+
+def _config_from(data: dict[str, Any], source: str | None, overrides: dict[str, Any]) -> UspConfig:
+    """:func:`config_from_dict` with the overrides as a dict (any name is an override, so
+    an unknown one is the one "unknown override" error, never a clash of parameters)."""
     try:
         data = apply_overrides(data, overrides, OVERRIDE_KEYS)
         _check_structure(data)

@@ -54,7 +54,8 @@ def launch_plan(
             raise TopologyError(
                 f"ulysses({ulysses}) * ring({ring}) = {ulysses * ring} SP ranks need as many "
                 f"processes: launch with torchrun --nproc-per-node {ulysses * ring} (this is "
-                "one process)"
+                "one process), or run this one without SP: ulysses = ring = 1 (the examples' "
+                "--ulysses 1 --ring 1)"
             )
         if topology_file is None:
             return Plan(None, **attention_options)

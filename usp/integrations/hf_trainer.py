@@ -46,7 +46,7 @@ from usp.integrations.hf_setup import (
     window_problem,
 )
 from usp.models.hf_inputs import HFInputError
-from usp.plan import _can_agree
+from usp.plan import _can_agree, as_plan
 from usp.train.parallelize import set_gradient_sync
 
 #: error classes re-raised as themselves when the replicas agree on a failure
@@ -124,7 +124,7 @@ class UspTrainerMixin:
             check_training_arguments(
                 args, compute_loss_func=kwargs.get("compute_loss_func"), levers=levers
             )
-        self.usp_plan = launch_plan() if plan is None else plan
+        self.usp_plan = launch_plan() if plan is None else as_plan(plan)  # a Plan or Topology
         self.usp_model = prepare_model(model, self.usp_plan, levers, name=attention_name)
         super().__init__(model, args, *more, **kwargs)
         check_training_arguments(self.args, levers=self.usp_model.levers)

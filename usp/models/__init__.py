@@ -45,14 +45,16 @@ from usp.models.loss import (
     sp_normalise,
 )
 from usp.models.mistral import Mistral, MistralConfig
+from usp.models.plans import plan_argument
 from usp.models.qwen2 import Qwen2, Qwen2Config
 from usp.models.qwen3 import Qwen3, Qwen3Config
 from usp.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 
 
-def from_pretrained(path: str | Path, plan=None, **kwargs) -> CausalLM:
+def from_pretrained(path: str | Path, /, plan=None, **kwargs) -> CausalLM:
     """Load a local HF-format directory as the model of the family its ``config.json``
     names (see :meth:`usp.models.decoder.CausalLM.from_pretrained` for ``kwargs``)."""
+    plan = plan_argument(plan, kwargs, "usp.models.from_pretrained")
     config_file = checkpoint_dir(path) / "config.json"
     family = family_for_hf(read_config_json(config_file), source=str(config_file))
     return family.from_pretrained(path, plan, **kwargs)

@@ -94,7 +94,7 @@ def _few(names, limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def load_pretrained(cls, path, topology=None, *, dtype=None, device=None, config=None, **kwargs):
+def load_pretrained(cls, path, plan=None, /, *, dtype=None, device=None, config=None, **kwargs):
     """``cls.from_pretrained`` (``cls`` a family's model class): see
     :meth:`usp.models.decoder.CausalLM.from_pretrained`."""
     safe_open, _ = _safetensors()
@@ -111,7 +111,7 @@ def load_pretrained(cls, path, topology=None, *, dtype=None, device=None, config
     device = torch.device("cpu" if device is None else device)
     dtype = dtype or _config_dtype(config)
     with torch.device("meta"):
-        model = cls(config, topology, **kwargs)
+        model = cls(config, plan, **kwargs)
     expected = dict(model.named_parameters())
     state, unexpected, wrong_shape = {}, [], []
     experts: dict = {}  # per-expert tensors of grouped parameters (usp.models.moe)

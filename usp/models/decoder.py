@@ -27,7 +27,7 @@ from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, sp_cross_entropy
 from usp.models.moe import collect_router_stats, sp_router_aux_loss
 from usp.models.norm import rms_norm
-from usp.models.plans import check_heads, pack_once
+from usp.models.plans import check_attention_options, check_heads, pack_once, plan_argument
 from usp.models.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
 from usp.plan import as_plan
 
@@ -201,7 +201,7 @@ class CausalLM(nn.Module):
         """Layer ``index``'s MLP (a family with other MLPs, e.g. experts, overrides it)."""
         return MLP(config)
 
-    def __init__(self, config: DecoderConfig, plan=None, **attention_options):
+    def __init__(self, config: DecoderConfig, /, plan=None, **attention_options):
         super().__init__()
         if not isinstance(config, self.config_class):
             raise TypeError(
@@ -209,6 +209,8 @@ class CausalLM(nn.Module):
                 f"{type(config).__name__}; use {type(self).__name__}.from_config for HF dicts "
                 "and preset names"
             )
+        plan = plan_argument(plan, attention_options, type(self).__name__)
+        check_attention_options(attention_options, type(self).__name__)
         self.config = config
         self.plan = as_plan(plan, **attention_options)
         check_heads(self.plan, config.num_attention_heads, config.num_key_value_heads)
@@ -225,7 +227,7 @@ class CausalLM(nn.Module):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_config(cls, config, plan=None, **kwargs) -> CausalLM:
+    def from_config(cls, config, /, plan=None, **kwargs) -> CausalLM:
         """From a config of this family, an HF config dict, or a preset name of this
         family; randomly initialised."""
         if isinstance(config, str):
@@ -237,12 +239,14 @@ class CausalLM(nn.Module):
             config = cls.presets[config]
         elif isinstance(config, dict):
             config = cls.config_class.from_hf_dict(config)
+        plan = plan_argument(plan, kwargs, f"{cls.__name__}.from_config")
         return cls(config, plan, **kwargs)
 
     @classmethod
     def from_pretrained(
         cls,
         path: str | Path,
+        /,
         plan=None,
         *,
         dtype: torch.dtype | None = None,
@@ -259,6 +263,7 @@ class CausalLM(nn.Module):
         options)."""
         from usp.models.checkpoint import load_pretrained
 
+        plan = plan_argument(plan, kwargs, f"{cls.__name__}.from_pretrained")
         return load_pretrained(cls, path, plan, dtype=dtype, device=device, **kwargs)
 
     def save_pretrained(self, path: str | Path) -> Path:

@@ -22,6 +22,7 @@ from torch import nn
 from usp.errors import ModelConfigError
 from usp.models import llama, mistral, qwen2, qwen3, qwen3_moe
 from usp.models.config import DecoderConfig, read_config_json
+from usp.models.plans import plan_argument
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,13 @@ class ModelFamily:
                 f"unknown {self.name} preset {name!r}; known: {', '.join(self.presets)}"
             ) from None
 
-    def build(self, config: DecoderConfig, plan=None, **attention_options) -> nn.Module:
+    def build(self, config: DecoderConfig, /, plan=None, **attention_options) -> nn.Module:
         """The model, randomly initialised (on the meta device: uninitialised)."""
+        plan = plan_argument(plan, attention_options, self.model_class.__name__)
         return self.model_class(config, plan, **attention_options)
 
-    def from_pretrained(self, path, plan=None, **kwargs) -> nn.Module:
+    def from_pretrained(self, path, /, plan=None, **kwargs) -> nn.Module:
+        plan = plan_argument(plan, kwargs, f"{self.model_class.__name__}.from_pretrained")
         return self.model_class.from_pretrained(path, plan, **kwargs)
 
 
@@ -140,8 +143,9 @@ def preset(name: str) -> DecoderConfig:
         raise KeyError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None
 
 
-def build(config: DecoderConfig, plan=None, **attention_options) -> nn.Module:
+def build(config: DecoderConfig, /, plan=None, **attention_options) -> nn.Module:
     """The model of ``config``'s family."""
+    plan = plan_argument(plan, attention_options, "usp.models.family.build")
     return family_of(config).build(config, plan, **attention_options)
 
 

@@ -1,12 +1,50 @@
 """How a model checks its heads against the plan and turns cu_seqlens (or a
-PackedSequence) into one PackedSequence per forward (``usp.plan.as_plan`` makes the plan)."""
+PackedSequence) into one PackedSequence per forward (``usp.plan.as_plan`` makes the plan),
+and how the model constructors and loaders read their ``plan`` argument."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
 from usp.plan import PackedSequence, Plan
 from usp.process_groups.degrees import kv_replication_for
+
+#: the keyword arguments a model takes besides its config and plan (``usp.Plan.with_options``)
+ATTENTION_OPTIONS = ("layout", "ring_impl", "backend")
+
+
+def plan_argument(plan, options: dict, where: str):
+    """``plan`` of a public model constructor or loader named ``where`` (e.g.
+    ``"Llama.from_pretrained"``), taking ``topology=`` from ``options`` -- the keyword's
+    name before the family seam renamed it ``plan`` -- with a DeprecationWarning naming
+    the new one (the same value: a Topology, a Plan or None); both at once is a
+    TypeError. ``options`` is changed in place."""
+    if "topology" not in options:
+        return plan
+    topology = options.pop("topology")
+    if plan is not None:
+        raise TypeError(
+            f"{where}() got plan= and topology=: give plan= only (topology= is its old name)"
+        )
+    warnings.warn(
+        f"{where}(topology=...) is now {where}(plan=...): a usp.Plan, or a Topology as before",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return topology
+
+
+def check_attention_options(options: dict, where: str) -> None:
+    """A TypeError naming ``where`` for a keyword a model does not take (instead of one
+    from a function it forwards to)."""
+    unknown = sorted(set(options) - set(ATTENTION_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"{where}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+            f"it takes a config, plan= and the attention options {', '.join(ATTENTION_OPTIONS)}"
+        )
 
 
 def check_heads(plan: Plan, num_heads: int, num_kv_heads: int) -> None:

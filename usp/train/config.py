@@ -172,10 +172,10 @@ class TrainJobConfig:
         tables = {**self.tables, "train": {**self.tables.get("train", {}), **changes}}
         return dataclasses.replace(self, train=train, tables=tables)
 
-    def with_overrides(self, **overrides: Any) -> TrainJobConfig:
+    def with_overrides(self, /, **overrides: Any) -> TrainJobConfig:
         """The file re-read with ``overrides`` (any key of :data:`OVERRIDE_KEYS`:
         ``steps=3``, ``ulysses=4``, ...); ``None`` values are ignored (argparse defaults)."""
-        return train_config_from_dict(self.tables, source=self.source, **overrides)
+        return _train_config_from(self.tables, self.source, overrides)
 
     def topology_with_heads(self, num_heads: int, num_kv_heads: int, head_dim: int) -> UspConfig:
         """The topology config with the model's head counts as its ``[model]``, so
@@ -184,7 +184,7 @@ class TrainJobConfig:
 
 
 def load_train_config(
-    path: str | os.PathLike, *, sets: Sequence[str | Setting] = (), **overrides: Any
+    path: str | os.PathLike, /, *, sets: Sequence[str | Setting] = (), **overrides: Any
 ) -> TrainJobConfig:
     """Parse a training config file; ``sets``: ``--set SECTION.KEY=VALUE`` settings
     (:mod:`usp.config.overrides`), written into the file's structure before it is read;
@@ -194,19 +194,27 @@ def load_train_config(
     settings = [parse_setting(s) if isinstance(s, str) else s for s in sets]
     data = read_toml(source)
     if not settings:
-        return train_config_from_dict(data, source=source, **overrides)
+        return _train_config_from(data, source, overrides)
     try:
         check_no_conflicts(settings, overrides, OVERRIDE_KEYS, {"output_dir": "--output"})
         data = apply_settings(data, settings)
-        return train_config_from_dict(data, source=source, **overrides)
+        return _train_config_from(data, source, overrides)
     except ConfigError as err:
         raise ConfigError(located(source, located_in_settings(str(err), settings))) from None
 
 
 def train_config_from_dict(
-    data: dict[str, Any], *, source: str | None = None, **overrides: Any
+    data: dict[str, Any], /, *, source: str | None = None, **overrides: Any
 ) -> TrainJobConfig:
     """Build a :class:`TrainJobConfig` from the TOML structure (a dict of sections)."""
+    return _train_config_from(data, source, overrides)
+
+
+def _train_config_from(
+    data: dict[str, Any], source: str | None, overrides: dict[str, Any]
+) -> TrainJobConfig:
+    """:func:`train_config_from_dict` with the overrides as a dict (any name is an
+    override: an unknown one is the "unknown override" error, never a parameter clash)."""
     try:
         data = apply_overrides(data, overrides, OVERRIDE_KEYS)
         known = TOPOLOGY_SECTIONS + TRAIN_SECTIONS + OPTIONAL_SECTIONS
