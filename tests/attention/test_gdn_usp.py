@@ -264,3 +264,9 @@ def test_kernel_benchmark_runs_and_agrees_with_transformers():
     forward = gdn_kernel.main(["--seq-len", "64", "--repeats", "1", "--no-backward",
                                "--threads", "1"])  # fmt: skip
     assert forward["max_abs_difference"] < 1e-5
+    ring = gdn_kernel.main(["--ring-degree", "4", "--seq-len", "64", "--dim", "8", "--repeats",
+                            "1", "--heads", "2"])  # fmt: skip
+    # zigzag: 2 segments; all-gather forward + reduce-scatter backward, float32
+    tails, maps = 3 * 3 * 2 * 8, 2 * 8 * 16
+    assert ring["bytes_sent"] == 2 * (4 - 1) * 2 * (tails + maps) * 4
+    assert ring["ring_s"] > 0 and ring["alone_s"] > 0

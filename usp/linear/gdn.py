@@ -50,6 +50,7 @@ from usp.linear.kernel import (
 )
 from usp.linear.ring import Segments, conv_contexts, ring_all_gather, segment_tails, start_states
 from usp.packing import PackedSequence
+from usp.plan import _can_agree
 from usp.process_groups import HeadLayoutError, degrees
 from usp.ring.documents import Documents
 from usp.sharding import sequence_documents
@@ -191,7 +192,7 @@ def gated_deltanet_usp(
             )
     except (InputError, HeadLayoutError) as err:
         error = err
-    if plan is not None and plan.sp_degree > 1:
+    if plan is not None and plan.sp_degree > 1 and _can_agree(plan.sp_group):
         fields = _fields(
             q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents
         )
