@@ -104,8 +104,8 @@ def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def run_gdn_case(ulysses, ring, layout, kind, conv, seed):
-    topo = topology(ulysses, ring)
+def run_gdn_case(ulysses, ring, layout, kind, conv, seed, placement="ulysses-in-node"):
+    topo = topology(ulysses, ring, placement)
     plan = usp.Plan(topo, layout=layout)
     hk, heads = (1, 4) if ulysses == 4 else (2, 4)  # u4: key heads repeated for the split
     if kind == "packed":
@@ -194,6 +194,16 @@ def test_gdn_usp_matches_one_process(distributed, grid):
             if back != {"all_to_all": a2a, "reduce_scatter": ring}:
                 failures.append(f"{grid} {case} rank {rank} backward bytes {back} != {a2a, ring}")
     assert not failures, "\n".join(failures)
+
+
+def test_gdn_usp_with_the_ring_inside_a_node(distributed):
+    """ "ring-in-node": the ring's ranks are adjacent, Ulysses strides across them."""
+    results = distributed.run(
+        run_gdn_case, 2, 2, "zigzag", "packed", True, 1, "ring-in-node", world_size=4,
+        timeout=TIMEOUT,
+    )  # fmt: skip
+    for errors, *_ in results:
+        assert all(err < 1e-10 for err in errors.values()), errors
 
 
 # ------------------------------------------------------------------ refusals
