@@ -93,3 +93,20 @@ def test_unswapped_qwen3_5_is_still_refused():
     assert mixer_problem(model, TwoRanks()) is None
     with pytest.raises(TokenMixerError):  # another hybrid is refused as before
         usp_hf.check_model(build("qwen3_next", HYBRID["qwen3_next"]), TwoRanks())
+
+
+def test_qwen3_5_moe_swap_keeps_the_logits_in_one_process():
+    from hybrid_cases import COMMON
+
+    settings = {**HYBRID["qwen3_5_text"], "num_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16}  # fmt: skip
+    config = transformers.AutoConfig.for_model("qwen3_5_moe_text", **{**COMMON, **settings})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model(input_ids=ids, use_cache=False).logits
+        assert usp_hf.swap_linear_attention(model, None) == 1
+        got = model(input_ids=ids, use_cache=False).logits
+    assert relative_error(got, expected) < 1e-5
