@@ -3,6 +3,11 @@ against transformers' ``torch_chunk_gated_delta_rule`` on CPU: forward + backwar
 same inputs, repeats interleaved (this VM moves single runs by 2x), best of each, ratio.
 
     python benchmarks/gdn_kernel.py --seq-len 2048 --heads 4 --dim 64 --threads 1
+
+``--ring-degree R`` times instead what the ring adds to one GDN layer (conv + gated delta
+rule, forward + backward) at u1 x rR: one rank's zigzag block of S/R tokens under a
+``fake`` process group (collectives return at once: the compute the ring pass adds, not
+the wire), against the same block computed alone; and the bytes that rank would send.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-backward", action="store_true", help="time the forward only")
+    p.add_argument("--ring-degree", type=int, default=1, help="> 1: the ring pass's cost")
     args = p.parse_args(argv)
+    if args.ring_degree > 1:
+        return ring_cost(args)
     import torch
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
@@ -66,6 +74,56 @@ def main(argv=None) -> dict:
         f"D={args.dim} chunk {args.chunk_size}, {args.threads} thread(s), float32: usp "
         f"{best['usp'] * 1e3:.1f} ms, transformers {best['transformers'] * 1e3:.1f} ms, "
         f"ratio {row['ratio_usp_over_transformers']:.2f} (max |diff| {difference:.2g})"
+    )
+    return row
+
+
+def ring_cost(args) -> dict:
+    """One rank's share of a GDN layer at u1 x r``args.ring_degree`` (fake group) against
+    the same tokens alone."""
+    import torch
+
+    import usp
+    from usp.linear import gated_deltanet_usp
+    from usp.process_groups.fake import fake_world
+
+    torch.set_num_threads(args.threads)
+    r = args.ring_degree
+    local = args.seq_len // r
+    gen = torch.Generator().manual_seed(0)
+    shape = (args.batch, local, args.heads)
+    q, k, v = (torch.randn(*shape, args.dim, generator=gen) for _ in range(3))
+    g = -torch.rand(*shape, generator=gen)
+    beta = torch.rand(*shape, generator=gen)
+    ws = [torch.randn(args.heads * args.dim, 4, generator=gen) for _ in range(3)]
+    dout = torch.randn(*shape, args.dim, generator=gen)
+
+    def run(plan):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        out = gated_deltanet_usp(*leaves, plan, conv_weights=ws, chunk_size=args.chunk_size)
+        if not args.no_backward:
+            out.backward(dout)
+
+    with fake_world(r, 1, torch.device("cpu")):
+        topo = usp.build_topology(1, r)
+        try:
+            plan = usp.Plan(topo, layout="zigzag")
+            best = {"ring": float("inf"), "alone": float("inf")}
+            for _ in range(args.repeats):  # interleaved
+                best["ring"] = min(best["ring"], _timed(lambda: run(plan)))
+                best["alone"] = min(best["alone"], _timed(lambda: run(None)))
+            topo.comm_stats.reset()
+            run(plan)
+            sent = topo.comm_stats.total_sent
+        finally:
+            topo.destroy()
+    row = {**vars(args), "ring_s": best["ring"], "alone_s": best["alone"], "bytes_sent": sent}
+    row["added_fraction"] = best["ring"] / best["alone"] - 1
+    print(
+        f"GDN layer at u1 x r{r}, rank 1's {local} of {args.seq_len} tokens, H={args.heads} "
+        f"D={args.dim}, conv 4, float32, fwd{'' if args.no_backward else '+bwd'}: "
+        f"{best['ring'] * 1e3:.1f} ms with the ring pass, {best['alone'] * 1e3:.1f} ms alone "
+        f"(+{row['added_fraction']:.0%}); the rank sends {sent / 1e6:.3f} MB (forward and backward)"
     )
     return row
 

@@ -104,8 +104,8 @@ def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def run_gdn_case(ulysses, ring, layout, kind, conv, seed):
-    topo = topology(ulysses, ring)
+def run_gdn_case(ulysses, ring, layout, kind, conv, seed, placement="ulysses-in-node"):
+    topo = topology(ulysses, ring, placement)
     plan = usp.Plan(topo, layout=layout)
     hk, heads = (1, 4) if ulysses == 4 else (2, 4)  # u4: key heads repeated for the split
     if kind == "packed":
@@ -196,6 +196,16 @@ def test_gdn_usp_matches_one_process(distributed, grid):
     assert not failures, "\n".join(failures)
 
 
+def test_gdn_usp_with_the_ring_inside_a_node(distributed):
+    """ "ring-in-node": the ring's ranks are adjacent, Ulysses strides across them."""
+    results = distributed.run(
+        run_gdn_case, 2, 2, "zigzag", "packed", True, 1, "ring-in-node", world_size=4,
+        timeout=TIMEOUT,
+    )  # fmt: skip
+    for errors, *_ in results:
+        assert all(err < 1e-10 for err in errors.values()), errors
+
+
 # ------------------------------------------------------------------ refusals
 def run_refusals():
     """Each bad call raises the same error on every rank, moves no bytes, and leaves the
@@ -264,3 +274,9 @@ def test_kernel_benchmark_runs_and_agrees_with_transformers():
     forward = gdn_kernel.main(["--seq-len", "64", "--repeats", "1", "--no-backward",
                                "--threads", "1"])  # fmt: skip
     assert forward["max_abs_difference"] < 1e-5
+    ring = gdn_kernel.main(["--ring-degree", "4", "--seq-len", "64", "--dim", "8", "--repeats",
+                            "1", "--heads", "2"])  # fmt: skip
+    # zigzag: 2 segments; all-gather forward + reduce-scatter backward, float32
+    tails, maps = 3 * 3 * 2 * 8, 2 * 8 * 16
+    assert ring["bytes_sent"] == 2 * (4 - 1) * 2 * (tails + maps) * 4
+    assert ring["ring_s"] > 0 and ring["alone_s"] > 0

@@ -146,3 +146,17 @@ def test_module_under_sp_matches_transformers_document_by_document(distributed):
                 if not e < 1e-10
             ]
     assert not failures, "\n".join(failures)
+
+
+def test_module_options_match_transformers():
+    """A kernel of 2, another epsilon, the module's own plan (None) and chunk size."""
+    config = transformers.Qwen3_5TextConfig(
+        **{**COMMON, **HYBRID["qwen3_5_text"], "linear_conv_kernel_dim": 2, "rms_norm_eps": 1e-3}
+    )
+    torch.manual_seed(6)
+    theirs = hf.Qwen3_5GatedDeltaNet(config, 0)
+    mine = GatedDeltaNet(32, 2, 4, 8, 8, conv_kernel_size=2, rms_norm_eps=1e-3,
+                         activation="silu", plan=None, chunk_size=3)  # fmt: skip
+    mine.load_state_dict(theirs.state_dict())
+    x = torch.randn(1, 11, 32)
+    assert relative_error(mine(x), theirs(x)) < 2e-5

@@ -1,4 +1,4 @@
-"""A transformers Qwen3.5 model under SP through the HF plug-in, its Gated DeltaNet layers
+"""A transformers Qwen3.5 (and Qwen3-Next) model under SP through the HF plug-in, its Gated DeltaNet layers
 computed by usp (``usp.models.hf.swap_linear_attention``): logits and every parameter
 gradient on 4 gloo ranks (u2 x r2; dense zigzag, packed contiguous) against transformers
 in one process (document by document when packed: its torch path has no documents).
@@ -26,8 +26,8 @@ from usp.models.hf_mixers import TokenMixerError, mixer_problem  # noqa: E402
 TOL = 1e-4  # float32, transformers' order of operations against usp's
 
 
-def _reference(ids, dlogits, bounds):
-    model = build("qwen3_5_text", HYBRID["qwen3_5_text"])
+def _reference(model_type, ids, dlogits, bounds):
+    model = build(model_type, HYBRID[model_type])
     logits = []
     for a, b in zip(bounds, bounds[1:]):  # one document at a time
         logits.append(model(input_ids=ids[:, a:b], use_cache=False).logits)
@@ -36,7 +36,7 @@ def _reference(ids, dlogits, bounds):
     return model, logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def run_swapped(layout: str, packed: bool):
+def run_swapped(layout: str, packed: bool, model_type: str = "qwen3_5_text"):
     plan = usp.Plan(topology(2, 2), layout=layout)
     name = usp_hf.register(plan, name=f"usp_gdn_{layout}")
     gen = torch.Generator().manual_seed(5)
@@ -51,9 +51,9 @@ def run_swapped(layout: str, packed: bool):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reference, expected, expected_grads = _reference(
-            ids, dlogits, cu.tolist() if packed else [0, seq]
+            model_type, ids, dlogits, cu.tolist() if packed else [0, seq]
         )
-        model = build("qwen3_5_text", HYBRID["qwen3_5_text"], attn_implementation=name)
+        model = build(model_type, HYBRID[model_type], attn_implementation=name)
         model.load_state_dict(reference.state_dict())
         refused_before = mixer_problem(model, plan)
         swapped = usp_hf.swap_linear_attention(model, plan)
@@ -72,11 +72,20 @@ def run_swapped(layout: str, packed: bool):
 
 def test_qwen3_5_gdn_layers_under_sp_match_transformers(distributed):
     failures = []
-    for layout, packed in (("zigzag", False), ("contiguous", True)):
-        results = distributed.run(run_swapped, layout, packed, world_size=4, timeout=300)
+    cases = [("zigzag", False, "qwen3_5_text"), ("contiguous", True, "qwen3_5_text"),
+             ("zigzag", True, "qwen3_next")]  # fmt: skip
+    for layout, packed, model_type in cases:
+        results = distributed.run(
+            run_swapped, layout, packed, model_type, world_size=4, timeout=300
+        )
+        kind = "GatedDeltaNetQkvz" if model_type == "qwen3_next" else "GatedDeltaNet"
         for rank, (errors, swapped, kinds, refused_before) in enumerate(results):
-            assert swapped == 1 and kinds == ["GatedDeltaNet"] and refused_before
-            failures += [f"{layout} r{rank} {n}: {e:.3g}" for n, e in errors.items() if not e < TOL]
+            assert swapped == 1 and kinds == [kind] and refused_before
+            failures += [
+                f"{model_type} {layout} r{rank} {n}: {e:.3g}"
+                for n, e in errors.items()
+                if not e < TOL
+            ]
     assert not failures, "\n".join(failures)
 
 
@@ -92,4 +101,21 @@ def test_unswapped_qwen3_5_is_still_refused():
     usp_hf.swap_linear_attention(model, None)
     assert mixer_problem(model, TwoRanks()) is None
     with pytest.raises(TokenMixerError):  # another hybrid is refused as before
-        usp_hf.check_model(build("qwen3_next", HYBRID["qwen3_next"]), TwoRanks())
+        usp_hf.check_model(build("bamba", HYBRID["bamba"]), TwoRanks())
+
+
+def test_qwen3_5_moe_swap_keeps_the_logits_in_one_process():
+    from hybrid_cases import COMMON
+
+    settings = {**HYBRID["qwen3_5_text"], "num_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16}  # fmt: skip
+    config = transformers.AutoConfig.for_model("qwen3_5_moe_text", **{**COMMON, **settings})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model(input_ids=ids, use_cache=False).logits
+        assert usp_hf.swap_linear_attention(model, None) == 1
+        got = model(input_ids=ids, use_cache=False).logits
+    assert relative_error(got, expected) < 1e-5

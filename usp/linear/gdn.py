@@ -32,6 +32,8 @@ Documents (``packed``) restart the conv and the state at every boundary. One pro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -48,6 +50,7 @@ from usp.linear.kernel import (
 )
 from usp.linear.ring import Segments, conv_contexts, ring_all_gather, segment_tails, start_states
 from usp.packing import PackedSequence
+from usp.plan import _can_agree
 from usp.process_groups import HeadLayoutError, degrees
 from usp.ring.documents import Documents
 from usp.sharding import sequence_documents
@@ -189,7 +192,7 @@ def gated_deltanet_usp(
             )
     except (InputError, HeadLayoutError) as err:
         error = err
-    if plan is not None and plan.sp_degree > 1:
+    if plan is not None and plan.sp_degree > 1 and _can_agree(plan.sp_group):
         fields = _fields(
             q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents
         )
@@ -212,12 +215,13 @@ def gated_deltanet_usp(
         if ws is not None:
             ws = _rank_weights(ws, u, plan.ulysses_rank)
     q, k, v_local, g, beta = tensors
-    ring = None if r == 1 else (plan.ring_group, plan.comm_stats)
-    ring_rank = 0 if plan is None else plan.ring_rank
-    out = _ring_block(
-        q, k, v_local, g[..., 0], beta[..., 0], documents, ring, ring_rank, ws, activation, scale,
-        use_qk_l2norm, chunk_size,
-    )  # fmt: skip
+    ring = _Ring(
+        None if r == 1 else plan.ring_group,
+        None if plan is None else plan.comm_stats,
+        0 if plan is None else plan.ring_rank,
+    )
+    options = _Options(activation, scale, use_qk_l2norm, chunk_size)
+    out = _ring_block([q, k, v_local, g[..., 0], beta[..., 0]], documents, ring, ws, options)
     if u > 1:  # [B, S/r, H/u, dv] -> [B, S/P, H, dv]
         out = to_sequence_sharded(out, plan.ulysses_group, plan.comm_stats)
     return out
@@ -262,17 +266,33 @@ def _conv(x_pad, weight, context, activation):
     return F.silu(out) if activation == "silu" else out
 
 
-def _ring_block(
-    q, k, v, g, beta, documents, ring, ring_rank, ws, activation, scale, use_qk_l2norm, chunk
-):
-    """The conv and the recurrence on a rank's ring block [B, S/r, h, D] (head-local)."""
+@dataclass(frozen=True)
+class _Ring:
+    group: object  # the ring's process group (None: a ring of one)
+    stats: object  # the CommStats the all-gathers count in
+    rank: int
+
+
+@dataclass(frozen=True)
+class _Options:
+    activation: str | None
+    scale: float | None
+    use_qk_l2norm: bool
+    chunk_size: int
+
+
+def _ring_block(tensors, documents: Documents, ring: _Ring, ws, options: _Options):
+    """The conv and the recurrence on a rank's ring block (head-local): q, k
+    [B, S/r, hk, dk], v [B, S/r, h, dv], g, beta [B, S/r, h] -> [B, S/r, h, dv]."""
+    q, k, v, g, beta = tensors
     batch, _, hk, dk = q.shape
     heads, dv = v.shape[2:]
-    segments = Segments(documents, ring_rank)
+    segments = Segments(documents, ring.rank)
     chained = documents.chunks_per_doc > 1  # a document's chunks follow one another
+    chunk = options.chunk_size
 
     def gather(x):  # [..] -> [r, ..]: every ring rank's (zigzag with r = 1: this rank's)
-        return x[None] if ring is None else ring_all_gather(x, *ring)
+        return x[None] if ring.group is None else ring_all_gather(x, ring.group, ring.stats)
 
     rows, valid, _ = segment_rows(segments.bounds)
     dtype = compute_dtype(v.dtype)
@@ -287,7 +307,7 @@ def _ring_block(
             tails = segment_tails(x_pad, segments, batch, width)  # [B, N, K-1, C]
             every = gather(tails)  # [r, B, N, K-1, C]
             context = conv_contexts(every, segments, width).flatten(0, 1)
-        y = _conv(x_pad, torch.cat(ws, 0), context, activation)
+        y = _conv(x_pad, torch.cat(ws, 0), context, options.activation)
         qp, kp, vp = y.split([hk * dk, hk * dk, heads * dv], dim=-1)
         qp, kp = (t.unflatten(-1, (hk, dk)) for t in (qp, kp))
         vp = vp.unflatten(-1, (heads, dv))
@@ -295,9 +315,9 @@ def _ring_block(
         qp, kp, vp = (to_padded(t.to(dtype), rows, valid) for t in (q, k, v))
     gp, bp = (to_padded(t.to(dtype), rows, valid) for t in (g, beta))
     qp, kp = (t.repeat_interleave(heads // hk, dim=2) for t in (qp, kp))
-    if use_qk_l2norm:
+    if options.use_qk_l2norm:
         qp, kp = l2norm(qp), l2norm(kp)
-    qp = qp * (dk**-0.5 if scale is None else scale)
+    qp = qp * (dk**-0.5 if options.scale is None else options.scale)
     qp, kp, vp = (t * mask for t in (qp, kp, vp))  # the conv wrote past the segments' ends
 
     if not chained:

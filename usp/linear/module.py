@@ -111,15 +111,9 @@ class GatedDeltaNet(nn.Module):
         plan = self.plan if plan is None else plan
         batch, seq_len, _ = hidden_states.shape
         dtype = compute_dtype(hidden_states.dtype)
-        q, k, v = self.in_proj_qkv(hidden_states).split(
-            [self.key_dim, self.key_dim, self.value_dim], dim=-1
-        )
-        q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
-        k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
-        v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        z = self.in_proj_z(hidden_states).unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        beta = self.in_proj_b(hidden_states).to(dtype).sigmoid()
-        a = self.in_proj_a(hidden_states).to(dtype)
+        q, k, v, z, b, a = self._project(hidden_states)
+        beta = b.to(dtype).sigmoid()
+        a = a.to(dtype)
         g = -self.A_log.to(dtype).exp() * F.softplus(a + self.dt_bias.to(dtype))
         weights = self.conv1d.weight[:, 0].split([self.key_dim, self.key_dim, self.value_dim])
         core = gated_deltanet_usp(
@@ -136,3 +130,35 @@ class GatedDeltaNet(nn.Module):
         )  # fmt: skip  [B, S/P, H, dv]
         core = self.norm(core, z)
         return self.out_proj(core.reshape(batch, seq_len, self.value_dim))
+
+    def _project(self, x):
+        """q, k [B, S, Hk, dk], v, z [B, S, H, dv], b, a [B, S, H] (Qwen3.5's projections)."""
+        q, k, v = self.in_proj_qkv(x).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
+        k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
+        v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        z = self.in_proj_z(x).unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        return q, k, v, z, self.in_proj_b(x), self.in_proj_a(x)
+
+
+class GatedDeltaNetQkvz(GatedDeltaNet):
+    """Qwen3-Next's layout of the same layer: one ``in_proj_qkvz`` and one ``in_proj_ba``
+    whose outputs are grouped per key head (q, k, then the key head's value heads' v and
+    z; its value heads' b, then a), as transformers' ``Qwen3NextGatedDeltaNet``."""
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, *args, **kwargs):
+        super().__init__(hidden_size, num_k_heads, num_v_heads, *args, **kwargs)
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+        self.in_proj_qkvz = nn.Linear(
+            hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False
+        )
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+
+    def _project(self, x):
+        per = self.num_v_heads // self.num_k_heads  # value heads per key head
+        dk, dv = self.head_k_dim, self.head_v_dim
+        qkvz = self.in_proj_qkvz(x).unflatten(-1, (self.num_k_heads, -1))  # [B, S, Hk, ...]
+        q, k, v, z = qkvz.split([dk, dk, per * dv, per * dv], dim=-1)
+        b, a = self.in_proj_ba(x).unflatten(-1, (self.num_k_heads, -1)).split([per, per], dim=-1)
+        v, z = (t.flatten(2).unflatten(-1, (self.num_v_heads, dv)) for t in (v, z))
+        return q, k, v, z, b.flatten(2), a.flatten(2)

@@ -93,7 +93,10 @@ def register(plan, *, name: str = "usp", model=None, **attention_options) -> str
     linear attention, short convolutions: :mod:`usp.models.hf_mixers`) is refused with a
     :class:`~usp.models.hf_mixers.TokenMixerError` before its first forward computes
     anything: here when ``model`` (an already built model) is given, else at the first
-    attention or mask call, from a meta-device build of the model's config."""
+    attention or mask call, from a meta-device build of the model's config. Qwen3.5's
+    Gated DeltaNet layers are computed by usp once :func:`swap_linear_attention` put its
+    module in their place; pass that model here (the config alone describes
+    transformers' layers, which are refused)."""
     transformers = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
 

@@ -21,8 +21,8 @@ decoder (``model.get_decoder()``) must be one of
   and routes what their children return).
 
 - a token mixer usp computes exactly under SP itself (:data:`USP_MIXERS`: usp's Gated
-  DeltaNet, which :func:`swap_linear_attention` puts in place of transformers' Qwen3.5
-  layers); a layer kind (``linear_attention``) is accepted where such a module computes it.
+  DeltaNet, which :func:`swap_linear_attention` puts in place of transformers' Qwen3.5 and
+  Qwen3-Next layers); a layer kind (``linear_attention``) is accepted where such a module computes it.
 
 A convolution or recurrent module (``nn.Conv1d``, ``nn.RNN``, ...) mixes tokens; any other
 module is *unknown* and refused, not trusted. The config's per-layer kinds
@@ -41,12 +41,16 @@ import torch
 from torch import nn
 
 from usp.errors import ModelConfigError
-from usp.linear.module import GatedDeltaNet
+from usp.linear.module import GatedDeltaNet, GatedDeltaNetQkvz
 
 #: token mixers usp computes exactly under SP (their children are not checked)
 USP_MIXERS = (GatedDeltaNet,)
-#: transformers' classes :func:`swap_linear_attention` replaces (same parameters)
-SWAPPABLE_GDN = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+#: transformers' classes :func:`swap_linear_attention` replaces (same parameters), and by
+SWAPPABLE_GDN = {
+    "Qwen3_5GatedDeltaNet": GatedDeltaNet,
+    "Qwen3_5MoeGatedDeltaNet": GatedDeltaNet,
+    "Qwen3NextGatedDeltaNet": GatedDeltaNetQkvz,
+}
 
 #: class-name endings of modules that act on each token alone (their children are checked)
 TOKEN_LOCAL_SUFFIXES = (
@@ -112,8 +116,8 @@ def sequence_mixers(model: nn.Module) -> list[Mixer]:
 
 
 def swap_linear_attention(model: nn.Module, plan) -> int:
-    """Replace transformers' Qwen3.5 Gated DeltaNet layers of ``model`` by usp's
-    (:class:`usp.linear.GatedDeltaNet`: the same parameters, loaded strictly, on the same
+    """Replace transformers' Qwen3.5 / Qwen3.5-MoE / Qwen3-Next Gated DeltaNet layers of
+    ``model`` by usp's (:class:`usp.linear.GatedDeltaNet`: the same parameters, loaded strictly, on the same
     device and dtype, computing under ``plan``); returns how many. Call it after loading
     the weights and before ``register(plan, model=model)``, FSDP or an optimizer (the
     parameters are new tensors)."""
@@ -124,7 +128,7 @@ def swap_linear_attention(model: nn.Module, plan) -> int:
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         weight = module.conv1d.weight
-        usp_module = GatedDeltaNet(
+        usp_module = SWAPPABLE_GDN[type(module).__name__](
             module.hidden_size, module.num_k_heads, module.num_v_heads, module.head_k_dim,
             module.head_v_dim, module.conv_kernel_size, module.layer_norm_epsilon,
             module.activation, plan=plan,
