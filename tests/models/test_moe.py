@@ -323,7 +323,7 @@ def test_bad_configs_are_refused():
     base = {k: v for k, v in MOE.items() if k != "mlp_only_layers"}
     for change, message in (
         ({"num_experts_per_tok": 5}, r"num_experts_per_tok\(5\) must be at most num_experts\(4\)"),
-        ({"mlp_only_layers": [2]}, r"mlp_only_layers must hold layer indices in \[0, 2\)"),
+        ({"mlp_only_layers": [-1]}, r"mlp_only_layers must hold layer indices \(integers >= 0\)"),
         ({"decoder_sparse_step": 0}, "decoder_sparse_step must be an integer >= 1"),
         ({"router_aux_loss_coef": -1.0}, "router_aux_loss_coef must be a number >= 0"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),

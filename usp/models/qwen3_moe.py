@@ -84,15 +84,17 @@ class Qwen3MoeConfig(DecoderConfig):
                 f"num_experts_per_tok({self.num_experts_per_tok}) must be at most "
                 f"num_experts({self.num_experts})"
             )
+        # (indices past the last layer are allowed, as transformers allows them: a
+        # shallower copy of a config, e.g. the planner's, keeps its list)
         bad = [
             i
             for i in self.mlp_only_layers
-            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_hidden_layers
+            if not isinstance(i, int) or isinstance(i, bool) or i < 0
         ]
         if bad:
             raise ModelConfigError(
-                f"mlp_only_layers must hold layer indices in [0, {self.num_hidden_layers}), "
-                f"got {list(self.mlp_only_layers)}"
+                f"mlp_only_layers must hold layer indices (integers >= 0), got "
+                f"{list(self.mlp_only_layers)}"
             )
         coef = self.router_aux_loss_coef
         if not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:

@@ -10,6 +10,7 @@ import torch
 
 from usp.config import AUTO, ConfigError
 from usp.errors import HeadLayoutError
+from usp.models import model_counts
 from usp.planner import search
 from usp.planner.footprint import Target
 from usp.planner.pool import Measurements
@@ -167,9 +168,21 @@ def plan(
             f"the longest sequence is at least {longest:,}: the search stops there (a packed "
             "row's document boundaries are int32)"
         )
+    counts = model_counts(model)
+    if counts.experts:
+        notes.append(
+            f"mixture of experts: memory holds all {counts.total / 1e9:.2f}B parameters "
+            f"(every expert, sharded by FSDP2 like the rest); the step time's FLOPs count the "
+            f"{counts.active / 1e9:.2f}B one token uses. The experts' buffers hold every "
+            "routed row ([tokens x top_k, .]) whatever the routing, so the measured memory "
+            "does not depend on it (fake tensors split the rows evenly over the experts); "
+            "experts are not tiled by mlp_tile_tokens"
+        )
     return PlanResult(
         config=config,
         model_name=job.model.preset or str(source.directory),
+        parameters=counts.total,
+        active_parameters=counts.active,
         seq_len=job.train.seq_len,
         cluster=cluster,
         device=device,

@@ -35,6 +35,8 @@ class PlanResult:
     notes: list[str]
     seconds: float
     at_longest: Candidate | None = None  # max_seq_layout measured at max_seq_len
+    parameters: int = 0  # the model's (every expert's, for a mixture of experts)
+    active_parameters: int = 0  # those one token uses (its routed experts')
 
     @property
     def best(self) -> Candidate | None:
@@ -93,6 +95,8 @@ def to_json(result: PlanResult) -> dict:
         "device": result.device,
         "gpu": result.gpu,
         "seq_len": result.seq_len,
+        "parameters": result.parameters,
+        "active_parameters": result.active_parameters,
         "world_size": cl.world_size,
         "nodes": cl.nodes,
         "gpus_per_node": cl.gpus_per_node,
@@ -280,6 +284,13 @@ def breakdown(c: Candidate) -> str:
     return ", ".join(shown) + " (GiB, at the peak)"
 
 
+def _parameters(result: PlanResult) -> str:
+    total, active = result.parameters, result.active_parameters
+    if active == total:
+        return f"{total / 1e9:.2f}B parameters"
+    return f"{total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token"
+
+
 def text(result: PlanResult) -> str:
     cl = result.cluster
     memory_note = (
@@ -289,7 +300,8 @@ def text(result: PlanResult) -> str:
     )
     lines = [
         f"usp plan: {result.config}",
-        f"  model {result.model_name}; {result.seq_len:,} tokens per sequence; "
+        f"  model {result.model_name} ({_parameters(result)}); {result.seq_len:,} tokens per "
+        "sequence; "
         f"{cl.nodes} node(s) x {cl.gpus_per_node} {result.device} ranks = {cl.world_size}; "
         f"{memory_note}, {cl.host_memory_gib:g} GiB host memory per node; links "
         f"{cl.intra_node_gbps:g} GB/s in a node, {cl.inter_node_gbps:g} GB/s across",
