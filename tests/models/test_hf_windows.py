@@ -1,6 +1,7 @@
 """Sliding windows, attention sinks and MLA through the HF plug-in: transformers' gpt-oss
 (sinks in every layer, a sliding layer and a full one), Gemma 3 (a sliding layer and a
-full one) and DeepSeek-V3 (MLA: v's head size 12, q/k's 24), tiny and in float64, under u2 x r2 on 4 gloo ranks, against the same
+full one), DeepSeek-V3 (MLA: v's head size 12, q/k's 24) and Qwen2-MoE (a config window
+no layer uses), tiny and in float64, under u2 x r2 on 4 gloo ranks, against the same
 model in one process with transformers' own attention (gpt-oss: eager, the others: sdpa): logits, and every
 parameter's gradient (the sinks' included) summed over the SP group. Windows of 5 and 6
 tokens are shorter than a ring chunk (8 tokens of 32), so the windows are what is
@@ -40,6 +41,10 @@ CASES = {
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                         first_k_dense_replace=1, n_group=1, topk_group=1),
+    # its config names sliding_window 0 that no layer uses (once refused as "a mask of
+    # attention limited to 0 tokens")
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16),
 }  # fmt: skip
 
 
