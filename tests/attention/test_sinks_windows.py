@@ -13,12 +13,14 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from reference import relative_error
+from reference import reference_mask, relative_error
 from usp_cases import topology
 from window_cases import case_inputs, usp_case
 
 import usp
 from usp.planner.traffic import traffic_formula
+from usp.ring.documents import Documents
+from usp.ring.window import chunk_pair, dense_window_blocks, ring_steps
 
 TOL = {torch.float64: (1e-10, 1e-10), torch.bfloat16: (2e-2, 5e-2)}
 #: dsinks in a lower-precision dtype than the inputs (rounded once, at the end)
@@ -244,17 +246,52 @@ def test_a_windowed_layer_moves_the_stated_bytes(distributed):
                     f"rank {rank} {grid} {layout} {impl} W={window}: {traffic} != {want}"
                 )
     assert not failures, "\n".join(failures[:8])
-    # contiguous u1r4, 64 tokens a rank: a window of 16 needs one neighbour's block, a
-    # third of the full ring's K/V bytes (forward and backward), one of 1 nothing
+    # contiguous u1r4, 64 tokens a rank: a window of 16 needs the previous rank's last
+    # 15 keys only: 15 rows against the full ring's 3 blocks of 64 (forward and backward)
     full = _formula((1, 4), "contiguous", "p2p", None)
     w16 = _formula((1, 4), "contiguous", "p2p", 16)
     for phase in ("forward", "backward"):
-        assert 3 * w16[phase]["p2p"]["sent"] == full[phase]["p2p"]["sent"]
+        assert 3 * 64 * w16[phase]["p2p"]["sent"] == 15 * full[phase]["p2p"]["sent"]
     assert "p2p" not in _formula((1, 4), "contiguous", "p2p", 1)["forward"]
-    # the issue's case: window 16 on u1r8 at 128k tokens moves 1/7 of the full ring
+    # the issue's case: window 16 on u1r8 at 128k tokens: O(W) bytes, not O(S)
     big = dict(seqlen=131072, layout="contiguous", ring_impl="p2p")
     ratio = (
         _formula((1, 8), window=16, **big)["backward"]["p2p"]["sent"]
         / _formula((1, 8), window=None, **big)["backward"]["p2p"]["sent"]
     )
-    assert ratio == pytest.approx(1 / 7)
+    assert ratio == pytest.approx(15 / (7 * 16384))
+
+
+# ------------------------------------------------------------------ geometry (one process)
+def test_chunk_pairs_keep_exactly_the_window():
+    """chunk_pair's rows, keys and kernel window (spec.py's masking semantics) select the
+    same query-key pairs as the window itself, for every distance, chunk and window; and
+    None exactly when no pair is visible."""
+    for n, delta, w in itertools.product((1, 3, 4, 7), range(-1, 5), range(0, 30)):
+        q_pos = torch.arange(n)[:, None] + delta * n  # query positions, keys at 0 .. n-1
+        k_pos = torch.arange(n)[None, :]
+        want = (k_pos <= q_pos) & (k_pos >= q_pos - w)
+        got = torch.zeros(n, n, dtype=torch.bool)
+        pair = chunk_pair(delta, n, w)
+        if pair is not None:
+            rows, keys, causal, window = pair
+            sq, sk = rows.stop - rows.start, keys.stop - keys.start
+            got[rows, keys] = reference_mask(sq, sk, causal, window)
+        assert torch.equal(got, want), (n, delta, w, pair)
+        assert (pair is None) == (not want.any()), (n, delta, w)
+
+
+def test_a_window_skips_blocks_steps_and_gathered_keys():
+    # contiguous r4, 64 tokens a rank: window 16 (w 15) needs the previous rank only
+    assert ring_steps("contiguous", 4, 64, None, 15) == 2
+    assert dense_window_blocks("contiguous", 4, 3, 1, 64, 15) == []  # two ranks back
+    assert ring_steps("zigzag", 4, 64, None, 15) == 4
+    assert ring_steps("zigzag", 4, 64, None, 0) == 1  # window 1: a query sees itself
+    # all-gather, zigzag r2, 64 tokens: rank 0's second piece (chunk 3) with window 5 (w 4)
+    # takes chunks 2 and 3 (positions 32 .. 63), not all four
+    documents = Documents.single(64, 2, "zigzag")
+    rows, bounds = documents.window_rows(0, 1, 4)
+    positions = torch.cat([documents.block_positions(r) for r in range(2)])
+    assert positions[rows].tolist() == list(range(32, 64)) and bounds == [0, 32]
+    full, _ = documents.visible_rows(0, 1, True)
+    assert full.numel() == 64

@@ -29,12 +29,17 @@ def head_chunks(num_kv_heads: int, chunks: int) -> list[tuple[int, int]]:
     return [(h, h + step) for h in range(0, num_kv_heads, step)]
 
 
+def _placed_segments(cfg: RingConfig):
+    """The query pieces' segments: every key each piece sees, or with a window only the
+    chunks it reaches (keys wholly outside it are neither selected nor computed)."""
+    if cfg.window is not None:
+        return cfg.placement.window_segments(cfg.window)
+    return cfg.placement.segments[cfg.causal]
+
+
 def _segments(cfg: RingConfig):
     """(query rows, rows of the gathered K/V they see, kernel calls) per query piece."""
-    return [
-        (seg.q_rows, seg.kv_rows, calls_for(cfg, seg.docs))
-        for seg in cfg.placement.segments[cfg.causal]
-    ]
+    return [(seg.q_rows, seg.kv_rows, calls_for(cfg, seg.docs)) for seg in _placed_segments(cfg)]
 
 
 def block_shapes(cfg: RingConfig, local_len: int, heads: int, kv_heads: int) -> set[tuple]:
@@ -53,7 +58,7 @@ def block_shapes(cfg: RingConfig, local_len: int, heads: int, kv_heads: int) -> 
             s.docs is not None,
             cfg.window,
         )
-        for s in cfg.placement.segments[cfg.causal]
+        for s in _placed_segments(cfg)
     }
 
 

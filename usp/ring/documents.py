@@ -119,9 +119,10 @@ class Documents:
             parts.append(ranges(starts, self.chunk_lengths, self.piece_len))
         return torch.cat(parts)
 
-    def gathered_rows(self, num_chunks: int) -> tuple[torch.Tensor, list[int]]:
+    def gathered_rows(self, num_chunks: int, first=None) -> tuple[torch.Tensor, list[int]]:
         """Rows of the ring's blocks concatenated in ring-rank order ([r * local_len])
-        holding chunks ``0 .. num_chunks-1`` of every document, document by document in
+        holding chunks ``0 .. num_chunks-1`` of every document (from chunk ``first[d]``
+        of document d when ``first``, an int64 [N], is given), document by document in
         position order; and the cumulative per-document boundaries of that selection."""
         chunks = torch.arange(num_chunks)
         second = chunks >= self.ring_size  # zigzag chunks r..2r-1 sit in piece 1 of rank 2r-1-c
@@ -130,8 +131,11 @@ class Documents:
         doc_offset = torch.tensor(self.piece_bounds[:-1], dtype=torch.int64)  # [N]
         starts = doc_offset[:, None] + chunk_offset[None, :]  # [N, C], document-major
         lengths = self.chunk_lengths[:, None].expand(-1, num_chunks)
-        bounds = [0, *torch.cumsum(self.chunk_lengths * num_chunks, 0).tolist()]
-        total = self.piece_len * num_chunks
+        if first is not None:  # chunks before a document's first: none of its rows
+            lengths = lengths * (chunks[None, :] >= first[:, None])
+        per_document = lengths.sum(1)
+        bounds = [0, *torch.cumsum(per_document, 0).tolist()]
+        total = int(per_document.sum())
         return ranges(starts.reshape(-1), lengths.reshape(-1), total), bounds
 
     def visible_rows(
@@ -142,3 +146,13 @@ class Documents:
         mask is bottom-right aligned within each document."""
         chunk = self.chunk_of(ring_rank, piece)
         return self.gathered_rows(chunk + 1 if causal else self.chunks_per_doc)
+
+    def window_rows(self, ring_rank: int, piece: int, w: int) -> tuple[torch.Tensor, list[int]]:
+        """:meth:`visible_rows` (causal) of a sliding window of w keys before each query
+        (the kernels' left window): only the chunks from the first one the piece's first
+        query reaches, ``chunk - ceil(w / n)`` for a document of chunk length n (whole
+        chunks: the kernels' bottom-right alignment still holds)."""
+        chunk = self.chunk_of(ring_rank, piece)
+        n = self.chunk_lengths.clamp(min=1)
+        first = (chunk - (w + n - 1) // n).clamp(min=0)  # chunk - ceil(w / n)
+        return self.gathered_rows(chunk + 1, first)

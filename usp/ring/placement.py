@@ -47,15 +47,33 @@ class RankPlacement:
     longest: torch.Tensor | None = None
     #: tokens per piece (``documents.piece_len``; a field: traced code reads fields only)
     piece_len: int = field(init=False)
+    #: all-gather, sliding windows: the causal segments cut to each window's chunks,
+    #: built once per window (:meth:`window_segments`)
+    _windows: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "piece_len", self.documents.piece_len)
 
+    def window_segments(self, w: int) -> tuple[Segment, ...]:
+        """All-gather ring, causal with the kernels' left window ``w``: each query
+        piece's segment holds only the chunks of its documents the window reaches."""
+        segments = self._windows.get(w)
+        if segments is None:
+            segments = self._windows[w] = _segments(
+                self.documents, self.ring_rank, True, self.packed, self.device, w
+            )
+        return segments
 
-def _segments(documents: Documents, ring_rank: int, causal: bool, packed: bool, device):
+
+def _segments(
+    documents: Documents, ring_rank: int, causal: bool, packed: bool, device, window=None
+):
     segments = []
     for piece in range(documents.pieces):
-        rows, bounds_k = documents.visible_rows(ring_rank, piece, causal)
+        if window is None:
+            rows, bounds_k = documents.visible_rows(ring_rank, piece, causal)
+        else:
+            rows, bounds_k = documents.window_rows(ring_rank, piece, window)
         docs = PackedDocs.build(documents.piece_bounds, bounds_k, device) if packed else None
         segments.append(Segment(documents.piece_rows(piece), rows.to(device), docs))
     return tuple(segments)
