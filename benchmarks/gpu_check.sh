@@ -4,7 +4,11 @@
 #   kernel_tests   tests/kernels/: every kernel backend the build has (cudnn,
 #                  flash, efficient, math; flash_attn when installed) against the float64
 #                  reference, their self-checks, NaN/inf semantics, host syncs; a backend
-#                  that fails its self-check FAILS here, it is not skipped
+#                  that fails its self-check FAILS here, it is not skipped; and the 2026
+#                  paths (test_new_paths_device.py): sliding windows, attention sinks and
+#                  a value head size of its own through usp_attention on each backend, the
+#                  MoE experts' grouped GEMM against the loop, the gated delta rule kernel
+#                  against its recurrence
 #   cuda_tests     every other test marked @pytest.mark.cuda (none yet is fine)
 #   plan_check     benchmarks/plan_check.py: usp plan's fake-tensor memory estimate of 4
 #                  layers of Llama-3.1-8B at 64k tokens (one of 8 ranks) against

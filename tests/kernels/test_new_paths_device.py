@@ -1,0 +1,165 @@
+"""The 2026 paths on each device the build has: sliding windows, attention sinks and a
+value head size of its own through ``usp_attention`` on every backend; the MoE experts'
+grouped GEMM against the loop; the gated delta rule's kernel against its recurrence.
+
+On CPU these run in the suite (they check the cases themselves); the CUDA cases are
+marked ``cuda`` and run in ``benchmarks/gpu_check.sh`` (``kernel_tests``), where they are
+the first run of these paths on a GPU. Tolerances are relative to the largest reference
+magnitude, as in ``test_kernels.py``; the CUDA ones are not yet measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import BACKENDS, require, work_dtype
+from reference import reference_sink_attention, relative_error, window_document_mask
+
+import usp
+from usp.kernels import AttentionSpec
+from usp.linear.kernel import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from usp.models.moe import Experts, experts_loop, grouped_gemm_available
+
+TOLERANCE = {  # (device type, dtype): (out, grads)
+    ("cpu", torch.float32): (5e-6, 2e-5),
+    ("cpu", torch.bfloat16): (2e-2, 4e-2),
+    ("cuda", torch.float32): (5e-5, 2e-4),
+    ("cuda", torch.bfloat16): (2e-2, 4e-2),
+}
+
+
+def _cases(backends):
+    for device, backend in backends:
+        marks = [pytest.mark.cuda] if device == "cuda" else []
+        yield pytest.param(device, backend, marks=marks, id=f"{device}-{backend}")
+
+
+# ------------------------------------------------- windows, sinks, v's own head size
+WINDOWED = [  # (window, with sinks, packed boundaries or None, v head dim)
+    (1, True, None, 64),
+    (37, False, [0, 100, 256], 64),
+    (37, True, [0, 100, 256], 64),
+    (None, True, None, 64),
+    (None, False, None, 32),  # MLA-like: v's head dim below q/k's
+    (19, True, [0, 256], 32),
+]
+
+
+@pytest.mark.parametrize(("device", "backend"), list(_cases(BACKENDS)))
+def test_windows_sinks_and_value_head_size_on_every_backend(device, backend):
+    dtype = work_dtype(device, backend)
+    require(backend, AttentionSpec(1, 256, 256, 4, 2, 64, dtype, torch.device(device), True, 37))
+    plan = usp.Plan(None)
+    generator = torch.Generator().manual_seed(0)
+    seq, heads, kv_heads, head_dim = 256, 4, 2, 64
+    out_tol, grad_tol = TOLERANCE[device, dtype]
+    for window, with_sinks, bounds, v_dim in WINDOWED:
+        shapes = [(1, seq, heads, head_dim), (1, seq, kv_heads, head_dim)]
+        shapes += [(1, seq, kv_heads, v_dim), (1, seq, heads, v_dim)]
+        q, k, v, dout = (torch.randn(*s, generator=generator, dtype=torch.float64) for s in shapes)
+        sinks = torch.randn(heads, generator=generator, dtype=torch.float64)
+        mask = window_document_mask(bounds or [0, seq], window)
+        ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_sinks = (
+            sinks.clone().requires_grad_() if with_sinks else sinks.new_full((heads,), -torch.inf)
+        )
+        ref_out = reference_sink_attention(*ref_leaves, ref_sinks, mask=mask)
+        wanted = [*ref_leaves, ref_sinks] if with_sinks else ref_leaves
+        ref_grads = torch.autograd.grad(ref_out, wanted, dout)
+
+        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        dev_sinks = sinks.float().to(device).requires_grad_() if with_sinks else None
+        cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32, device=device)
+        out = usp.usp_attention(
+            *leaves, plan, causal=True, backend=backend, window=window, sinks=dev_sinks,
+            cu_seqlens=cu,
+        )  # fmt: skip
+        got = [*leaves, dev_sinks] if with_sinks else leaves
+        grads = torch.autograd.grad(out, got, dout.to(device, dtype))
+        case = (window, with_sinks, bounds, v_dim)
+        assert relative_error(out.double().cpu(), ref_out) <= out_tol, case
+        for name, grad, ref in zip(["q", "k", "v", "sinks"], grads, ref_grads):
+            assert relative_error(grad.double().cpu(), ref) <= grad_tol, (case, name)
+
+
+# ----------------------------------------------------------------- MoE experts
+def _devices():
+    yield pytest.param("cpu", id="cpu")
+    yield pytest.param(
+        "cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("device", list(_devices()))
+def test_moe_grouped_experts_equal_the_loop(device):
+    """The grouped path (torch._grouped_mm where the device has it: bf16 on Hopper,
+    float32/bf16 on CPU) against the per-expert loop, output and gradients."""
+    dtype = torch.bfloat16
+    if not grouped_gemm_available(dtype, torch.device(device)):
+        pytest.fail(f"torch._grouped_mm is expected on {device} for {dtype} here")
+    torch.manual_seed(0)
+    tokens, hidden, inter, experts, top_k = 512, 128, 64, 16, 4
+    module = Experts(experts, hidden, inter, top_k).to(device)
+    module.init_weights(0.05)
+    module = module.to(dtype)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
+    chosen = torch.rand(tokens, experts, device=device).topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, device=device, dtype=dtype).softmax(-1)
+    chosen[:8] = 0  # one crowded expert; with 16 experts some may get no token
+    out = module(x, chosen, weights)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x, module.gate_up_proj, module.down_proj], dout)
+
+    ref_params = [
+        p.detach().double().requires_grad_() for p in (module.gate_up_proj, module.down_proj)
+    ]
+    ref_x = x.detach().double().requires_grad_()
+    ref = experts_loop(ref_x, chosen, weights.double(), *ref_params)
+    ref_grads = torch.autograd.grad(ref, [ref_x, *ref_params], dout.double())
+    assert relative_error(out.double(), ref) <= 2e-2
+    for name, grad, want in zip(("x", "gate_up", "down"), grads, ref_grads):
+        assert relative_error(grad.double(), want) <= 4e-2, name
+
+
+# ----------------------------------------------------------------- Gated DeltaNet
+@pytest.mark.parametrize("device", list(_devices()))
+def test_gated_delta_rule_kernel_against_its_recurrence(device):
+    """The chunked kernel on the device (float32, packed documents, an initial state)
+    against the token-by-token recurrence in float64 on the CPU, output, final states
+    and gradients."""
+    generator = torch.Generator().manual_seed(1)
+    seq, key_heads, heads, dk, dv = 96, 2, 4, 32, 48
+    bounds = [0, 40, 96]
+    q, k = (
+        torch.randn(1, seq, key_heads, dk, generator=generator, dtype=torch.float64) for _ in "qk"
+    )
+    v = torch.randn(1, seq, heads, dv, generator=generator, dtype=torch.float64)
+    g = -torch.rand(1, seq, heads, generator=generator, dtype=torch.float64)
+    beta = torch.rand(1, seq, heads, generator=generator, dtype=torch.float64)
+    state0 = torch.randn(2, heads, dk, dv, generator=generator, dtype=torch.float64) * 0.1
+    dout = torch.randn(1, seq, heads, dv, generator=generator, dtype=torch.float64)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    outs, states = [], []
+    for doc, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        o, s = recurrent_gated_delta_rule(
+            *(t[:, a:b] for t in leaves), initial_state=state0[doc : doc + 1],
+            use_qk_l2norm=True, scale=0.2,
+        )  # fmt: skip
+        outs.append(o)
+        states.append(s)
+    ref_out, ref_state = torch.cat(outs, dim=1), torch.cat(states)
+    ref_grads = torch.autograd.grad(ref_out, leaves, dout)
+
+    dev = [t.to(device, torch.float32).requires_grad_() for t in (q, k, v, g, beta)]
+    out, state = chunk_gated_delta_rule(
+        *dev, initial_state=state0.to(device, torch.float32), output_final_state=True,
+        cu_seqlens=bounds, use_qk_l2norm=True, scale=0.2, chunk_size=16,
+    )  # fmt: skip
+    grads = torch.autograd.grad(out, dev, dout.to(device, torch.float32))
+    tol = 2e-5 if device == "cpu" else 2e-4
+    assert relative_error(out.double().cpu(), ref_out) <= tol
+    assert relative_error(state.double().cpu(), ref_state) <= tol
+    for name, grad, want in zip(["q", "k", "v", "g", "beta"], grads, ref_grads):
+        assert relative_error(grad.double().cpu(), want) <= 10 * tol, name
