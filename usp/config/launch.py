@@ -126,8 +126,7 @@ def check_grid_fits(config: UspConfig, world_size: int) -> None:
     raise GridSizeError(
         located(
             config.source,
-            f"[parallel] {shown} = {product} {relation} the running job's world_size"
-            f"({world_size})",
+            f"[parallel] {shown} = {product} {relation} the running job's world_size({world_size})",
         ),
         grid=grid,
         world_size=world_size,
