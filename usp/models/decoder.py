@@ -312,8 +312,14 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         _check_tokens(input_ids, labels, position_ids)
         # MoE families with output_router_logits: the load-balancing term joins the loss
-        with_aux = labels is not None and bool(getattr(self.config, "output_router_logits", 0))
-        with collect_router_stats(with_aux) as stats:
+        # (entered only then: a compiled forward of the other models never sees it)
+        stats = None
+        if labels is not None and getattr(self.config, "output_router_logits", False):
+            with collect_router_stats() as stats:
+                hidden = self.hidden_states(
+                    input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens
+                )
+        else:
             hidden = self.hidden_states(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens)
         if labels is None:
             return F.linear(hidden, self.output_weight)  # [B, S/P, V]
