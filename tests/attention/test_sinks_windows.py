@@ -177,6 +177,12 @@ def run_refusals():
     by_module = module(*local, sinks=sinks)
     by_function = usp.usp_attention(*local, topo, causal=True, window=4, sinks=sinks)
     compile_error = max(compile_error, relative_error(by_module, by_function))
+    # one KV head at a time (Levers' attention_head_chunks), contiguous: the same result
+    contiguous = usp.Plan(topo, layout="contiguous")
+    local = [usp.shard_sequence(t, topo, layout="contiguous") for t in (q, k, v)]
+    whole = contiguous.attention(*local, causal=True, window=6, sinks=sinks)
+    chunked = contiguous.attention(*local, causal=True, window=6, sinks=sinks, head_chunks=2)
+    compile_error = max(compile_error, relative_error(chunked, whole))
     return messages, out.shape, compile_error
 
 

@@ -320,8 +320,8 @@ def test_plugin_code_compiles_fullgraph_around_a_stand_in_attention(ckpt):
     torch._dynamo.reset()
     plan = usp.Plan(None)
 
-    def stand_in(q, k, v, *, causal, softmax_scale, packed, head_chunks):
-        assert packed is None and head_chunks == 1
+    def stand_in(q, k, v, *, causal, softmax_scale, packed, head_chunks, window, sinks):
+        assert packed is None and head_chunks == 1 and window is None and sinks is None
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             is_causal=causal, scale=softmax_scale, enable_gqa=True,
