@@ -8,6 +8,11 @@ Backward: K/V circulate again; each block's dK/dV accumulator (float32) starts a
 owner's next rank, travels one step behind the K/V, collects every other rank's
 contribution and reaches the owner after r-1 hops, who adds its own. dQ accumulates
 locally in float32.
+
+Sliding windows (:mod:`usp.ring.window`): the blocks are cut to the window, the ring
+rotates only while some rank has a block inside it (the accumulators' last hop then goes
+straight to their owners), and under the contiguous layout each hop sends only the keys
+the window needs (:func:`tail_starts`).
 """
 
 from __future__ import annotations
