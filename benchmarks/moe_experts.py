@@ -56,7 +56,7 @@ def _variants(experts, x, idx, weights, dtype, device):
     return out
 
 
-def measure_shape(name, shape, *, dtype, device, repeats, seed=0) -> dict:
+def measure_shape(name, shape, *, dtype, device, repeats, seed=0, backward=True) -> dict:
     import torch
 
     from usp.models.moe import Experts, Router
@@ -77,7 +77,8 @@ def measure_shape(name, shape, *, dtype, device, repeats, seed=0) -> dict:
             n: ((f(x, idx, weights).double() - ref).abs().max() / ref.abs().max()).item()
             for n, f in variants.items()
         }
-    times = {(n, m): [] for n in variants for m in ("forward", "forward_backward")}
+    modes = ("forward", "forward_backward") if backward else ("forward",)
+    times = {(n, m): [] for n in variants for m in modes}
     xg = x.clone().requires_grad_(True)
     for _ in range(repeats + 1):  # the first round warms up
         for n, f in variants.items():
@@ -86,15 +87,15 @@ def measure_shape(name, shape, *, dtype, device, repeats, seed=0) -> dict:
             with torch.no_grad():
                 f(x, idx, weights)
             _sync(device)
-            forward = time.perf_counter() - started
-            started = time.perf_counter()
-            f(xg, idx, weights).sum().backward()
-            _sync(device)
-            times[(n, "forward")].append(forward)
-            times[(n, "forward_backward")].append(time.perf_counter() - started)
+            times[(n, "forward")].append(time.perf_counter() - started)
+            if backward:
+                started = time.perf_counter()
+                f(xg, idx, weights).sum().backward()
+                _sync(device)
+                times[(n, "forward_backward")].append(time.perf_counter() - started)
     ms = {f"{n} {m}": 1e3 * statistics.median(v[1:]) for (n, m), v in times.items()}
     ratios = {}
-    for m in ("forward", "forward_backward"):
+    for m in modes:
         for n in variants:
             if n != "loop":
                 ratios[f"loop / {n} {m}"] = ms[f"loop {m}"] / ms[f"{n} {m}"]
@@ -123,6 +124,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, default=None, help="a folder for moe_experts.json")
+    p.add_argument("--forward-only", action="store_true",
+                   help="no backward (the loop's backward at a real width is very slow on CPU)")  # fmt: skip
     p.add_argument("--max-error", type=float, default=None,
                    help="exit 1 when a variant differs from the loop by more (relative)")  # fmt: skip
     args = p.parse_args(argv)
@@ -134,7 +137,8 @@ def main(argv=None) -> list[dict]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rows = []
     for name in args.shapes:
-        row = measure_shape(name, SHAPES[name], dtype=dtype, device=device, repeats=args.repeats)
+        row = measure_shape(name, SHAPES[name], dtype=dtype, device=device, repeats=args.repeats,
+                            backward=not args.forward_only)  # fmt: skip
         rows.append(row)
         cells = ", ".join(f"{k} {v:.2f}x" for k, v in row["ratios"].items())
         times = ", ".join(f"{k} {v:.2f} ms" for k, v in row["ms"].items())

@@ -26,4 +26,5 @@ def test_moe_experts_benchmark_fails_beyond_its_max_error():
     import pytest
 
     with pytest.raises(SystemExit, match="differs from the loop by .* > -1"):
-        bench.main(["--shapes", "tiny", "--repeats", "1", "--device", "auto", "--max-error", "-1"])
+        bench.main(["--shapes", "tiny", "--repeats", "1", "--device", "auto", "--forward-only",
+                    "--max-error", "-1"])  # fmt: skip
