@@ -31,6 +31,10 @@
 #                  CUDA graph: packed documents at Plan(None) equal to eager, a ring of 8
 #                  (fake group) captured; host ms eager / compiled / replayed; fails when
 #                  a call is not captured or not equal
+#   moe_experts    benchmarks/moe_experts.py --device auto (cuda) --dtype bfloat16: Qwen3-30B-A3B's
+#                  experts at 512 tokens, the per-expert loop against torch._grouped_mm
+#                  (and the sorted segments); ms and ratios; fails when a variant differs
+#                  from the loop by more than 5e-2 (relative, bf16)
 #
 #   bash benchmarks/gpu_check.sh [RESULTS_DIR]     # default: results/
 #
@@ -129,6 +133,8 @@ script_step train_emulate 90 benchmarks/train_emulate.py benchmarks/train_emulat
 step host_overhead 60 "$PYTHON" benchmarks/host_overhead.py --device auto --repeats 100 --out "$OUT"
 script_step cuda_graph 150 benchmarks/cuda_graph_check.py benchmarks/cuda_graph_check.py \
     --cases 2 --out "$OUT"
+script_step moe_experts 60 benchmarks/moe_experts.py benchmarks/moe_experts.py --device auto \
+    --dtype bfloat16 --shapes qwen3-30b-a3b --repeats 5 --max-error 5e-2 --out "$OUT"
 
 # ------------------------------------------------------------------ summary
 json_string() { # a JSON string literal of $1

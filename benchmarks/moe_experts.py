@@ -7,7 +7,8 @@ single runs by 2x), the median of each; the ratios are what to read. The outputs
 checked equal first.
 
     python benchmarks/moe_experts.py                       # CPU, two shapes, float32
-    python benchmarks/moe_experts.py --device cuda --dtype bfloat16 --shapes qwen3-30b-a3b
+    python benchmarks/moe_experts.py --device cuda --dtype bfloat16 --shapes qwen3-30b-a3b \
+        --max-error 5e-2                                  # gpu_check.sh's moe_experts step
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 #: tokens; a small shape where the per-expert host work dominates
 SHAPES = {
     "qwen3-30b-a3b": (2048, 768, 128, 8, 512),
+    "qwen3-30b-a3b-128": (2048, 768, 128, 8, 128),  # the same layer, 128 tokens
     "small": (256, 128, 32, 4, 512),
     "tiny": (32, 16, 4, 2, 16),  # tests
 }
@@ -54,7 +56,7 @@ def _variants(experts, x, idx, weights, dtype, device):
     return out
 
 
-def measure_shape(name, shape, *, dtype, device, repeats, seed=0) -> dict:
+def measure_shape(name, shape, *, dtype, device, repeats, seed=0, backward=True) -> dict:
     import torch
 
     from usp.models.moe import Experts, Router
@@ -75,7 +77,8 @@ def measure_shape(name, shape, *, dtype, device, repeats, seed=0) -> dict:
             n: ((f(x, idx, weights).double() - ref).abs().max() / ref.abs().max()).item()
             for n, f in variants.items()
         }
-    times = {(n, m): [] for n in variants for m in ("forward", "forward_backward")}
+    modes = ("forward", "forward_backward") if backward else ("forward",)
+    times = {(n, m): [] for n in variants for m in modes}
     xg = x.clone().requires_grad_(True)
     for _ in range(repeats + 1):  # the first round warms up
         for n, f in variants.items():
@@ -84,15 +87,15 @@ def measure_shape(name, shape, *, dtype, device, repeats, seed=0) -> dict:
             with torch.no_grad():
                 f(x, idx, weights)
             _sync(device)
-            forward = time.perf_counter() - started
-            started = time.perf_counter()
-            f(xg, idx, weights).sum().backward()
-            _sync(device)
-            times[(n, "forward")].append(forward)
-            times[(n, "forward_backward")].append(time.perf_counter() - started)
+            times[(n, "forward")].append(time.perf_counter() - started)
+            if backward:
+                started = time.perf_counter()
+                f(xg, idx, weights).sum().backward()
+                _sync(device)
+                times[(n, "forward_backward")].append(time.perf_counter() - started)
     ms = {f"{n} {m}": 1e3 * statistics.median(v[1:]) for (n, m), v in times.items()}
     ratios = {}
-    for m in ("forward", "forward_backward"):
+    for m in modes:
         for n in variants:
             if n != "loop":
                 ratios[f"loop / {n} {m}"] = ms[f"loop {m}"] / ms[f"{n} {m}"]
@@ -117,18 +120,25 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "small"], choices=SHAPES)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or auto (cuda when there is one)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, default=None, help="a folder for moe_experts.json")
+    p.add_argument("--forward-only", action="store_true",
+                   help="no backward (the loop's backward at a real width is very slow on CPU)")  # fmt: skip
+    p.add_argument("--max-error", type=float, default=None,
+                   help="exit 1 when a variant differs from the loop by more (relative)")  # fmt: skip
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rows = []
     for name in args.shapes:
-        row = measure_shape(name, SHAPES[name], dtype=dtype, device=device, repeats=args.repeats)
+        row = measure_shape(name, SHAPES[name], dtype=dtype, device=device, repeats=args.repeats,
+                            backward=not args.forward_only)  # fmt: skip
         rows.append(row)
         cells = ", ".join(f"{k} {v:.2f}x" for k, v in row["ratios"].items())
         times = ", ".join(f"{k} {v:.2f} ms" for k, v in row["ms"].items())
@@ -139,6 +149,9 @@ def main(argv=None) -> list[dict]:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "moe_experts.json").write_text(json.dumps(rows, indent=1) + "\n")
+    worst = max(max(r["max_relative_error"].values()) for r in rows)
+    if args.max_error is not None and worst > args.max_error:
+        raise SystemExit(f"a variant differs from the loop by {worst:.1e} > {args.max_error:g}")
     return rows
 
 

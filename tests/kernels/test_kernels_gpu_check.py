@@ -90,6 +90,7 @@ def check_tree(tmp_path):
         "plan_check.py",
         "overheads_check.py",
         "cuda_graph_check.py",
+        "moe_experts.py",
     ):
         (tree / "benchmarks" / name).write_text("# fake\n")
     python = tmp_path / "fake_python"
@@ -124,6 +125,7 @@ STEPS = [
     "train_emulate",
     "host_overhead",
     "cuda_graph",
+    "moe_experts",
 ]
 
 

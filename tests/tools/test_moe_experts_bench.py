@@ -18,3 +18,13 @@ def test_moe_experts_benchmark_at_a_tiny_shape(tmp_path):
     (double,) = bench.main(["--shapes", "tiny", "--repeats", "1", "--dtype", "float64"])
     assert set(double["ratios"]) == {"loop / segments forward", "loop / segments forward_backward"}
     assert max(double["max_relative_error"].values()) <= 1e-14
+
+
+def test_moe_experts_benchmark_fails_beyond_its_max_error():
+    """gpu_check.sh's moe_experts step fails when a variant differs from the loop (here a
+    bound no result can meet); --device auto is the CPU without a GPU."""
+    import pytest
+
+    with pytest.raises(SystemExit, match="differs from the loop by .* > -1"):
+        bench.main(["--shapes", "tiny", "--repeats", "1", "--device", "auto", "--forward-only",
+                    "--max-error", "-1"])  # fmt: skip

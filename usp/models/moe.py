@@ -160,11 +160,14 @@ def _segment_swiglu(rows, gate_up_proj, down_proj, counts) -> torch.Tensor:
         sizes = [rows.shape[0] // experts + (e < rows.shape[0] % experts) for e in range(experts)]
     else:
         sizes = counts.tolist()  # host sync
+    # unbind once: one backward writes every expert's gradient into one [E, ...] tensor
+    # (indexing gate_up_proj[e] per expert would give each a full-size zero gradient)
+    gate_ups, downs = gate_up_proj.unbind(0), down_proj.unbind(0)
     outputs = []
     for expert, segment in enumerate(rows.split(sizes)):
         if segment.shape[0]:
-            hidden = _swiglu_halves(F.linear(segment, gate_up_proj[expert]))  # [n, I]
-            outputs.append(F.linear(hidden, down_proj[expert]))  # [n, H]
+            hidden = _swiglu_halves(F.linear(segment, gate_ups[expert]))  # [n, I]
+            outputs.append(F.linear(hidden, downs[expert]))  # [n, H]
     if not outputs:
         return rows.new_zeros(rows.shape)
     return torch.cat(outputs)
