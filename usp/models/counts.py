@@ -81,7 +81,7 @@ def model_counts(config) -> ModelCounts:
                 matmul += repeats * module.matmul_parameters()
             if hasattr(module, "top_k") and hasattr(module, "gate_up_proj"):  # experts
                 experts += repeats * sum(p.numel() for p in module.parameters())
-                routed += repeats * module.matmul_parameters()
+                routed += repeats * getattr(module, "routed_parameters", module.matmul_parameters)()
         other = sum(p.numel() for p in model.parameters()) - sum(
             p.numel() for p in layer.parameters()
         )
