@@ -332,6 +332,15 @@ def test_bare_config_defaults_and_plain_rope_export():
     }  # fmt: skip
     assert config_from_hf(written) == plain
     assert plain.replace(num_hidden_layers=1).layer_types == ("sliding_attention",)
+    # no attention biases, tied embeddings: the parameters transformers' model has
+    changed = {"attention_bias": False, "tie_word_embeddings": True}
+    with torch.device("meta"):
+        ours = GptOss(config_from_hf({**bare, **changed}))
+        theirs = transformers.GptOssForCausalLM(transformers.GptOssConfig(**bare, **changed))
+    assert {n: p.shape for n, p in ours.named_parameters()} == {
+        n: p.shape for n, p in theirs.named_parameters()
+    }
+    assert ours.model.layers[0].self_attn.q_proj.bias is None and ours.lm_head is None
 
 
 def test_bad_configs_are_refused(tmp_path, checkpoint):
