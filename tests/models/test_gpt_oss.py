@@ -50,6 +50,7 @@ from usp.models import (  # noqa: E402
     config_from_hf,
     model_counts,
     preset,
+    training_flops,
 )
 from usp.models.gpt_oss import GptOssExperts, GptOssRouter  # noqa: E402
 from usp.models.moe import collect_router_stats, sp_router_aux_loss  # noqa: E402
@@ -313,6 +314,14 @@ def test_published_config_and_presets():
     experts = model.decoder_layers[0].mlp.experts
     per_expert = sum(p[0].numel() for p in experts.parameters())
     assert counts.active == counts.total - 2 * (8 - 2) * per_expert
+    # FLOPs (MFU): a sliding layer's attention counts the (query, key) pairs it sees
+    assert counts.windows == (16, None)
+    lengths = [40, 10]
+    visible = sum(min(i + 1, 16) for i in range(40)) + 10 * 10 / 2  # sliding layer, 2 docs
+    full = (40 * 40 + 10 * 10) / 2  # full layer (n^2 / 2 pairs, as for every family)
+    per_pair = 4 * tiny.num_attention_heads * tiny.attention_head_dim * 3  # fwd + bwd
+    expected = 6 * counts.matmul * 50 + per_pair * (visible + full)
+    assert training_flops(tiny, lengths) == pytest.approx(expected, rel=1e-12)
 
 
 def test_bare_config_defaults_and_plain_rope_export():
