@@ -18,6 +18,11 @@ and the load-balancing loss, exact under sequence parallelism.
   block needs no communication. Expert parallelism would replace the gather/scatter of
   :meth:`Experts.forward` by an all-to-all of the sorted rows over an expert axis, behind
   the same module.
+* A family whose router or experts differ (:mod:`usp.models.gpt_oss`: a router with bias,
+  experts with biases and another activation, kept in transformers' layout) subclasses
+  :class:`SparseMoE` (:meth:`SparseMoE.route`) and :class:`Experts`
+  (:meth:`Experts.run_sorted`; :attr:`Experts.per_expert_checkpoint` False when its
+  checkpoints hold the grouped tensors): the sorting, statistics and aux loss are shared.
 
 The load-balancing loss (Switch Transformer, as transformers' ``load_balancing_loss_func``
 computes it without an attention mask) is ``E * sum_e f_e * p_e`` with ``f_e`` the share
