@@ -15,7 +15,8 @@ The grid is ``--ulysses x --ring`` SP ranks per data-parallel replica, the rest 
 world data-parallel; ``--batch-size`` rows per replica per micro-batch. The levers
 (``--activation-checkpointing``, ``--mlp-tile-tokens``, ``--attention-head-chunks``,
 ``--loss-chunk-tokens``) are ``usp.models.Levers``. ``--no-usp`` runs the unmodified
-Trainer (one process, sdpa): the reference the usp runs are compared with.
+Trainer (one process, sdpa; eager for a model without it, e.g. gpt-oss): the
+reference the usp runs are compared with.
 
 ``--eval-data FILE`` (the same formats): its loss (``eval_loss``) every ``--eval-steps``
 and at the end. Leaves ``DIR/trainer_state.json`` (the loss and grad norm of every step
@@ -153,6 +154,12 @@ def training_arguments(args, per_replica: int):
     )
 
 
+def reference_attention(model) -> str:
+    """The attention of the ``--no-usp`` reference: sdpa where transformers offers it for
+    the model, else eager (gpt-oss: its sinks have no sdpa path)."""
+    return "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
+
+
 def main(argv=None, *, plan=None) -> int:
     """``plan``: an already built ``usp.Plan`` (default: the launch's, from the flags)."""
     args = parse_args(argv)
@@ -174,7 +181,7 @@ def main(argv=None, *, plan=None) -> int:
     if args.no_usp:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise SystemExit("--no-usp is the one-process reference: run it without torchrun")
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(reference_attention(model))
         trainer = transformers.Trainer(
             model=model,
             args=training_arguments(args, args.batch_size),

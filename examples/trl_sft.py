@@ -14,7 +14,8 @@ The grid is ``--ulysses x --ring`` SP ranks per data-parallel replica, the rest 
 world data-parallel; ``--batch-size`` conversations per replica per micro-batch. The
 levers are ``usp.models.Levers`` (``--activation-checkpointing``, ``--mlp-tile-tokens``,
 ``--attention-head-chunks``, ``--loss-chunk-tokens``). ``--no-usp`` runs the unmodified
-SFTTrainer (one process, sdpa): the reference the usp runs are compared with.
+SFTTrainer (one process, sdpa; eager for a model without it, e.g. gpt-oss): the
+reference the usp runs are compared with.
 
 Leaves ``DIR/trainer_state.json`` (the loss and grad norm of every step in
 ``log_history``) and the final model in ``DIR``. ``--plan-config FILE`` writes the run
@@ -93,6 +94,12 @@ def sft_config(args):
     )
 
 
+def reference_attention(model) -> str:
+    """The attention of the ``--no-usp`` reference: sdpa where transformers offers it for
+    the model, else eager (gpt-oss: its sinks have no sdpa path)."""
+    return "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
+
+
 def main(argv=None, *, plan=None) -> int:
     """``plan``: an already built ``usp.Plan`` (default: the launch's, from the flags)."""
     args = parse_args(argv)
@@ -111,7 +118,7 @@ def main(argv=None, *, plan=None) -> int:
     if args.no_usp:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise SystemExit("--no-usp is the one-process reference: run it without torchrun")
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(reference_attention(model))
         trainer = trl.SFTTrainer(
             model=model, args=sft_config(args), train_dataset=dataset, processing_class=tokenizer
         )

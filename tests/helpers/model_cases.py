@@ -65,6 +65,18 @@ FAMILY_CASES = {
             "mlp_only_layers": [0],
         },
     ),
+    # 4 experts, top 2; layer 0 slides over 6 keys, layer 1 full; sinks; default YaRN;
+    # a low swiglu_limit (so that the clamps bind) and another alpha
+    "gpt_oss": (
+        "GptOssConfig",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 6,
+            "swiglu_limit": 0.5,
+            "swiglu_alpha": 1.5,
+        },
+    ),
 }
 
 
@@ -140,13 +152,18 @@ def _router_float64(self, hidden_states):
     return router_logits, top_value, indices
 
 
-def load_hf_reference(directory: Path, dtype=torch.float64, attn_implementation="sdpa"):
+def load_hf_reference(directory: Path, dtype=torch.float64, attn_implementation=None):
     """transformers' own model from ``directory`` (any family): float64, SDPA attention
-    (float64 all through; eager's softmax is float32), RMSNorm in float64; MoE experts
+    (float64 all through; eager's softmax is float32) or, for a model without SDPA
+    (gpt-oss), eager attention (its softmax in the input's dtype), RMSNorm in float64; MoE experts
     by transformers' loop ("eager": its grouped GEMM has no float64) and the router's
     softmax in float64."""
     import transformers
 
+    if attn_implementation is None:
+        config = transformers.AutoConfig.from_pretrained(directory)
+        model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+        attn_implementation = "sdpa" if model_class._supports_sdpa else "eager"
     model = transformers.AutoModelForCausalLM.from_pretrained(
         directory, dtype=dtype, attn_implementation=attn_implementation,
         experts_implementation="eager",
@@ -155,7 +172,9 @@ def load_hf_reference(directory: Path, dtype=torch.float64, attn_implementation=
         for module in model.modules():
             if type(module).__name__.endswith("RMSNorm"):
                 module.forward = types.MethodType(_rms_norm_float64, module)
-            elif type(module).__name__.endswith("TopKRouter"):
+            elif type(module).__name__.endswith("TopKRouter") and hasattr(
+                module, "norm_topk_prob"
+            ):  # (gpt-oss's router computes in the logits' dtype: float64 already)
                 module.forward = types.MethodType(_router_float64, module)
     return model
 

@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import io
 
+import torch
+import torch.nn.functional as F
+from model_cases import closed_form_aux, load_hf_reference
 from usp_cases import topology
 
+from usp.train import components
 from usp.train.components import build_plan
 from usp.train.config import train_config_from_dict
+from usp.train.data import IGNORE_INDEX, micro_batch_of
 from usp.train.trainer import train
 
 #: the steps of ``base_config``'s job
@@ -74,3 +79,38 @@ def assert_matches_single(rows, reference, *, first_loss_tol=1e-5, tol=1e-4):
     for (step, loss, norm), ref in zip(rows, reference):
         assert _relative(loss, ref["loss"]) <= tol, (step, loss, ref["loss"])
         assert _relative(norm, ref["grad_norm"]) <= tol, (step, norm, ref["grad_norm"])
+
+
+def moe_job(checkpoint) -> dict:
+    """``base_config`` for 2 steps on an HF checkpoint with the byte tokenizer."""
+    config = base_config(steps=2, checkpoint_interval=0)
+    config["model"] = {"path": str(checkpoint)}
+    config["data"] = {**config["data"], "tokenizer": "byte"}
+    return config
+
+
+def transformers_first_loss(config: dict, coef: float) -> float:
+    """transformers' float64 step-1 loss: each micro-batch's documents run alone; CE sum
+    over all micro-batches / the step's label count + coef * each micro-batch's aux."""
+    job = train_config_from_dict(config)
+    source = components.model_source(job)
+    _, dataset = components.build_dataset(job, source, job.data.document_multiple)
+    model = load_hf_reference(source.directory)
+    cfg = model.config
+    total, count, aux = 0.0, 0, 0.0
+    per_micro = job.train.micro_batch
+    with torch.no_grad():
+        for first in range(0, job.train.global_batch, per_micro):
+            row = micro_batch_of([dataset.sequence(g) for g in range(first, first + per_micro)])
+            bounds = row.cu_seqlens.tolist()
+            router = []
+            for a, b in zip(bounds, bounds[1:]):
+                out = model(row.input_ids[:, a:b], use_cache=False, output_router_logits=True)
+                labels = row.labels[0, a:b]
+                total += F.cross_entropy(
+                    out.logits[0], labels, ignore_index=IGNORE_INDEX, reduction="sum"
+                ).item()
+                count += int((labels != IGNORE_INDEX).sum())
+                router.extend(out.router_logits)
+            aux += closed_form_aux(router, cfg.num_experts, cfg.num_experts_per_tok).item()
+    return total / count + coef * aux

@@ -497,3 +497,23 @@ def test_hf_trainer_example_pads_with_eos_when_the_tokenizer_has_no_pad_token(tm
     )
     with pytest.raises(usp.ConfigError, match="neither a pad nor an EOS token.*--padding-free"):
         example.build_collator(args, bare)
+
+
+@pytest.mark.parametrize("example", ["hf_trainer", "trl_sft"])
+def test_the_no_usp_reference_uses_the_attention_transformers_offers(example):
+    """sdpa for Llama; eager for gpt-oss, which has no sdpa (asking for it fails)."""
+    import trainer_cases
+    import transformers
+
+    module = trainer_cases.load_example(example)
+    shape = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=8)  # fmt: skip
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
+    oss = transformers.GptOssForCausalLM(
+        transformers.GptOssConfig(**shape, num_local_experts=2, num_experts_per_tok=1)
+    )
+    assert module.reference_attention(llama) == "sdpa"
+    assert module.reference_attention(oss) == "eager"
+    oss.set_attn_implementation(module.reference_attention(oss))
+    with pytest.raises(ValueError, match="scaled_dot_product_attention"):
+        oss.set_attn_implementation("sdpa")

@@ -102,7 +102,9 @@ def test_config_reads_as_transformers_reads_it(checkpoints, name):
     # the window transformers applies to a bare config (Mistral's class assumes 4096)
     assert ours.attention_window == hf_window(theirs), name
     null = {**bare, "sliding_window": None}  # Mistral v0.2 on: an explicit null, no window
-    assert config_from_hf(null).attention_window == hf_window(type(hf)(**null)), name
+    if name != "gpt_oss":  # sliding layers without a window: transformers' mask raises,
+        # usp refuses the config (tests/models/test_gpt_oss.py)
+        assert config_from_hf(null).attention_window == hf_window(type(hf)(**null)), name
     assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
     assert ours.attention_head_dim == (getattr(theirs, "head_dim", None) or 128 // 32)
 

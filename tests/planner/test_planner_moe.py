@@ -36,3 +36,16 @@ def test_the_report_names_total_and_active_parameters():
     assert _parameters(result) == "30.53B parameters, 3.35B active per token"
     dense = model_counts(PRESETS["qwen3-8b"])
     assert dense.active == dense.total and dense.experts == 0
+
+
+def test_gpt_oss_estimate_matches_a_real_step(tmp_path):
+    """gpt-oss-tiny (sliding layers of window 16, sinks, biased experts) at 2048 tokens on
+    u1 x r4: the planning kernels take the window where the real backend does; within 2%
+    of a real step."""
+    job = load_train_config(write_config(tmp_path, seq_len=2048))
+    target = Target(job, PRESETS["gpt-oss-tiny"], 4, 4, "cpu")
+    layout = Layout(1, 4, 1, Levers(False))
+    estimate = measure(target, layout).peak_device
+    real = real_peak(target, layout)
+    assert real > 500_000
+    assert 0.98 <= estimate / real <= 1.02, (estimate, real)

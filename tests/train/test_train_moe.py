@@ -16,54 +16,22 @@ import io
 import math
 
 import pytest
-import torch
-import torch.nn.functional as F
-from model_cases import closed_form_aux, load_hf_reference, write_family_checkpoint
-from train_cases import _train_on_ranks, assert_matches_single, base_config
+from model_cases import write_family_checkpoint
+from train_cases import (
+    _train_on_ranks,
+    assert_matches_single,
+    base_config,
+    moe_job,
+    transformers_first_loss,
+)
 
-from usp.train import components
 from usp.train.config import train_config_from_dict
-from usp.train.data import IGNORE_INDEX, micro_batch_of
 from usp.train.trainer import train
 
 pytest.importorskip("transformers", reason="the reference is HF transformers")
 pytest.importorskip("safetensors", reason="HF checkpoints are safetensors files")
 
 COEF = 0.1
-
-
-def moe_job(checkpoint) -> dict:
-    config = base_config(steps=2, checkpoint_interval=0)
-    config["model"] = {"path": str(checkpoint)}
-    config["data"] = {**config["data"], "tokenizer": "byte"}
-    return config
-
-
-def transformers_first_loss(config: dict) -> float:
-    """transformers' float64 step-1 loss: each micro-batch's documents run alone; CE sum
-    over all micro-batches / the step's label count + COEF * each micro-batch's aux."""
-    job = train_config_from_dict(config)
-    source = components.model_source(job)
-    _, dataset = components.build_dataset(job, source, job.data.document_multiple)
-    model = load_hf_reference(source.directory)
-    cfg = model.config
-    total, count, aux = 0.0, 0, 0.0
-    per_micro = job.train.micro_batch
-    with torch.no_grad():
-        for first in range(0, job.train.global_batch, per_micro):
-            row = micro_batch_of([dataset.sequence(g) for g in range(first, first + per_micro)])
-            bounds = row.cu_seqlens.tolist()
-            router = []
-            for a, b in zip(bounds, bounds[1:]):
-                out = model(row.input_ids[:, a:b], use_cache=False, output_router_logits=True)
-                labels = row.labels[0, a:b]
-                total += F.cross_entropy(
-                    out.logits[0], labels, ignore_index=IGNORE_INDEX, reduction="sum"
-                ).item()
-                count += int((labels != IGNORE_INDEX).sum())
-                router.extend(out.router_logits)
-            aux += closed_form_aux(router, cfg.num_experts, cfg.num_experts_per_tok).item()
-    return total / count + COEF * aux
 
 
 def test_usp_train_qwen3_moe_with_the_aux_loss(distributed, tmp_path):
@@ -74,7 +42,7 @@ def test_usp_train_qwen3_moe_with_the_aux_loss(distributed, tmp_path):
     config = moe_job(checkpoint)
     single = train(train_config_from_dict(config), None, output_dir=tmp_path / "one",
                    stream=io.StringIO())  # fmt: skip
-    first, expected = single.metrics[0]["loss"], transformers_first_loss(config)
+    first, expected = single.metrics[0]["loss"], transformers_first_loss(config, COEF)
     assert abs(first - expected) <= 1e-5 * expected, (first, expected)
     rows = distributed.run(
         _train_on_ranks, config, 2, 2, str(tmp_path / "u2r2"), world_size=4, timeout=300

@@ -1,4 +1,4 @@
-"""Models under USP: decoder-only model families (Llama, Qwen2/2.5, Qwen3, Mistral, Qwen3-MoE) built
+"""Models under USP: decoder-only model families (Llama, Qwen2/2.5, Qwen3, Mistral, Qwen3-MoE, gpt-oss) built
 natively, HF checkpoints, HF transformers' attention plug-in (:mod:`usp.models.hf`), the
 SP-correct loss, the memory levers and LoRA adapters (:mod:`usp.models.lora`).
 
@@ -33,6 +33,7 @@ from usp.models.family import (
     family_of,
     preset,
 )
+from usp.models.gpt_oss import GptOss, GptOssConfig
 from usp.models.labels import IGNORE_INDEX, shift_labels
 from usp.models.levers import LeverError, Levers, levers_of
 from usp.models.llama import Llama, LlamaConfig
@@ -68,6 +69,8 @@ __all__ = [
     "CausalLM",
     "CheckpointError",
     "DecoderConfig",
+    "GptOss",
+    "GptOssConfig",
     "LeverError",
     "Levers",
     "Llama",

@@ -15,7 +15,12 @@ import torch
 
 from usp.errors import CheckpointError  # noqa: F401 - re-exported here
 from usp.models.config import DecoderConfig, ModelConfigError
-from usp.models.moe import expert_key, join_expert_tensors, split_expert_tensors
+from usp.models.moe import (
+    expert_key,
+    join_expert_tensors,
+    per_expert_names,
+    split_expert_tensors,
+)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -113,13 +118,14 @@ def load_pretrained(cls, path, plan=None, /, *, dtype=None, device=None, config=
     with torch.device("meta"):
         model = cls(config, plan, **kwargs)
     expected = dict(model.named_parameters())
+    per_expert = per_expert_names(model)
     state, unexpected, wrong_shape = {}, [], []
     experts: dict = {}  # per-expert tensors of grouped parameters (usp.models.moe)
     for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as reader:
             for key in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
                 grouped = expert_key(key) if key not in expected else None
-                if grouped is not None and grouped[0] in expected:
+                if grouped is not None and grouped[0] in per_expert:
                     name, expert, projection = grouped
                     piece = reader.get_tensor(key)
                     dtype = dtype or piece.dtype
@@ -178,7 +184,7 @@ def save_pretrained(model, path) -> Path:
         )
     from torch.distributed.tensor import DTensor
 
-    state = {}
+    state, per_expert = {}, per_expert_names(model)
     for name, param in model.named_parameters():  # tied weights appear once
         if isinstance(param, DTensor) or param.device.type == "meta":
             where = "on the meta device" if param.device.type == "meta" else "sharded (a DTensor)"
@@ -187,7 +193,8 @@ def save_pretrained(model, path) -> Path:
                 "(gather a sharded model's state dict first)"
             )
         # grouped expert weights go out as transformers reads them: one tensor per expert
-        state.update(split_expert_tensors(name, param.detach().to("cpu").contiguous()))
+        tensor = param.detach().to("cpu").contiguous()
+        state.update(split_expert_tensors(name, tensor) if name in per_expert else {name: tensor})
     dtypes = {t.dtype for t in state.values()}
     dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else None
     directory.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ class ModelCounts:
     head_dim: int
     experts: int = 0  # every expert's parameters, all layers (mixture-of-experts models)
     routed: int = 0  # the parameters of the experts one token is routed to, all layers
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window (empty: all full)
 
     @property
     def total(self) -> int:
@@ -61,7 +62,18 @@ class ModelCounts:
         :meth:`attention_flops`."""
         tokens = sum(document_lengths)
         square = sum(n * n for n in document_lengths)
+        if any(w is not None for w in self.windows):  # sliding layers: mean over layers
+            square = sum(_window_square(document_lengths, w) for w in self.windows) / self.layers
         return 6 * self.matmul * tokens + self.attention_flops(square)
+
+
+def _window_square(lengths: list[int], window: int | None) -> int:
+    """What ``n^2`` stands for in :meth:`ModelCounts.attention_flops` (twice the visible
+    (query, key) pairs) in a layer sliding over ``window`` keys: ``n^2`` for a document
+    within the window, else ``2 * (window (window + 1) / 2 + (n - window) window)``."""
+    if window is None:
+        return sum(n * n for n in lengths)
+    return sum(n * n if n <= window else 2 * n * window - window * window + window for n in lengths)
 
 
 def model_counts(config) -> ModelCounts:
@@ -81,7 +93,7 @@ def model_counts(config) -> ModelCounts:
                 matmul += repeats * module.matmul_parameters()
             if hasattr(module, "top_k") and hasattr(module, "gate_up_proj"):  # experts
                 experts += repeats * sum(p.numel() for p in module.parameters())
-                routed += repeats * module.matmul_parameters()
+                routed += repeats * getattr(module, "routed_parameters", module.matmul_parameters)()
         other = sum(p.numel() for p in model.parameters()) - sum(
             p.numel() for p in layer.parameters()
         )
@@ -96,6 +108,9 @@ def model_counts(config) -> ModelCounts:
         head_dim=config.attention_head_dim,
         experts=experts,
         routed=routed,
+        windows=tuple(config.layer_window(i) for i in range(layers))
+        if hasattr(config, "layer_window")
+        else (),
     )
 
 

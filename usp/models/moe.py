@@ -18,6 +18,11 @@ and the load-balancing loss, exact under sequence parallelism.
   block needs no communication. Expert parallelism would replace the gather/scatter of
   :meth:`Experts.forward` by an all-to-all of the sorted rows over an expert axis, behind
   the same module.
+* A family whose router or experts differ (:mod:`usp.models.gpt_oss`: a router with bias,
+  experts with biases and another activation, kept in transformers' layout) subclasses
+  :class:`SparseMoE` (:meth:`SparseMoE.route`) and :class:`Experts`
+  (:meth:`Experts.run_sorted`; :attr:`Experts.per_expert_checkpoint` False when its
+  checkpoints hold the grouped tensors): the sorting, statistics and aux loss are shared.
 
 The load-balancing loss (Switch Transformer, as transformers' ``load_balancing_loss_func``
 computes it without an attention mask) is ``E * sum_e f_e * p_e`` with ``f_e`` the share
@@ -83,6 +88,10 @@ class Experts(nn.Module):
     """``E`` SwiGLU experts as grouped weights; ``forward(x [N, H], experts [N, k], weights
     [N, k]) -> [N, H]``: each token's weighted sum of its experts' outputs."""
 
+    #: checkpoints hold one tensor per expert (Qwen3-MoE); False: the grouped tensors
+    #: under the parameters' own names (gpt-oss)
+    per_expert_checkpoint: bool = True
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
@@ -110,12 +119,16 @@ class Experts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E] rows per expert
         rows = x.index_select(0, tokens)  # [N*k, H], grouped by expert
-        if self._use_grouped_gemm(x):
-            hidden = _grouped_swiglu(rows, self.gate_up_proj, self.down_proj, counts)
-        else:
-            hidden = _segment_swiglu(rows, self.gate_up_proj, self.down_proj, counts)
+        hidden = self.run_sorted(rows, counts, flat.index_select(0, order))  # [N*k, H]
         hidden = hidden * weights.reshape(-1).index_select(0, order).unsqueeze(1)  # [N*k, H]
         return torch.zeros_like(x).index_add_(0, tokens, hidden)  # [N, H]
+
+    def run_sorted(self, rows: torch.Tensor, counts: torch.Tensor, row_experts: torch.Tensor):
+        """rows [M, H] sorted by expert, counts [E], each row's expert [M] -> [M, H]: every
+        expert on its segment (a family whose experts differ overrides this)."""
+        if self._use_grouped_gemm(rows):
+            return _grouped_swiglu(rows, self.gate_up_proj, self.down_proj, counts)
+        return _segment_swiglu(rows, self.gate_up_proj, self.down_proj, counts)
 
     def _use_grouped_gemm(self, x: torch.Tensor) -> bool:
         if self.grouped_gemm is False or _is_fake(x):
@@ -151,20 +164,24 @@ def _grouped_swiglu(rows, gate_up_proj, down_proj, counts) -> torch.Tensor:
     return torch._grouped_mm(_swiglu_halves(gate_up), down_proj.transpose(1, 2), offs=offsets)
 
 
+def segment_sizes(rows: torch.Tensor, counts: torch.Tensor) -> list[int]:
+    """Each expert's rows (one host sync), or under fake tensors an even split of
+    ``rows`` (what any routing allocates in total)."""
+    if _is_fake(counts):
+        experts = counts.shape[0]
+        return [rows.shape[0] // experts + (e < rows.shape[0] % experts) for e in range(experts)]
+    return counts.tolist()  # host sync
+
+
 def _segment_swiglu(rows, gate_up_proj, down_proj, counts) -> torch.Tensor:
     """rows [M, H] sorted by expert, counts [E] -> [M, H]: one matmul pair per expert
     with rows. Under fake tensors (the planner) the sizes are unknown: the rows are split
     evenly, which allocates what any routing does (every buffer is ``[M, .]`` in total)."""
-    if _is_fake(counts):
-        experts = counts.shape[0]
-        sizes = [rows.shape[0] // experts + (e < rows.shape[0] % experts) for e in range(experts)]
-    else:
-        sizes = counts.tolist()  # host sync
     # unbind once: one backward writes every expert's gradient into one [E, ...] tensor
     # (indexing gate_up_proj[e] per expert would give each a full-size zero gradient)
     gate_ups, downs = gate_up_proj.unbind(0), down_proj.unbind(0)
     outputs = []
-    for expert, segment in enumerate(rows.split(sizes)):
+    for expert, segment in enumerate(rows.split(segment_sizes(rows, counts))):
         if segment.shape[0]:
             hidden = _swiglu_halves(F.linear(segment, gate_ups[expert]))  # [n, I]
             outputs.append(F.linear(hidden, downs[expert]))  # [n, H]
@@ -209,9 +226,14 @@ class SparseMoE(nn.Module):
         self.gate = Router(hidden_size, num_experts, top_k, norm_topk_prob)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, top_k)
 
+    def route(self, flat: torch.Tensor):
+        """flat [N, H] -> (probabilities [N, E], top-k weights [N, k], top-k experts [N, k])
+        (a family whose router has another name or rule overrides this)."""
+        return self.gate(flat)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [B*S/P, H]
-        probs, weights, experts = self.gate(flat)
+        probs, weights, experts = self.route(flat)
         stats = _COLLECTOR.get()
         if stats is not None:
             stats.add(probs, experts)
@@ -341,6 +363,18 @@ def split_expert_tensors(name: str, tensor: torch.Tensor) -> dict[str, torch.Ten
             out[f"{prefix}.{expert}.gate_proj.weight"] = gate.contiguous()
             out[f"{prefix}.{expert}.up_proj.weight"] = up.contiguous()
     return out
+
+
+def per_expert_names(model: nn.Module) -> set[str]:
+    """The grouped parameters of ``model`` that checkpoints hold one tensor per expert
+    (:attr:`Experts.per_expert_checkpoint`): what :func:`join_expert_tensors` and
+    :func:`split_expert_tensors` convert."""
+    return {
+        f"{prefix}.{name}"
+        for prefix, module in model.named_modules()
+        if isinstance(module, Experts) and module.per_expert_checkpoint
+        for name in GROUPED_NAMES
+    }
 
 
 def is_moe(module: nn.Module) -> bool:

@@ -163,13 +163,19 @@ class _FakeCpu(_Planning):
         return _bhsd(dq), _bhsd(dk), _bhsd(dv)
 
 
-def _cuda(name: str) -> _FakeCuda:
-    kernel = _FakeCuda()
+def _standing_for(kernel: _Planning, name: str) -> _Planning:
+    """``kernel`` as the planning stand-in of backend ``name``: its name, and the calls it
+    takes (a sliding window where the real backend has one; the stand-in computes the
+    full causal block, whose tensors have the same shapes: memory is not under-counted)."""
     kernel.name = name
+    kernel.supports_window = registry.get(name).supports_window
     return kernel
 
 
-_PLANNING: dict[str, Backend] = {"cpu": _FakeCpu(), **{n: _cuda(n) for n in _CUDA_NAMES}}
+_PLANNING: dict[str, Backend] = {
+    "cpu": _standing_for(_FakeCpu(), "cpu"),
+    **{n: _standing_for(_FakeCuda(), n) for n in _CUDA_NAMES},
+}
 
 
 @contextmanager
