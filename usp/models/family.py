@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from usp.errors import ModelConfigError
-from usp.models import llama, mistral, qwen2, qwen3, qwen3_moe
+from usp.models import gemma3, llama, mistral, qwen2, qwen3, qwen3_moe
 from usp.models.config import DecoderConfig, read_config_json
 from usp.models.plans import plan_argument
 
@@ -73,6 +73,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily(qwen3.Qwen3),
     ModelFamily(mistral.Mistral),
     ModelFamily(qwen3_moe.Qwen3Moe),
+    ModelFamily(gemma3.Gemma3),
 )
 
 #: every family's presets by name (names are unique across families)
