@@ -10,7 +10,8 @@
   back; weights start at 0): on q and k per head, and four per layer (input,
   post-attention, pre-feedforward, post-feedforward: each sub-block's output is normed
   before it joins the residual);
-* the embedding scaled by ``sqrt(hidden_size)`` rounded to the model's dtype;
+* the embedding scaled by ``sqrt(hidden_size)`` rounded to the model's dtype, its
+  ``pad_token_id`` row without gradient from the input side (``padding_idx``);
   ``query_pre_attn_scalar ** -0.5`` as the attention scale; a GeGLU MLP
   (``gelu_pytorch_tanh``); tied embeddings by default;
 * ``final_logit_softcapping`` (token-local: ``cap * tanh(logits / cap)``) when set; the
@@ -346,8 +347,14 @@ class Gemma3Attention(Attention):
         q, k, v = self.project(x)  # [B, S/P, H or Hkv, D]
         q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         out = self.plan.attention(
-            q, k, v, causal=True, softmax_scale=self.scale, packed=packed,
-            head_chunks=self.head_chunks, window=self.window,
+            q,
+            k,
+            v,
+            causal=True,
+            softmax_scale=self.scale,
+            packed=packed,
+            head_chunks=self.head_chunks,
+            window=self.window,
         )  # fmt: skip  (out [B, S/P, H, D])
         return self.o_proj(out.reshape(batch, tokens, self.num_heads * self.head_dim))
 
@@ -380,7 +387,10 @@ class Gemma3Stack(nn.Module):
         super().__init__()
         self.config = config
         self.plan = plan
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # as transformers: the pad token's row gets no gradient from the input side
+        pad = config.pad_token_id
+        pad = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=pad)
         make_mlp = make_mlp or (lambda config, index: GeGLU(config))
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, plan, index, make_mlp(config, index))
@@ -416,6 +426,15 @@ class Gemma3(CausalLM):
     @staticmethod
     def make_mlp(config: Gemma3Config, index: int) -> nn.Module:
         return GeGLU(config)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """:meth:`CausalLM.init_weights`, the pad token's embedding row 0 (as
+        transformers); Gemma's norm weights 0 (the identity)."""
+        super().init_weights(generator)
+        pad = self.model.embed_tokens.padding_idx
+        if pad is not None:
+            self.model.embed_tokens.weight[pad].zero_()
 
     @staticmethod
     def checkpoint_key(key: str) -> str | None:
@@ -458,9 +477,7 @@ class Gemma3(CausalLM):
             reduction="sum",
         )
         count = int((labels != ignore_index).sum())
-        return sp_normalise(
-            local, count, self.plan.sp_group, num_items_in_batch=num_items_in_batch
-        )
+        return sp_normalise(local, count, self.plan.sp_group, num_items_in_batch=num_items_in_batch)
 
 
 _MULTIMODAL_KEYS = (
