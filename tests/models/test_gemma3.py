@@ -22,6 +22,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gemma3_cases import (
+    CASES,
+    TINY,
+    gemma_norm_float64,
+    hf_text_config,
+    load_reference,
+    randomise,
+    write_checkpoint,
+)
 from model_cases import IGNORE, cu_of, global_batch, grad_errors, relative_error, sft_labels
 from usp_cases import topology
 
@@ -44,76 +53,6 @@ from usp.models import (  # noqa: E402
     model_counts,
 )
 from usp.models.lora_export import merged_state  # noqa: E402
-
-TINY = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=256,
-    initializer_range=0.1,
-    query_pre_attn_scalar=12,
-    sliding_window=5,
-    rope_theta=1000.0,
-    rope_local_base_freq=100.0,
-)
-CASES = {
-    "tied": dict(
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        rope_scaling={"rope_type": "linear", "factor": 2.0},
-        tie_word_embeddings=True,
-    ),
-    # the default pattern (sliding_window_pattern 2: sliding, full, sliding)
-    "capped": dict(
-        sliding_window_pattern=2,
-        attention_bias=True,
-        final_logit_softcapping=3.0,
-        tie_word_embeddings=False,
-    ),
-}
-
-
-def hf_text_config(case: str, **changes):
-    return transformers.Gemma3TextConfig(**{**TINY, **CASES[case], **changes})
-
-
-def randomise(model) -> None:
-    """Norm weights and biases away from their initial values (no trivial gradient)."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(0.3 * torch.randn_like(param))
-            elif name.endswith(".bias"):
-                param.copy_(0.1 * torch.randn_like(param))
-
-
-def write_checkpoint(directory, case: str, *, seed=0, **changes):
-    torch.manual_seed(seed)
-    model = transformers.Gemma3ForCausalLM(hf_text_config(case, **changes))
-    randomise(model)
-    model.save_pretrained(directory)
-    return directory
-
-
-def _gemma_norm_float64(self, x):
-    """transformers' Gemma RMSNorm normalises in float32 even for float64 inputs; the
-    float64 reference does it in float64 (the same formula)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
-
-
-def load_reference(directory, dtype=torch.float64):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, dtype=dtype, attn_implementation="sdpa"
-    )
-    if dtype == torch.float64:
-        for module in model.modules():
-            if type(module).__name__ == "Gemma3RMSNorm":
-                module.forward = types.MethodType(_gemma_norm_float64, module)
-    return model
 
 
 def reference(directory, ids, labels, cu=None) -> dict:
@@ -399,7 +338,7 @@ def test_a_multimodal_checkpoint_loads_its_language_model(tmp_path):
     )
     for module in hf.modules():
         if type(module).__name__ == "Gemma3RMSNorm":
-            module.forward = types.MethodType(_gemma_norm_float64, module)
+            module.forward = types.MethodType(gemma_norm_float64, module)
     ids = global_batch(1, 12, seed=8)
     with torch.no_grad():
         expected = hf(input_ids=ids, use_cache=False).logits
@@ -423,6 +362,15 @@ def test_a_multimodal_checkpoint_loads_its_language_model(tmp_path):
             assert relative_error(model(ids), expected) <= 1e-12, directory.name
     written = json.loads((model.save_pretrained(tmp_path / "text") / "config.json").read_text())
     assert written["architectures"] == ["Gemma3ForCausalLM"] and "text_config" not in written
+
+
+def test_other_depths_keep_the_layer_kinds_in_order():
+    """The planner's shallower copies (config.replace(num_hidden_layers=k))."""
+    s, f = "sliding_attention", "full_attention"
+    assert PRESETS["gemma-3-4b"].replace(num_hidden_layers=7).layer_types == (s,) * 5 + (f, s)
+    assert PRESETS["gemma3-tiny"].replace(num_hidden_layers=4).layer_types == (s, s, f, s)
+    kinds = PRESETS["gemma3-tiny"].replace(num_hidden_layers=2, layer_types=(f, f))
+    assert kinds.layer_types == (f, f)
 
 
 def test_parameter_counts_equal_transformers():

@@ -128,6 +128,16 @@ class Gemma3Config(DecoderConfig):
         if cap is not None and (not isinstance(cap, (int, float)) or not cap > 0):
             raise ModelConfigError(f"final_logit_softcapping must be null or > 0, got {cap!r}")
 
+    def replace(self, **changes) -> Gemma3Config:
+        """A copy with ``changes``; another depth without ``layer_types`` keeps the
+        layers' kinds in order, repeating them past the last (the planner's shallower
+        copies measure the model's first layers)."""
+        layers = changes.get("num_hidden_layers", self.num_hidden_layers)
+        if "layer_types" not in changes and layers != self.num_hidden_layers:
+            types = self.layer_types
+            changes["layer_types"] = tuple(types[i % len(types)] for i in range(layers))
+        return super().replace(**changes)
+
     @property
     def attention_window(self) -> int | None:
         """None: the sliding layers' windows are computed exactly (no length limit)."""
