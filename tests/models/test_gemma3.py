@@ -364,6 +364,19 @@ def test_a_multimodal_checkpoint_loads_its_language_model(tmp_path):
     assert written["architectures"] == ["Gemma3ForCausalLM"] and "text_config" not in written
 
 
+def test_random_init_as_transformers():
+    """Norm weights 0 (Gemma's norms multiply by 1 + weight), the pad token's embedding
+    row 0, the rest normal(0, initializer_range)."""
+    generator = torch.Generator().manual_seed(0)
+    model = Gemma3(PRESETS["gemma3-tiny"].replace(initializer_range=0.5))
+    model.init_weights(generator)
+    norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    assert len(norms) == 3 * 6 + 1 and all(not p.any() for p in norms)
+    embed = model.model.embed_tokens.weight
+    assert model.model.embed_tokens.padding_idx == 0 and not embed[0].any()
+    assert 0.45 <= embed[1:].std().item() <= 0.55
+
+
 def test_other_depths_keep_the_layer_kinds_in_order():
     """The planner's shallower copies (config.replace(num_hidden_layers=k))."""
     s, f = "sliding_attention", "full_attention"

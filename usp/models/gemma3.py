@@ -75,6 +75,9 @@ class Gemma3Config(DecoderConfig):
     layer_types: tuple[str, ...] | None = None
     rope_local_base_freq: float = 10_000.0
     final_logit_softcapping: float | None = None
+    pad_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    bos_token_id: int | list[int] | None = 2
 
     family: ClassVar[str] = "gemma3"
     architectures: ClassVar[tuple[str, ...]] = (TEXT_ARCHITECTURE, MULTIMODAL_ARCHITECTURE)
