@@ -52,7 +52,7 @@ from usp.models import (  # noqa: E402
     family_for_hf,
     model_counts,
 )
-from usp.models.lora_export import merged_state  # noqa: E402
+from usp.models.lora_export import merged_state, save_peft_adapter  # noqa: E402
 
 
 def reference(directory, ids, labels, cu=None) -> dict:
@@ -212,9 +212,10 @@ def test_levers_give_the_same_numbers_and_mlp_tiles_are_refused(checkpoints):
         Levers(mlp_tile_tokens=4).apply(model)
 
 
-def test_lora_equals_its_merged_weights(checkpoints):
+def test_lora_equals_its_merged_weights_and_its_peft_export(checkpoints, tmp_path):
     """Adapters on every projection (GeGLU's too): logits equal the base model with the
-    merged weights; only the adapters train."""
+    merged weights and transformers' model with the PEFT export; only the adapters
+    train."""
     model = usp.models.from_pretrained(checkpoints["capped"], dtype=torch.float64)
     lora = Lora(rank=2, alpha=3.0, targets=("q_proj", "k_proj", "v_proj", "o_proj",
                                             "gate_proj", "up_proj", "down_proj"))  # fmt: skip
@@ -227,11 +228,19 @@ def test_lora_equals_its_merged_weights(checkpoints):
     merged = usp.models.from_pretrained(checkpoints["capped"], dtype=torch.float64)
     merged.load_state_dict(merged_state(model.state_dict(), lora))
     with torch.no_grad():
-        assert relative_error(model(ids), merged(ids)) <= 1e-12
+        ours = model(ids)
+        assert relative_error(ours, merged(ids)) <= 1e-12
     model(ids, labels=sft_labels(ids, [2])).backward()
     trained = {n for n, p in model.named_parameters() if p.grad is not None}
     assert trained == {n for n, p in model.named_parameters() if p.requires_grad}
     assert len(trained) == 2 * 7 * 3
+    peft = pytest.importorskip("peft", reason="the export's reference is PEFT")
+    out = save_peft_adapter(
+        tmp_path / "adapter", model.state_dict(), lora, base_model=checkpoints["capped"]
+    )
+    loaded = peft.PeftModel.from_pretrained(load_reference(checkpoints["capped"]), out)
+    with torch.no_grad():
+        assert relative_error(ours, loaded(ids, use_cache=False).logits) <= 1e-12
 
 
 # ---------------------------------------------------------------------- 4 ranks
