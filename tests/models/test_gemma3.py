@@ -9,7 +9,7 @@ the full layer and another theta on the sliding ones, ``query_pre_attn_scalar`` 
 transformers reads it (both RoPE forms, a multimodal config); float64 logits, loss and
 every gradient in one process (1e-12) and on 4 gloo ranks (ulysses 2 x ring 2 and
 ulysses 1 x ring 4, dense and packed, 1e-10); the levers; LoRA against its merged
-weights; the export read back by transformers; a multimodal checkpoint's language model
+weights and its PEFT export; the export read back by transformers; a multimodal checkpoint's language model
 in both key layouts; parameter counts against transformers'; every refusal.
 """
 
