@@ -255,8 +255,9 @@ def test_tiled_mlp_takes_only_silu_among_transformers_activations():
     assert not tiled & {"gelu", "gelu_pytorch_tanh", "gelu_new", "quick_gelu", "relu"}, tiled
 
 
-@pytest.mark.parametrize("family", [f.name for f in FAMILIES])
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES if f.name != "gemma3"])
 def test_every_family_takes_every_lever(family):
+    # (gemma3's GeGLU refuses MLP tiles; its levers: tests/models/test_gemma3.py)
     """Each family's model with all levers on equals its plain model (float64)."""
     from model_cases import family_config
 

@@ -33,6 +33,7 @@ from usp.models.family import (
     family_of,
     preset,
 )
+from usp.models.gemma3 import Gemma3, Gemma3Config
 from usp.models.gpt_oss import GptOss, GptOssConfig
 from usp.models.labels import IGNORE_INDEX, shift_labels
 from usp.models.levers import LeverError, Levers, levers_of
@@ -88,6 +89,8 @@ __all__ = [
     "Qwen3Config",
     "Qwen3Moe",
     "Qwen3MoeConfig",
+    "Gemma3",
+    "Gemma3Config",
     "ShardedBatch",
     "apply_lora",
     "config_from_file",

@@ -123,11 +123,14 @@ def load_pretrained(cls, path, plan=None, /, *, dtype=None, device=None, config=
     experts: dict = {}  # per-expert tensors of grouped parameters (usp.models.moe)
     for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as reader:
-            for key in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+            for stored in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                key = cls.checkpoint_key(stored)  # a family's other layouts (None: not ours)
+                if key is None:
+                    continue
                 grouped = expert_key(key) if key not in expected else None
                 if grouped is not None and grouped[0] in per_expert:
                     name, expert, projection = grouped
-                    piece = reader.get_tensor(key)
+                    piece = reader.get_tensor(stored)
                     dtype = dtype or piece.dtype
                     experts.setdefault(name, {}).setdefault(expert, {})[projection] = piece.to(
                         dtype
@@ -136,7 +139,7 @@ def load_pretrained(cls, path, plan=None, /, *, dtype=None, device=None, config=
                 if key not in expected:
                     unexpected.append(key)
                     continue
-                tensor = reader.get_tensor(key)
+                tensor = reader.get_tensor(stored)
                 if tuple(tensor.shape) != tuple(expected[key].shape):
                     wrong_shape.append(
                         f"{key}: {tuple(tensor.shape)} (config wants {tuple(expected[key].shape)})"

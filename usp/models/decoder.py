@@ -193,6 +193,9 @@ class CausalLM(nn.Module):
 
     config_class: ClassVar[type[DecoderConfig]] = DecoderConfig
     attention_class: ClassVar[type[Attention]] = Attention
+    #: the module under ``model.`` (embeddings, layers, final norm); a family whose layers
+    #: differ beyond the attention and MLP hooks gives its own (same constructor)
+    stack_class: ClassVar[type[nn.Module]] = DecoderStack
     #: the family's named shapes (``from_config("name")``)
     presets: ClassVar[dict[str, DecoderConfig]] = {}
 
@@ -200,6 +203,13 @@ class CausalLM(nn.Module):
     def make_mlp(config: DecoderConfig, index: int) -> nn.Module:
         """Layer ``index``'s MLP (a family with other MLPs, e.g. experts, overrides it)."""
         return MLP(config)
+
+    @staticmethod
+    def checkpoint_key(key: str) -> str | None:
+        """The parameter name of a checkpoint key (``None``: a tensor this model does not
+        hold); HF names are the parameter names, so this is the key itself unless a
+        family reads another layout (e.g. a multimodal checkpoint's language model)."""
+        return key
 
     def __init__(self, config: DecoderConfig, /, plan=None, **attention_options):
         super().__init__()
@@ -214,7 +224,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.plan = as_plan(plan, **attention_options)
         check_heads(self.plan, config.num_attention_heads, config.num_key_value_heads)
-        self.model = DecoderStack(config, self.plan, self.attention_class, self.make_mlp)
+        self.model = self.stack_class(config, self.plan, self.attention_class, self.make_mlp)
         self.lm_head = (
             None
             if config.tie_word_embeddings

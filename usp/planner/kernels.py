@@ -79,6 +79,10 @@ class _Planning(Backend):
     """What every planning backend shares: the workspace of the backend it stands for."""
 
     log: KernelLog | None = None  # set while planning_kernels() is active
+    # sliding windows (Gemma 3): the backends they stand for take them (FA2's
+    # window_size_left, the CPU kernel's mask) with the same outputs and workspaces, so a
+    # windowed call is planned as its dense call (memory only: no number is used)
+    supports_window = True
 
     def _workspace(self, q: torch.Tensor, spec, *, backward: bool) -> torch.Tensor | None:
         """The real kernel's working memory for this call, as one fake tensor (None with

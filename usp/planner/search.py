@@ -16,8 +16,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from usp.config import ConfigError
-from usp.models import Levers
+from usp.models import LeverError, Levers, family_of
 from usp.planner.footprint import Footprint, Layout, Target
 from usp.planner.hardware import (  # noqa: F401 (also read from here)
     DEFAULT_GPU,
@@ -123,13 +125,27 @@ def lever_options(model, grid: tuple[int, int, int], ranks_per_node: int) -> lis
     local = kv_heads_per_ring(
         model.num_attention_heads, model.num_key_value_heads, u, u * r, ranks_per_node
     )
+    tiles = tiles_mlp(model)
     options: list[Levers] = []
     for checkpointing, tile, chunks, offload in LEVER_STEPS:
+        tile = tile if tiles else 0
         chunks = local if chunks == EVERY_HEAD else chunks
         levers = Levers(checkpointing, tile, chunks, **_OFFLOAD[offload])
         if levers not in options:
             options.append(levers)
     return options
+
+
+def tiles_mlp(config) -> bool:
+    """Whether the model's MLPs take ``mlp_tile_tokens`` (SwiGLU; not Gemma's GeGLU):
+    asked of one layer built on the meta device."""
+    with torch.device("meta"):
+        model = family_of(config).build(config.replace(num_hidden_layers=1))
+    try:
+        Levers(mlp_tile_tokens=1).check(model)
+    except LeverError:
+        return False
+    return True
 
 
 def grids(model, cluster: Cluster, job) -> list[tuple[int, int, int]]:
