@@ -75,41 +75,6 @@ def chunk_lengths(cfg: RingConfig) -> tuple[int, ...]:
     return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
-def tail_starts(cfg: RingConfig, local_len: int, n_steps: int) -> list[int] | None:
-    """A windowed dense ring in the contiguous layout sends only the keys the window
-    needs: the block a rank holds at step s is its owner's rows from ``starts[s] =
-    max(0, s * L - w)`` on (the keys before are outside every later query's window), so
-    each hop forwards a suffix of what arrived, and a window shorter than a block moves
-    its last w rows only. None: whole blocks (no window, packed documents, zigzag)."""
-    if cfg.window is None or cfg.packed or cfg.layout != "contiguous" or n_steps < 2:
-        return None
-    return [0] + [max(0, s * local_len - cfg.window) for s in range(1, n_steps)]
-
-
-def _shifted(rows: slice, offset: int) -> slice:
-    """Block rows in a message that starts ``offset`` rows into its block."""
-    return rows if not offset else slice(rows.start - offset, rows.stop - offset)
-
-
-def _send_kv(kv: _DoubleBuffer, ring, step: int, n_steps: int, tails):
-    """Post the K/V message of the next step (None after the last): the whole block, or
-    the suffix the next step needs (:func:`tail_starts`)."""
-    if step + 1 >= n_steps:
-        return None
-    if tails is None:
-        return kv.start(ring)
-    held = kv.current.tensor  # [2, B, rows, Hkv, D]
-    cut = tails[step + 1] - tails[step]
-    return ring.start(held.narrow(2, cut, held.shape[2] - cut).contiguous())
-
-
-def _receive_kv(kv: _DoubleBuffer, pending, step: int, n_steps: int, tails) -> None:
-    if tails is None:
-        kv.finish(pending, keep_spare=step + 2 < n_steps)
-    else:  # a message of its own size each step: no spare buffer
-        kv.current = _Pair(pending.wait())
-
-
 def steps(cfg: RingConfig, local_len: int) -> int:
     """How many steps the ring rotates: all of them, or with a window only while some
     rank still has a block inside it (:func:`usp.ring.window.ring_steps`)."""
@@ -211,20 +176,16 @@ def p2p_forward(q, k, v, cfg: RingConfig, documents=None) -> tuple[torch.Tensor,
     ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
     n_steps = steps(cfg, q.shape[1])
-    tails = tail_starts(cfg, q.shape[1], n_steps)
-    # [2, B, L, Hkv, D]: one message
-    kv = _DoubleBuffer(torch.stack([k, v]), n_steps > 1 and tails is None)
+    kv = _DoubleBuffer(torch.stack([k, v]), n_steps > 1)  # [2, B, L, Hkv, D]: one message
     blocks, calls = _plan(cfg, q.shape[1], documents)
     q_rows = _Rows(q)
     out_rows = lse_rows = None  # float32 accumulators [B, L, H, D] and [B, H, L]
     for step in range(n_steps):
-        pending = _send_kv(kv, ring, step, n_steps, tails)
+        pending = kv.start(ring) if step + 1 < n_steps else None
         held = kv.current
-        offset = 0 if tails is None else tails[step]
         for block in blocks(ring.rank, _kv_rank(ring, step)):
-            kv_rows = _shifted(block.kv_rows, offset)
             block_out, block_lse = calls.forward(
-                q_rows[block.q_rows], held.first[kv_rows], held.second[kv_rows],
+                q_rows[block.q_rows], held.first[block.kv_rows], held.second[block.kv_rows],
                 block.causal, block.window, block.delta,
             )  # fmt: skip
             if out_rows is None and block.q_rows == ALL:  # the first block sees every row
@@ -240,7 +201,7 @@ def p2p_forward(q, k, v, cfg: RingConfig, documents=None) -> tuple[torch.Tensor,
             del block_out, block_lse  # merged: not alive during the next block's kernel
         del held
         if pending is not None:
-            _receive_kv(kv, pending, step, n_steps, tails)
+            kv.finish(pending, keep_spare=step + 2 < n_steps)
     del kv
     return out_rows.tensor.to(q.dtype), lse_rows.tensor
 
@@ -273,8 +234,7 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None):
     else:
         message = torch.stack([k, v])
     n_steps = steps(cfg, q.shape[1])
-    tails = tail_starts(cfg, q.shape[1], n_steps)
-    kv = _DoubleBuffer(message, n_steps > 1 and tails is None)
+    kv = _DoubleBuffer(message, n_steps > 1)
     del message
     # dK/dV in float32: ``own`` keeps this rank's contribution to its own block (step 0);
     # the accumulator of every other block starts at the owner's next rank, collects
@@ -285,33 +245,25 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None):
     travelling: list[_Pair] = []
     current, dkv_pending = 0, None
     blocks, calls = _plan(cfg, q.shape[1], documents)
-    # with tails, the travelling accumulators hold the rows from tails[1] on: every row
-    # a later step touches
-    first_tail = 0 if tails is None else tails[1]
     for step in range(n_steps):
-        kv_pending = _send_kv(kv, ring, step, n_steps, tails)
+        kv_pending = kv.start(ring) if step + 1 < n_steps else None
         held = kv.current
         block_grads = []
-        offset = 0 if tails is None else tails[step]
         for block in blocks(ring.rank, _kv_rank(ring, step)):
-            rows, kv_rows = block.q_rows, _shifted(block.kv_rows, offset)
+            rows, kv_rows = block.q_rows, block.kv_rows
             dq_block, dk_block, dv_block = calls.backward(
                 dout_rows[rows], q_rows[rows], held.first[kv_rows], held.second[kv_rows],
                 out_rows[rows], lse_rows[rows], block.causal, block.window, block.delta,
             )  # fmt: skip
             dq_rows[rows].add_(dq_block)
             del dq_block  # added: not alive during the next block's kernel
-            acc_rows = _shifted(block.kv_rows, first_tail if step else 0)
-            block_grads.append((acc_rows, dk_block, dv_block))
+            block_grads.append((kv_rows, dk_block, dv_block))
             del dk_block, dv_block
         del held
         if step == 0:
             dkv = own
         elif step == 1:
-            shape = own.tensor.narrow(2, first_tail, own.tensor.shape[2] - first_tail).shape
-            zeros = torch.zeros(shape, dtype=acc, device=k.device)
-            travelling = [_Pair(zeros), _Pair(torch.empty_like(zeros))]
-            del zeros
+            travelling = [_Pair(torch.zeros_like(own.tensor)), _Pair(torch.empty_like(own.tensor))]
             dkv = travelling[current]
         else:  # this block's accumulator arrived (in travelling[current], eager)
             dkv = travelling[current] = _arrived(dkv_pending.wait(), travelling[current])
@@ -329,11 +281,10 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None):
             current = 1 - current
         del dkv
         if kv_pending is not None:
-            _receive_kv(kv, kv_pending, step, n_steps, tails)
+            kv.finish(kv_pending, keep_spare=step + 2 < n_steps)
     del kv
     if dkv_pending is not None:  # everyone else's contributions to this rank's block
-        rows = own.tensor.shape[2] - first_tail
-        own.tensor.narrow(2, first_tail, rows).add_(dkv_pending.wait())
+        own.tensor.add_(dkv_pending.wait())
     del travelling, dkv_pending
     # copies even for float32: dk and dv must not be views of one shared buffer
     dk, dv = own.tensor[0].to(k.dtype, copy=True), own.tensor[1].to(v.dtype, copy=True)
