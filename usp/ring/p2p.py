@@ -11,8 +11,8 @@ locally in float32.
 
 Sliding windows (:mod:`usp.ring.window`): the blocks are cut to the window, the ring
 rotates only while some rank has a block inside it (the accumulators' last hop then goes
-straight to their owners), and under the contiguous layout each hop sends only the keys
-the window needs (:func:`tail_starts`).
+straight to their owners). Each hop still sends whole blocks: sending only the keys the
+window needs (O(W) bytes) is not done yet.
 """
 
 from __future__ import annotations
