@@ -71,6 +71,10 @@ class Attention(nn.Module):
         # groups of KV heads the ring attends to one after the other: 1 unless a lever
         # (usp.models.Levers.attention_head_chunks) sets it; the same numbers either way
         self.head_chunks = 1
+        # a sliding layer's window (a family sets it per layer) and per-head sink logits
+        # (a family with sinks makes this an nn.Parameter [H]); None: full, no sinks
+        self.window: int | None = None
+        self.sinks: torch.Tensor | None = None
 
     @staticmethod
     def projection_bias(config: DecoderConfig) -> tuple[bool, bool]:
@@ -98,6 +102,8 @@ class Attention(nn.Module):
             softmax_scale=self.head_dim**-0.5,
             packed=packed,
             head_chunks=self.head_chunks,
+            window=self.window,
+            sinks=self.sinks,
         )  # fmt: skip  (out [B, S/P, H, D], exact attention over the global sequence)
         return self.o_proj(out.reshape(batch, tokens, self.num_heads * self.head_dim))
 

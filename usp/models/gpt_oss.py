@@ -40,7 +40,6 @@ from usp.errors import ModelConfigError
 from usp.models.config import DecoderConfig
 from usp.models.decoder import Attention, CausalLM
 from usp.models.moe import Experts, SparseMoE, segment_sizes, stats_dtype
-from usp.models.rope import apply_rope
 
 #: transformers' gpt-oss RoPE for a config.json that names none (the published one)
 GPT_OSS_ROPE: dict[str, Any] = {
@@ -227,28 +226,10 @@ class GptOssAttention(Attention):
     def __init__(self, config: GptOssConfig, plan):
         super().__init__(config, plan)
         self.sinks = nn.Parameter(torch.empty(config.num_attention_heads))  # [H] logits
-        self.window: int | None = None  # a sliding layer's window
 
     @torch.no_grad()
     def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
         self.sinks.normal_(0.0, std, generator=generator)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed=None):
-        batch, tokens, _ = x.shape  # [B, S/P, dim]
-        q, k, v = self.project(x)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.plan.attention(
-            q,
-            k,
-            v,
-            causal=True,
-            softmax_scale=self.head_dim**-0.5,
-            packed=packed,
-            head_chunks=self.head_chunks,
-            window=self.window,
-            sinks=self.sinks,
-        )  # fmt: skip  (out [B, S/P, H, D])
-        return self.o_proj(out.reshape(batch, tokens, self.num_heads * self.head_dim))
 
     def extra_repr(self) -> str:
         return f"window={self.window}"
