@@ -306,3 +306,16 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ModelConfigError(f"{path} must hold a JSON object")
     return data
+
+
+def merge_alias(config: dict[str, Any], keep: str, alias: str, *, source: str) -> None:
+    """Read ``config[alias]`` (a transformers ``attribute_map`` name) as ``config[keep]``,
+    in place: the alias is removed; both present with different values is refused."""
+    if alias not in config:
+        return
+    value = config.pop(alias)
+    if config.setdefault(keep, value) != value:
+        named = sorted([(keep, config[keep]), (alias, value)])
+        raise ModelConfigError(
+            f"{source}: {named[0][0]}({named[0][1]}) and {named[1][0]}({named[1][1]}) differ"
+        )

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from usp.errors import ModelConfigError
-from usp.models.config import DecoderConfig
+from usp.models.config import DecoderConfig, merge_alias
 from usp.models.decoder import Attention, CausalLM
 from usp.models.moe import Experts, SparseMoE, segment_sizes, stats_dtype
 
@@ -189,13 +189,8 @@ class GptOssConfig(DecoderConfig):
     @classmethod
     def from_hf_dict(cls, config: dict[str, Any], *, source: str = "config") -> DecoderConfig:
         config = dict(config)
-        if "num_experts" in config:  # transformers' attribute_map alias
-            alias = config.pop("num_experts")
-            if config.setdefault("num_local_experts", alias) != alias:
-                raise ModelConfigError(
-                    f"{source}: num_experts({alias}) and num_local_experts"
-                    f"({config['num_local_experts']}) differ"
-                )
+        # transformers' attribute_map alias
+        merge_alias(config, "num_local_experts", "num_experts", source=source)
         if config.get("layer_types") is None:
             config.pop("layer_types", None)
         # as transformers' class: no RoPE given is the published YaRN with theta 150000

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from usp.errors import ModelConfigError
-from usp.models.config import DecoderConfig
+from usp.models.config import DecoderConfig, merge_alias
 from usp.models.decoder import MLP, CausalLM
 from usp.models.moe import SparseMoE
 from usp.models.qwen2 import QWEN_HF_DEFAULTS
@@ -127,13 +127,8 @@ class Qwen3MoeConfig(DecoderConfig):
     @classmethod
     def from_hf_dict(cls, config: dict[str, Any], *, source: str = "config") -> DecoderConfig:
         config = dict(config)
-        if "num_local_experts" in config:  # transformers 5 writes num_experts under this name
-            local = config.pop("num_local_experts")
-            if config.setdefault("num_experts", local) != local:
-                raise ModelConfigError(
-                    f"{source}: num_experts({config['num_experts']}) and num_local_experts"
-                    f"({local}) differ"
-                )
+        # transformers 5 writes num_experts under this name
+        merge_alias(config, "num_experts", "num_local_experts", source=source)
         if config.get("mlp_only_layers") is None:
             config.pop("mlp_only_layers", None)
         return super().from_hf_dict(config, source=source)
