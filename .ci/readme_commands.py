@@ -126,7 +126,8 @@ def main(argv: list[str]) -> int:
         except ReadmeConventionError as e:
             print(f"{path}: {e}", file=sys.stderr)
             return 1
-    print("\n".join(commands))
+    for command in commands:  # none: no output at all, not an empty line
+        print(command)
     return 0
 
 
