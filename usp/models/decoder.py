@@ -10,7 +10,7 @@ the same classes run single-process. Parameter names equal HF checkpoint keys
 
 A family (``usp/models/<family>.py``) subclasses :class:`CausalLM` with its config class
 and, where its layers differ, its own :class:`Attention` (e.g. Qwen3's per-head norms of
-q and k) -- see the README's "Adding a model family".
+q and k) -- see docs/models.md, "Adding a model family".
 """
 
 from __future__ import annotations
