@@ -30,9 +30,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from usp.errors import CheckpointError
+from usp.models import family_of
+from usp.models.lora import lora_of
+from usp.models.lora_export import merged_state, save_peft_adapter
 from usp.train.checkpoint_integrity import DcpLog, record_checksums, verify_checksums
 
 META_FILE = "usp_meta.json"
@@ -43,8 +53,6 @@ def _state_options():
     """The trainable parameters only: frozen ones (LoRA's base weights) are rebuilt from
     ``[model]`` on resume, unchanged. Loading is not strict about the frozen keys the
     checkpoint lacks (``dcp.load`` still requires every trainable one)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
@@ -139,9 +147,6 @@ class Checkpointer:
     # -------------------------------------------------------------- save
     def save(self, model, optimizer, state: TrainState) -> Path:
         """A collective: every rank must call it."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         path = self.directory / f"step_{state.step:06d}"
         started = time.perf_counter()
         if _is_rank0() and path.is_dir() and not path.is_symlink():
@@ -265,9 +270,6 @@ class Checkpointer:
     def load(self, path: Path, model, optimizer) -> TrainState:
         """Load ``path`` into ``model`` and ``optimizer`` (a collective) and restore this
         rank's RNG when the world size matches the one that saved it."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
         meta = self.read_meta(path)
         verify_checksums(path, meta.get("checksums"))  # the same error on every rank
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_options())
@@ -310,12 +312,6 @@ def export_hf(
     directory) are copied along, so the export is a complete model directory. A model
     with LoRA adapters (:mod:`usp.models.lora`) is exported merged, and its adapters as
     a PEFT adapter into ``adapter_dir`` (when given)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from usp.models import family_of
-    from usp.models.lora import lora_of
-    from usp.models.lora_export import merged_state, save_peft_adapter
-
     if dist.is_initialized():
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_model_state_dict(model, options=options)

@@ -25,11 +25,18 @@ import sys
 import traceback
 from datetime import timedelta
 
-from usp.config import AUTO
+import torch
+import torch.distributed as dist
+
+from usp.config import AUTO, ConfigError
 from usp.config.launch import GridSizeError
 from usp.train.allocator import set_allocator_default
 from usp.train.components import build_plan  # the one way a job becomes a Plan
+from usp.train.config import load_train_config
 from usp.train.error_file import write_error_file
+from usp.train.guard import EXIT_STATUS, CollectiveFailedError, TrainingDivergedError
+from usp.train.setup import user_errors as user_error_kinds
+from usp.train.trainer import train
 
 RENDEZVOUS_TIMEOUT_S = 600.0
 
@@ -43,9 +50,6 @@ def _init_process_group(device: str, timeout_s: float) -> None:
     rendezvous waits up to ``max(timeout_s, RENDEZVOUS_TIMEOUT_S)`` for every rank to start
     (imports take long on a loaded machine); after it, every collective waits at most
     ``timeout_s`` for a peer (the topology's groups inherit the default group's)."""
-    import torch
-    import torch.distributed as dist
-
     if device == "cuda":
         set_allocator_default()  # expandable_segments, before CUDA's allocator starts
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -64,8 +68,6 @@ def _init_process_group(device: str, timeout_s: float) -> None:
 
 
 def _device_of(job, flag: str | None) -> str:
-    import torch
-
     wanted = flag or job.train.device
     if wanted == AUTO:
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,9 +89,6 @@ def _should_print(error: BaseException, user_errors) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """The ``usp train`` command; returns the exit status."""
-    from usp.config import ConfigError
-    from usp.train.config import load_train_config
-
     try:
         job = load_train_config(
             args.config,
@@ -106,9 +105,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"usp train: error: {err}", file=sys.stderr)
         write_error_file(f"usp train: error: {err}", 2)
         return 2
-    from usp.train.guard import EXIT_STATUS, CollectiveFailedError, TrainingDivergedError
-    from usp.train.setup import user_errors as user_error_kinds
-
     user_errors = user_error_kinds()
     topology, synchronised = None, True
     try:
@@ -170,15 +166,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(job, plan, resume: bool, resume_changed: bool = False):
-    from usp.train.trainer import train
-
     return train(job, plan, resume=resume, resume_changed=resume_changed)
 
 
 def _teardown(topology) -> None:
     """``Topology.destroy()`` (which synchronises the ranks), then the default group."""
-    import torch.distributed as dist
-
     if topology is not None:
         topology.destroy()
     elif dist.is_initialized():

@@ -8,8 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from usp import options
+from usp.comm.agreement import agree
 from usp.config import ConfigError, UspConfig
 from usp.models import (
     PRESETS,
@@ -282,11 +285,6 @@ def load_weights(model, source: ModelSource, device: torch.device, *, seed: int 
     (float32 master weights; LoRA's frozen base in its own dtype) and LoRA's initial
     adapters: rank 0 reads the files, every rank receives its shards. A collective; a
     checkpoint rank 0 cannot read fails on every rank alike."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from usp.comm.agreement import agree
-
     model.to_empty(device=parameters_device(model, device))  # the host with offload_parameters
     full, error = {}, None
     if dist.get_rank() == 0:

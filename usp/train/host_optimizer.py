@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -50,8 +51,6 @@ def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     FSDP2's offloaded shards do), else ``local`` itself."""
     if not hasattr(param, "to_local"):
         return local
-    from torch.distributed.tensor import DTensor
-
     return DTensor.from_local(
         local, param.device_mesh, param.placements, run_check=False,
         shape=param.shape, stride=param.stride(),

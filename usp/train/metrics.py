@@ -22,6 +22,7 @@ from typing import Any, TextIO
 import torch
 
 from usp.models import levers_of, lora_of
+from usp.train.png_chart import write_line_chart
 
 # Dense bf16 tensor-core peak per device, for the MFU estimate (vendor figures, TFLOP/s).
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}
@@ -258,8 +259,6 @@ def plot_loss(metrics_path: Path, png_path: Path) -> str | None:
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        from usp.train.png_chart import write_line_chart
-
         write_line_chart(png_path, steps, losses, points=eval_points if evals else None)
         return None
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from usp.comm.overlap import compile_options
 from usp.models.family import decoder_layers
@@ -46,8 +47,6 @@ class ShardedModel:
 def mixed_precision(compute_dtype: torch.dtype, param_dtype: torch.dtype):
     """bf16 (or other) compute with float32 gradient reduction; None when compute runs in
     the parameters' dtype (fp32 on CPU)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     if compute_dtype == param_dtype:
         return None
     # no cast of forward inputs: the models' float inputs are made inside them in the
@@ -73,8 +72,6 @@ def fully_shard_model(
     need no float32 master copy (FSDP2 gathers them as they are); the trainable ones keep
     their dtype (the master weights).
     """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     param_dtype = (trainable or params)[0].dtype
@@ -109,8 +106,6 @@ def offload_policy(device_type: str):
     """FSDP2's ``CPUOffloadPolicy`` for a mesh on ``device_type``: pinned host memory on
     CUDA (the copies overlap compute; torch's pinned allocator rounds each block up to
     a power of two, which ``usp plan`` counts), pageable elsewhere (pinning needs CUDA)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
     return CPUOffloadPolicy(pin_memory=device_type == "cuda")
 
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from usp.config import ConfigError, read_toml
 from usp.config.overrides import apply_settings, parse_settings
 from usp.sharding import required_multiple
+from usp.train.components import check_lengths, model_source, prepare_data
 from usp.train.config import is_train_config, train_config_from_dict
 from usp.train.evaluate import prepare_held_out
 
@@ -35,8 +36,6 @@ def check_training_config(path: str, resolved, *, sets: Sequence[str] = ()) -> l
     data = apply_settings(read_toml(path), parse_settings(sets))
     if not is_train_config(data):
         return []
-    from usp.train.components import check_lengths, model_source, prepare_data
-
     job = train_config_from_dict(data, source=path)
     document_multiple = check_lengths(job, grid_of(resolved))
     job.gradient_accumulation(resolved.dp)

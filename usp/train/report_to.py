@@ -25,6 +25,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from usp.comm.agreement import agree
 from usp.config import ConfigError
 
 #: report_to name -> (the module it needs, the pip extra that installs it)
@@ -173,10 +176,6 @@ def reporting(writer, job, out: Path, *, start_step: int, distributed: bool = Fa
             )
             writer.close()
     if distributed:
-        import torch.distributed as dist
-
-        from usp.comm.agreement import agree
-
         agree(dist.group.WORLD, "starting [train] report_to", [], error, (ConfigError,))
     elif error is not None:
         raise error

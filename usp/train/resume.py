@@ -25,6 +25,7 @@ from typing import Any, TextIO
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from usp.comm.agreement import Field, agree, stable_hash
 from usp.errors import CheckpointError, RankDisagreementError
 from usp.models.rope_config import POSITION_FIELDS
 from usp.train.checkpoint import CheckpointShapeError
@@ -96,8 +97,6 @@ def agree_on_checkpoints(steps: list[int]) -> None:
     group); otherwise the same :class:`CheckpointError` on every rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    from usp.comm.agreement import Field, agree, stable_hash
-
     fields = [
         Field("the newest complete checkpoint", steps[-1] if steps else -1, _show_step),
         Field("the complete checkpoints", stable_hash(steps)),
@@ -132,8 +131,6 @@ def load_with_fallback(checkpointer, candidates, model, optimizer, *, rank0: boo
     """Load the newest of ``candidates`` (``(step, path)``, oldest first) that loads on
     every rank; returns ``(path, TrainState)``. A failed load is reported once (rank 0)
     and the previous checkpoint tried."""
-    from usp.comm.agreement import agree
-
     stream = stream or sys.stderr
     failures = []
     for _, path in reversed(candidates):

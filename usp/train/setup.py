@@ -9,9 +9,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from usp.comm.agreement import agree
+from usp.config import ConfigError
+from usp.models import CheckpointError as ModelCheckpointError
+from usp.models import ModelConfigError
+from usp.process_groups import HeadLayoutError, TopologyError
+from usp.sharding import ShardingError
 from usp.train import components, report_to
 from usp.train.checkpoint import Checkpointer, CheckpointError, CheckpointShapeError
 from usp.train.config import AUTO, TrainJobConfig
+from usp.train.data import DataError
 from usp.train.evaluate import prepare_held_out
 from usp.train.guard import TrainingDivergedError
 from usp.train.lock import OutputLockedError
@@ -102,13 +109,6 @@ def setup_run(job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean "fix the config or the files" (reported without a traceback)."""
-    from usp.config import ConfigError
-    from usp.models import CheckpointError as ModelCheckpointError
-    from usp.models import ModelConfigError
-    from usp.process_groups import HeadLayoutError, TopologyError
-    from usp.sharding import ShardingError
-    from usp.train.data import DataError
-
     return (
         ConfigError,
         DataError,
@@ -130,6 +130,4 @@ def agree_on_setup(plan, error: BaseException | None) -> None:
         if error is not None:
             raise error
         return
-    from usp.comm.agreement import agree
-
     agree(dist.group.WORLD, "usp train set-up", [], error, user_errors())

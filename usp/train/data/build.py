@@ -24,6 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
+
+from usp.comm.agreement import agree
 from usp.errors import DataError
 from usp.train.checksums import file_sha256
 from usp.train.data.corpus import (
@@ -160,10 +163,6 @@ def _single(inputs: DataInputs, root: Path) -> Built:
 
 
 def _distributed(inputs: DataInputs, root: Path, topology) -> Built:
-    import torch.distributed as dist
-
-    from usp.comm.agreement import agree
-
     group, rank = dist.group.WORLD, dist.get_rank()
 
     def stage(what: str, work) -> None:

@@ -15,6 +15,7 @@ A record is exactly one of (other keys, e.g. an ``"id"``, are ignored):
 from __future__ import annotations
 
 import glob
+import json
 import random
 import string
 from collections.abc import Iterator, Sequence
@@ -25,6 +26,8 @@ import torch
 
 from usp.errors import DataError
 from usp.models.labels import IGNORE_INDEX  # the one definition (HF's -100)
+from usp.train.data.chat import ChatRenderer
+from usp.train.data.tokenizer import ByteTokenizer
 
 FORMATS = {
     "text": ("text",),
@@ -102,8 +105,6 @@ def document_from_record(record, tokenizer, *, where: str, chat=None) -> Documen
         )
         return _document([(prompt, False), (completion, True)])
     if chat is None:
-        from usp.train.data.chat import ChatRenderer
-
         chat = ChatRenderer(tokenizer)
     ids, target = chat.document(record["messages"], where=where)
     return Document(torch.tensor(ids, dtype=torch.int64), torch.tensor(target, dtype=torch.bool))
@@ -191,8 +192,6 @@ def resolve_files(patterns: Sequence[str], base: Path, *, key: str = "[data] fil
 def jsonl_records(path: Path) -> Iterator[tuple[object, str]]:
     """``(record, "file:line")`` for every non-empty line; bad UTF-8 or JSON is a
     :class:`DataError` naming the file and line."""
-    import json
-
     if path.is_dir():
         raise DataError(f"data file {path} is a directory, expected a JSONL file")
     if not path.is_file():
@@ -397,8 +396,6 @@ def iter_documents(paths: Sequence[Path], tokenizer, report: LengthReport) -> It
             for record, where in batch:
                 is_chat = isinstance(record, dict) and record_format(record, where) == "messages"
                 if chat is None and is_chat:
-                    from usp.train.data.chat import ChatRenderer
-
                     try:
                         chat = ChatRenderer(tokenizer)
                     except DataError as err:
@@ -435,8 +432,6 @@ def synthetic_documents(count: int, *, length: int, seed: int, tokenizer=None) -
     layout a document's first chunks and its last sit on different ranks). Filler
     lengths are drawn from ``[length / 2, length]``, so packing has work to do.
     """
-    from usp.train.data.tokenizer import ByteTokenizer
-
     tokenizer = tokenizer or ByteTokenizer()
     rng = random.Random(seed)
     documents = []
