@@ -25,6 +25,7 @@ import threading
 import time
 
 from usp.cli.args import add_set_argument, at_most, positive_float, positive_int
+from usp.errors import UspError
 from usp.planner.hardware import (
     DEFAULT_GPU,
     DEFAULT_HOST_MEMORY_GIB,
@@ -140,7 +141,6 @@ class _stop_on_signals:
 
 
 def _run(args: argparse.Namespace, started: float) -> int:
-    from usp.errors import UspError
     from usp.planner.plan import nothing_fits, plan
 
     try:

@@ -33,11 +33,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from usp.planner.footprint import CATEGORIES, Extras, Layout, Target, phase_footprint
+from usp.errors import UspError
+from usp.planner.footprint import (
+    CATEGORIES,
+    Extras,
+    Footprint,
+    Layout,
+    Phase,
+    Target,
+    phase_footprint,
+)
 from usp.planner.measure import built_step, measure_extras
+from usp.planner.plan import _cluster
+from usp.planner.report import overhead_lines
+from usp.planner.search import Candidate, overheads
+from usp.planner.tracker import phase_peak
+from usp.train.components import levers_of, model_source
+from usp.train.config import load_train_config
 
 # Paths as code objects name them (not resolved: a checkout reached through a symlink
 # must match too); .../usp/ with the separator, so a sibling .../usp-venv/ is not usp.
@@ -136,7 +153,7 @@ class AllocationLog(TorchDispatchMode):
         def track_and_note(reftype, t) -> None:
             if (
                 t.device == self.device
-                and not isinstance(t, _dtensor())
+                and not isinstance(t, DTensor)
                 and t.untyped_storage() not in tracker._WINFO  # (from before the step)
             ):
                 self._note(t, self._op)  # (inside an op: the tracker's dispatch is below ours)
@@ -161,7 +178,7 @@ class AllocationLog(TorchDispatchMode):
         self._snapshot()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is _dtensor() for t in types):
+        if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor desugar into local ops first
         self._op = func
         try:
@@ -190,12 +207,6 @@ class AllocationLog(TorchDispatchMode):
         if self.tracker._in_ac:
             return f"{name} (recompute)"
         return f"{name} (backward)" if mods.is_bw else name
-
-
-def _dtensor() -> type:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
 
 
 def _where() -> str:
@@ -229,10 +240,6 @@ def group(live: Sequence[tuple[Record, str, int]]) -> list[Live]:
 
 def explain(target: Target, layout: Layout, *, layers: int = 3) -> list[Explained]:
     """Every phase of one rank's step (``layers`` decoder layers), its peak attributed."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    from usp.planner.tracker import phase_peak
-
     explained = []
     with built_step(target, layout, layers=layers, fake=True) as built:
         tracker = FSDPMemTracker(built.model, built.optimizer)
@@ -297,10 +304,6 @@ def text(explained: Sequence[Explained], *, top: int = 20, phase: str | None = N
 def overheads_text(explained: Sequence[Explained], target: Target, layout: Layout, cluster) -> str:
     """What the GPU and the host spend besides the tracked tensors of the peak phase
     (:mod:`usp.planner.overheads`, the lines ``usp plan`` prints), at this depth."""
-    from usp.planner.footprint import Footprint, Phase
-    from usp.planner.report import overhead_lines
-    from usp.planner.search import Candidate, overheads
-
     chosen = max(explained, key=lambda e: e.device)
     footprint = Footprint((Phase(chosen.device, 0, chosen.breakdown),), 0, extras=chosen.extras)
     costs = overheads(target, layout, cluster)
@@ -313,10 +316,6 @@ def overheads_text(explained: Sequence[Explained], target: Target, layout: Layou
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from usp.errors import UspError
-    from usp.train.components import levers_of, model_source
-    from usp.train.config import load_train_config
-
     p = argparse.ArgumentParser(
         prog="python -m usp.planner.explain",
         description="What is live at the peak of one rank's planned step, tensor by tensor.",
@@ -373,8 +372,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _planned_cluster(job, device: str):
     """The config's cluster as ``usp plan`` plans it (the GPU's memory from its name)."""
-    from usp.planner.plan import _cluster
-
     cluster = job.topology.cluster
     return _cluster(job, cluster.nodes, cluster.gpus_per_node, None, None, device)[0]
 

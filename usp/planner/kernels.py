@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from usp.kernels.backends import registry
 from usp.kernels.backends.base import Backend, Grads
 from usp.kernels.masks import lse_for_backward
+from usp.kernels.spec import BackendUnavailableError
 from usp.planner.overheads import attention_workspace
 
 #: what ``backend = "auto"`` runs for the trainer's packed calls (it always passes the
@@ -50,8 +51,6 @@ def planning_backend(device: str, configured: str) -> str:
     if configured == "auto":
         return AUTO_PACKED[device]
     if device == "cpu" and configured in _CUDA_NAMES:
-        from usp.kernels.spec import BackendUnavailableError
-
         raise BackendUnavailableError(
             f"[attention] backend = {configured!r} runs on CUDA only; plan with --device cuda "
             'or set backend = "auto" or "cpu"'

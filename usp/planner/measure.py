@@ -50,8 +50,12 @@ from dataclasses import dataclass
 from unittest import mock
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses import fake_impls
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+import usp
+from usp.models import shard_batch
+from usp.models.levers import offloader_of
 from usp.models.offload import pinned_bytes, pinned_waste
 from usp.models.tiling import representative_tiles
 from usp.planner.footprint import (
@@ -66,8 +70,11 @@ from usp.planner.footprint import (
     scaling_runs,
 )
 from usp.planner.kernels import KernelLog, planning_backend, planning_kernels
+from usp.planner.tracker import PlanningTracker, phase_peak
 from usp.process_groups.fake import fake_world
-from usp.train.step import clip_gradients
+from usp.train import components
+from usp.train.parallelize import fully_shard_model
+from usp.train.step import StepOutcome, TrainStep, clip_gradients
 
 #: micro-batches run per step at most: the second holds what accumulation holds
 MAX_MICRO_BATCHES = 2
@@ -140,8 +147,6 @@ def offload_rounding(target: Target, layout: Layout, seq_len: int, layers: int) 
     :func:`usp.models.offload.pinned_pieces`, each rounded up to a power of two; 0 for
     other levers or devices). A step function of the length: the longest-sequence search
     adds it exactly to its line (:mod:`usp.planner.search`)."""
-    from usp.train import components
-
     if target.device != "cuda" or layout.levers.activation_checkpointing != "offload":
         return 0
     tokens = seq_len * target.job.train.micro_batch // layout.sp
@@ -183,8 +188,6 @@ class BuiltStep:
     def phases(self) -> Iterator[str]:
         """Run the step (the trainer's :meth:`usp.train.step.TrainStep.phases`, the update
         always applied); yields each phase's name as it ends."""
-        from usp.train.step import StepOutcome
-
         outcome = StepOutcome(torch.zeros((), dtype=torch.float64, device=self.device))
         yield from self.step.phases(self.batches, self.num_labels, outcome)
 
@@ -206,11 +209,6 @@ def built_step(
     kernels serve attention either way (the same aten ops; the real backend would read
     the uninitialised data the fake process group delivers), on CUDA a real run uses
     the real backends."""
-    import usp
-    from usp.train import components
-    from usp.train.parallelize import fully_shard_model
-    from usp.train.step import TrainStep
-
     job = target.job
     config = target.model
     if layers is not None:
@@ -282,8 +280,6 @@ def _host_stand_in(target: Target, device: torch.device) -> bool:
 def _offload_to(model, host: torch.device) -> None:
     """Send the activation offload's host copies to ``host`` (a no-op for a model
     without ``activation_checkpointing = "offload"``)."""
-    from usp.models.levers import offloader_of
-
     offloader = offloader_of(model)
     if offloader is not None:
         offloader.host_device = host
@@ -312,10 +308,6 @@ def _batches(job, plan, device: torch.device, layout: Layout) -> tuple[list, int
     inside the step's ``FakeTensorMode`` (when faked): the row and its shards are fake
     tensors, nothing of the sequence's size is allocated; only the document boundaries
     are packed for real (``Plan.pack`` reads them as host values: two int32 numbers)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    from usp.models import shard_batch
-
     row = job.train.micro_batch * job.train.seq_len  # a forward's packed row
     micro_batches = min(job.gradient_accumulation(layout.dp), MAX_MICRO_BATCHES)
     with unset_fake_temporarily():
@@ -332,8 +324,6 @@ def _batches(job, plan, device: torch.device, layout: Layout) -> tuple[list, int
 def _tracked_steps(built: BuiltStep, tracker_class=None) -> list[dict]:
     """The step's peak snapshot per phase (forward, backward of each micro-batch; the
     optimizer), after a first optimizer step has created AdamW's state."""
-    from usp.planner.tracker import PlanningTracker, phase_peak
-
     tracker = (tracker_class or PlanningTracker)(built.model, built.optimizer)
     phases = []
     with tracker:
@@ -376,7 +366,6 @@ def all_labelled() -> Iterator[None]:
     """``nonzero`` has no size under fake tensors (it depends on values): the loss's one
     use of it, selecting the labelled tokens, gets every index. The planned batch labels
     every token (the most the loss can hold), so that is what the op would return."""
-    from torch._subclasses import fake_impls
 
     def every_index(fake_mode, func, mask):
         n = mask.numel()

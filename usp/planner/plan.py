@@ -13,8 +13,12 @@ from usp.errors import HeadLayoutError
 from usp.models import model_counts
 from usp.planner import search
 from usp.planner.footprint import Target
+from usp.planner.hardware import MAX_MEMORY_GIB, MAX_ROW_TOKENS, MAX_WORLD
+from usp.planner.overheads import NCCL_SETTINGS
 from usp.planner.pool import Measurements
 from usp.planner.report import PlanResult, measurement_line, progress_intro
+from usp.train.components import model_source
+from usp.train.config import load_train_config
 
 
 def _cluster(job, nodes, gpus_per_node, gpu_memory_gib, host_memory_gib, device):
@@ -49,8 +53,6 @@ def _check_representable(job, nodes: int, gpus: int, gpu_memory_gib, host_memory
     """A :class:`ConfigError` for a job past what the search can represent
     (:mod:`usp.planner.hardware`): the command line checks its flags the same way before
     torch loads (:mod:`usp.planner.cli`); this catches the file's and ``--set``'s."""
-    from usp.planner.hardware import MAX_MEMORY_GIB, MAX_ROW_TOKENS, MAX_WORLD
-
     row = job.train.micro_batch * job.train.seq_len
     if row > MAX_ROW_TOKENS:
         raise job.error(
@@ -91,9 +93,6 @@ def plan(
     to the file; ``progress`` is told, line by line, what is measured (n of m). Raises a
     :class:`usp.errors.UspError` for a config, a cluster or a model no layout can serve;
     a result without a fitting candidate is returned (``best`` is None)."""
-    from usp.train.components import model_source
-    from usp.train.config import load_train_config
-
     started = time.perf_counter() if started is None else started
     # the flags as overrides of the file: one given by a --set too is refused
     job = load_train_config(
@@ -155,8 +154,6 @@ def plan(
         "overheads within its host memory (usp.planner.overheads; listed below the table)"
     )
     if device == "cuda":
-        from usp.planner.overheads import NCCL_SETTINGS
-
         notes.append(f"NCCL's figures change with {NCCL_SETTINGS}")
     cap = (
         search.longest_plannable(target, search.sequence_multiple(longest_layout, job))

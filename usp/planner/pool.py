@@ -27,10 +27,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+
+import torch
 
 from usp.errors import InputError, UspError
 from usp.planner.footprint import Footprint, Layout, Target, from_runs, scaling_runs
@@ -197,11 +201,6 @@ def _init_worker() -> None:
     """A worker ignores SIGINT (a Ctrl-C reaches every process of the terminal's group:
     the plan stops its workers itself, :mod:`usp.planner.cli`) and exits when the plan
     that started it is gone (killed with SIGKILL: nothing else would end it)."""
-    import signal
-    import threading
-
-    import torch
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
 

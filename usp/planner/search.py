@@ -20,6 +20,7 @@ import torch
 
 from usp.config import ConfigError
 from usp.models import LeverError, Levers, family_of
+from usp.models.plans import kv_heads_per_ring
 from usp.planner.footprint import Footprint, Layout, Target
 from usp.planner.hardware import (  # noqa: F401 (also read from here)
     DEFAULT_GPU,
@@ -27,11 +28,15 @@ from usp.planner.hardware import (  # noqa: F401 (also read from here)
     DEFAULT_INTER_NODE_GBPS,
     DEFAULT_INTRA_NODE_GBPS,
     GPU_MEMORY_GIB,
+    MAX_ROW_TOKENS,
     NVSWITCH_GPUS,
 )
 from usp.planner.measure import measure_scaled, offload_rounding
 from usp.planner.overheads import Overheads, overheads_for
 from usp.planner.timing import comm_bytes, host_step_time, step_time  # noqa: F401
+from usp.process_groups import valid_degree_pairs
+from usp.process_groups.rank_math import RankMap, TopologyError
+from usp.sharding import required_multiple
 
 GIB = 2**30
 GB = 1e9
@@ -119,8 +124,6 @@ def lever_options(model, grid: tuple[int, int, int], ranks_per_node: int) -> lis
     """The :data:`LEVER_STEPS` for one ``(ulysses, ring, dp)`` grid, as
     :class:`usp.models.Levers` (a step equal to an earlier one, head chunks that equal
     the previous step's, is left out)."""
-    from usp.models.plans import kv_heads_per_ring
-
     u, r, _ = grid
     local = kv_heads_per_ring(
         model.num_attention_heads, model.num_key_value_heads, u, u * r, ranks_per_node
@@ -150,9 +153,6 @@ def tiles_mlp(config) -> bool:
 
 def grids(model, cluster: Cluster, job) -> list[tuple[int, int, int]]:
     """Every ``(ulysses, ring, dp)`` the heads, the nodes and the batch allow."""
-    from usp.process_groups import valid_degree_pairs
-    from usp.process_groups.rank_math import RankMap, TopologyError
-
     parallel = job.topology.parallel
     world = cluster.world_size
     found = []
@@ -182,8 +182,6 @@ def layouts(model, cluster: Cluster, job) -> list[Layout]:
 
 def sequence_multiple(layout: Layout, job) -> int:
     """Every sequence length a layout serves is a multiple of this."""
-    from usp.sharding import required_multiple
-
     return required_multiple(layout.ring, layout.ulysses, job.topology.attention.layout)
 
 
@@ -343,8 +341,6 @@ def longest_plannable(target: Target, multiple: int) -> int:
     """The longest sequence the search measures: the packed row (``micro_batch`` x the
     sequence) within :data:`usp.planner.hardware.MAX_ROW_TOKENS`, a multiple of
     ``multiple``."""
-    from usp.planner.hardware import MAX_ROW_TOKENS
-
     return MAX_ROW_TOKENS // target.job.train.micro_batch // multiple * multiple
 
 

@@ -17,6 +17,7 @@ from usp.planner.hardware import (
 )
 from usp.planner.kernels import planning_backend
 from usp.planner.traffic import fsdp_traffic, step_traffic, traffic_formula
+from usp.process_groups.rank_math import RankMap
 
 GB = 1e9
 
@@ -112,8 +113,6 @@ def host_step_time(target: Target, layout: Layout) -> float:
 def _links(layout: Layout, cluster, job) -> dict[str, float]:
     """GB/s of the link each kind crosses for rank 0: a group that spans nodes is bound
     by its inter-node hop."""
-    from usp.process_groups.rank_math import RankMap
-
     parallel = job.topology.parallel
     n = cluster.gpus_per_node
     rank_map = RankMap(

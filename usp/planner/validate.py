@@ -16,6 +16,7 @@ On CUDA, :func:`real_peak` reads ``torch.cuda.max_memory_allocated`` instead (wh
 from __future__ import annotations
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from usp.planner.footprint import Layout, Target
 from usp.planner.measure import built_step
@@ -65,8 +66,6 @@ def real_peak(target: Target, layout: Layout, *, layers: int | None = None) -> i
                 pass
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated()
-        from torch.profiler import ProfilerActivity, profile
-
         baseline = _storage_bytes(_live_tensors(built))
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             for _phase in built.phases():
