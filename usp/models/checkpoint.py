@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from usp.errors import CheckpointError  # noqa: F401 - re-exported here
 from usp.models.config import DecoderConfig, ModelConfigError
@@ -185,8 +186,6 @@ def save_pretrained(model, path) -> Path:
             f"{directory} holds a sharded checkpoint ({INDEX_FILE}); save into another "
             "directory so the two cannot be mixed up"
         )
-    from torch.distributed.tensor import DTensor
-
     state, per_expert = {}, per_expert_names(model)
     for name, param in model.named_parameters():  # tied weights appear once
         if isinstance(param, DTensor) or param.device.type == "meta":

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from usp.models import checkpoint as hf_checkpoint
 from usp.models.config import DecoderConfig
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, sp_cross_entropy
@@ -277,17 +278,13 @@ class CausalLM(nn.Module):
         (``with_positions``: context extension); anything else that differs from its
         ``config.json`` is an error. ``kwargs`` go to the constructor (attention
         options)."""
-        from usp.models.checkpoint import load_pretrained
-
         plan = plan_argument(plan, kwargs, f"{cls.__name__}.from_pretrained")
-        return load_pretrained(cls, path, plan, dtype=dtype, device=device, **kwargs)
+        return hf_checkpoint.load_pretrained(cls, path, plan, dtype=dtype, device=device, **kwargs)
 
     def save_pretrained(self, path: str | Path) -> Path:
         """Write ``config.json`` + ``model.safetensors`` that ``transformers`` loads.
         Call it on one rank (parameters are replicated over SP)."""
-        from usp.models.checkpoint import save_pretrained
-
-        return save_pretrained(self, path)
+        return hf_checkpoint.save_pretrained(self, path)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 #: the checkpoint's per-expert projection names (``mlp.experts.{e}.{name}.weight``)
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -131,7 +132,7 @@ class Experts(nn.Module):
         return _segment_swiglu(rows, self.gate_up_proj, self.down_proj, counts)
 
     def _use_grouped_gemm(self, x: torch.Tensor) -> bool:
-        if self.grouped_gemm is False or _is_fake(x):
+        if self.grouped_gemm is False or is_fake(x):
             return False
         return grouped_gemm_available(x.dtype, x.device)
 
@@ -144,12 +145,6 @@ def grouped_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type == "cuda":
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
     return device.type == "cpu"
-
-
-def _is_fake(x: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(x)
 
 
 def _swiglu_halves(gate_up: torch.Tensor) -> torch.Tensor:
@@ -167,7 +162,7 @@ def _grouped_swiglu(rows, gate_up_proj, down_proj, counts) -> torch.Tensor:
 def segment_sizes(rows: torch.Tensor, counts: torch.Tensor) -> list[int]:
     """Each expert's rows (one host sync), or under fake tensors an even split of
     ``rows`` (what any routing allocates in total)."""
-    if _is_fake(counts):
+    if is_fake(counts):
         experts = counts.shape[0]
         return [rows.shape[0] // experts + (e < rows.shape[0] % experts) for e in range(experts)]
     return counts.tolist()  # host sync

@@ -13,14 +13,13 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
 
 @contextmanager
 def fake_world(world: int, rank: int, device: torch.device) -> Iterator[None]:
     """A default process group of the ``fake`` backend in which this process is ``rank``
     of ``world``; destroyed on exit. Needs a process without a default group."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
-
     if dist.is_initialized():
         raise RuntimeError(
             "fake_world needs a process without a default process group (it creates a fake one)"
