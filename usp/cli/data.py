@@ -15,6 +15,9 @@ import json
 import sys
 
 from usp.cli.args import add_set_argument, positive_int
+from usp.train.config import load_train_config
+from usp.train.data_view import view_data, view_text
+from usp.train.setup import user_errors
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -40,10 +43,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from usp.train.config import load_train_config
-    from usp.train.data_view import view_data, view_text
-    from usp.train.setup import user_errors
-
     try:
         job = load_train_config(args.config, sets=args.sets, output_dir=args.output)
         view = view_data(job, rows=args.rows, world_size=args.world_size)

@@ -26,6 +26,7 @@ from usp.process_groups.rank_math import (
 )
 from usp.train.components import topology_config  # the trainer's reading of [model]
 from usp.train.config import is_train_config, train_config_from_dict
+from usp.train.preflight import check_training_config  # [train]/[data], as usp train
 
 # How much of a big world the text view shows.
 _MAX_NODES_SHOWN = 8  # more nodes: the first 6 and the last 2
@@ -80,8 +81,6 @@ def run_topo(args: argparse.Namespace) -> int:
             allow_cross_node_ulysses=args.allow_cross_node_ulysses,
         )
         resolved = config.resolve(args.world_size)
-        from usp.train.preflight import check_training_config  # [train]/[data], as usp train
-
         notes = [
             *notes,
             *check_training_config(args.config, resolved, sets=getattr(args, "sets", None) or ()),

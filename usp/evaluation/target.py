@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from usp.errors import CheckpointError, DataError, ModelConfigError
 from usp.models import DecoderConfig, config_from_file, family_of, from_pretrained
@@ -112,8 +113,6 @@ def load_model(target: Target, plan, device: torch.device, dtype: torch.dtype):
     if target.hf_dir is not None:
         model = from_pretrained(target.hf_dir, plan, dtype=dtype, device=device)
         return model.eval()
-    import torch.distributed.checkpoint as dcp
-
     with torch.device("meta"):
         model = family_of(target.config).build(target.config, plan)
     model.to_empty(device=device)  # float32, as the master weights were saved
