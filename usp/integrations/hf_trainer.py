@@ -26,6 +26,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader, IterableDataset
 
 import usp.models.hf as usp_hf
@@ -311,11 +312,6 @@ class UspTrainerMixin:
     def _save(self, output_dir=None, state_dict=None) -> None:
         """The full weights from the FSDP2 shards (a collective), written by rank 0."""
         if self.usp_model.sharded and state_dict is None:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-            )
-
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             state_dict = get_model_state_dict(self.model, options=options)
             if not self.args.should_save:
