@@ -25,11 +25,12 @@ pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate
 import usp  # noqa: E402
 import usp.models.hf as usp_hf  # noqa: E402
 from usp.integrations import hf_cli  # noqa: E402
+from usp.integrations.hf_setup import window_problem  # noqa: E402
 from usp.integrations.transformers import (  # noqa: E402
     DataParallelSampler,
     UnsupportedModelError,
     UspTrainer,
-    attention_window,
+    attention_chunk,
     check_training_arguments,
     feature_problems,
     global_batch,
@@ -264,19 +265,27 @@ def test_model_features_usp_cannot_compute_are_named():
     ]
     llama = transformers.LlamaForCausalLM(hf_config())
     assert feature_problems(llama, Levers()) == []
+    # attention sinks (gpt-oss's s_aux) are computed by USP attention: no problem
     llama.model.layers[1].self_attn.sinks = torch.nn.Parameter(torch.zeros(8))
-    assert feature_problems(llama, Levers()) == [
-        "attention sinks (per-head sink logits): USP attention has none"
-    ]
+    assert feature_problems(llama, Levers()) == []
     with pytest.raises(UnsupportedModelError, match="soft-capping"):
         UspTrainer(model=gemma, args=_args(), train_dataset=[{"input_ids": [1, 2]}], plan=PLAN)
 
 
-def test_attention_windows_are_read_as_transformers_reads_them():
-    assert attention_window(transformers.MistralConfig(sliding_window=16)) == 16
-    assert attention_window(transformers.MistralConfig(sliding_window=None)) is None
-    assert attention_window(transformers.Qwen3Config(sliding_window=16)) is None  # not used
-    assert attention_window(_gemma2().config) == 4096  # its sliding layers
+def test_attention_chunks_are_refused_and_sliding_windows_are_not():
+    """Llama 4's chunked layers are read as transformers reads them and refused for a
+    sequence longer than the chunk; causal sliding windows (Mistral, Gemma 2) are
+    computed by USP attention, whatever their length."""
+    llama4 = transformers.Llama4TextConfig(attention_chunk_size=16)
+    assert attention_chunk(llama4) == 16
+    assert window_problem(llama4, 16) is None
+    problem = window_problem(llama4, 17)
+    assert "17 tokens" in problem and "chunks of 16 tokens" in problem
+    only_full = transformers.Llama4TextConfig(attention_chunk_size=16, num_hidden_layers=2)
+    only_full.layer_types = ["full_attention", "full_attention"]
+    assert attention_chunk(only_full) is None
+    for config in (transformers.MistralConfig(sliding_window=16), _gemma2().config):
+        assert attention_chunk(config) is None and window_problem(config, 10**6) is None
 
 
 def _args(output_dir="never-written", **changes):

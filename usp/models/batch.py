@@ -37,6 +37,9 @@ class ShardedBatch:
     #: the global batch's :func:`batch_fingerprint`, agreed by the SP ranks (None: not
     #: computed, in one process or where ranks cannot agree: the ``fake`` backend)
     fingerprint: int | None = None
+    #: [B, S/P] bool: False at the pads usp added to place documents on the layout
+    #: (:func:`usp.models.hf.shard_flattened`); None: every token is the data's
+    real: torch.Tensor | None = None
 
     def model_kwargs(self) -> dict:
         """Keyword arguments of a usp model (besides ``input_ids``)."""

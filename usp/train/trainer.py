@@ -223,14 +223,15 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
             lr = schedule.apply(optimizer, step)
             batch = loader.next_step()
             with collective_phase(f"step {step + 1}", timeout):
-                loss, grad_norm, applied, stop_now = _train_step(
+                loss, grad_norm, applied, stop_now, aux_loss = _train_step(
                     train_step, plan, batch, job, device, stop, distributed
                 )
             _synchronize(device)
             seconds = time.perf_counter() - started
             step += 1
             row = step_row(
-                StepTiming(step, loss, grad_norm, lr, seconds), batch, job, counts, world, device,
+                StepTiming(step, loss, grad_norm, lr, seconds, aux_loss), batch, job, counts, world,
+                device,
                 peak,
             )  # fmt: skip
             if not applied:
@@ -329,15 +330,19 @@ def _train_step(train_step: TrainStep, plan, batch: StepBatch, job, device, stop
     agreed = {}
 
     def decide(outcome) -> bool:
-        total = outcome.loss
+        # [loss] or [loss, the router aux losses' sum] (mixture-of-experts models)
+        totals = torch.stack([outcome.loss] + [a for a in [outcome.aux_loss] if a is not None])
         topology = plan.topology
-        if topology is not None and topology.dp_degree > 1:
+        dp = 1 if topology is None else topology.dp_degree
+        if dp > 1:
             # every SP rank holds its replica's loss; the replicas' losses add up
-            dist.all_reduce(total, group=topology.dp_group)
+            dist.all_reduce(totals, group=topology.dp_group)
         loss, norm, non_finite, stop_now = agree_on_step(
-            float(total), float(outcome.grad_norm), stop.name, device, distributed
+            float(totals[0]), float(outcome.grad_norm), stop.name, device, distributed
         )
-        agreed.update(loss=loss, norm=norm, stop=stop_now)
+        # the aux column: the mean over the step's forwards (micro-batches x replicas)
+        aux = float(totals[1]) / (len(batches) * dp) if len(totals) > 1 else None
+        agreed.update(loss=loss, norm=norm, stop=stop_now, aux=aux)
         if not non_finite and norm == 0.0 and batch.num_labels > 0:
             # the global norm (the same on every rank): no learning signal from any of the
             # step's label tokens. A model that diverged into saturation (lr far too high)
@@ -360,7 +365,7 @@ def _train_step(train_step: TrainStep, plan, batch: StepBatch, job, device, stop
             f"the optimizer step overflowed ({err}) at lr {lr:g}:"
             f" [train] lr (now {job.train.lr:g}) is far too high; nothing was saved"
         ) from None
-    return agreed["loss"], agreed["norm"], outcome.applied, agreed["stop"]
+    return agreed["loss"], agreed["norm"], outcome.applied, agreed["stop"], agreed["aux"]
 
 
 def _synchronize(device: torch.device) -> None:
