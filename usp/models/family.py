@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from usp.errors import ModelConfigError
-from usp.models import gemma3, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_moe
+from usp.models import gemma3, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_5, qwen3_moe
 from usp.models.config import DecoderConfig, read_config_json
 from usp.models.plans import plan_argument
 
@@ -75,6 +75,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily(qwen3_moe.Qwen3Moe),
     ModelFamily(gpt_oss.GptOss),
     ModelFamily(gemma3.Gemma3),
+    ModelFamily(qwen3_5.Qwen3_5),
 )
 
 #: every family's presets by name (names are unique across families)
