@@ -37,8 +37,11 @@ CASES = {
     # explicit kinds, half of each head rotated, tied, a pad token
     "tied": dict(
         layer_types=["linear_attention", "full_attention", "linear_attention"],
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
-                         "partial_rotary_factor": 0.5},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1000.0,
+            "partial_rotary_factor": 0.5,
+        },
         tie_word_embeddings=True,
         pad_token_id=0,
     ),  # fmt: skip
@@ -63,9 +66,7 @@ def randomise(model) -> None:
         for name, param in model.named_parameters():
             if name.endswith("linear_attn.norm.weight"):
                 param.uniform_(0.5, 1.5)
-            elif name.endswith("norm.weight"):
-                param.copy_(0.3 * torch.randn_like(param))
-            elif name.endswith((".bias", "dt_bias")):
+            elif name.endswith(("norm.weight", ".bias", "dt_bias")):
                 param.copy_(0.3 * torch.randn_like(param))
 
 

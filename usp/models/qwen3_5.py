@@ -316,8 +316,15 @@ class GatedAttention(Attention):
         v = self.v_proj(x).view(batch, tokens, self.num_kv_heads, self.head_dim)
         q, k = partial_rope(self.q_norm(q), cos, sin), partial_rope(self.k_norm(k), cos, sin)
         out = self.plan.attention(
-            q, k, v, causal=True, softmax_scale=self.head_dim**-0.5, packed=packed,
-            head_chunks=self.head_chunks, window=self.window, sinks=self.sinks,
+            q,
+            k,
+            v,
+            causal=True,
+            softmax_scale=self.head_dim**-0.5,
+            packed=packed,
+            head_chunks=self.head_chunks,
+            window=self.window,
+            sinks=self.sinks,
         )  # fmt: skip  (out [B, S/P, H, D])
         out = out.reshape(shape) * torch.sigmoid(gate)
         return self.o_proj(out.reshape(batch, tokens, self.num_heads * self.head_dim))
