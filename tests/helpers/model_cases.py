@@ -140,7 +140,7 @@ def _rms_norm_float64(self, x):
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
-def _router_float64(self, hidden_states):
+def router_float64(self, hidden_states):
     """HF's MoE routers take the softmax in float32 even for float64 inputs; the float64
     reference takes it in float64 (same formula as Qwen3MoeTopKRouter.forward)."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
@@ -175,7 +175,7 @@ def load_hf_reference(directory: Path, dtype=torch.float64, attn_implementation=
             elif type(module).__name__.endswith("TopKRouter") and hasattr(
                 module, "norm_topk_prob"
             ):  # (gpt-oss's router computes in the logits' dtype: float64 already)
-                module.forward = types.MethodType(_router_float64, module)
+                module.forward = types.MethodType(router_float64, module)
     return model
 
 

@@ -31,6 +31,7 @@ from model_cases import (
     grad_errors,
     load_hf_reference,
     relative_error,
+    router_float64,
     sft_labels,
     write_family_checkpoint,
 )
@@ -53,9 +54,11 @@ from usp.models import (  # noqa: E402
     model_counts,
     preset,
 )
+from usp.models.decoder import MLP  # noqa: E402
 from usp.models.moe import (  # noqa: E402
     Experts,
     Router,
+    SparseMoE,
     collect_router_stats,
     experts_loop,
     grouped_gemm_available,
@@ -145,6 +148,48 @@ def test_router_top_k_and_renormalisation():
         assert torch.allclose(weights, top / top.sum(-1, keepdim=True) if norm else top)
         probs16, weights16, _ = router.to(torch.bfloat16)(x.bfloat16())
         assert probs16.dtype == torch.float32 and weights16.dtype == torch.bfloat16
+
+
+def test_shared_expert_equals_transformers_qwen2_moe_block():
+    """A SparseMoE with a shared expert (its SwiGLU MLP and sigmoid gate) against
+    transformers' Qwen2MoeSparseMoeBlock in float64 (experts by its loop, router softmax
+    in float64), without top-k renormalisation (Qwen2-MoE's default): output and the
+    gradients of input and every parameter; transformers' block's state dict loads
+    strictly (the same names and shapes)."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    hf_config = transformers.Qwen2MoeConfig(
+        hidden_size=12,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=20,
+        num_experts=5,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+    )
+    hf_config._experts_implementation = "eager"  # its grouped GEMM has no float64
+    torch.manual_seed(5)
+    reference = Qwen2MoeSparseMoeBlock(hf_config).double()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(0.0, 0.3)
+    reference.gate.forward = router_float64.__get__(reference.gate)
+    shared = MLP(Qwen3MoeConfig(**{**MOE, "hidden_size": 12}), intermediate_size=20)
+    ours = SparseMoE(12, 8, 5, 2, False, shared_expert=shared).double()
+    ours.load_state_dict(reference.state_dict())  # strict: the same names and shapes
+    x = torch.randn(2, 7, 12, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, expected = ours(x), reference(x_ref)
+    probe = torch.randn_like(expected)
+    (out * probe).sum().backward()
+    (expected * probe).sum().backward()
+    assert relative_error(out, expected) <= 1e-13
+    assert relative_error(x.grad, x_ref.grad) <= 1e-13
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    assert max(grad_errors(grads, ref_grads).values()) <= 1e-13
+    # the gate matters: the shared expert's gradient carries sigmoid(gate(x)) per token
+    assert grads["shared_expert_gate.weight"].abs().max() > 0
+    assert ours.shared_expert_gate.weight.shape == (1, 12)
 
 
 # ---------------------------------------------------------------------- the aux loss

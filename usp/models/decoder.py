@@ -112,9 +112,12 @@ class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). (A tiled variant is a lever:
     :class:`usp.models.Levers` ``mlp_tile_tokens``.)"""
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, intermediate_size: int | None = None):
+        """``intermediate_size``: ``config.intermediate_size`` unless given (e.g. a
+        mixture-of-experts block's shared expert)."""
         super().__init__()
-        dim, hidden = config.hidden_size, config.intermediate_size
+        dim = config.hidden_size
+        hidden = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)

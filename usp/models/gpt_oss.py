@@ -340,6 +340,7 @@ class GptOssMoE(SparseMoE):
             config.swiglu_alpha,
             config.swiglu_limit,
         )
+        self.shared_expert = self.shared_expert_gate = None  # gpt-oss has none
 
     def route(self, flat: torch.Tensor):
         return self.router(flat)

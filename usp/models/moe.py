@@ -14,7 +14,9 @@ and the load-balancing loss, exact under sequence parallelism.
   host sync for the segment sizes). The weighted rows are added back per token with one
   ``index_add``. :func:`experts_loop` is the per-expert reference (transformers' scheme).
 * :class:`SparseMoE` (HF's ``Qwen3MoeSparseMoeBlock``): router + experts, the decoder
-  layer's ``mlp``. Every token stays on its rank (no expert parallelism): under SP the
+  layer's ``mlp``; with ``shared_expert=`` (HF's ``Qwen2MoeSparseMoeBlock`` and
+  ``Qwen3_5MoeSparseMoeBlock``) a dense MLP every token also runs, scaled per token by
+  ``sigmoid(shared_expert_gate(x))`` and added to the routed experts' sum. Every token stays on its rank (no expert parallelism): under SP the
   block needs no communication. Expert parallelism would replace the gather/scatter of
   :meth:`Experts.forward` by an all-to-all of the sorted rows over an expert axis, behind
   the same module.
@@ -221,10 +223,20 @@ class SparseMoE(nn.Module):
         num_experts: int,
         top_k: int,
         norm_topk_prob: bool,
+        *,
+        shared_expert: nn.Module | None = None,
     ):
+        """``shared_expert``: a dense MLP ``[N, H] -> [N, H]`` every token runs besides its
+        routed experts (e.g. the family's SwiGLU ``MLP`` of
+        ``shared_expert_intermediate_size``), held as ``shared_expert`` with its gate
+        ``shared_expert_gate`` (a bias-free ``Linear(H, 1)``): transformers' names."""
         super().__init__()
         self.gate = Router(hidden_size, num_experts, top_k, norm_topk_prob)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, top_k)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (
+            None if shared_expert is None else nn.Linear(hidden_size, 1, bias=False)
+        )
 
     def route(self, flat: torch.Tensor):
         """flat [N, H] -> (probabilities [N, E], top-k weights [N, k], top-k experts [N, k])
@@ -237,7 +249,11 @@ class SparseMoE(nn.Module):
         stats = _COLLECTOR.get()
         if stats is not None:
             stats.add(probs, experts)
-        return self.experts(flat, experts, weights).view_as(x)
+        out = self.experts(flat, experts, weights)  # [N, H]
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(flat))  # [N, 1]
+            out = out + gate * self.shared_expert(flat)
+        return out.view_as(x)
 
 
 # ---------------------------------------------------------------------- statistics
