@@ -1,9 +1,9 @@
 """Tiny Qwen3.5 text checkpoints written by transformers and their float64 reference
-(tests/models/test_qwen3_5.py, tests/train/test_train_qwen3_5.py).
+(tests/models/test_qwen3_5.py, tests/train/test_train_qwen3_5.py), dense and MoE.
 
 transformers 5.24 computes Qwen3.5's norms, the GDN decay and its recurrence in float32
 even in a float64 model. The float64 reference is transformers' model with those parts
-in float64: its zero-centred RMSNorm by the same formula, and each Gated DeltaNet
+in float64: its zero-centred RMSNorm and the MoE router's softmax by the same formulas, and each Gated DeltaNet
 layer's forward by transformers' projections and order of operations around an
 independent core (``F.conv1d`` and the token-by-token recurrence, :mod:`gdn_cases`).
 ``test_qwen3_5`` checks the patched forward against the unpatched one in float32.
@@ -112,13 +112,15 @@ def as_float64_reference(model):
             module.forward = types.MethodType(zero_centred_norm_float64, module)
         elif name in ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"):
             module.forward = types.MethodType(gdn_forward_float64, module)
+        elif name == "Qwen3_5MoeTopKRouter":
+            module.forward = types.MethodType(router_float64, module)
     return model
 
 
 def load_reference(directory, dtype=torch.float64, *, patched=True):
     model = _transformers().AutoModelForCausalLM.from_pretrained(
-        directory, dtype=dtype, attn_implementation="sdpa"
-    )
+        directory, dtype=dtype, attn_implementation="sdpa", experts_implementation="eager"
+    )  # (transformers' grouped GEMM has no float64)
     return as_float64_reference(model) if dtype == torch.float64 and patched else model
 
 
@@ -126,3 +128,35 @@ def _transformers():
     import transformers
 
     return transformers
+
+
+#: the Qwen3.5-MoE case: the tied case's layers, 4 experts (top 2) and a shared expert on
+#: every layer, the load-balancing loss on
+MOE = dict(
+    {k: v for k, v in TINY.items() if k != "intermediate_size"},
+    **{k: v for k, v in CASES["tied"].items()},
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+    num_experts=4,
+    num_experts_per_tok=2,
+    output_router_logits=True,
+    router_aux_loss_coef=0.05,
+)
+
+
+def write_moe_checkpoint(directory, *, seed=0):
+    torch.manual_seed(seed)
+    config = _transformers().Qwen3_5MoeTextConfig(**MOE)
+    model = _transformers().Qwen3_5MoeForCausalLM(config)
+    randomise(model)
+    model.save_pretrained(directory)
+    return directory
+
+
+def router_float64(self, hidden_states):
+    """transformers' Qwen3_5MoeTopKRouter (softmax in float32 whatever the dtype) in
+    float64: the same formula, top-k weights always renormalised."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(hidden_states, self.weight)
+    top, indices = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+    return logits, top / top.sum(dim=-1, keepdim=True), indices

@@ -23,15 +23,25 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from model_cases import IGNORE, cu_of, global_batch, grad_errors, relative_error, sft_labels
+from model_cases import (
+    IGNORE,
+    closed_form_aux,
+    cu_of,
+    global_batch,
+    grad_errors,
+    relative_error,
+    sft_labels,
+)
 from qwen3_5_cases import (
     CASES,
+    MOE,
     TINY,
     as_float64_reference,
     hf_text_config,
     load_reference,
     randomise,
     write_checkpoint,
+    write_moe_checkpoint,
 )
 from usp_cases import topology
 
@@ -46,6 +56,7 @@ from usp.models import (  # noqa: E402
     ModelConfigError,
     Qwen3_5,
     Qwen3_5Config,
+    Qwen3_5Moe,
     config_from_file,
     config_from_hf,
     family_for_hf,
@@ -58,16 +69,25 @@ pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("one
 
 
 def reference(directory, ids, labels, cu=None) -> dict:
-    """transformers' float64 logits, mean loss and gradients (documents run alone)."""
+    """transformers' float64 logits, mean loss and gradients (documents run alone); the
+    MoE model's loss adds the load-balancing term over every document's tokens (closed
+    form: transformers' own sums it in float32)."""
     model = load_reference(directory)
+    moe = bool(getattr(model.config, "output_router_logits", False))
     bounds = [0, ids.shape[1]] if cu is None else cu.tolist()
-    logits = torch.cat(
-        [model(ids[:, a:b], use_cache=False).logits for a, b in zip(bounds, bounds[1:])], dim=1
-    )
+    outs = [
+        model(ids[:, a:b], use_cache=False, output_router_logits=moe)
+        for a, b in zip(bounds, bounds[1:])
+    ]
+    logits = torch.cat([out.logits for out in outs], dim=1)
     total = F.cross_entropy(
         logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"
     )
     loss = total / (labels != IGNORE).sum()
+    if moe:
+        router = [layer for out in outs for layer in out.router_logits]
+        aux = closed_form_aux(router, model.config.num_experts, model.config.num_experts_per_tok)
+        loss = loss + model.config.router_aux_loss_coef * aux
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return {"logits": logits.detach(), "loss": loss.item(), "grads": grads}
@@ -84,7 +104,8 @@ def small_chunks(model, chunk=5):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3_5")
-    return {case: write_checkpoint(root / case, case, seed=3) for case in CASES}
+    written = {case: write_checkpoint(root / case, case, seed=3) for case in CASES}
+    return {**written, "moe": write_moe_checkpoint(root / "moe", seed=3)}
 
 
 # ---------------------------------------------------------------------- configs
@@ -92,7 +113,8 @@ def test_config_reads_as_transformers_reads_it(checkpoints):
     for case, path in checkpoints.items():
         config = config_from_file(path / "config.json")
         hf = transformers.AutoConfig.from_pretrained(path)
-        assert isinstance(config, Qwen3_5Config) and config.family == "qwen3_5"
+        assert isinstance(config, Qwen3_5Config)
+        assert config.family == ("qwen3_5_moe" if case == "moe" else "qwen3_5")
         assert list(config.layer_types) == hf.layer_types, case
         for field in ("tie_word_embeddings", "head_dim", "attention_bias", "pad_token_id",
                       "linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
@@ -101,6 +123,11 @@ def test_config_reads_as_transformers_reads_it(checkpoints):
         assert config.rope_theta == hf.rope_parameters["rope_theta"]
         assert config.partial_rotary_factor == hf.rope_parameters["partial_rotary_factor"]
         assert config_from_hf(config.to_hf_dict()) == config
+    moe = config_from_file(checkpoints["moe"] / "config.json")
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+                  "num_experts_per_tok", "output_router_logits", "router_aux_loss_coef"):  # fmt: skip
+        assert getattr(moe, field) == MOE[field], field
+    assert "intermediate_size" not in moe.to_hf_dict()  # not a Qwen3.5-MoE key
     tied = config_from_file(checkpoints["tied"] / "config.json")
     assert tied.rotary_dim == 4 and tied.rope_theta == 1000.0
     # transformers 4.x-style keys and an mrope table: the same config, mrope kept
@@ -177,7 +204,7 @@ def test_the_float64_reference_is_transformers_in_float32(checkpoints):
         assert relative_error(plain.double(), patched) <= 1e-5
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, "moe"])
 def test_float64_one_process_matches_transformers(checkpoints, case):
     """Dense rows of 24 tokens (GDN chunks of 5; loss chunks of 5) and packed documents."""
     dense = global_batch(2, 24, seed=21)
@@ -188,7 +215,7 @@ def test_float64_one_process_matches_transformers(checkpoints, case):
     ):
         expected = reference(checkpoints[case], rows, labels, cu_seqlens)
         model = usp.models.from_pretrained(checkpoints[case], dtype=torch.float64, backend="math")
-        assert isinstance(model, Qwen3_5)
+        assert isinstance(model, Qwen3_5Moe if case == "moe" else Qwen3_5)
         small_chunks(model)
         Levers(loss_chunk_tokens=5).apply(model)
         with torch.no_grad():
@@ -255,13 +282,14 @@ def sp_case(runs, ids, labels, cu):
 
 def test_float64_4_ranks_match_transformers(distributed, checkpoints):
     """The tied checkpoint on ulysses 2 x ring 2 (zigzag), the biased one on ulysses 1 x
-    ring 4 (contiguous), dense rows and packed documents whose boundaries fall inside
+    ring 4 (contiguous), the MoE one on ulysses 4 x ring 1 (zigzag; its 2 GDN key heads
+    repeated for 4 ranks), dense rows and packed documents whose boundaries fall inside
     shards (the conv tails and GDN states cross ranks), activation checkpointing; one
     launch."""
     ids = global_batch(1, 32, seed=22)
     cu = cu_of([12, 20])  # multiples of 2r = 4 (zigzag, ring 2) and of r = 4
     labels = (sft_labels(ids, [3]), sft_labels(ids, [3, 5], cu))
-    cases = list(CASES)
+    cases = [*CASES, "moe"]
     expected = {
         case: [
             reference(checkpoints[case], ids, labels[0]),
@@ -270,7 +298,8 @@ def test_float64_4_ranks_match_transformers(distributed, checkpoints):
         for case in cases
     }
     runs = [(2, 2, "zigzag", str(checkpoints["tied"])),
-            (1, 4, "contiguous", str(checkpoints["biased"]))]  # fmt: skip
+            (1, 4, "contiguous", str(checkpoints["biased"])),
+            (4, 1, "zigzag", str(checkpoints["moe"]))]  # fmt: skip
     results = distributed.run(sp_case, runs, ids, labels, cu, world_size=4, timeout=300)[0]
     assert len(results) == 2 * len(runs)
     failures = []
@@ -398,12 +427,20 @@ def test_other_depths_keep_the_layer_kinds_in_order():
 
 def test_parameter_counts_equal_transformers():
     """Every preset's count against transformers' own model of its config (meta)."""
-    for name in ("qwen3.5-9b", "qwen3.5-tiny"):
+    for name, config_class, model_class in (
+        ("qwen3.5-9b", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+        ("qwen3.5-tiny", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+        ("qwen3.5-35b-a3b", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+        ("qwen3.5-moe-tiny", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    ):
         config = PRESETS[name]
-        hf_config = transformers.Qwen3_5TextConfig(**{
+        hf_config = getattr(transformers, config_class)(**{
             k: v for k, v in config.to_hf_dict().items() if k not in ("architectures",)
         })  # fmt: skip
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            hf = transformers.Qwen3_5ForCausalLM(hf_config)
+            hf = getattr(transformers, model_class)(hf_config)
         assert model_counts(config).total == sum(p.numel() for p in hf.parameters()), name
+    moe = model_counts(PRESETS["qwen3.5-35b-a3b"])
+    assert (round(moe.total / 1e9), round(moe.active / 1e9)) == (35, 3)  # the name's sizes
+    assert round(model_counts(PRESETS["qwen3.5-9b"]).total / 1e9) == 9
