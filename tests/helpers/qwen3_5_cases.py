@@ -144,9 +144,9 @@ MOE = dict(
 )
 
 
-def write_moe_checkpoint(directory, *, seed=0):
+def write_moe_checkpoint(directory, *, seed=0, **changes):
     torch.manual_seed(seed)
-    config = _transformers().Qwen3_5MoeTextConfig(**MOE)
+    config = _transformers().Qwen3_5MoeTextConfig(**{**MOE, **changes})
     model = _transformers().Qwen3_5MoeForCausalLM(config)
     randomise(model)
     model.save_pretrained(directory)
