@@ -444,3 +444,16 @@ def test_parameter_counts_equal_transformers():
     moe = model_counts(PRESETS["qwen3.5-35b-a3b"])
     assert (round(moe.total / 1e9), round(moe.active / 1e9)) == (35, 3)  # the name's sizes
     assert round(model_counts(PRESETS["qwen3.5-9b"]).total / 1e9) == 9
+
+
+def test_flops_count_attention_on_full_layers_and_the_gdn_recurrence():
+    """8 of qwen3.5-9b's 32 layers attend; its 24 GDN layers add C (5 dk + 3 dv) + 6 dk dv
+    per token and value head (C = 64, dk = dv = 128: 163,840) in the forward."""
+    counts = model_counts(PRESETS["qwen3.5-9b"])
+    assert counts.attention_layers == 8
+    assert counts.linear_flops_per_token == 24 * 32 * 163_840
+    n = 131_072
+    expected = 6 * counts.matmul * n + 6 * 8 * 16 * 256 * n * n + 3 * 24 * 32 * 163_840 * n
+    assert usp.models.training_flops(PRESETS["qwen3.5-9b"], [n]) == expected
+    llama = model_counts(PRESETS["tiny"])
+    assert llama.attention_layers is None and llama.linear_flops_per_token == 0

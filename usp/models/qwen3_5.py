@@ -158,6 +158,22 @@ class Qwen3_5Config(DecoderConfig):
     def is_linear(self, index: int) -> bool:
         return self.layer_types[index] == LINEAR
 
+    @property
+    def attention_layer_count(self) -> int:
+        """Layers with softmax attention (what attention FLOPs are counted on)."""
+        return self.layer_types.count(FULL)
+
+    def linear_flops_per_token(self, chunk: int = 64) -> int:
+        """Forward FLOPs per token of every GDN layer's chunked recurrence (chunks of
+        ``chunk``, per value head): the in-chunk products ``K K^T`` and ``Q K^T``
+        (``2 C dk`` each), the two triangular solves (``C (dk + dv)``), the in-chunk
+        output (``2 C dv``) and the three products with the state (``2 dk dv`` each):
+        ``C (5 dk + 3 dv) + 6 dk dv``. Projections count as matmuls; the conv (``2 K``
+        per channel) is left out (small)."""
+        dk, dv = self.linear_key_head_dim, self.linear_value_head_dim
+        per_head = chunk * (5 * dk + 3 * dv) + 6 * dk * dv
+        return self.layer_types.count(LINEAR) * self.linear_num_value_heads * per_head
+
     def replace(self, **changes) -> Qwen3_5Config:
         """A copy with ``changes``; another depth without ``layer_types`` keeps the
         layers' kinds in order, repeating them past the last (the planner's shallower
