@@ -167,7 +167,7 @@ def check_call(
         ring_spec, ring_group, placement, causal=causal, softmax_scale=softmax_scale,
         layout=plan.layout, ring_impl=plan.ring_impl, backend=plan.backend,
         comm_stats=plan.comm_stats, kv_head_chunks=head_chunks,
-        window=kernel_window(window, longest),
+        window=kernel_window(window, longest), kernel_registry=plan.kernel_registry,
     )  # fmt: skip
     ulysses = TracedGroup.of(plan.ulysses_group) if u > 1 else None
     per_rank = spec.num_heads // u

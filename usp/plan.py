@@ -29,6 +29,7 @@ from usp.attend import TraceCache, attend
 from usp.comm.agreement import Field, agree, stable_hash
 from usp.comm.traced import TracedGroup
 from usp.config import UspConfig, build_topology_from_config, check_topology_matches, load_config
+from usp.kernels.backends.registry import KernelRegistry
 from usp.options import (
     BACKENDS,
     DEFAULT_BACKEND,
@@ -70,10 +71,15 @@ class Plan:
         ring_impl: str = DEFAULT_RING_IMPL,
         backend: str = DEFAULT_BACKEND,
         verify_calls: bool | None = None,
+        kernel_registry: KernelRegistry | None = None,
     ):
         """``verify_calls``: agree across the SP ranks on every attention call before it
         communicates (None: on for gloo, off for NCCL where it costs a host sync per
-        layer; see :mod:`usp.call_check`)."""
+        layer; see :mod:`usp.call_check`). ``kernel_registry``: where the attention
+        calls look their backends up (None: usp's,
+        :data:`usp.kernels.backends.registry.DEFAULT`); the planner passes one holding
+        its fake-tensor stand-ins. Eager calls only: a compiled graph's kernel ops use
+        usp's registry, so a plan with its own refuses ``torch.compile``."""
         if topology is not None and not isinstance(topology, Topology):
             raise PlanError(
                 f"Plan needs a usp.Topology (or None for one process), got {type(topology).__name__}"
@@ -88,6 +94,12 @@ class Plan:
         if verify_calls is not None and not isinstance(verify_calls, bool):
             raise PlanError(f"verify_calls must be None, True or False, got {verify_calls!r}")
         self.verify_calls = verify_calls
+        if kernel_registry is not None and not isinstance(kernel_registry, KernelRegistry):
+            raise PlanError(
+                "kernel_registry must be None or a usp.kernels.backends.registry."
+                f"KernelRegistry, got {type(kernel_registry).__name__}"
+            )
+        self.kernel_registry = kernel_registry
         #: the checked calls of compiled graphs (see :func:`usp.attend.traced_call`)
         self.traced_calls = TraceCache()
         #: the SP group as a compiled graph's collectives take it (None: one process)
@@ -151,6 +163,7 @@ class Plan:
             ring_impl=self.ring_impl if ring_impl is None else ring_impl,
             backend=self.backend if backend is None else backend,
             verify_calls=self.verify_calls,
+            kernel_registry=self.kernel_registry,
         )
 
     @classmethod
@@ -243,8 +256,7 @@ class Plan:
             error = err
         group = self.sp_group
         if agree_ranks and group is not None and self.sp_degree > 1 and _can_agree(group):
-            fingerprint = 0 if packed is None else packed.fingerprint
-            fields = [Field("cu_seqlens", fingerprint, _show_hash)]
+            fields = [documents_field(0 if packed is None else packed.fingerprint)]
             if batch_fingerprint is not None:
                 fields.append(batch_field(batch_fingerprint))
             agree(group, "Plan.pack", fields, error, (ShardingError,))
@@ -359,6 +371,11 @@ class Plan:
         ``packed``: a :class:`PackedSequence` (or global cu_seqlens) for block-diagonal
         attention by document. ``head_chunks``: see :func:`usp.attend.attend`. ``window``,
         ``sinks``: see :func:`usp.usp_attention`."""
+        if self.kernel_registry is not None and torch.compiler.is_compiling():
+            raise PlanError(
+                "a Plan with its own kernel_registry cannot run under torch.compile (the "
+                "compiled kernel ops use usp's registry); call it eagerly"
+            )
         return attend(
             self, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=packed,
             verify=self.verify_calls if verify is None else verify, head_chunks=head_chunks,
@@ -377,8 +394,7 @@ class Plan:
             fields += [Field(f"tensor {i} shape[{d}]", n) for d, n in enumerate(shape)]
             fields.append(Field(f"tensor {i} dtype", _dtype_id(t.dtype), _show_dtype_id))
         if packed is not None:
-            packed = self.packed_sequence(packed)
-            fields.append(Field("cu_seqlens", packed.fingerprint, _show_hash))
+            fields.append(documents_field(self.packed_sequence(packed).fingerprint))
         agree(group, "Plan.verify_batch", fields)
 
     # ------------------------------------------------------------------ lifecycle
@@ -415,6 +431,12 @@ def _show_dtype_id(code: int) -> str:
 
 def _show_hash(value: int) -> str:
     return "dense" if value == 0 else f"boundaries with hash {value}"
+
+
+def documents_field(fingerprint: int) -> Field:
+    """The agreement entry of a batch's packed documents (a PackedSequence's
+    ``fingerprint``; 0: dense, or none that could be packed)."""
+    return Field("cu_seqlens", fingerprint, _show_hash)
 
 
 def batch_field(fingerprint: int) -> Field:

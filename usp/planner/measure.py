@@ -47,7 +47,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -229,22 +228,22 @@ def built_step(
         )
         try:
             attention = job.topology.attention
+            registry = kernels = None
+            if fake or device.type == "cpu":  # (a real CUDA run uses the real kernels)
+                registry, kernels = planning_kernels()
             plan = usp.Plan(
                 topo,
                 layout=attention.layout,
                 ring_impl=attention.ring_impl,
                 backend=planning_backend(target.device, attention.backend),
                 verify_calls=False,
+                kernel_registry=registry,
             )
             with ExitStack() as stack:
-                kernels = None
-                if fake or device.type == "cpu":  # (a real CUDA run uses the real kernels)
-                    kernels = stack.enter_context(planning_kernels())
                 if fake:
-                    stack.enter_context(all_labelled())
                     if representative:
                         stack.enter_context(representative_tiles())
-                    stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+                    stack.enter_context(AllLabelledFakeMode(allow_non_fake_inputs=True))
                 # the packed row as fake tensors: nothing proportional to the sequence is
                 # made on the planning machine (the boundaries stay real host values)
                 batches, num_labels = _batches(job, plan, device, layout)
@@ -322,10 +321,9 @@ def _batches(job, plan, device: torch.device, layout: Layout) -> tuple[list, int
         cu_seqlens = torch.tensor([0, row], dtype=torch.int32)
         packed = plan.pack(cu_seqlens, device=device)  # (the SP ranks agree: fake group)
     tokens = torch.zeros(1, row, dtype=torch.long)  # [1, row]: fake inside the mode
-    with mock.patch.object(plan, "pack", lambda *args, **kwargs: packed):
-        batch = shard_batch(
-            plan, tokens, labels=tokens, cu_seqlens=cu_seqlens, shift=False, device=device
-        )  # ([1, row] -> [1, row / sp])
+    batch = shard_batch(
+        plan, tokens, labels=tokens, cu_seqlens=packed, shift=False, device=device
+    )  # ([1, row] -> [1, row / sp])
     return [batch] * micro_batches, row * micro_batches
 
 
@@ -371,17 +369,23 @@ def _first_optimizer_step(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-@contextmanager
-def all_labelled() -> Iterator[None]:
-    """``nonzero`` has no size under fake tensors (it depends on values): the loss's one
-    use of it, selecting the labelled tokens, gets every index. The planned batch labels
-    every token (the most the loss can hold), so that is what the op would return."""
-    from torch._subclasses import fake_impls
+class AllLabelledFakeMode(FakeTensorMode):
+    """The planned step's ``FakeTensorMode``, in which ``nonzero`` returns every index.
 
-    def every_index(fake_mode, func, mask):
-        n = mask.numel()
-        return mask.new_empty_strided((n, mask.dim()), (1, n), dtype=torch.int64)  # [n, dim]
+    ``nonzero`` has no size under fake tensors (it depends on values). The planned batch
+    labels every token (the most the loss can hold), so the loss's selection of the
+    labelled tokens would return every index; so does every other ``nonzero`` of the
+    step (a MoE router's token selection per expert: each expert counted with every
+    token, an upper bound)."""
 
-    table = fake_impls.op_implementations_dict
-    with mock.patch.dict(table, {torch.ops.aten.nonzero.default: every_index}):
-        yield
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.nonzero.default:
+            return _every_index(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _every_index(mask: torch.Tensor) -> torch.Tensor:
+    """``nonzero(mask)`` of a mask that is true everywhere, as a fake tensor: int64
+    [n, mask.dim()], column-major as torch's own (strides (1, n))."""
+    n = mask.numel()
+    return mask.new_empty_strided((n, mask.dim()), (1, n), dtype=torch.int64)

@@ -12,6 +12,7 @@ from usp.comm.agreement import Field, stable_hash
 from usp.comm.stats import CommStats
 from usp.comm.traced import TracedGroup
 from usp.errors import InputError
+from usp.kernels.backends.registry import KernelRegistry
 from usp.kernels.docs import DeviceBounds
 from usp.kernels.spec import (
     AttentionInputError,
@@ -263,9 +264,11 @@ def prepare_ring(
     comm_stats: CommStats | None,
     kv_head_chunks: int = 1,
     window: int | None = None,
+    kernel_registry: KernelRegistry | None = None,
 ) -> RingConfig:
     """Every local check of a ring call, so that nothing fails after the first send: the
-    group's device, lengths, head chunks, softmax scale and the kernel backend."""
+    group's device, lengths, head chunks, softmax scale and the kernel backend (looked
+    up in ``kernel_registry``, default usp's)."""
     if spec.seqlen_q != spec.seqlen_k:
         raise RingInputError(
             "ring attention needs q and k/v with the same local sequence length, "
@@ -284,7 +287,8 @@ def prepare_ring(
         head_chunks(spec.num_kv_heads, kv_head_chunks)
     except ValueError as err:
         raise RingInputError(str(err)) from None
-    kernels = BlockKernels(spec, backend, default_scale(spec.head_dim, softmax_scale))
+    scale = default_scale(spec.head_dim, softmax_scale)
+    kernels = BlockKernels(spec, backend, scale, kernel_registry)
     size = 1 if group is None else dist.get_world_size(group)
     peers = TracedGroup.of(group) if size > 1 else None
     cfg = RingConfig(
