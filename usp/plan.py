@@ -40,7 +40,7 @@ from usp.options import (
     check_choice,
 )
 from usp.packing import PackedSequence, PlanError, check_packed_fits
-from usp.process_groups import Topology
+from usp.process_groups import SingleProcess, Topology, as_topology
 from usp.ring.documents import Documents
 from usp.ring.placement import packed_placement
 from usp.sharding import (
@@ -80,13 +80,15 @@ class Plan:
         :data:`usp.kernels.backends.registry.DEFAULT`); the planner passes one holding
         its fake-tensor stand-ins. Eager calls only: a compiled graph's kernel ops use
         usp's registry, so a plan with its own refuses ``torch.compile``."""
-        if topology is not None and not isinstance(topology, Topology):
+        topology = as_topology(topology)
+        if not isinstance(topology, (Topology, SingleProcess)):
             raise PlanError(
                 f"Plan needs a usp.Topology (or None for one process), got {type(topology).__name__}"
             )
+        #: a Topology, or :data:`~usp.process_groups.SINGLE_PROCESS` (``Plan(None)``)
         self.topology = topology
         self.layout = _validated_choice("sequence layout", layout, LAYOUTS)
-        if topology is None:
+        if topology.single_process:
             # one process has nothing to balance: tokens stay in their natural order
             self.layout = "contiguous"
         self.ring_impl = _validated_choice("ring_impl", ring_impl, RING_IMPLS)
@@ -104,7 +106,7 @@ class Plan:
         self.traced_calls = TraceCache()
         #: the SP group as a compiled graph's collectives take it (None: one process)
         self.traced_sp_group = None
-        if topology is not None and topology.sp_degree > 1:
+        if topology.sp_degree > 1:
             self.traced_sp_group = TracedGroup.of(topology.sp_group)
 
     # ------------------------------------------------------------------ construction
@@ -171,7 +173,7 @@ class Plan:
         """The Plan of these choices that outlives a compiled graph's trace (kept per
         topology): a plan made while Dynamo traces exists only in the trace, and the
         checked calls of compiled graphs are kept by a plan (``traced_calls``)."""
-        plans = _LASTING_SINGLE_PROCESS if topology is None else _LASTING.setdefault(topology, {})
+        plans = _LASTING.setdefault(as_topology(topology), {})
         key = (layout, ring_impl, backend, verify_calls)
         if key not in plans:
             plans[key] = cls(
@@ -183,11 +185,11 @@ class Plan:
     # ------------------------------------------------------------------ degrees and groups
     @property
     def ulysses_degree(self) -> int:
-        return 1 if self.topology is None else self.topology.ulysses_degree
+        return self.topology.ulysses_degree
 
     @property
     def ring_degree(self) -> int:
-        return 1 if self.topology is None else self.topology.ring_degree
+        return self.topology.ring_degree
 
     @property
     def sp_degree(self) -> int:
@@ -195,28 +197,28 @@ class Plan:
 
     @property
     def ring_rank(self) -> int:
-        return 0 if self.topology is None else self.topology.ring_rank
+        return self.topology.ring_rank
 
     @property
     def ulysses_rank(self) -> int:
-        return 0 if self.topology is None else self.topology.ulysses_rank
+        return self.topology.ulysses_rank
 
     @property
     def sp_group(self):
         """The SP ranks' process group (None for a single process)."""
-        return None if self.topology is None else self.topology.sp_group
+        return self.topology.sp_group
 
     @property
     def ring_group(self):
-        return None if self.topology is None else self.topology.ring_group
+        return self.topology.ring_group
 
     @property
     def ulysses_group(self):
-        return None if self.topology is None else self.topology.ulysses_group
+        return self.topology.ulysses_group
 
     @property
     def comm_stats(self):
-        return None if self.topology is None else self.topology.comm_stats
+        return self.topology.comm_stats
 
     @property
     def sequence_multiple(self) -> int:
@@ -224,7 +226,7 @@ class Plan:
         return required_multiple(self.ring_degree, self.ulysses_degree, self.layout)
 
     def default_device(self) -> torch.device:
-        if self.topology is not None and self.topology.device_type == "cuda":
+        if self.topology.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -316,7 +318,7 @@ class Plan:
     def token_indices(self, seq_len: int, *, packed=None, device=None) -> torch.Tensor:
         """Indices into the global sequence of the tokens this rank holds, in local order
         (int64 [S/P])."""
-        if self.topology is None and packed is None:  # one process, dense: natural order
+        if self.topology.single_process and packed is None:  # dense: natural order
             return torch.arange(seq_len, device=device)
         if isinstance(packed, PackedSequence):  # worked out when it was packed
             return self.packed_sequence(packed, seq_len=seq_len).token_indices.to(device)
@@ -346,7 +348,7 @@ class Plan:
         collective over the SP group; the result carries no gradient."""
         dim = dim % x_local.dim()
         documents = self._documents(x_local.shape[dim] * self.sp_degree, packed)
-        if self.topology is None:  # packed documents are still reordered on a ring of one
+        if self.topology.single_process:  # packed documents are still reordered on a ring of one
             indices = rank_token_indices(documents, 0, 1, 0).to(x_local.device)
             return torch.empty_like(x_local).index_copy(dim, indices, x_local.detach())
         return gather_by_documents(x_local, self.topology, documents, dim)
@@ -403,13 +405,11 @@ class Plan:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """Leaving a ``with`` block tears the topology down as ``with topology:`` does."""
-        if self.topology is not None:
-            self.topology.__exit__(exc_type, exc, tb)
+        self.topology.__exit__(exc_type, exc, tb)
 
     # ------------------------------------------------------------------ text
     def describe(self) -> str:
-        grid = "single process" if self.topology is None else self.topology.describe()
-        return f"{grid}; layout={self.layout}, ring_impl={self.ring_impl}, backend={self.backend}"
+        return f"{self.topology.describe()}; layout={self.layout}, ring_impl={self.ring_impl}, backend={self.backend}"
 
     def __repr__(self) -> str:
         return f"Plan({self.describe()})"
@@ -460,7 +460,7 @@ def as_plan(topology_or_plan, **attention_options) -> Plan:
     replace the choices."""
     if isinstance(topology_or_plan, Plan):
         return topology_or_plan.with_options(**attention_options)
-    if topology_or_plan is None or isinstance(topology_or_plan, Topology):
+    if topology_or_plan is None or isinstance(topology_or_plan, (Topology, SingleProcess)):
         return Plan(topology_or_plan).with_options(**attention_options)
     raise TypeError(
         "expected a usp.Topology, a usp.Plan or None (single process), "
@@ -470,4 +470,3 @@ def as_plan(topology_or_plan, **attention_options) -> Plan:
 
 #: the lasting plans of compiled graphs (:meth:`Plan.lasting`), by topology and choices
 _LASTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_LASTING_SINGLE_PROCESS: dict = {}

@@ -145,6 +145,19 @@ def test_single_process_plan_matches_reference(ring_impl):
     plan = usp.Plan(None, backend="math", ring_impl=ring_impl)
     assert plan.sp_degree == 1 and plan.sequence_multiple == 1
     assert plan.layout == "contiguous"  # one process: natural token order
+    # its topology answers for a world of one (no None to test for)
+    one = plan.topology
+    assert one.single_process and (one.world_size, one.rank, one.dp_degree, one.dp_rank) == (
+        1,
+        0,
+        1,
+        0,
+    )
+    assert (one.sp_group, one.comm_stats, plan.describe().split(";")[0]) == (
+        None,
+        None,
+        "single process",
+    )
     inputs = _inputs(12, batch=2)
     expected = _expected(*inputs, causal=True, scale=0.2)
     assert _plan_errors(plan, inputs, expected, causal=True, scale=0.2) < TOL

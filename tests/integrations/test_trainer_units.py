@@ -39,6 +39,7 @@ from usp.integrations.transformers import (  # noqa: E402
 from usp.models import Levers, shard_batch, shift_labels  # noqa: E402
 from usp.models.batch import batch_fingerprint  # noqa: E402
 from usp.models.hf_inputs import HFInputError  # noqa: E402
+from usp.process_groups import SINGLE_PROCESS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PLAN = usp.Plan(None)
@@ -306,7 +307,7 @@ def test_trainer_settings_usp_replaces_are_refused(changes, needle):
 
 # ----------------------------------------------------------------------------- set-up
 def test_one_process_plans_and_the_flags():
-    assert launch_plan().topology is None
+    assert launch_plan().topology is SINGLE_PROCESS
     with pytest.raises(usp.TopologyError, match="torchrun --nproc-per-node 4") as info:
         launch_plan(2, 2)
     import argparse

@@ -30,6 +30,7 @@ from usp.evaluation.report import table, to_json, write_plots
 from usp.evaluation.runner import DEFAULT_DEPTHS, EvalSettings, check_settings, run_checks
 from usp.evaluation.target import eval_tokenizer, held_out_stream, load_model, resolve_target
 from usp.plan import Plan
+from usp.process_groups import SINGLE_PROCESS
 from usp.train.cli import _init_process_group, _teardown  # usp train's, shared
 from usp.train.components import DTYPES, default_compute_dtype
 from usp.train.config import load_train_config
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"usp eval: error: {err}", file=sys.stderr)
         return EXIT_USER
     user_errors = user_error_kinds()
-    topology, synchronised = None, True
+    topology, synchronised = SINGLE_PROCESS, True
     try:
         timeout = job.train.collective_timeout_s if job is not None else 600.0
         _init_process_group(device, timeout)

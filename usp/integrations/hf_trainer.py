@@ -164,8 +164,8 @@ class UspTrainerMixin:
         sampler = DataParallelSampler(
             len(dataset),
             batch_size=batch_size,
-            dp_rank=0 if topology is None else topology.dp_rank,
-            dp_degree=1 if topology is None else topology.dp_degree,
+            dp_rank=topology.dp_rank,
+            dp_degree=topology.dp_degree,
             shuffle=shuffle,
             seed=self.args.seed if self.args.data_seed is None else self.args.data_seed,
             drop_last=self.args.dataloader_drop_last,
@@ -256,7 +256,7 @@ class UspTrainerMixin:
     # ------------------------------------------------------------------ replicas
     def _usp_dp_group(self):
         topology = self.usp_plan.topology
-        if topology is None or topology.dp_degree == 1 or not _can_agree(topology.dp_group):
+        if topology.dp_degree == 1 or not _can_agree(topology.dp_group):
             return None
         return topology.dp_group
 

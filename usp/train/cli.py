@@ -106,11 +106,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"usp train: error: {err}", file=sys.stderr)
         write_error_file(f"usp train: error: {err}", 2)
         return 2
+    from usp.process_groups import SINGLE_PROCESS
     from usp.train.guard import EXIT_STATUS, CollectiveFailedError, TrainingDivergedError
     from usp.train.setup import user_errors as user_error_kinds
 
     user_errors = user_error_kinds()
-    topology, synchronised = None, True
+    topology, synchronised = SINGLE_PROCESS, True
     try:
         _init_process_group(_device_of(job, args.device), job.train.collective_timeout_s)
         plan = build_plan(job)
@@ -179,7 +180,7 @@ def _teardown(topology) -> None:
     """``Topology.destroy()`` (which synchronises the ranks), then the default group."""
     import torch.distributed as dist
 
-    if topology is not None:
+    if not topology.single_process:
         topology.destroy()
     elif dist.is_initialized():
         dist.barrier()  # no rank closes connections a peer still reads

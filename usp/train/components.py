@@ -256,7 +256,7 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers |
     if source.directory is None:
         torch.manual_seed(job.train.seed)
         model = family.build(source.config, plan)
-    elif plan.topology is None:
+    elif plan.topology.single_process:
         model = family.from_pretrained(
             source.directory, plan, dtype=torch.float32, config=source.config
         )
@@ -338,7 +338,7 @@ def build_optimizer(job: TrainJobConfig, model: torch.nn.Module) -> torch.optim.
 
 def resolve_device(job: TrainJobConfig, plan) -> torch.device:
     """The plan's device for a distributed run; for one process, ``[train] device``."""
-    if plan.topology is not None:
+    if not plan.topology.single_process:
         device = plan.default_device()
         if job.train.device not in (AUTO, device.type):
             raise ConfigError(
