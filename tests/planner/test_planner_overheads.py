@@ -13,13 +13,13 @@ import torch
 from planner_cases import target_of, write_config
 from torch.profiler import ProfilerActivity, profile
 
+from usp.config import allocator
 from usp.models import Levers
 from usp.models.offload import pinned_bytes
 from usp.planner import overheads, report, search
 from usp.planner.footprint import Extras, Footprint, Layout, Phase
 from usp.planner.measure import measure
 from usp.planner.overheads import GIB, attention_workspace, communicators
-from usp.train import allocator
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 

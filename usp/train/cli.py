@@ -26,8 +26,8 @@ import traceback
 from datetime import timedelta
 
 from usp.config import AUTO
+from usp.config.allocator import set_allocator_default
 from usp.config.launch import GridSizeError
-from usp.train.allocator import set_allocator_default
 from usp.train.components import build_plan  # the one way a job becomes a Plan
 from usp.train.error_file import write_error_file
 
