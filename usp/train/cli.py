@@ -28,7 +28,7 @@ from datetime import timedelta
 from usp.config import AUTO
 from usp.config.allocator import set_allocator_default
 from usp.config.launch import GridSizeError
-from usp.train.components import build_plan  # the one way a job becomes a Plan
+from usp.train.components import build_plan, model_source  # a job's Plan, its model
 from usp.train.error_file import write_error_file
 
 RENDEZVOUS_TIMEOUT_S = 600.0
@@ -114,9 +114,10 @@ def run(args: argparse.Namespace) -> int:
     topology, synchronised = SINGLE_PROCESS, True
     try:
         _init_process_group(_device_of(job, args.device), job.train.collective_timeout_s)
-        plan = build_plan(job)
+        source = model_source(job)  # config.json, read once for the plan and the run
+        plan = build_plan(job, source=source)
         topology = plan.topology
-        result = _train(job, plan, args.resume, getattr(args, "resume_changed", False))
+        result = _train(job, plan, source, args.resume, getattr(args, "resume_changed", False))
         if result.stopped_by is not None:
             line = (
                 f"usp train: stopped by {result.stopped_by} at step {result.stopped_at}; "
@@ -170,10 +171,10 @@ def run(args: argparse.Namespace) -> int:
             _teardown(topology)
 
 
-def _train(job, plan, resume: bool, resume_changed: bool = False):
+def _train(job, plan, source, resume: bool, resume_changed: bool = False):
     from usp.train.trainer import train
 
-    return train(job, plan, resume=resume, resume_changed=resume_changed)
+    return train(job, plan, resume=resume, resume_changed=resume_changed, source=source)
 
 
 def _teardown(topology) -> None:

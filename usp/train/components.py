@@ -49,6 +49,9 @@ class ModelSource:
     directory: Path | None  # the HF checkpoint directory, None for a preset
     #: "name: old -> new" for each [model] position setting that changed the config
     changes: tuple[str, ...] = ()
+    #: the directory's config.json as read (before the position settings), so that
+    #: loading the weights does not read it again (None for a preset)
+    file_config: object | None = None
 
 
 def model_source(job: TrainJobConfig) -> ModelSource:
@@ -74,7 +77,8 @@ def model_source(job: TrainJobConfig) -> ModelSource:
     if not config_file.is_file():
         raise job.error(f"[model] path {directory} has no config.json (not an HF checkpoint)")
     try:
-        source = ModelSource(config_from_file(config_file), directory)
+        config = config_from_file(config_file)
+        source = ModelSource(config, directory, file_config=config)
     except ModelConfigError as err:
         raise job.error(f"[model] {err}") from None
     return _with_positions(job, source)
@@ -89,15 +93,16 @@ def _with_positions(job: TrainJobConfig, source: ModelSource) -> ModelSource:
     except ModelConfigError as err:
         raise job.error(f"[model] {err}") from None
     changes = tuple(source.config.position_changes(config))
-    return ModelSource(config, source.directory, changes)
+    return ModelSource(config, source.directory, changes, source.file_config)
 
 
-def topology_config(job: TrainJobConfig) -> UspConfig:
+def topology_config(job: TrainJobConfig, source: ModelSource | None = None) -> UspConfig:
     """The job's topology config with the model's head counts as its ``[model]``, so
     ``ulysses = "auto"`` and the head checks see the real model (what ``usp topo`` shows
-    and what ``usp train`` builds its topology from). A :class:`ConfigError` when the
-    model's config cannot be read."""
-    config = model_source(job).config
+    and what ``usp train`` builds its topology from). ``source``: the job's
+    :func:`model_source` if read already (else read here: a :class:`ConfigError` when
+    the model's config cannot be read)."""
+    config = (model_source(job) if source is None else source).config
     return job.topology_with_heads(
         config.num_attention_heads, config.num_key_value_heads, config.attention_head_dim
     )
@@ -110,13 +115,18 @@ def topology_config(job: TrainJobConfig) -> UspConfig:
 TRAIN_VERIFY_CALLS = False
 
 
-def build_plan(job: TrainJobConfig, topology: Topology | None | str = "build") -> Plan:
+def build_plan(
+    job: TrainJobConfig,
+    topology: Topology | None | str = "build",
+    *,
+    source: ModelSource | None = None,
+) -> Plan:
     """The Plan a training job runs on (:meth:`Plan.from_config` with
     :data:`TRAIN_VERIFY_CALLS`). ``"build"``: the topology from the config, with the
     model's head counts checked (a collective: every rank calls it after
     ``init_process_group``); a Topology: that one, whose degrees must match the
-    config's; None: one process."""
-    config = topology_config(job) if isinstance(topology, str) else job.topology
+    config's; None: one process. ``source``: as in :func:`topology_config`."""
+    config = topology_config(job, source) if isinstance(topology, str) else job.topology
     return Plan.from_config(config, topology=topology, verify_calls=TRAIN_VERIFY_CALLS)
 
 
@@ -258,8 +268,9 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers |
         model = family.build(source.config, plan)
     elif plan.topology.single_process:
         model = family.from_pretrained(
-            source.directory, plan, dtype=torch.float32, config=source.config
-        )
+            source.directory, plan, dtype=torch.float32, config=source.config,
+            file_config=source.file_config,
+        )  # fmt: skip
     else:
         with torch.device("meta"):
             model = family.build(source.config, plan)
@@ -292,7 +303,7 @@ def load_weights(model, source: ModelSource, device: torch.device, *, seed: int 
     if dist.get_rank() == 0:
         try:
             loaded = family_of(source.config).from_pretrained(
-                source.directory, None, dtype=torch.float32
+                source.directory, None, dtype=torch.float32, file_config=source.file_config
             )
             full = loaded.state_dict()
             if lora_of(model) is not None:  # the adapters' start, as one process draws it

@@ -40,7 +40,9 @@ def _check_numpy_for_checkpoints() -> None:
         ) from None
 
 
-def setup_run(job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed: bool):
+def setup_run(
+    job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed: bool, source=None
+):
     """Everything a run checks and prepares before the model is built, on every rank:
     the device, the model's config, the data (tokenised later), the held-out set, the
     run record and the checkpoints a resume may load (the newest readable one checked
@@ -48,7 +50,7 @@ def setup_run(job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed
     note, eval_inputs)``; a user error here is agreed by :func:`agree_on_setup`."""
     _check_numpy_for_checkpoints()
     device = components.resolve_device(job, plan)
-    source = components.model_source(job)
+    source = components.model_source(job) if source is None else source
     document_multiple = components.check_lengths(job, plan)
     job.gradient_accumulation(plan.topology.dp_degree)  # checks the batch arithmetic
     dataset = components.prepare_data(job, source, document_multiple)  # tokenised in _run

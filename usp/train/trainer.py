@@ -102,6 +102,7 @@ def train(
     resume_changed: bool = False,
     stop_after: int | None = None,
     stream: TextIO | None = None,
+    source: components.ModelSource | None = None,
 ) -> TrainResult:
     """Run ``job`` on ``plan_or_topology`` (a :class:`usp.Plan`, a Topology, or None for
     one process). Outputs go to ``output_dir`` (default: the config's). ``resume``
@@ -116,7 +117,9 @@ def train(
     beyond ``[train] max_skipped_steps``, raises ``TrainingDivergedError`` (nothing
     non-finite is saved); a failed collective raises ``CollectiveFailedError`` naming the
     step; a SIGTERM/SIGINT (handlers installed while this runs in the main thread) stops
-    the run after the step in flight with a checkpoint (``result.stopped_by``)."""
+    the run after the step in flight with a checkpoint (``result.stopped_by``).
+    ``source``: the job's :func:`usp.train.components.model_source` if the caller read
+    it already (``usp train`` reads config.json once per rank)."""
     plan = _plan_of(job, plan_or_topology)
     out = Path(output_dir) if output_dir is not None else job.output_dir
     stream = stream or sys.stderr
@@ -130,7 +133,7 @@ def train(
             check_output_dir(out, export=job.train.export)
             if _rank0(plan):  # one job per output directory, before anything is written
                 lock = OutputLock.acquire(out)
-            setup = setup_run(job, plan, out, resume, resume_changed)
+            setup = setup_run(job, plan, out, resume, resume_changed, source)
         except user_errors() as err:
             error = err
         agree_on_setup(plan, error)
