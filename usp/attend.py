@@ -33,7 +33,7 @@ from usp.options import BACKENDS, LAYOUTS, RING_IMPLS, layout_chunks
 from usp.packing import PackedSequence, PlanError, check_packed_fits
 from usp.process_groups import HeadLayoutError
 from usp.ring.api import RING_ERRORS, prepare_ring, ring_placement, run_ring
-from usp.ring.config import RingConfig
+from usp.ring.config import PreparedRing
 from usp.sharding import ShardingError, check_sequence_length
 from usp.ulysses import (
     kv_replication_for,
@@ -53,7 +53,7 @@ class CheckedCall:
     Ulysses group as the values its functional collectives take (None when u = 1)."""
 
     kv_replication: int
-    ring: RingConfig
+    ring: PreparedRing
     ulysses: TracedGroup | None = None
     #: the query heads this rank attends to after the all-to-all (the slice of ``sinks``)
     heads: tuple[int, int] = (0, 0)

@@ -23,10 +23,9 @@ import os
 import weakref
 
 import torch
-import torch.distributed as dist
 
 from usp.attend import TraceCache, attend
-from usp.comm.agreement import Field, agree, stable_hash
+from usp.comm.agreement import Field, agree, can_agree, stable_hash
 from usp.comm.traced import TracedGroup
 from usp.config import UspConfig, build_topology_from_config, check_topology_matches, load_config
 from usp.kernels.backends.registry import KernelRegistry
@@ -257,7 +256,7 @@ class Plan:
         except ShardingError as err:
             error = err
         group = self.sp_group
-        if agree_ranks and group is not None and self.sp_degree > 1 and _can_agree(group):
+        if agree_ranks and group is not None and self.sp_degree > 1 and can_agree(group):
             fields = [documents_field(0 if packed is None else packed.fingerprint)]
             if batch_fingerprint is not None:
                 fields.append(batch_field(batch_fingerprint))
@@ -388,7 +387,7 @@ class Plan:
         """Agree across the SP ranks on a batch's shapes and dtypes (and documents) once
         per step — the cheap alternative to per-call checks on NCCL. A collective."""
         group = self.sp_group
-        if group is None or self.sp_degree == 1 or not _can_agree(group):
+        if group is None or self.sp_degree == 1 or not can_agree(group):
             return
         fields = []
         for i, t in enumerate(tensors):
@@ -447,11 +446,6 @@ def batch_field(fingerprint: int) -> Field:
         fingerprint,
         lambda value: f"batch with hash {value}",
     )
-
-
-def _can_agree(group) -> bool:
-    """Agreement needs real collectives (not the ``fake`` backend of emulations)."""
-    return dist.get_backend(group) != "fake"
 
 
 def as_plan(topology_or_plan, **attention_options) -> Plan:

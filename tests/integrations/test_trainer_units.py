@@ -334,8 +334,8 @@ def test_usp_plan_plans_the_run_a_trainer_describes(tmp_path):
     import trainer_cases
 
     from usp.planner import search
-    from usp.planner.footprint import Layout, Target
-    from usp.train.components import levers_of, model_source
+    from usp.planner.footprint import Choice, Target
+    from usp.train.components import model_source, train_levers
     from usp.train.config import load_train_config
 
     ckpt = trainer_cases.write_checkpoint(tmp_path / "qwen3", "qwen3")
@@ -349,16 +349,16 @@ def test_usp_plan_plans_the_run_a_trainer_describes(tmp_path):
     )  # fmt: skip
     job = load_train_config(path)
     assert (job.train.seq_len, job.train.micro_batch, job.train.global_batch) == (64, 2, 4)
-    assert levers_of(job) == levers.replace(loss_chunk_tokens=Levers().loss_chunk_tokens)
+    assert train_levers(job) == levers.replace(loss_chunk_tokens=Levers().loss_chunk_tokens)
     parallel = job.topology.parallel
     assert (parallel.ulysses, parallel.ring) == (1, 2)
     model = model_source(job).config
     assert type(model).__name__ == "Qwen3Config"
     assert model.num_attention_heads == TINY["num_attention_heads"]
-    layout = Layout(1, 2, 1, levers_of(job))
-    assert layout in search.layouts(model, search.Cluster(1, 2, 80.0, 2048.0), job)
+    choice = Choice(1, 2, 1, train_levers(job))
+    assert choice in search.choices(model, search.Cluster(1, 2, 80.0, 2048.0), job)
     candidate = search.evaluate(
-        Target(job, model, 2, 2, "cpu"), layout, search.Cluster(1, 2, 1.0, 64.0), {}
+        Target(job, model, 2, 2, "cpu"), choice, search.Cluster(1, 2, 1.0, 64.0), {}
     )
     assert candidate.fits and candidate.footprint.peak_device > 0
 

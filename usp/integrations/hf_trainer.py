@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 import usp.models.hf as usp_hf
-from usp.comm.agreement import agree
+from usp.comm.agreement import agree, can_agree
 from usp.errors import (
     ConfigError,
     InputError,
@@ -46,7 +46,7 @@ from usp.integrations.hf_setup import (
     window_problem,
 )
 from usp.models.hf_inputs import HFInputError
-from usp.plan import _can_agree, as_plan
+from usp.plan import as_plan
 from usp.train.parallelize import set_gradient_sync
 
 #: error classes re-raised as themselves when the replicas agree on a failure
@@ -256,7 +256,7 @@ class UspTrainerMixin:
     # ------------------------------------------------------------------ replicas
     def _usp_dp_group(self):
         topology = self.usp_plan.topology
-        if topology.dp_degree == 1 or not _can_agree(topology.dp_group):
+        if topology.dp_degree == 1 or not can_agree(topology.dp_group):
             return None
         return topology.dp_group
 

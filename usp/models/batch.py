@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from usp.comm.agreement import agree, stable_hash
+from usp.comm.agreement import agree, can_agree, stable_hash
 from usp.models.labels import IGNORE_INDEX, shift_labels
-from usp.plan import PackedSequence, _can_agree, as_plan, batch_field, documents_field
+from usp.plan import PackedSequence, as_plan, batch_field, documents_field
 
 #: the modulus of the fingerprint's weighted sums (a prime: 2**31 - 1), small enough that
 #: every product and every sum of up to 2**32 terms stays inside int64
@@ -94,7 +94,7 @@ def shard_batch(
         raise ValueError("shift=False needs the shifted labels (labels=...)")
     device = input_ids.device if device is None else torch.device(device)
     fingerprint = None
-    if plan.sp_degree > 1 and _can_agree(plan.sp_group):
+    if plan.sp_degree > 1 and can_agree(plan.sp_group):
         fingerprint = batch_fingerprint(input_ids, labels)
     packed = None
     if isinstance(cu_seqlens, PackedSequence):  # packed already: agree on it with the batch

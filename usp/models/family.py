@@ -22,7 +22,7 @@ from torch import nn
 from usp.errors import ModelConfigError
 from usp.models import gemma3, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_moe
 from usp.models.config import DecoderConfig, read_config_json
-from usp.models.plans import plan_argument
+from usp.models.plan_inputs import plan_argument
 
 
 @dataclass(frozen=True)

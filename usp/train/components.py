@@ -39,7 +39,8 @@ from usp.train.data.build import DataInputs, describe_files, packed_dataset
 from usp.train.host_optimizer import HostAdamW
 from usp.train.parallelize import compile_layers, parameters_device
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: the torch dtype of each ``[train] dtype`` name other than "auto"
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # ----------------------------------------------------------------------------- model shape
@@ -131,11 +132,6 @@ def build_plan(
 
 
 # ----------------------------------------------------------------------------- lengths
-def layout_chunks(plan) -> int:
-    """Every document must be a multiple of this in the plan's layout (2r or r)."""
-    return options.layout_chunks(plan.layout, plan.ring_degree)
-
-
 def check_lengths(job: TrainJobConfig, plan) -> int:
     """Checks ``seq_len`` against the layout; returns the document multiple to pack with."""
     seq_len, multiple = job.train.seq_len, plan.sequence_multiple
@@ -146,7 +142,7 @@ def check_lengths(job: TrainJobConfig, plan) -> int:
             f"layout with ring={plan.ring_degree}, ulysses={plan.ulysses_degree}; "
             f"e.g. seq_len = {fit}"
         )
-    need = layout_chunks(plan)
+    need = options.layout_chunks(plan.layout, plan.ring_degree)  # a document's chunks: 2r or r
     document_multiple = job.data.document_multiple
     if document_multiple == AUTO:
         return need
@@ -236,7 +232,7 @@ def build_dataset(
 
 
 # ----------------------------------------------------------------------------- model
-def levers_of(job: TrainJobConfig) -> Levers:
+def train_levers(job: TrainJobConfig) -> Levers:
     """The memory levers ``[train]`` asks for, as one :class:`usp.models.Levers`."""
     t = job.train
     try:
@@ -253,7 +249,7 @@ def levers_of(job: TrainJobConfig) -> Levers:
 
 def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers | None = None):
     """The model of the source's family before parallelisation, with ``levers`` applied
-    (default: ``[train]``'s, :func:`levers_of`). A preset: float32 on the CPU,
+    (default: ``[train]``'s, :func:`train_levers`). A preset: float32 on the CPU,
     initialised from ``[train] seed`` identically on every rank. A checkpoint in one
     process: loaded on the CPU. A checkpoint in a distributed run: built on the meta
     device (no memory), to be sharded first and filled by :func:`load_weights` (rank 0
@@ -262,7 +258,7 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers |
     (:func:`usp.models.apply_lora`, seeded by ``[train] seed``), before the levers.
     With ``[train] compile`` each decoder layer is compiled (:func:`compile_layers`)."""
     family = family_of(source.config)
-    levers = levers_of(job) if levers is None else levers
+    levers = train_levers(job) if levers is None else levers
     if source.directory is None:
         torch.manual_seed(job.train.seed)
         model = family.build(source.config, plan)
@@ -318,7 +314,7 @@ def load_weights(model, source: ModelSource, device: torch.device, *, seed: int 
 def compute_dtype(job: TrainJobConfig, device: torch.device) -> torch.dtype:
     if job.train.dtype == AUTO:
         return default_compute_dtype(device)
-    return DTYPES[job.train.dtype]
+    return TORCH_DTYPES[job.train.dtype]
 
 
 def default_compute_dtype(device: torch.device) -> torch.dtype:

@@ -1,6 +1,6 @@
-"""How a model checks its heads against the plan and turns cu_seqlens (or a
-PackedSequence) into one PackedSequence per forward (``usp.plan.as_plan`` makes the plan),
-and how the model constructors and loaders read their ``plan`` argument."""
+"""What a model reads from its plan: the ``plan`` argument of the constructors and
+loaders, the head counts checked against the plan's Ulysses degree, and cu_seqlens (or a
+PackedSequence) turned into one PackedSequence per forward (``usp.plan.as_plan`` makes the plan)."""
 
 from __future__ import annotations
 
