@@ -40,6 +40,7 @@ from usp.integrations.transformers import (  # noqa: E402
 from usp.models import Levers, shard_batch, shift_labels  # noqa: E402
 from usp.models.batch import batch_fingerprint  # noqa: E402
 from usp.models.hf_inputs import HFInputError  # noqa: E402
+from usp.process_groups import SINGLE_PROCESS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PLAN = usp.Plan(None)
@@ -315,7 +316,7 @@ def test_trainer_settings_usp_replaces_are_refused(changes, needle):
 
 # ----------------------------------------------------------------------------- set-up
 def test_one_process_plans_and_the_flags():
-    assert launch_plan().topology is None
+    assert launch_plan().topology is SINGLE_PROCESS
     with pytest.raises(usp.TopologyError, match="torchrun --nproc-per-node 4") as info:
         launch_plan(2, 2)
     import argparse
@@ -342,8 +343,8 @@ def test_usp_plan_plans_the_run_a_trainer_describes(tmp_path):
     import trainer_cases
 
     from usp.planner import search
-    from usp.planner.footprint import Layout, Target
-    from usp.train.components import levers_of, model_source
+    from usp.planner.footprint import Choice, Target
+    from usp.train.components import model_source, train_levers
     from usp.train.config import load_train_config
 
     ckpt = trainer_cases.write_checkpoint(tmp_path / "qwen3", "qwen3")
@@ -357,16 +358,16 @@ def test_usp_plan_plans_the_run_a_trainer_describes(tmp_path):
     )  # fmt: skip
     job = load_train_config(path)
     assert (job.train.seq_len, job.train.micro_batch, job.train.global_batch) == (64, 2, 4)
-    assert levers_of(job) == levers.replace(loss_chunk_tokens=Levers().loss_chunk_tokens)
+    assert train_levers(job) == levers.replace(loss_chunk_tokens=Levers().loss_chunk_tokens)
     parallel = job.topology.parallel
     assert (parallel.ulysses, parallel.ring) == (1, 2)
     model = model_source(job).config
     assert type(model).__name__ == "Qwen3Config"
     assert model.num_attention_heads == TINY["num_attention_heads"]
-    layout = Layout(1, 2, 1, levers_of(job))
-    assert layout in search.layouts(model, search.Cluster(1, 2, 80.0, 2048.0), job)
+    choice = Choice(1, 2, 1, train_levers(job))
+    assert choice in search.choices(model, search.Cluster(1, 2, 80.0, 2048.0), job)
     candidate = search.evaluate(
-        Target(job, model, 2, 2, "cpu"), layout, search.Cluster(1, 2, 1.0, 64.0), {}
+        Target(job, model, 2, 2, "cpu"), choice, search.Cluster(1, 2, 1.0, 64.0), {}
     )
     assert candidate.fits and candidate.footprint.peak_device > 0
 

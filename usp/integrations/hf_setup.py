@@ -168,7 +168,7 @@ def prepare_model(
     if levers.loss_chunk_tokens is not None:
         usp_hf.add_loss_forward(model)
     sharded, scale = False, 1.0
-    if plan.topology is not None and plan.topology.world_size > 1:
+    if plan.topology.world_size > 1:
         scale = fully_shard_model(model, plan.topology).loss_scale
         sharded = True
         # transformers' Trainer then neither wraps the model in DDP nor shards it again

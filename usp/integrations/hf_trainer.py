@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 import usp.models.hf as usp_hf
-from usp.comm.agreement import agree
+from usp.comm.agreement import agree, can_agree
 from usp.errors import (
     ConfigError,
     InputError,
@@ -49,7 +49,7 @@ from usp.integrations.hf_setup import (
 )
 from usp.models.hf_inputs import HFInputError
 from usp.models.moe import sp_router_aux_loss, stats_from_router_logits
-from usp.plan import _can_agree, as_plan
+from usp.plan import as_plan
 from usp.train.parallelize import set_gradient_sync
 
 #: error classes re-raised as themselves when the replicas agree on a failure
@@ -167,8 +167,8 @@ class UspTrainerMixin:
         sampler = DataParallelSampler(
             len(dataset),
             batch_size=batch_size,
-            dp_rank=0 if topology is None else topology.dp_rank,
-            dp_degree=1 if topology is None else topology.dp_degree,
+            dp_rank=topology.dp_rank,
+            dp_degree=topology.dp_degree,
             shuffle=shuffle,
             seed=self.args.seed if self.args.data_seed is None else self.args.data_seed,
             drop_last=self.args.dataloader_drop_last,
@@ -297,7 +297,7 @@ class UspTrainerMixin:
     # ------------------------------------------------------------------ replicas
     def _usp_dp_group(self):
         topology = self.usp_plan.topology
-        if topology is None or topology.dp_degree == 1 or not _can_agree(topology.dp_group):
+        if topology.dp_degree == 1 or not can_agree(topology.dp_group):
             return None
         return topology.dp_group
 

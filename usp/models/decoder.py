@@ -27,7 +27,7 @@ from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, sp_cross_entropy
 from usp.models.moe import collect_router_stats, note_aux_loss, sp_router_aux_loss
 from usp.models.norm import rms_norm
-from usp.models.plans import check_attention_options, check_heads, pack_once, plan_argument
+from usp.models.plan_inputs import check_attention_options, check_heads, pack_once, plan_argument
 from usp.models.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
 from usp.plan import as_plan
 

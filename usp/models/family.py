@@ -32,7 +32,7 @@ from usp.models import (
     qwen3_moe,
 )
 from usp.models.config import DecoderConfig, read_config_json
-from usp.models.plans import plan_argument
+from usp.models.plan_inputs import plan_argument
 
 
 @dataclass(frozen=True)

@@ -351,7 +351,7 @@ def _lora_lines(model) -> list[str]:
 def print_header(job, plan, source, dataset, model, state, newest, stream) -> None:
     params = sum(p.numel() for p in model.parameters())
     t = job.train
-    dp = 1 if plan.topology is None else plan.topology.dp_degree
+    dp = plan.topology.dp_degree
     accumulation = job.gradient_accumulation(dp)
     what = source.directory or f'preset "{job.model.preset}"'
     config = source.config
