@@ -260,7 +260,7 @@ class UspTrainerMixin:
         stats = stats_from_router_logits(router_logits, config.num_experts_per_tok, real)
         topology = self.usp_plan.topology
         group, dp = None, 1
-        if topology is not None and topology.world_size > 1:
+        if topology.world_size > 1:
             group, dp = topology.dp_sp_group, topology.dp_degree
         aux = sp_router_aux_loss(stats, router_logits[0].shape[-1], group)
         self._usp_last_aux = aux.detach()
