@@ -1,7 +1,8 @@
-"""The commands README.md presents as runnable, read from README.md itself.
+"""The commands README.md and docs/*.md present as runnable, read from those files.
 
-CI (``.ci/run``) runs what this prints, so the README cannot drift from what is tested.
-Conventions (tests/tools/test_readme_commands.py checks that README.md follows them):
+CI (``.ci/run``) runs what this prints, so the README and the docs cannot drift from what
+is tested. Conventions (tests/tools/test_readme_commands.py checks that the files follow
+them):
 
 - ``main``: in the first fenced ``bash`` block, the first command line after a comment
   line starting with ``# the main job``. It is run verbatim from the root of a fresh copy
@@ -9,13 +10,14 @@ Conventions (tests/tools/test_readme_commands.py checks that README.md follows t
 - ``test``: in the same block, the first command line after a comment line that mentions
   ``test suite``. It is run verbatim from the repository root.
 - ``console``: every line starting with ``$ `` inside fenced ``console`` blocks, without
-  the ``$ `` (a trailing ``# comment`` is left to the shell). They are run with the clean
+  the ``$ `` (a trailing ``# comment`` is left to the shell), of README.md and then of
+  every ``docs/*.md`` in name order (or of the files given). They are run with the clean
   install's ``bin`` on ``PATH``, from the root of the fresh copy.
 
 A command is one line (no continuation backslashes). Standard library only: CI runs this
 with the system ``python3`` before any virtual environment exists.
 
-    python3 .ci/readme_commands.py {main,test,console} [README.md]
+    python3 .ci/readme_commands.py {main,test} [README.md] | console [FILE ...]
 """
 
 from __future__ import annotations
@@ -99,21 +101,33 @@ def console_commands(text: str) -> list[str]:
     ]
 
 
+def documentation_files(root: Path) -> list[Path]:
+    """README.md, then every docs/*.md in name order: the files whose console lines run."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) not in (1, 2) or argv[0] not in ("main", "test", "console"):
+    kind, files = (argv[0], argv[1:]) if argv else (None, [])
+    if kind not in ("main", "test", "console") or (kind != "console" and len(files) > 1):
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
         return 2
-    readme = Path(argv[1] if len(argv) == 2 else "README.md")
-    text = readme.read_text(encoding="utf-8")
-    try:
-        if argv[0] == "console":
-            commands = console_commands(text)
-        else:
-            commands = [main_command(text) if argv[0] == "main" else test_command(text)]
-    except ReadmeConventionError as e:
-        print(f"{readme}: {e}", file=sys.stderr)
-        return 1
-    print("\n".join(commands))
+    if kind == "console":
+        paths = [Path(f) for f in files] or documentation_files(Path("."))
+    else:
+        paths = [Path(files[0] if files else "README.md")]
+    commands: list[str] = []
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        try:
+            if kind == "console":
+                commands += console_commands(text)
+            else:
+                commands.append(main_command(text) if kind == "main" else test_command(text))
+        except ReadmeConventionError as e:
+            print(f"{path}: {e}", file=sys.stderr)
+            return 1
+    for command in commands:  # none: no output at all, not an empty line
+        print(command)
     return 0
 
 

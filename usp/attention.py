@@ -53,7 +53,7 @@ def usp_attention(
     (as FSDP sums gradients) it is the whole sequence's.
     Bytes moved are counted in ``plan.comm_stats`` (not inside a compiled graph).
     Second derivatives are refused. Under ``torch.compile(fullgraph=True)`` the call is
-    one piece of the graph, its checks run while tracing (README, *torch.compile*).
+    one piece of the graph, its checks run while tracing (docs/architecture.md, *torch.compile*).
     """
     plan = as_plan(plan, layout=layout, ring_impl=ring_impl, backend=backend)
     return attend(

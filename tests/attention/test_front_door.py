@@ -17,7 +17,7 @@ FRONT_DOOR = {
     # sharding helpers
     "shard_sequence", "gather_sequence", "local_token_indices", "local_position_ids",
     "sequence_multiple", "pad_documents", "pad_to_multiple", "document_position_ids",
-    # config loaders and the topology builder of the README's example
+    # config loaders and the topology builder of the README's and docs/'s examples
     "load_config", "build_topology_from_config", "build_topology",
     # errors
     "UspError", "ConfigError", "TopologyError", "InputError", "HeadLayoutError",

@@ -1,7 +1,7 @@
 """Gated DeltaNet under hybrid SP (issue 45): the kernel against the recurrence and
 transformers, and ``usp.linear.gated_deltanet_usp`` on 4 gloo ranks (u1r4, u2r2, u4r1;
 zigzag and contiguous; dense and packed) against a one-process float64 reference,
-forward and every gradient (inputs and conv weights); the traffic against the README's
+forward and every gradient (inputs and conv weights); the traffic against docs/models.md's
 formula; refusals on every rank before the first collective.
 """
 
@@ -150,7 +150,7 @@ def run_gdn_case(ulysses, ring, layout, kind, conv, seed, placement="ulysses-in-
 
 
 def expected_bytes(u, r, layout, segments_per_piece, batch, seq_len, hk, heads, kernel):
-    """The README's formula (float64 everywhere here: 8-byte elements; dk 8, dv 6)."""
+    """docs/models.md's formula (float64 everywhere here: 8-byte elements; dk 8, dv 6)."""
     dk, dv, e = 8, 6, 8
     times = math.lcm(hk, u) // hk  # key heads repeated so that u ranks split them
     key_channels = hk * times * dk

@@ -120,7 +120,7 @@ def test_compiled_loss_masks_the_ignored_labels(chunk):
 
 
 #: graph breaks of the default (not fullgraph) compile of a 1-layer usp.models.Llama at
-#: ulysses 2 x ring 2 on 4 gloo ranks, forward with labels + backward (README,
+#: ulysses 2 x ring 2 on 4 gloo ranks, forward with labels + backward (docs/architecture.md,
 #: torch.compile): none. It was 22 before the attention's collectives became functional
 #: collectives of the graph, its checks moved to the trace and the loss lost its nonzero.
 SP_GRAPH_BREAKS = 0

@@ -8,7 +8,9 @@ load-balancing loss against transformers' own ``aux_loss`` (which it takes in fl
 against a float64 closed form of the same formula over transformers' router logits; the
 training loss with the aux term (``output_router_logits``) and every gradient against
 transformers in float64, one process and u2 x r2 / u1 x r4 on 4 gloo ranks (packed
-documents, activation checkpointing), the loss the same on every rank; transformers'
+documents, activation checkpointing), the loss the same on every rank, and dp2 x r2 in
+the same launch (each replica's row adds its own aux term, as each micro-batch does);
+a shared expert against transformers' Qwen2-MoE block; transformers'
 layer rule (``decoder_sparse_step``, ``mlp_only_layers``); total vs active parameters;
 refusals (configs, checkpoints missing an expert, LoRA on experts).
 """
@@ -265,10 +267,52 @@ def _reference_ce(ckpt, ids):
     ).item()
 
 
-def sp_aux_case(ckpt, ids, labels, cu):
+def _replicas_reference(ckpt, replicas):
+    """transformers in float64 on each dp replica's packed row alone: the step's loss
+    sum_d (CE sum_d / the step's label count + COEF * aux_d) -- each replica's forward
+    adds its own aux term, as each micro-batch does -- and every gradient."""
+    model = load_hf_reference(ckpt)
+    total = sum(int((labels != IGNORE).sum()) for _, labels, _ in replicas)
+    loss = 0
+    for ids, labels, cu in replicas:
+        bounds = cu.tolist()
+        logits, router = [], []
+        for a, b in zip(bounds, bounds[1:]):
+            out = model(ids[:, a:b], use_cache=False, output_router_logits=True)
+            logits.append(out.logits)
+            router.extend(out.router_logits)
+        logits = torch.cat(logits, dim=1)
+        ce = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
+            reduction="sum",
+        )  # fmt: skip
+        aux = closed_form_aux(router, MOE["num_experts"], MOE["num_experts_per_tok"])
+        loss = loss + ce / total + COEF * aux
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {"loss": loss.item(), "grads": grads, "labels": total}
+
+
+def sp_aux_case(ckpt, ids, labels, cu, replicas=None, total_labels=None):
     """float64 on u2 x r2 and u1 x r4 (math backend, activation checkpointing, MLP tiles
-    on the dense layer): the loss on every rank and the gradients summed over SP."""
+    on the dense layer): the loss on every rank and the gradients summed over SP; then
+    dp2 x r2, replica d training ``replicas[d]`` (the step's loss: the replicas' losses
+    summed; the gradients summed over all 4 ranks)."""
     results = {}
+    if replicas is not None:
+        plan = usp.Plan(topology(1, 2), backend="math")
+        model = usp.models.from_pretrained(ckpt, plan, dtype=torch.float64)
+        ids_d, labels_d, cu_d = replicas[plan.topology.dp_rank]
+        batch = usp.models.shard_batch(plan, ids_d, labels=labels_d, cu_seqlens=cu_d, shift=False)
+        loss = model(batch.input_ids, **batch.model_kwargs(), num_items_in_batch=total_labels)
+        loss.backward()
+        losses = [None] * 4  # (replica, its loss) of every rank
+        dist.all_gather_object(losses, (plan.topology.dp_rank, loss.item()))
+        grads = {}
+        for n, p in model.named_parameters():
+            grads[n] = p.grad.detach().clone()
+            dist.all_reduce(grads[n])  # every rank: both replicas' SP shares
+        results["dp2r2"] = {"losses": losses, "grads": grads}
     for ulysses, ring in ((2, 2), (1, 4)):
         plan = usp.Plan(topology(ulysses, ring), backend="math")
         model = usp.models.from_pretrained(ckpt, plan, dtype=torch.float64)
@@ -291,9 +335,22 @@ def test_aux_loss_on_4_ranks_matches_transformers(distributed, checkpoint):
     ids = global_batch(1, 40, seed=33)
     labels = sft_labels(ids, [3, 5], cu)
     expected = _reference(checkpoint, ids, labels, cu)
+    # dp2 x r2: two replicas' packed rows (documents of multiples of 2r = 4 tokens)
+    replicas = []
+    for seed, lengths, prompts in ((34, [8, 16], [2, 3]), (35, [12, 12], [4, 1])):
+        row, row_cu = global_batch(1, sum(lengths), seed=seed), cu_of(lengths)
+        replicas.append((row, sft_labels(row, prompts, row_cu), row_cu))
+    expected_dp = _replicas_reference(checkpoint, replicas)
     results = distributed.run(
-        sp_aux_case, str(checkpoint), ids, labels, cu, world_size=4, timeout=240
-    )[0]
+        sp_aux_case, str(checkpoint), ids, labels, cu, replicas, expected_dp["labels"],
+        world_size=4, timeout=240,
+    )[0]  # fmt: skip
+    dp = results.pop("dp2r2")
+    by_replica = {d: {loss for r, loss in dp["losses"] if r == d} for d in (0, 1)}
+    assert all(len(losses) == 1 for losses in by_replica.values()), dp["losses"]
+    step_loss = sum(losses.pop() for losses in by_replica.values())
+    assert abs(step_loss - expected_dp["loss"]) <= 1e-10 * expected_dp["loss"]
+    assert max(grad_errors(dp["grads"], expected_dp["grads"]).values()) <= 1e-10
     for grid, result in results.items():
         assert len(set(result["losses"])) == 1, (grid, result["losses"])
         assert abs(result["losses"][0] - expected["loss"]) <= 1e-10 * expected["loss"], grid

@@ -1,5 +1,5 @@
 """benchmarks/compiled_schedule.py without Inductor (its code generation takes minutes on
-two busy cores; README runs it): the listing it reads from generated code, the count of
+two busy cores; docs/architecture.md runs it): the listing it reads from generated code, the count of
 overlapped collectives, and its verdict, on code in the form Inductor 2.13 writes."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""CI reads the README's runnable commands from README.md (.ci/readme_commands.py).
+"""CI reads the runnable commands from README.md and docs/*.md (.ci/readme_commands.py).
 
-These tests keep README.md inside the convention the extraction relies on, so an edit that
-would make CI silently skip a command fails here instead. The console commands (`usp
+These tests keep those files inside the convention the extraction relies on, so an edit
+that would make CI silently skip a command fails here instead. The console commands (`usp
 topo ...`) are cheap: they run here too, in-process.
 """
 
@@ -32,6 +32,8 @@ def _load_extractor():
 
 
 extract = _load_extractor()
+#: README.md, then docs/*.md: every file whose console lines CI runs
+DOCUMENTS = extract.documentation_files(ROOT)
 
 
 def _repo_paths(command: str) -> list[str]:
@@ -61,25 +63,52 @@ def test_the_test_command_is_found():
     assert command != extract.main_command(README)
 
 
+def test_the_documents_are_readme_then_docs_by_name(tmp_path):
+    (tmp_path / "docs" / "sub").mkdir(parents=True)
+    for name in ("README.md", "docs/b.md", "docs/a.md", "docs/notes.txt", "docs/sub/c.md"):
+        (tmp_path / name).write_text("```console\n$ usp " + name + "\n```\n")
+    found = extract.documentation_files(tmp_path)
+    assert found == [tmp_path / "README.md", tmp_path / "docs/a.md", tmp_path / "docs/b.md"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "readme_commands.py"), "console"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["usp README.md", "usp docs/a.md", "usp docs/b.md"]
+
+
 def test_console_commands_are_found_and_succeed(capsys):
-    commands = extract.console_commands(README)
-    assert commands, "README.md has no `$ ...` lines in ```console blocks"
-    for command in commands:
+    commands = [
+        (path.relative_to(ROOT), command)
+        for path in DOCUMENTS
+        for command in extract.console_commands(path.read_text(encoding="utf-8"))
+    ]
+    assert commands, "neither README.md nor docs/*.md has `$ ...` lines in ```console blocks"
+    for path, command in commands:
         argv = shlex.split(command, comments=True)
-        assert argv[0] == "usp", f"CI runs this with the clean install on PATH: {command}"
-        assert usp_main(argv[1:]) == 0, command
+        assert argv[0] == "usp", f"CI runs this with the clean install on PATH: {path}: {command}"
+        assert usp_main(argv[1:]) == 0, (path, command)
         out, err = capsys.readouterr()
-        assert out and err == "", (command, err)
+        assert out and err == "", (path, command, err)
 
 
 def test_the_extractor_command_line_prints_the_same():
-    for kind, expected in (
-        ("main", [extract.main_command(README)]),
-        ("test", [extract.test_command(README)]),
-        ("console", extract.console_commands(README)),
+    every_console_line = [
+        command
+        for path in DOCUMENTS
+        for command in extract.console_commands(path.read_text(encoding="utf-8"))
+    ]
+    for argv, expected in (
+        (["main", "README.md"], [extract.main_command(README)]),
+        (["test", "README.md"], [extract.test_command(README)]),
+        (["console", "README.md"], extract.console_commands(README)),
+        (["console"], every_console_line),  # what CI runs: README.md, then docs/*.md
     ):
         proc = subprocess.run(
-            [sys.executable, ".ci/readme_commands.py", kind, "README.md"],
+            [sys.executable, ".ci/readme_commands.py", *argv],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -91,8 +120,10 @@ def test_the_extractor_command_line_prints_the_same():
 
 def test_ci_runs_what_the_extractor_reads():
     script = (ROOT / ".ci" / "run").read_text()
-    for kind in ("main", "test", "console"):
+    for kind in ("main", "test"):
         assert f"readme_command {kind}" in script
+    # console: no file named, so README.md and every docs/*.md
+    assert "console_cmds=$(python3 .ci/readme_commands.py console)" in script
     assert '"$status" -eq 5' in script  # pytest's "no tests collected" fails CI
 
 

@@ -16,8 +16,7 @@ What it does (:mod:`usp.integrations.hf_trainer`): USP attention registered and 
 model sharded over ``dp x sp`` with summed gradients; batches sampled by data-parallel
 replica and sharded per SP rank (padding-free batches by their global documents, the SP
 ranks agreeing on every batch's fingerprint); the loss exact over SP, gradient
-accumulation and data parallelism; the global loss logged. Limits: see the README
-("HF Trainer and TRL").
+accumulation and data parallelism; the global loss logged. Limits: see docs/integrations.md.
 
 Needs transformers and accelerate (``pip install usp[trainer]``); ``UspSFTTrainer`` also
 TRL (``usp[trl]``), imported when the name is first used.
@@ -44,7 +43,7 @@ from usp.integrations.hf_plan import plan_config
 from usp.integrations.hf_setup import (
     PreparedModel,
     UnsupportedModelError,
-    attention_window,
+    attention_chunk,
     feature_problems,
     launch_plan,
     prepare_model,
@@ -72,7 +71,7 @@ __all__ = [
     "UnsupportedModelError",
     "UspTrainer",
     "UspTrainerMixin",
-    "attention_window",
+    "attention_chunk",
     "check_training_arguments",
     "feature_problems",
     "global_batch",

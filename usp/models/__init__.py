@@ -47,7 +47,7 @@ from usp.models.loss import (
     sp_normalise,
 )
 from usp.models.mistral import Mistral, MistralConfig
-from usp.models.plans import plan_argument
+from usp.models.plan_inputs import plan_argument
 from usp.models.qwen2 import Qwen2, Qwen2Config
 from usp.models.qwen3 import Qwen3, Qwen3Config
 from usp.models.qwen3_5 import Qwen3_5, Qwen3_5Config

@@ -10,7 +10,7 @@ the same classes run single-process. Parameter names equal HF checkpoint keys
 
 A family (``usp/models/<family>.py``) subclasses :class:`CausalLM` with its config class
 and, where its layers differ, its own :class:`Attention` (e.g. Qwen3's per-head norms of
-q and k) -- see the README's "Adding a model family".
+q and k) -- see docs/models.md, "Adding a model family".
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from torch import nn
 from usp.models.config import DecoderConfig
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, sp_cross_entropy
-from usp.models.moe import collect_router_stats, sp_router_aux_loss
+from usp.models.moe import collect_router_stats, note_aux_loss, sp_router_aux_loss
 from usp.models.norm import rms_norm
-from usp.models.plans import check_attention_options, check_heads, pack_once, plan_argument
+from usp.models.plan_inputs import check_attention_options, check_heads, pack_once, plan_argument
 from usp.models.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
 from usp.plan import as_plan
 
@@ -353,6 +353,7 @@ class CausalLM(nn.Module):
         )
         if stats is not None and stats.probabilities:  # as transformers: CE + coef * aux
             aux = sp_router_aux_loss(stats, self.config.num_experts, self.plan.sp_group)
+            note_aux_loss(aux)  # the metrics' aux_loss column
             loss = loss + self.config.router_aux_loss_coef * aux.to(loss.dtype)
         return loss
 

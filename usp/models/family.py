@@ -8,7 +8,7 @@ The trainer, checkpoints, FSDP2 wrapping, metrics and the planner call these fun
 nothing outside ``usp/models`` names a family's classes.
 
 Adding a family is a file (``usp/models/<family>.py``: a config class, a model class,
-presets) and one entry in :data:`FAMILIES` (README: "Adding a model family").
+presets) and one entry in :data:`FAMILIES` (docs/models.md: "Adding a model family").
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from usp.models import (
     qwen3_moe,
 )
 from usp.models.config import DecoderConfig, read_config_json
-from usp.models.plans import plan_argument
+from usp.models.plan_inputs import plan_argument
 
 
 @dataclass(frozen=True)

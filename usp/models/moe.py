@@ -296,6 +296,48 @@ def collect_router_stats(enabled: bool = True):
         _COLLECTOR.reset(token)
 
 
+_AUX_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("usp_aux_log", default=None)
+
+
+@contextlib.contextmanager
+def log_aux_losses():
+    """Yield a list to which every forward run inside the block that adds the router's
+    aux loss to its loss appends that load-balancing loss (a detached scalar, before the
+    coefficient: :func:`note_aux_loss`), for the metrics' own column."""
+    log: list[torch.Tensor] = []
+    token = _AUX_LOG.set(log)
+    try:
+        yield log
+    finally:
+        _AUX_LOG.reset(token)
+
+
+def note_aux_loss(aux: torch.Tensor) -> None:
+    """Add ``aux`` to the :func:`log_aux_losses` block this runs in, if any."""
+    log = _AUX_LOG.get()
+    if log is not None:
+        log.append(aux.detach())
+
+
+def stats_from_router_logits(
+    router_logits, top_k: int, real: torch.Tensor | None = None
+) -> RouterStats:
+    """This rank's :class:`RouterStats` from transformers' router logits (one ``[N, E]``
+    tensor per MoE layer, ``N`` this rank's ``B*S/P`` tokens, as an HF model returns them
+    with ``output_router_logits=True``), selected as transformers'
+    ``load_balancing_loss_func`` selects them: softmax over every expert, its top-k.
+    ``real`` ([B, S/P] bool, None: all): the rows that count; the others (pads added to
+    place documents) are left out, as transformers leaves out a padding mask's zeros."""
+    stats = RouterStats()
+    keep = None if real is None else real.reshape(-1)
+    for logits in router_logits:
+        probs = torch.softmax(logits.to(stats_dtype(logits.dtype)), dim=-1)  # [N, E]
+        if keep is not None:
+            probs = probs[keep.to(probs.device)]
+        stats.add(probs, torch.topk(probs, top_k, dim=-1).indices)
+    return stats
+
+
 def sp_router_aux_loss(stats: RouterStats, num_experts: int, group=None) -> torch.Tensor:
     """The load-balancing loss of the whole (SP-sharded) batch: see the module docstring.
 

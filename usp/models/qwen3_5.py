@@ -418,7 +418,7 @@ class Qwen3_5Stack(nn.Module):
 def check_linear_heads(plan, config: Qwen3_5Config) -> None:
     """Fail at model construction when the Ulysses degree cannot split the GDN heads
     (value heads over u; key heads repeated as KV heads are for GQA)."""
-    if plan.topology is None or LINEAR not in config.layer_types:
+    if plan.topology.single_process or LINEAR not in config.layer_types:
         return
     values, keys = config.linear_num_value_heads, config.linear_num_key_heads
     kv_replication_for(

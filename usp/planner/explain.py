@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from usp.planner.footprint import CATEGORIES, Extras, Layout, Target, phase_footprint
+from usp.planner.footprint import CATEGORIES, Choice, Extras, Target, phase_footprint
 from usp.planner.measure import built_step, measure_extras
 
 # Paths as code objects name them (not resolved: a checkout reached through a symlink
@@ -227,14 +227,14 @@ def group(live: Sequence[tuple[Record, str, int]]) -> list[Live]:
     return sorted(items, key=lambda item: -item.nbytes)
 
 
-def explain(target: Target, layout: Layout, *, layers: int = 3) -> list[Explained]:
+def explain(target: Target, choice: Choice, *, layers: int = 3) -> list[Explained]:
     """Every phase of one rank's step (``layers`` decoder layers), its peak attributed."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from usp.planner.tracker import phase_peak
 
     explained = []
-    with built_step(target, layout, layers=layers, fake=True) as built:
+    with built_step(target, choice, layers=layers, fake=True) as built:
         tracker = FSDPMemTracker(built.model, built.optimizer)
         tokens = built.batches[0].input_ids.numel()
         with tracker:
@@ -250,7 +250,7 @@ def explain(target: Target, layout: Layout, *, layers: int = 3) -> list[Explaine
                     log.restart_peak()
                     if phase.startswith("backward"):
                         tracker.reset_mod_stats()
-        extras = measure_extras(target, layout, built)
+        extras = measure_extras(target, choice, built)
     return [dataclasses.replace(e, extras=extras) for e in explained]
 
 
@@ -294,7 +294,7 @@ def text(explained: Sequence[Explained], *, top: int = 20, phase: str | None = N
     return "\n".join(lines)
 
 
-def overheads_text(explained: Sequence[Explained], target: Target, layout: Layout, cluster) -> str:
+def overheads_text(explained: Sequence[Explained], target: Target, choice: Choice, cluster) -> str:
     """What the GPU and the host spend besides the tracked tensors of the peak phase
     (:mod:`usp.planner.overheads`, the lines ``usp plan`` prints), at this depth."""
     from usp.planner.footprint import Footprint, Phase
@@ -303,8 +303,8 @@ def overheads_text(explained: Sequence[Explained], target: Target, layout: Layou
 
     chosen = max(explained, key=lambda e: e.device)
     footprint = Footprint((Phase(chosen.device, 0, chosen.breakdown),), 0, extras=chosen.extras)
-    costs = overheads(target, layout, cluster)
-    candidate = Candidate(layout, target.seq_len, footprint, True, None, 0.0, {}, costs)
+    costs = overheads(target, choice, cluster)
+    candidate = Candidate(choice, target.seq_len, footprint, True, None, 0.0, {}, costs)
     lines = [
         "",
         "what the GPU and the host hold besides (usp plan's items, usp.planner.overheads):",
@@ -314,7 +314,7 @@ def overheads_text(explained: Sequence[Explained], target: Target, layout: Layou
 
 def main(argv: Sequence[str] | None = None) -> int:
     from usp.errors import UspError
-    from usp.train.components import levers_of, model_source
+    from usp.train.components import model_source, train_levers
     from usp.train.config import load_train_config
 
     p = argparse.ArgumentParser(
@@ -351,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.activation_checkpointing, args.activation_checkpointing
         )
         target = Target(job, model_source(job).config, world, cluster.gpus_per_node, args.device)
-        levers = levers_of(job).replace(
+        levers = train_levers(job).replace(
             activation_checkpointing=checkpointing, mlp_tile_tokens=args.mlp_tile_tokens
         )
         if args.attention_head_chunks is not None:
@@ -360,14 +360,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             levers = levers.replace(
                 offload_optimizer=True, offload_parameters=args.offload_parameters
             )
-        layout = Layout(args.ulysses, ring, args.dp, levers)
-        explained = explain(target, layout, layers=args.layers)
+        choice = Choice(args.ulysses, ring, args.dp, levers)
+        explained = explain(target, choice, layers=args.layers)
         planned = _planned_cluster(job, args.device)
     except UspError as err:
         print(f"explain: error: {err}", file=sys.stderr)
         return 2
     print(text(explained, top=args.top, phase=args.phase))
-    print(overheads_text(explained, target, layout, planned))
+    print(overheads_text(explained, target, choice, planned))
     return 0
 
 

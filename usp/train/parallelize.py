@@ -140,7 +140,7 @@ def compile_layers(
     ``fullgraph=True`` (the default, and what ``[train] compile = true`` uses): each
     layer's forward and backward are one graph each, sequence-parallel attention
     included (its collectives are functional collectives of the graph, its checks run
-    while tracing; see README, *torch.compile*); a graph break is an error rather than a
+    while tracing; see docs/architecture.md, *torch.compile*); a graph break is an error rather than a
     slow path. The layers share their graphs (one per call shape). With Inductor (and
     no ``mode``) its ``options`` start from :func:`usp.compile_options` (communication
     kept overlapped with compute); ``compile_kwargs`` go to ``torch.compile``

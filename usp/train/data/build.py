@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from usp.errors import DataError
+from usp.process_groups import as_topology
 from usp.train.checksums import file_sha256
 from usp.train.data.corpus import (
     Corpus,
@@ -84,7 +85,7 @@ def build_corpus(inputs: DataInputs, *, topology=None, cache_root: Path | None =
     if cache_root is None:
         corpus = tokenise(inputs.files, inputs.tokenizer, report).corpus()
         return Built(corpus, report, [report.describe()], None)
-    if topology is None:
+    if as_topology(topology).single_process:
         return _single(inputs, cache_root)
     return _distributed(inputs, cache_root, topology)
 
