@@ -318,7 +318,9 @@ def test_float64_4_ranks_match_transformers(distributed, checkpoints):
 def test_gdn_heads_the_ulysses_degree_cannot_split_are_refused():
     """4 GDN value heads over ulysses 8 (what the construction-time check reads of a plan)."""
     plan = types.SimpleNamespace(
-        topology=types.SimpleNamespace(rank_map=types.SimpleNamespace(ranks_per_node=8)),
+        topology=types.SimpleNamespace(
+            single_process=False, rank_map=types.SimpleNamespace(ranks_per_node=8)
+        ),
         ulysses_degree=8, sp_degree=8,
     )  # fmt: skip
     with pytest.raises(HeadLayoutError, match="4 GDN value heads / 2 key heads cannot be split"):
