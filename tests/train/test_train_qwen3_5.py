@@ -54,7 +54,7 @@ def transformers_first_loss(config: dict) -> float:
                     out.logits[0], labels, ignore_index=IGNORE_INDEX, reduction="sum"
                 ).item()
                 count += int((labels != IGNORE_INDEX).sum())
-                router.extend(out.router_logits or ())
+                router.extend(getattr(out, "router_logits", None) or ())
             if moe:
                 aux += closed_form_aux(router, cfg.num_experts, cfg.num_experts_per_tok).item()
     return total / count + (cfg.router_aux_loss_coef * aux if moe else 0.0)
