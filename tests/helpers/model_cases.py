@@ -157,7 +157,10 @@ def load_hf_reference(directory: Path, dtype=torch.float64, attn_implementation=
     (float64 all through; eager's softmax is float32) or, for a model without SDPA
     (gpt-oss), eager attention (its softmax in the input's dtype), RMSNorm in float64; MoE experts
     by transformers' loop ("eager": its grouped GEMM has no float64) and the router's
-    softmax in float64."""
+    softmax in float64. Hub kernels stay off (``use_kernels=False``): the reference is
+    transformers' own PyTorch code, and from 5.25 on (``kernels`` installed with it, on by
+    default) ``model.train()`` re-kernelizes the model, which deletes the float64 forwards
+    set on its RMSNorm instances below -- their float32 normalisation came back (8.5e-9)."""
     import transformers
 
     if attn_implementation is None:
@@ -166,7 +169,7 @@ def load_hf_reference(directory: Path, dtype=torch.float64, attn_implementation=
         attn_implementation = "sdpa" if model_class._supports_sdpa else "eager"
     model = transformers.AutoModelForCausalLM.from_pretrained(
         directory, dtype=dtype, attn_implementation=attn_implementation,
-        experts_implementation="eager",
+        experts_implementation="eager", use_kernels=False,
     )  # fmt: skip
     if dtype == torch.float64:
         for module in model.modules():
