@@ -169,7 +169,7 @@ def prepare_model(
         usp_hf.add_loss_forward(model)
     sharded, scale = False, 1.0
     if plan.topology.world_size > 1:
-        scale = fully_shard_model(model, plan.topology).loss_scale
+        scale = fully_shard_model(model, plan.topology, levers=levers).loss_scale
         sharded = True
         # transformers' Trainer then neither wraps the model in DDP nor shards it again
         # (its path for models sharded at load time: usp owns placement and reduction),

@@ -252,10 +252,10 @@ def built_step(
                 if fake and _host_stand_in(target, device):
                     _offload_to(model, HOST_STAND_IN)
                 dtype = components.compute_dtype(job, torch.device(target.device))
-                sharded = fully_shard_model(model, topo, compute_dtype=dtype)
+                sharded = fully_shard_model(model, topo, levers=choice.levers, compute_dtype=dtype)
                 if not fake:
                     _randomise(sharded.module)
-                optimizer = components.build_optimizer(job, sharded.module)
+                optimizer = components.build_optimizer(job, sharded.module, choice.levers)
                 if fake and _host_stand_in(target, device):
                     _optimizer_to(optimizer, HOST_STAND_IN)
                 _first_optimizer_step(sharded.module, optimizer)

@@ -23,7 +23,6 @@ from usp.models import (
     family_of,
     lora_of,
 )
-from usp.models import levers_of as levers_of_model
 from usp.models.lora import initial_adapters
 from usp.plan import Plan
 from usp.process_groups import Topology
@@ -284,17 +283,20 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers |
     return model
 
 
-def load_weights(model, source: ModelSource, device: torch.device, *, seed: int = 0) -> None:
+def load_weights(
+    model, source: ModelSource, device: torch.device, levers: Levers, *, seed: int = 0
+) -> None:
     """Fill a sharded model built on the meta device with the checkpoint's weights
     (float32 master weights; LoRA's frozen base in its own dtype) and LoRA's initial
-    adapters: rank 0 reads the files, every rank receives its shards. A collective; a
+    adapters: rank 0 reads the files, every rank receives its shards (on the host with
+    ``levers.offload_parameters``). A collective; a
     checkpoint rank 0 cannot read fails on every rank alike."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from usp.comm.agreement import agree
 
-    model.to_empty(device=parameters_device(model, device))  # the host with offload_parameters
+    model.to_empty(device=parameters_device(levers, device))  # the host with offload_parameters
     full, error = {}, None
     if dist.get_rank() == 0:
         try:
@@ -322,10 +324,12 @@ def default_compute_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def build_optimizer(job: TrainJobConfig, model: torch.nn.Module) -> torch.optim.AdamW:
+def build_optimizer(
+    job: TrainJobConfig, model: torch.nn.Module, levers: Levers
+) -> torch.optim.AdamW:
     """AdamW over the trainable parameters (with LoRA: the adapters only); weight decay
-    on matrices only (not on norms). With the model's ``offload_optimizer`` lever
-    (:func:`usp.models.levers_of`) a :class:`usp.train.host_optimizer.HostAdamW`: the same
+    on matrices only (not on norms). With ``levers.offload_optimizer`` (the levers the
+    model was built with) a :class:`usp.train.host_optimizer.HostAdamW`: the same
     update, its state and its step on the host (in place on host parameters with
     ``offload_parameters``)."""
     t = job.train
@@ -337,7 +341,6 @@ def build_optimizer(job: TrainJobConfig, model: torch.nn.Module) -> torch.optim.
         {"params": no_decay, "weight_decay": 0.0},
     ]
     options = {"lr": t.lr, "betas": t.adam_betas, "eps": t.adam_eps}
-    levers = levers_of_model(model)
     if levers.offload_optimizer:
         return HostAdamW(groups, params_on_host=levers.offload_parameters, **options)
     return torch.optim.AdamW(groups, **options)

@@ -153,16 +153,17 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
     held_out = load_held_out(job, eval_inputs, dataset, topology=topology, cache_root=out / "cache")
     dataset = components.load_dataset(job, dataset, topology=topology, cache_root=out / "cache")
 
-    model = components.build_model(job, source, plan)
+    levers = components.train_levers(job)  # passed to each part that needs them
+    model = components.build_model(job, source, plan, levers)
     if not topology.single_process:
         dtype = components.compute_dtype(job, device)
-        sharded = fully_shard_model(model, topology, compute_dtype=dtype)
+        sharded = fully_shard_model(model, topology, levers=levers, compute_dtype=dtype)
         model, loss_scale = sharded.module, sharded.loss_scale
         if source.directory is not None:  # built on the meta device: fill the shards now
-            components.load_weights(model, source, device, seed=job.train.seed)
+            components.load_weights(model, source, device, levers, seed=job.train.seed)
     else:
         model, loss_scale = model.to(device), 1.0
-    optimizer = components.build_optimizer(job, model)
+    optimizer = components.build_optimizer(job, model, levers)
     train_step = TrainStep(model, optimizer, loss_scale=loss_scale, grad_clip=job.train.grad_clip)
     schedule = WarmupCosine(
         job.train.lr, job.train.steps, job.train.warmup_steps, job.train.min_lr_ratio
