@@ -41,7 +41,7 @@ def rows(
     host_memory_gib: float | None = None,
 ):
     from usp.planner import search
-    from usp.planner.footprint import Layout, Target
+    from usp.planner.footprint import Choice, Target
     from usp.train.components import model_source
     from usp.train.config import load_train_config
 
@@ -60,16 +60,16 @@ def rows(
             continue
         if offload is not None and levers.offload != offload:
             continue
-        layout = Layout(grid[0], grid[1], 1, levers)
+        choice = Choice(grid[0], grid[1], 1, levers)
         row = {"activation_checkpointing": checkpointing, "mlp_tile_tokens": tile,
                "attention_head_chunks": levers.attention_head_chunks,
                "offload": levers.offload}  # fmt: skip
         for s in seq_lens:
-            fp = search._footprint_at(target, layout, cache, s)
+            fp = search._footprint_at(target, choice, cache, s)
             row[s] = (fp.peak_device / GIB, fp.peak_host / GIB, fp.breakdown)
-        row["longest"] = search.max_seq_len(target, [layout], cluster, cache)[0]
+        row["longest"] = search.max_seq_len(target, [choice], cluster, cache)[0]
         if row["longest"]:  # what the GPU holds there, line by line (measured already)
-            at = search.evaluate(target.at(row["longest"]), layout, cluster, cache)
+            at = search.evaluate(target.at(row["longest"]), choice, cluster, cache)
             row["at_longest"] = [(i.name, i.nbytes / GIB, i.added) for i in at.items()]
             row["at_longest_step_gib"] = at.peak_device_gib
         out.append(row)

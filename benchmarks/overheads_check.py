@@ -267,7 +267,7 @@ def main(argv=None) -> int:
         raise SystemExit("overheads_check: --device cuda but CUDA is not available")
     rows = cpu_workspace_rows()
     if cuda:
-        from usp.train.allocator import set_allocator_default
+        from usp.config.allocator import set_allocator_default
 
         set_allocator_default()  # as usp train does, before CUDA starts
         rows += context_and_nccl_rows() + cuda_workspace_rows() + pinned_rows()

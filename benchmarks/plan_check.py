@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from usp.models import PRESETS, Levers
-from usp.planner.footprint import Layout, Target
+from usp.planner.footprint import Choice, Target
 from usp.planner.measure import measure
 from usp.planner.validate import real_peak
 from usp.train.config import train_config_from_dict
@@ -58,9 +58,9 @@ def main(argv=None) -> int:
     model = PRESETS[args.preset].replace(num_hidden_layers=args.layers)
     target = Target(job, model, args.world, args.world, device)
     levers = Levers(activation_checkpointing=not args.no_activation_checkpointing)
-    layout = Layout(args.ulysses, args.ring, args.world // (args.ulysses * args.ring), levers)
-    estimate = measure(target, layout)
-    real = real_peak(target, layout)
+    choice = Choice(args.ulysses, args.ring, args.world // (args.ulysses * args.ring), levers)
+    estimate = measure(target, choice)
+    real = real_peak(target, choice)
     ratio = estimate.peak_device / real
     row = {
         "preset": args.preset, "layers": args.layers, "seq_len": args.seq_len,

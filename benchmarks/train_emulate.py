@@ -62,8 +62,9 @@ def build(args, device: torch.device):
     config = full.replace(num_hidden_layers=args.layers or full.num_hidden_layers)
     with torch.device("meta"):
         model = Llama(config, plan)
-    Levers(activation_checkpointing=not args.no_activation_checkpointing).apply(model)
-    sharded = fully_shard_model(model, topo, compute_dtype=DTYPES[args.dtype])
+    levers = Levers(activation_checkpointing=not args.no_activation_checkpointing)
+    levers.apply(model)
+    sharded = fully_shard_model(model, topo, levers=levers, compute_dtype=DTYPES[args.dtype])
     model.to_empty(device=device)
     _randomise(model, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1)

@@ -15,7 +15,8 @@ world data-parallel; ``--batch-size`` conversations per replica per micro-batch.
 levers are ``usp.models.Levers`` (``--activation-checkpointing``, ``--mlp-tile-tokens``,
 ``--attention-head-chunks``, ``--loss-chunk-tokens``). ``--no-usp`` runs the unmodified
 SFTTrainer (one process, sdpa; eager for a model without it, e.g. gpt-oss): the
-reference the usp runs are compared with.
+reference the usp runs are compared with (gpt-oss: with ``--padded``; transformers 5.24's
+own padding-free gpt-oss attends across the flattened conversations, usp's does not).
 
 Leaves ``DIR/trainer_state.json`` (the loss and grad norm of every step in
 ``log_history``) and the final model in ``DIR``. ``--plan-config FILE`` writes the run

@@ -33,7 +33,7 @@ from usp.options import BACKENDS, LAYOUTS, RING_IMPLS, layout_chunks
 from usp.packing import PackedSequence, PlanError, check_packed_fits
 from usp.process_groups import HeadLayoutError
 from usp.ring.api import RING_ERRORS, prepare_ring, ring_placement, run_ring
-from usp.ring.config import RingConfig
+from usp.ring.config import PreparedRing
 from usp.sharding import ShardingError, check_sequence_length
 from usp.ulysses import (
     kv_replication_for,
@@ -53,7 +53,7 @@ class CheckedCall:
     Ulysses group as the values its functional collectives take (None when u = 1)."""
 
     kv_replication: int
-    ring: RingConfig
+    ring: PreparedRing
     ulysses: TracedGroup | None = None
     #: the query heads this rank attends to after the all-to-all (the slice of ``sinks``)
     heads: tuple[int, int] = (0, 0)
@@ -167,7 +167,7 @@ def check_call(
         ring_spec, ring_group, placement, causal=causal, softmax_scale=softmax_scale,
         layout=plan.layout, ring_impl=plan.ring_impl, backend=plan.backend,
         comm_stats=plan.comm_stats, kv_head_chunks=head_chunks,
-        window=kernel_window(window, longest),
+        window=kernel_window(window, longest), kernel_registry=plan.kernel_registry,
     )  # fmt: skip
     ulysses = TracedGroup.of(plan.ulysses_group) if u > 1 else None
     per_rank = spec.num_heads // u

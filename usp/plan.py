@@ -23,12 +23,12 @@ import os
 import weakref
 
 import torch
-import torch.distributed as dist
 
 from usp.attend import TraceCache, attend
-from usp.comm.agreement import Field, agree, stable_hash
+from usp.comm.agreement import Field, agree, can_agree, stable_hash
 from usp.comm.traced import TracedGroup
 from usp.config import UspConfig, build_topology_from_config, check_topology_matches, load_config
+from usp.kernels.backends.registry import KernelRegistry
 from usp.options import (
     BACKENDS,
     DEFAULT_BACKEND,
@@ -39,7 +39,7 @@ from usp.options import (
     check_choice,
 )
 from usp.packing import PackedSequence, PlanError, check_packed_fits
-from usp.process_groups import Topology
+from usp.process_groups import SingleProcess, Topology, as_topology
 from usp.ring.documents import Documents
 from usp.ring.placement import packed_placement
 from usp.sharding import (
@@ -70,17 +70,24 @@ class Plan:
         ring_impl: str = DEFAULT_RING_IMPL,
         backend: str = DEFAULT_BACKEND,
         verify_calls: bool | None = None,
+        kernel_registry: KernelRegistry | None = None,
     ):
         """``verify_calls``: agree across the SP ranks on every attention call before it
         communicates (None: on for gloo, off for NCCL where it costs a host sync per
-        layer; see :mod:`usp.call_check`)."""
-        if topology is not None and not isinstance(topology, Topology):
+        layer; see :mod:`usp.call_check`). ``kernel_registry``: where the attention
+        calls look their backends up (None: usp's,
+        :data:`usp.kernels.backends.registry.DEFAULT`); the planner passes one holding
+        its fake-tensor stand-ins. Eager calls only: a compiled graph's kernel ops use
+        usp's registry, so a plan with its own refuses ``torch.compile``."""
+        topology = as_topology(topology)
+        if not isinstance(topology, (Topology, SingleProcess)):
             raise PlanError(
                 f"Plan needs a usp.Topology (or None for one process), got {type(topology).__name__}"
             )
+        #: a Topology, or :data:`~usp.process_groups.SINGLE_PROCESS` (``Plan(None)``)
         self.topology = topology
         self.layout = _validated_choice("sequence layout", layout, LAYOUTS)
-        if topology is None:
+        if topology.single_process:
             # one process has nothing to balance: tokens stay in their natural order
             self.layout = "contiguous"
         self.ring_impl = _validated_choice("ring_impl", ring_impl, RING_IMPLS)
@@ -88,11 +95,17 @@ class Plan:
         if verify_calls is not None and not isinstance(verify_calls, bool):
             raise PlanError(f"verify_calls must be None, True or False, got {verify_calls!r}")
         self.verify_calls = verify_calls
+        if kernel_registry is not None and not isinstance(kernel_registry, KernelRegistry):
+            raise PlanError(
+                "kernel_registry must be None or a usp.kernels.backends.registry."
+                f"KernelRegistry, got {type(kernel_registry).__name__}"
+            )
+        self.kernel_registry = kernel_registry
         #: the checked calls of compiled graphs (see :func:`usp.attend.traced_call`)
         self.traced_calls = TraceCache()
         #: the SP group as a compiled graph's collectives take it (None: one process)
         self.traced_sp_group = None
-        if topology is not None and topology.sp_degree > 1:
+        if topology.sp_degree > 1:
             self.traced_sp_group = TracedGroup.of(topology.sp_group)
 
     # ------------------------------------------------------------------ construction
@@ -151,6 +164,7 @@ class Plan:
             ring_impl=self.ring_impl if ring_impl is None else ring_impl,
             backend=self.backend if backend is None else backend,
             verify_calls=self.verify_calls,
+            kernel_registry=self.kernel_registry,
         )
 
     @classmethod
@@ -158,7 +172,7 @@ class Plan:
         """The Plan of these choices that outlives a compiled graph's trace (kept per
         topology): a plan made while Dynamo traces exists only in the trace, and the
         checked calls of compiled graphs are kept by a plan (``traced_calls``)."""
-        plans = _LASTING_SINGLE_PROCESS if topology is None else _LASTING.setdefault(topology, {})
+        plans = _LASTING.setdefault(as_topology(topology), {})
         key = (layout, ring_impl, backend, verify_calls)
         if key not in plans:
             plans[key] = cls(
@@ -170,11 +184,11 @@ class Plan:
     # ------------------------------------------------------------------ degrees and groups
     @property
     def ulysses_degree(self) -> int:
-        return 1 if self.topology is None else self.topology.ulysses_degree
+        return self.topology.ulysses_degree
 
     @property
     def ring_degree(self) -> int:
-        return 1 if self.topology is None else self.topology.ring_degree
+        return self.topology.ring_degree
 
     @property
     def sp_degree(self) -> int:
@@ -182,28 +196,28 @@ class Plan:
 
     @property
     def ring_rank(self) -> int:
-        return 0 if self.topology is None else self.topology.ring_rank
+        return self.topology.ring_rank
 
     @property
     def ulysses_rank(self) -> int:
-        return 0 if self.topology is None else self.topology.ulysses_rank
+        return self.topology.ulysses_rank
 
     @property
     def sp_group(self):
         """The SP ranks' process group (None for a single process)."""
-        return None if self.topology is None else self.topology.sp_group
+        return self.topology.sp_group
 
     @property
     def ring_group(self):
-        return None if self.topology is None else self.topology.ring_group
+        return self.topology.ring_group
 
     @property
     def ulysses_group(self):
-        return None if self.topology is None else self.topology.ulysses_group
+        return self.topology.ulysses_group
 
     @property
     def comm_stats(self):
-        return None if self.topology is None else self.topology.comm_stats
+        return self.topology.comm_stats
 
     @property
     def sequence_multiple(self) -> int:
@@ -211,7 +225,7 @@ class Plan:
         return required_multiple(self.ring_degree, self.ulysses_degree, self.layout)
 
     def default_device(self) -> torch.device:
-        if self.topology is not None and self.topology.device_type == "cuda":
+        if self.topology.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -242,9 +256,8 @@ class Plan:
         except ShardingError as err:
             error = err
         group = self.sp_group
-        if agree_ranks and group is not None and self.sp_degree > 1 and _can_agree(group):
-            fingerprint = 0 if packed is None else packed.fingerprint
-            fields = [Field("cu_seqlens", fingerprint, _show_hash)]
+        if agree_ranks and group is not None and self.sp_degree > 1 and can_agree(group):
+            fields = [documents_field(0 if packed is None else packed.fingerprint)]
             if batch_fingerprint is not None:
                 fields.append(batch_field(batch_fingerprint))
             agree(group, "Plan.pack", fields, error, (ShardingError,))
@@ -304,7 +317,7 @@ class Plan:
     def token_indices(self, seq_len: int, *, packed=None, device=None) -> torch.Tensor:
         """Indices into the global sequence of the tokens this rank holds, in local order
         (int64 [S/P])."""
-        if self.topology is None and packed is None:  # one process, dense: natural order
+        if self.topology.single_process and packed is None:  # dense: natural order
             return torch.arange(seq_len, device=device)
         if isinstance(packed, PackedSequence):  # worked out when it was packed
             return self.packed_sequence(packed, seq_len=seq_len).token_indices.to(device)
@@ -334,7 +347,7 @@ class Plan:
         collective over the SP group; the result carries no gradient."""
         dim = dim % x_local.dim()
         documents = self._documents(x_local.shape[dim] * self.sp_degree, packed)
-        if self.topology is None:  # packed documents are still reordered on a ring of one
+        if self.topology.single_process:  # packed documents are still reordered on a ring of one
             indices = rank_token_indices(documents, 0, 1, 0).to(x_local.device)
             return torch.empty_like(x_local).index_copy(dim, indices, x_local.detach())
         return gather_by_documents(x_local, self.topology, documents, dim)
@@ -359,6 +372,11 @@ class Plan:
         ``packed``: a :class:`PackedSequence` (or global cu_seqlens) for block-diagonal
         attention by document. ``head_chunks``: see :func:`usp.attend.attend`. ``window``,
         ``sinks``: see :func:`usp.usp_attention`."""
+        if self.kernel_registry is not None and torch.compiler.is_compiling():
+            raise PlanError(
+                "a Plan with its own kernel_registry cannot run under torch.compile (the "
+                "compiled kernel ops use usp's registry); call it eagerly"
+            )
         return attend(
             self, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=packed,
             verify=self.verify_calls if verify is None else verify, head_chunks=head_chunks,
@@ -369,7 +387,7 @@ class Plan:
         """Agree across the SP ranks on a batch's shapes and dtypes (and documents) once
         per step — the cheap alternative to per-call checks on NCCL. A collective."""
         group = self.sp_group
-        if group is None or self.sp_degree == 1 or not _can_agree(group):
+        if group is None or self.sp_degree == 1 or not can_agree(group):
             return
         fields = []
         for i, t in enumerate(tensors):
@@ -377,8 +395,7 @@ class Plan:
             fields += [Field(f"tensor {i} shape[{d}]", n) for d, n in enumerate(shape)]
             fields.append(Field(f"tensor {i} dtype", _dtype_id(t.dtype), _show_dtype_id))
         if packed is not None:
-            packed = self.packed_sequence(packed)
-            fields.append(Field("cu_seqlens", packed.fingerprint, _show_hash))
+            fields.append(documents_field(self.packed_sequence(packed).fingerprint))
         agree(group, "Plan.verify_batch", fields)
 
     # ------------------------------------------------------------------ lifecycle
@@ -387,13 +404,11 @@ class Plan:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """Leaving a ``with`` block tears the topology down as ``with topology:`` does."""
-        if self.topology is not None:
-            self.topology.__exit__(exc_type, exc, tb)
+        self.topology.__exit__(exc_type, exc, tb)
 
     # ------------------------------------------------------------------ text
     def describe(self) -> str:
-        grid = "single process" if self.topology is None else self.topology.describe()
-        return f"{grid}; layout={self.layout}, ring_impl={self.ring_impl}, backend={self.backend}"
+        return f"{self.topology.describe()}; layout={self.layout}, ring_impl={self.ring_impl}, backend={self.backend}"
 
     def __repr__(self) -> str:
         return f"Plan({self.describe()})"
@@ -417,6 +432,12 @@ def _show_hash(value: int) -> str:
     return "dense" if value == 0 else f"boundaries with hash {value}"
 
 
+def documents_field(fingerprint: int) -> Field:
+    """The agreement entry of a batch's packed documents (a PackedSequence's
+    ``fingerprint``; 0: dense, or none that could be packed)."""
+    return Field("cu_seqlens", fingerprint, _show_hash)
+
+
 def batch_field(fingerprint: int) -> Field:
     """The agreement entry of a global batch's fingerprint (what the SP ranks shard)."""
     return Field(
@@ -427,18 +448,13 @@ def batch_field(fingerprint: int) -> Field:
     )
 
 
-def _can_agree(group) -> bool:
-    """Agreement needs real collectives (not the ``fake`` backend of emulations)."""
-    return dist.get_backend(group) != "fake"
-
-
 def as_plan(topology_or_plan, **attention_options) -> Plan:
     """A :class:`Plan` from a Plan, a Topology (default choices) or None (one process);
     ``attention_options`` (``layout``, ``ring_impl``, ``backend``; None keeps the plan's)
     replace the choices."""
     if isinstance(topology_or_plan, Plan):
         return topology_or_plan.with_options(**attention_options)
-    if topology_or_plan is None or isinstance(topology_or_plan, Topology):
+    if topology_or_plan is None or isinstance(topology_or_plan, (Topology, SingleProcess)):
         return Plan(topology_or_plan).with_options(**attention_options)
     raise TypeError(
         "expected a usp.Topology, a usp.Plan or None (single process), "
@@ -448,4 +464,3 @@ def as_plan(topology_or_plan, **attention_options) -> Plan:
 
 #: the lasting plans of compiled graphs (:meth:`Plan.lasting`), by topology and choices
 _LASTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_LASTING_SINGLE_PROCESS: dict = {}

@@ -11,6 +11,7 @@ from usp_cases import topology
 
 import usp
 from usp.config import ConfigError
+from usp.process_groups import SINGLE_PROCESS
 from usp.train.components import TRAIN_VERIFY_CALLS, build_plan
 from usp.train.config import train_config_from_dict
 
@@ -64,7 +65,7 @@ def test_plan_from_config_on_a_given_topology(distributed, tmp_path):
 
 def test_plan_from_config_for_one_process(tmp_path):
     plan = usp.Plan.from_config(_write(tmp_path), topology=None, ring_impl="p2p")
-    assert plan.topology is None and plan.sp_degree == 1
+    assert plan.topology is SINGLE_PROCESS and plan.sp_degree == 1
     # one process keeps tokens in order whatever the config says
     assert _choices(plan) == ("contiguous", "p2p", "math", None)
     with pytest.raises(usp.PlanError, match='topology must be "build", a usp.Topology or None'):

@@ -20,6 +20,7 @@ import usp
 import usp.models
 from usp import options
 from usp.kernels.backends import registry
+from usp.kernels.backends.math import MathBackend
 
 TOL = 1e-6  # float64 through the math backend: exact up to rounding
 
@@ -48,8 +49,31 @@ def _plan_errors(plan, inputs, expected, *, causal, scale, packed=None):
     return max(relative_error(a, e) for a, e in zip(full, expected))
 
 
-def run_dense(ulysses, ring, layout, ring_impl, causal):
-    plan = usp.Plan(topology(ulysses, ring), layout=layout, ring_impl=ring_impl, backend="math")
+class CountingMath(MathBackend):
+    """The math backend, counting its forward and backward calls (a kernel registry's
+    entry standing in for usp's)."""
+
+    def __init__(self):
+        self.calls = {"forward": 0, "backward": 0}
+
+    def forward(self, *args):
+        self.calls["forward"] += 1
+        return super().forward(*args)
+
+    def backward(self, *args):
+        self.calls["backward"] += 1
+        return super().backward(*args)
+
+
+def run_dense(ulysses, ring, layout, ring_impl, causal, own_registry=False):
+    """``own_registry``: the plan's kernels come from a registry whose ``math`` counts
+    its calls (``kernel_registry=``); returns the counts with the error."""
+    counting = CountingMath()
+    kernels = registry.DEFAULT.replacing({"math": counting}) if own_registry else None
+    plan = usp.Plan(
+        topology(ulysses, ring), layout=layout, ring_impl=ring_impl, backend="math",
+        kernel_registry=kernels,
+    )  # fmt: skip
     total = 4 * plan.sequence_multiple
     inputs = _inputs(total, batch=2)
     expected = _expected(*inputs, causal=causal, scale=0.3)
@@ -58,21 +82,33 @@ def run_dense(ulysses, ring, layout, ring_impl, causal):
     positions = plan.position_ids(total)
     assert torch.equal(positions, plan.token_indices(total))
     assert torch.equal(plan.shard(torch.arange(total)[None])[0], positions)
-    return error
+    assert registry.get("math") is not counting, "usp's own registry is untouched"
+    return error, counting.calls
 
 
 @pytest.mark.parametrize(
-    "ulysses,ring,layout,ring_impl,causal",
+    "ulysses,ring,layout,ring_impl,causal,own_registry",
     [
-        (2, 2, "zigzag", "p2p", True),
-        (2, 2, "contiguous", "allgather", True),
-        (1, 4, "contiguous", "p2p", False),
-        (4, 1, "zigzag", "allgather", False),
+        (2, 2, "zigzag", "p2p", True, False),
+        (2, 2, "contiguous", "allgather", True, True),
+        (1, 4, "contiguous", "p2p", False, True),
+        (4, 1, "zigzag", "allgather", False, False),
     ],
 )
-def test_plan_dense_matches_reference(distributed, ulysses, ring, layout, ring_impl, causal):
-    for error in distributed.run(run_dense, ulysses, ring, layout, ring_impl, causal, world_size=4):
+def test_plan_dense_matches_reference(
+    distributed, ulysses, ring, layout, ring_impl, causal, own_registry
+):
+    """With ``own_registry`` every kernel call goes to the plan's registry: the counting
+    backend ran forward and backward (a ring of 4 makes 4 p2p block calls each way)."""
+    for error, calls in distributed.run(
+        run_dense, ulysses, ring, layout, ring_impl, causal, own_registry, world_size=4
+    ):
         assert error < TOL
+        if own_registry:
+            expected = 1 if ring_impl == "allgather" else ring
+            assert calls == {"forward": expected, "backward": expected}
+        else:
+            assert calls == {"forward": 0, "backward": 0}
 
 
 def run_packed(ulysses, ring, layout, ring_impl, causal):
@@ -109,6 +145,19 @@ def test_single_process_plan_matches_reference(ring_impl):
     plan = usp.Plan(None, backend="math", ring_impl=ring_impl)
     assert plan.sp_degree == 1 and plan.sequence_multiple == 1
     assert plan.layout == "contiguous"  # one process: natural token order
+    # its topology answers for a world of one (no None to test for)
+    one = plan.topology
+    assert one.single_process and (one.world_size, one.rank, one.dp_degree, one.dp_rank) == (
+        1,
+        0,
+        1,
+        0,
+    )
+    assert (one.sp_group, one.comm_stats, plan.describe().split(";")[0]) == (
+        None,
+        None,
+        "single process",
+    )
     inputs = _inputs(12, batch=2)
     expected = _expected(*inputs, causal=True, scale=0.2)
     assert _plan_errors(plan, inputs, expected, causal=True, scale=0.2) < TOL
@@ -157,6 +206,28 @@ def test_plan_rejects_unknown_choices_with_the_valid_ones():
     ):
         with pytest.raises(TypeError, match="expected a usp.Topology, a usp.Plan or None"):
             call()
+
+
+def test_a_plan_keeps_its_kernel_registry_and_refuses_to_compile_with_it():
+    """``with_options`` keeps the registry; a bad one is refused; a compiled call is
+    refused (the compiled kernel ops would look the names up in usp's registry)."""
+    counting = CountingMath()
+    plan = usp.Plan(
+        None, backend="math", kernel_registry=registry.DEFAULT.replacing({"math": counting})
+    )
+    assert plan.with_options(layout="zigzag").kernel_registry is plan.kernel_registry
+    with pytest.raises(usp.PlanError, match="kernel_registry must be None or a"):
+        usp.Plan(None, kernel_registry={"math": counting})
+    with pytest.raises(ValueError, match="missing \\['cpu'"):
+        registry.KernelRegistry({"math": counting})
+    q, k, v, _ = _inputs(8)
+    eager = plan.attention(q, k, v, causal=True)
+    assert counting.calls["forward"] == 1
+    reference, _ = reference_attention(q, k, v, causal=True)
+    assert relative_error(eager, reference) < TOL
+    compiled = torch.compile(plan.attention, fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="own kernel_registry cannot run under torch.compile"):
+        compiled(q, k, v, causal=True)
 
 
 def test_one_source_for_the_choices():

@@ -69,6 +69,11 @@ def _positions_seen(plan, lengths):
     direct = plan.position_ids(total, packed=packed)
     ids = torch.randint(0, 256, (1, total), generator=torch.Generator().manual_seed(0))
     batch = shard_batch(plan, ids, cu_seqlens=cu)
+    # packed once already (cu_seqlens=a PackedSequence): the same shards, labels, positions
+    again = shard_batch(plan, ids, cu_seqlens=packed)
+    for name in ("input_ids", "labels", "position_ids"):
+        assert torch.equal(getattr(again, name), getattr(batch, name)), name
+    assert again.packed is packed and again.fingerprint == batch.fingerprint
     torch.manual_seed(0)
     model = Llama(PRESETS["tiny"], plan)
     seen = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import random
 import string
 import sys
@@ -272,3 +273,42 @@ def test_a_hybrid_hf_directory_is_refused_in_one_line(tmp_path, capsys):
     assert status == 2, stderr
     assert "Qwen3_5ForCausalLM is not a usp model family" in stderr, stderr
     assert stderr.count("\n") == 1, "one line, no traceback"
+
+
+def test_a_gpt_oss_hf_directory_gives_transformers_perplexity(trained, tmp_path, capsys):
+    """``usp eval`` on a tiny gpt-oss checkpoint written by transformers (sliding windows
+    of 6, sinks, experts): the overall perplexity of two 64-token windows equals
+    transformers' own (eager attention, float64) on the same windows, within 1e-5 (usp
+    eval runs float32); the per-bucket token counts are the windows' predicting tokens."""
+    pytest.importorskip("transformers", minversion="5.24")
+    import torch.nn.functional as F
+    import transformers
+    from model_cases import load_hf_reference, write_family_checkpoint
+
+    from usp.evaluation.target import held_out_stream
+    from usp.evaluation.tasks import window
+    from usp.train.data import ByteTokenizer
+
+    tmp, _ = trained
+    ckpt = write_family_checkpoint(tmp_path / "gpt_oss", "gpt_oss", seed=3, vocab_size=256)
+    held = str(tmp / "held.jsonl")
+    capsys.readouterr()
+    argv = [str(ckpt), "--tokenizer", "byte", "--data", held, "--lengths", "64"]
+    argv += ["--windows", "2", "--buckets", "2", "--dtype", "float32", "--json"]
+    assert _usp_eval([*argv, "--output", str(tmp_path / "eval")]) == 0
+    report = json.loads(capsys.readouterr().out)["perplexity"]["64"]
+    assert report["windows"] == 2 and report["tokens"] == [64, 62]
+
+    stream, target, _ = held_out_stream(ByteTokenizer(), data=[held])
+    reference = load_hf_reference(ckpt)  # eager: transformers has no sdpa for gpt-oss
+    assert isinstance(reference, transformers.GptOssForCausalLM)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for index in range(2):
+            ids = window(stream, 64, index)[None]  # [1, 64]
+            logits = reference(ids, use_cache=False).logits[0, :-1]  # predicts ids[1:]
+            labelled = window(target, 64, index)[1:]
+            losses = F.cross_entropy(logits, ids[0, 1:], reduction="none")[labelled]
+            total, count = total + losses.sum().item(), count + int(labelled.sum())
+    expected = math.exp(total / count)
+    assert abs(report["overall"] - expected) <= 1e-5 * expected, (report, expected)

@@ -89,8 +89,12 @@ def _context() -> mp.context.BaseContext:
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         # Workers fork from a server that already imported these, so they start in
-        # milliseconds instead of re-importing torch each.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "usp"])
+        # milliseconds instead of re-importing torch each. transformers' model base
+        # (~5 s of CPU per process) too: most pools' tests build HF models; a module that
+        # is not installed is skipped by the fork server (ImportError is ignored).
+        ctx.set_forkserver_preload(
+            ["torch", "torch.distributed", "usp", "transformers.modeling_utils"]
+        )
         return ctx
     return mp.get_context("spawn")
 

@@ -69,8 +69,8 @@ def gemma_norm_float64(self, x):
 
 def load_reference(directory, dtype=torch.float64):
     model = _transformers().AutoModelForCausalLM.from_pretrained(
-        directory, dtype=dtype, attn_implementation="sdpa"
-    )
+        directory, dtype=dtype, attn_implementation="sdpa", use_kernels=False
+    )  # (no hub kernels: they would drop the float64 forwards on train(), model_cases.py)
     if dtype == torch.float64:
         for module in model.modules():
             if type(module).__name__ == "Gemma3RMSNorm":

@@ -140,7 +140,7 @@ def _rms_norm_float64(self, x):
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
-def _router_float64(self, hidden_states):
+def router_float64(self, hidden_states):
     """HF's MoE routers take the softmax in float32 even for float64 inputs; the float64
     reference takes it in float64 (same formula as Qwen3MoeTopKRouter.forward)."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
@@ -157,7 +157,10 @@ def load_hf_reference(directory: Path, dtype=torch.float64, attn_implementation=
     (float64 all through; eager's softmax is float32) or, for a model without SDPA
     (gpt-oss), eager attention (its softmax in the input's dtype), RMSNorm in float64; MoE experts
     by transformers' loop ("eager": its grouped GEMM has no float64) and the router's
-    softmax in float64."""
+    softmax in float64. Hub kernels stay off (``use_kernels=False``): the reference is
+    transformers' own PyTorch code, and from 5.25 on (``kernels`` installed with it, on by
+    default) ``model.train()`` re-kernelizes the model, which deletes the float64 forwards
+    set on its RMSNorm instances below -- their float32 normalisation came back (8.5e-9)."""
     import transformers
 
     if attn_implementation is None:
@@ -166,7 +169,7 @@ def load_hf_reference(directory: Path, dtype=torch.float64, attn_implementation=
         attn_implementation = "sdpa" if model_class._supports_sdpa else "eager"
     model = transformers.AutoModelForCausalLM.from_pretrained(
         directory, dtype=dtype, attn_implementation=attn_implementation,
-        experts_implementation="eager",
+        experts_implementation="eager", use_kernels=False,
     )  # fmt: skip
     if dtype == torch.float64:
         for module in model.modules():
@@ -175,7 +178,7 @@ def load_hf_reference(directory: Path, dtype=torch.float64, attn_implementation=
             elif type(module).__name__.endswith("TopKRouter") and hasattr(
                 module, "norm_topk_prob"
             ):  # (gpt-oss's router computes in the logits' dtype: float64 already)
-                module.forward = types.MethodType(_router_float64, module)
+                module.forward = types.MethodType(router_float64, module)
     return model
 
 

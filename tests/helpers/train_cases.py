@@ -89,9 +89,10 @@ def moe_job(checkpoint) -> dict:
     return config
 
 
-def transformers_first_loss(config: dict, coef: float) -> float:
+def transformers_first_loss(config: dict, coef: float, *, with_aux: bool = False):
     """transformers' float64 step-1 loss: each micro-batch's documents run alone; CE sum
-    over all micro-batches / the step's label count + coef * each micro-batch's aux."""
+    over all micro-batches / the step's label count + coef * each micro-batch's aux
+    (``with_aux``: ``(loss, the micro-batches' mean aux)``)."""
     job = train_config_from_dict(config)
     source = components.model_source(job)
     _, dataset = components.build_dataset(job, source, job.data.document_multiple)
@@ -113,4 +114,5 @@ def transformers_first_loss(config: dict, coef: float) -> float:
                 count += int((labels != IGNORE_INDEX).sum())
                 router.extend(out.router_logits)
             aux += closed_form_aux(router, cfg.num_experts, cfg.num_experts_per_tok).item()
-    return total / count + coef * aux
+    loss = total / count + coef * aux
+    return (loss, aux / (job.train.global_batch // per_micro)) if with_aux else loss

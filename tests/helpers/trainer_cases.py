@@ -68,11 +68,17 @@ def write_tokenizer(directory: Path) -> None:
 
 
 def write_checkpoint(directory: Path, family: str, **changes) -> Path:
-    """A tiny random model of ``family`` (tests/helpers/model_cases.py) and the
+    """A tiny random model of ``family`` (tests/helpers/model_cases.py; ``gemma3``:
+    tests/helpers/gemma3_cases.py's "tied" case, sliding windows of 5 tokens) and the
     tokenizer, in one HF directory."""
-    from model_cases import write_family_checkpoint
+    if family == "gemma3":
+        import gemma3_cases
 
-    write_family_checkpoint(directory, family, seed=5, **changes)
+        gemma3_cases.write_checkpoint(directory, "tied", seed=5, **changes)
+    else:
+        from model_cases import write_family_checkpoint
+
+        write_family_checkpoint(directory, family, seed=5, **changes)
     write_tokenizer(directory)
     return Path(directory)
 

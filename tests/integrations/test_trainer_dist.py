@@ -1,12 +1,15 @@
 """The two examples (examples/trl_sft.py: TRL's SFTTrainer, chat data, padding-free;
 examples/hf_trainer.py: transformers' Trainer on text or token rows) on 4 gloo ranks
-against the stock trainers in one process (``--no-usp``: sdpa, no usp code on the path).
+against the stock trainers in one process (``--no-usp``: sdpa, eager for gpt-oss; no usp
+code on the path).
 
 Every case compares, step by step, the loss and the gradient norm HF logged in
 ``DIR/trainer_state.json`` (within 1e-4 relative); the SGD cases also the final saved
 weights (within 1e-5 of the largest weight: float32 rounding; see SGD below). The grid x
 family x gradient accumulation cases are a pairwise covering: every pair of (u2 x r2 or
-dp2 x r2, Llama-3 or Qwen3, accumulation 1 or 2) appears for each example. A planted
+dp2 x r2, Llama-3 or Qwen3, accumulation 1 or 2) appears for each example; gpt-oss,
+Gemma 3 and Qwen3-MoE (sliding windows shorter than the sequences, sinks, experts and the
+router's aux loss, TRL's and transformers') run once each. A planted
 bug (the SP ranks' gradients averaged instead of summed) must fail the same comparison.
 
 Tiny models (2 layers, 8 heads / 2 KV heads, vocabulary 64), 3 steps, float32 (one
@@ -53,6 +56,15 @@ CASES = [
     # Mistral (its sliding window of 4096 holds every sequence) with levers on
     ("hf_trainer", "mistral", (2, 2), 1, ["--activation-checkpointing", "on",
                                           "--mlp-tile-tokens", "7", *SGD]),
+    # the families of 2026 (sliding windows shorter than the sequences, sinks, experts):
+    # gpt-oss (windows of 6, sinks; TRL's aux term, divided by the accumulation steps)
+    # padded: transformers' gpt-oss gives its masks no position_ids, so its own
+    # padding-free run attends across documents (usp's would not: no reference)
+    ("trl_sft", "gpt_oss", (2, 2), 2, ["--padded", "--loss-chunk-tokens", "5"]),
+    # Gemma 3 (windows of 5 on layers 0 and 2), padding-free
+    ("trl_sft", "gemma3", (1, 2), 1, ["--loss-chunk-tokens", "0", *SGD]),
+    # Qwen3-MoE with the aux loss (its statistics over both replicas' micro-batch)
+    ("hf_trainer", "qwen3_moe", (1, 2), 2, ["--padding-free", *SGD]),
 ]  # fmt: skip
 BATCH = 4  # rows / chats per optimizer micro-step, over all replicas
 
@@ -60,8 +72,12 @@ BATCH = 4  # rows / chats per optimizer micro-step, over all replicas
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer_dist")
-    for family in ("llama", "qwen3", "mistral"):
+    for family in ("llama", "qwen3", "mistral", "gpt_oss", "gemma3"):
         tc.write_checkpoint(root / family, family)
+    # the load-balancing loss on (transformers adds 0.1 x aux to each micro-batch's loss)
+    tc.write_checkpoint(
+        root / "qwen3_moe", "qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.1
+    )
     tc.write_chats(root / "chats.jsonl", 24)
     tc.write_texts(root / "texts.jsonl", 24)
     tc.write_token_rows(root / "tokens.jsonl", 24, 32)

@@ -7,8 +7,7 @@ every rank (its class and message), and the process groups stay usable after it.
   padding-free rows on dp2 x r2 (the fingerprint in ``Plan.pack``'s agreement; replica 1
   was fed correctly and learns of replica 0's error through the replicas' agreement);
 * a model feature USP attention cannot compute exactly: attention dropout (refused when
-  the trainer is built) and a Mistral sliding window shorter than the sequences
-  (refused at the first micro-batch, on dp2 x r2);
+  the trainer is built; sliding windows and sinks are computed: test_trainer_dist.py);
 * a hybrid model (Qwen3.5: Gated DeltaNet layers beside attention) under SP, refused
   when ``UspTrainer`` / ``UspSFTTrainer`` is built, with the model type, the layers and
   the fix, on every rank.
@@ -33,7 +32,6 @@ def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer_faults")
     tc.write_checkpoint(root / "llama", "llama")
     tc.write_checkpoint(root / "dropout", "llama", attention_dropout=0.1)
-    tc.write_checkpoint(root / "mistral", "mistral", sliding_window=16)
     hybrid = build("qwen3_5_text", HYBRID["qwen3_5_text"], seed=5)
     hybrid.save_pretrained(root / "qwen3_5")
     tc.write_tokenizer(root / "qwen3_5")
@@ -100,18 +98,6 @@ def test_attention_dropout_is_refused_on_every_rank(distributed, workdir):
     )
     same_error_everywhere(
         results, "UnsupportedModelError", "attention dropout", "attention_dropout=0.1"
-    )
-
-
-def test_a_sliding_window_shorter_than_the_sequence_is_refused_on_every_rank(distributed, workdir):
-    """Mistral with sliding_window 16 and padded text rows packed to more than 16
-    tokens: refused before any collective of the step, on both replicas."""
-    argv = flags(workdir, "mistral", "texts.jsonl", workdir / "window-run")
-    results = distributed.run(
-        run_expecting_an_error, "hf_trainer", argv, 1, 2, world_size=4, timeout=600
-    )
-    same_error_everywhere(
-        results, "UnsupportedModelError", "attend within 16 tokens", "sliding_window"
     )
 
 

@@ -25,11 +25,12 @@ pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate
 import usp  # noqa: E402
 import usp.models.hf as usp_hf  # noqa: E402
 from usp.integrations import hf_cli  # noqa: E402
+from usp.integrations.hf_setup import window_problem  # noqa: E402
 from usp.integrations.transformers import (  # noqa: E402
     DataParallelSampler,
     UnsupportedModelError,
     UspTrainer,
-    attention_window,
+    attention_chunk,
     check_training_arguments,
     feature_problems,
     global_batch,
@@ -39,6 +40,7 @@ from usp.integrations.transformers import (  # noqa: E402
 from usp.models import Levers, shard_batch, shift_labels  # noqa: E402
 from usp.models.batch import batch_fingerprint  # noqa: E402
 from usp.models.hf_inputs import HFInputError  # noqa: E402
+from usp.process_groups import SINGLE_PROCESS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PLAN = usp.Plan(None)
@@ -264,19 +266,27 @@ def test_model_features_usp_cannot_compute_are_named():
     ]
     llama = transformers.LlamaForCausalLM(hf_config())
     assert feature_problems(llama, Levers()) == []
+    # attention sinks (gpt-oss's s_aux) are computed by USP attention: no problem
     llama.model.layers[1].self_attn.sinks = torch.nn.Parameter(torch.zeros(8))
-    assert feature_problems(llama, Levers()) == [
-        "attention sinks (per-head sink logits): USP attention has none"
-    ]
+    assert feature_problems(llama, Levers()) == []
     with pytest.raises(UnsupportedModelError, match="soft-capping"):
         UspTrainer(model=gemma, args=_args(), train_dataset=[{"input_ids": [1, 2]}], plan=PLAN)
 
 
-def test_attention_windows_are_read_as_transformers_reads_them():
-    assert attention_window(transformers.MistralConfig(sliding_window=16)) == 16
-    assert attention_window(transformers.MistralConfig(sliding_window=None)) is None
-    assert attention_window(transformers.Qwen3Config(sliding_window=16)) is None  # not used
-    assert attention_window(_gemma2().config) == 4096  # its sliding layers
+def test_attention_chunks_are_refused_and_sliding_windows_are_not():
+    """Llama 4's chunked layers are read as transformers reads them and refused for a
+    sequence longer than the chunk; causal sliding windows (Mistral, Gemma 2) are
+    computed by USP attention, whatever their length."""
+    llama4 = transformers.Llama4TextConfig(attention_chunk_size=16)
+    assert attention_chunk(llama4) == 16
+    assert window_problem(llama4, 16) is None
+    problem = window_problem(llama4, 17)
+    assert "17 tokens" in problem and "chunks of 16 tokens" in problem
+    only_full = transformers.Llama4TextConfig(attention_chunk_size=16, num_hidden_layers=2)
+    only_full.layer_types = ["full_attention", "full_attention"]
+    assert attention_chunk(only_full) is None
+    for config in (transformers.MistralConfig(sliding_window=16), _gemma2().config):
+        assert attention_chunk(config) is None and window_problem(config, 10**6) is None
 
 
 def _args(output_dir="never-written", **changes):
@@ -306,7 +316,7 @@ def test_trainer_settings_usp_replaces_are_refused(changes, needle):
 
 # ----------------------------------------------------------------------------- set-up
 def test_one_process_plans_and_the_flags():
-    assert launch_plan().topology is None
+    assert launch_plan().topology is SINGLE_PROCESS
     with pytest.raises(usp.TopologyError, match="torchrun --nproc-per-node 4") as info:
         launch_plan(2, 2)
     import argparse
@@ -333,8 +343,8 @@ def test_usp_plan_plans_the_run_a_trainer_describes(tmp_path):
     import trainer_cases
 
     from usp.planner import search
-    from usp.planner.footprint import Layout, Target
-    from usp.train.components import levers_of, model_source
+    from usp.planner.footprint import Choice, Target
+    from usp.train.components import model_source, train_levers
     from usp.train.config import load_train_config
 
     ckpt = trainer_cases.write_checkpoint(tmp_path / "qwen3", "qwen3")
@@ -348,16 +358,16 @@ def test_usp_plan_plans_the_run_a_trainer_describes(tmp_path):
     )  # fmt: skip
     job = load_train_config(path)
     assert (job.train.seq_len, job.train.micro_batch, job.train.global_batch) == (64, 2, 4)
-    assert levers_of(job) == levers.replace(loss_chunk_tokens=Levers().loss_chunk_tokens)
+    assert train_levers(job) == levers.replace(loss_chunk_tokens=Levers().loss_chunk_tokens)
     parallel = job.topology.parallel
     assert (parallel.ulysses, parallel.ring) == (1, 2)
     model = model_source(job).config
     assert type(model).__name__ == "Qwen3Config"
     assert model.num_attention_heads == TINY["num_attention_heads"]
-    layout = Layout(1, 2, 1, levers_of(job))
-    assert layout in search.layouts(model, search.Cluster(1, 2, 80.0, 2048.0), job)
+    choice = Choice(1, 2, 1, train_levers(job))
+    assert choice in search.choices(model, search.Cluster(1, 2, 80.0, 2048.0), job)
     candidate = search.evaluate(
-        Target(job, model, 2, 2, "cpu"), layout, search.Cluster(1, 2, 1.0, 64.0), {}
+        Target(job, model, 2, 2, "cpu"), choice, search.Cluster(1, 2, 1.0, 64.0), {}
     )
     assert candidate.fits and candidate.footprint.peak_device > 0
 

@@ -7,8 +7,9 @@ Each family's tiny checkpoint is written by transformers itself
 the sequence) and read back by usp through the registry. Checked: the config as
 transformers reads it (defaults of absent keys included); float64 logits, loss and every
 gradient in one process (1e-12: exact up to summation order) and on 4 gloo ranks
-(ulysses 2 x ring 2, packed documents, 1e-10); the export read back by transformers with
-equal logits; a sliding window shorter than a document refused, and exact within it.
+(ulysses 2 x ring 2, packed documents, 1e-10; the MoE families with their aux loss in
+test_moe.py and test_gpt_oss.py); the export read back by transformers with equal logits;
+a sliding window shorter than a document refused, and exact within it.
 """
 
 from __future__ import annotations
@@ -156,7 +157,12 @@ def sp_case(ckpt, ids, labels, cu):
     return {"logits": gathered, "losses": losses, "grads": grads}
 
 
-@pytest.mark.parametrize("name", NAMES)
+#: the MoE families run on 4 ranks with their aux loss on (a superset of this case:
+#: u2 x r2 packed, activation checkpointing) in test_moe.py and test_gpt_oss.py
+SP_NAMES = [name for name in NAMES if name not in ("qwen3_moe", "gpt_oss")]
+
+
+@pytest.mark.parametrize("name", SP_NAMES)
 def test_float64_4_ranks_match_transformers(distributed, checkpoints, name):
     cu = cu_of([12, 20])  # multiples of 2r = 4
     ids = global_batch(1, 32, seed=22)

@@ -39,18 +39,19 @@ SEQ = 16
 
 
 def _outcome(model_type, settings, plan, name, ids):
-    """('refused', class, message), or ('ran', max |logit - one process|)."""
-    reference = build(model_type, settings)
-    with torch.no_grad():
-        expected = reference(input_ids=ids, use_cache=False).logits
+    """('refused', class, message), or ('ran', max |logit - one process|). The one-process
+    reference is built only for a model that ran (a refused one never needs it)."""
     try:
         model = build(model_type, settings, attn_implementation=name)
-        model.load_state_dict(reference.state_dict())
         with torch.no_grad():
             local = model(**shard_batch(plan, ids).hf_kwargs()).logits  # [1, S/P, V]
             got = plan.gather(local)  # [1, S, V]
     except UspError as err:
         return ("refused", type(err).__name__, str(err))
+    reference = build(model_type, settings)
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected = reference(input_ids=ids, use_cache=False).logits
     return ("ran", (got - expected).abs().max().item())
 
 

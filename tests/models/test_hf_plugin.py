@@ -248,6 +248,7 @@ def test_data_collator_with_flattening_trains_like_sdpa(ckpt, flash_kwargs):
     sharded = usp_hf.shard_flattened(spy.plan, batch)
     assert torch.equal(sharded.input_ids, batch["input_ids"])
     assert torch.equal(sharded.labels, labels)
+    assert sharded.real.shape == labels.shape and bool(sharded.real.all())  # no pads here
     logits = model(**sharded.hf_kwargs()).logits
     loss = usp_hf.sp_loss(logits, sharded.labels, spy.plan)
     assert abs(loss.item() - reference.item()) <= TOL * reference.item()

@@ -91,7 +91,12 @@ def run_flattened(ckpt, batch, how: str):
         kwargs.update(cu_seq_lens_q=global_cu, cu_seq_lens_k=global_cu.clone())
     logits = model(**kwargs).logits  # [1, S/P, V]
     loss = usp_hf.sp_loss(logits, sharded.labels, plan)
-    return _sp_results(model, plan, logits, loss, sharded.packed, padding)
+    results = _sp_results(model, plan, logits, loss, sharded.packed, padding)
+    # .real marks exactly the collator's tokens (not the pads placing the documents)
+    real = plan.gather(sharded.real[..., None].double(), packed=sharded.packed)[0, :, 0]
+    assert torch.equal(real.nonzero().flatten(), padding.destinations)
+    assert padding.padded_len > padding.destinations.numel()  # there are pads
+    return results
 
 
 def _check(results, expected):

@@ -86,6 +86,8 @@ def reference_step(reference, tokens, ids, labels, start=0):
     keyed dropout sees tokens start, start + 1, ... in row-major order)."""
     tokens.indices = torch.arange(start, start + ids.numel()).numpy()
     reference.train()
+    norms = [m for m in reference.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert all("forward" in vars(m) for m in norms), "train() dropped the float64 RMSNorm"
     logits = reference(input_ids=ids, use_cache=False).logits
     count = (labels != -100).sum()
     loss = torch.nn.functional.cross_entropy(

@@ -8,7 +8,9 @@ load-balancing loss against transformers' own ``aux_loss`` (which it takes in fl
 against a float64 closed form of the same formula over transformers' router logits; the
 training loss with the aux term (``output_router_logits``) and every gradient against
 transformers in float64, one process and u2 x r2 / u1 x r4 on 4 gloo ranks (packed
-documents, activation checkpointing), the loss the same on every rank; transformers'
+documents, activation checkpointing), the loss the same on every rank, and dp2 x r2 in
+the same launch (each replica's row adds its own aux term, as each micro-batch does);
+a shared expert against transformers' Qwen2-MoE block; transformers'
 layer rule (``decoder_sparse_step``, ``mlp_only_layers``); total vs active parameters;
 refusals (configs, checkpoints missing an expert, LoRA on experts).
 """
@@ -31,6 +33,7 @@ from model_cases import (
     grad_errors,
     load_hf_reference,
     relative_error,
+    router_float64,
     sft_labels,
     write_family_checkpoint,
 )
@@ -53,9 +56,11 @@ from usp.models import (  # noqa: E402
     model_counts,
     preset,
 )
+from usp.models.decoder import MLP  # noqa: E402
 from usp.models.moe import (  # noqa: E402
     Experts,
     Router,
+    SparseMoE,
     collect_router_stats,
     experts_loop,
     grouped_gemm_available,
@@ -147,6 +152,48 @@ def test_router_top_k_and_renormalisation():
         assert probs16.dtype == torch.float32 and weights16.dtype == torch.bfloat16
 
 
+def test_shared_expert_equals_transformers_qwen2_moe_block():
+    """A SparseMoE with a shared expert (its SwiGLU MLP and sigmoid gate) against
+    transformers' Qwen2MoeSparseMoeBlock in float64 (experts by its loop, router softmax
+    in float64), without top-k renormalisation (Qwen2-MoE's default): output and the
+    gradients of input and every parameter; transformers' block's state dict loads
+    strictly (the same names and shapes)."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    hf_config = transformers.Qwen2MoeConfig(
+        hidden_size=12,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=20,
+        num_experts=5,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+    )
+    hf_config._experts_implementation = "eager"  # its grouped GEMM has no float64
+    torch.manual_seed(5)
+    reference = Qwen2MoeSparseMoeBlock(hf_config).double()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(0.0, 0.3)
+    reference.gate.forward = router_float64.__get__(reference.gate)
+    shared = MLP(Qwen3MoeConfig(**{**MOE, "hidden_size": 12}), intermediate_size=20)
+    ours = SparseMoE(12, 8, 5, 2, False, shared_expert=shared).double()
+    ours.load_state_dict(reference.state_dict())  # strict: the same names and shapes
+    x = torch.randn(2, 7, 12, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, expected = ours(x), reference(x_ref)
+    probe = torch.randn_like(expected)
+    (out * probe).sum().backward()
+    (expected * probe).sum().backward()
+    assert relative_error(out, expected) <= 1e-13
+    assert relative_error(x.grad, x_ref.grad) <= 1e-13
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    assert max(grad_errors(grads, ref_grads).values()) <= 1e-13
+    # the gate matters: the shared expert's gradient carries sigmoid(gate(x)) per token
+    assert grads["shared_expert_gate.weight"].abs().max() > 0
+    assert ours.shared_expert_gate.weight.shape == (1, 12)
+
+
 # ---------------------------------------------------------------------- the aux loss
 def _reference(ckpt, ids, labels, cu=None):
     """transformers in float64 (router softmax in float64), document by document: logits,
@@ -220,10 +267,52 @@ def _reference_ce(ckpt, ids):
     ).item()
 
 
-def sp_aux_case(ckpt, ids, labels, cu):
+def _replicas_reference(ckpt, replicas):
+    """transformers in float64 on each dp replica's packed row alone: the step's loss
+    sum_d (CE sum_d / the step's label count + COEF * aux_d) -- each replica's forward
+    adds its own aux term, as each micro-batch does -- and every gradient."""
+    model = load_hf_reference(ckpt)
+    total = sum(int((labels != IGNORE).sum()) for _, labels, _ in replicas)
+    loss = 0
+    for ids, labels, cu in replicas:
+        bounds = cu.tolist()
+        logits, router = [], []
+        for a, b in zip(bounds, bounds[1:]):
+            out = model(ids[:, a:b], use_cache=False, output_router_logits=True)
+            logits.append(out.logits)
+            router.extend(out.router_logits)
+        logits = torch.cat(logits, dim=1)
+        ce = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
+            reduction="sum",
+        )  # fmt: skip
+        aux = closed_form_aux(router, MOE["num_experts"], MOE["num_experts_per_tok"])
+        loss = loss + ce / total + COEF * aux
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {"loss": loss.item(), "grads": grads, "labels": total}
+
+
+def sp_aux_case(ckpt, ids, labels, cu, replicas=None, total_labels=None):
     """float64 on u2 x r2 and u1 x r4 (math backend, activation checkpointing, MLP tiles
-    on the dense layer): the loss on every rank and the gradients summed over SP."""
+    on the dense layer): the loss on every rank and the gradients summed over SP; then
+    dp2 x r2, replica d training ``replicas[d]`` (the step's loss: the replicas' losses
+    summed; the gradients summed over all 4 ranks)."""
     results = {}
+    if replicas is not None:
+        plan = usp.Plan(topology(1, 2), backend="math")
+        model = usp.models.from_pretrained(ckpt, plan, dtype=torch.float64)
+        ids_d, labels_d, cu_d = replicas[plan.topology.dp_rank]
+        batch = usp.models.shard_batch(plan, ids_d, labels=labels_d, cu_seqlens=cu_d, shift=False)
+        loss = model(batch.input_ids, **batch.model_kwargs(), num_items_in_batch=total_labels)
+        loss.backward()
+        losses = [None] * 4  # (replica, its loss) of every rank
+        dist.all_gather_object(losses, (plan.topology.dp_rank, loss.item()))
+        grads = {}
+        for n, p in model.named_parameters():
+            grads[n] = p.grad.detach().clone()
+            dist.all_reduce(grads[n])  # every rank: both replicas' SP shares
+        results["dp2r2"] = {"losses": losses, "grads": grads}
     for ulysses, ring in ((2, 2), (1, 4)):
         plan = usp.Plan(topology(ulysses, ring), backend="math")
         model = usp.models.from_pretrained(ckpt, plan, dtype=torch.float64)
@@ -246,9 +335,22 @@ def test_aux_loss_on_4_ranks_matches_transformers(distributed, checkpoint):
     ids = global_batch(1, 40, seed=33)
     labels = sft_labels(ids, [3, 5], cu)
     expected = _reference(checkpoint, ids, labels, cu)
+    # dp2 x r2: two replicas' packed rows (documents of multiples of 2r = 4 tokens)
+    replicas = []
+    for seed, lengths, prompts in ((34, [8, 16], [2, 3]), (35, [12, 12], [4, 1])):
+        row, row_cu = global_batch(1, sum(lengths), seed=seed), cu_of(lengths)
+        replicas.append((row, sft_labels(row, prompts, row_cu), row_cu))
+    expected_dp = _replicas_reference(checkpoint, replicas)
     results = distributed.run(
-        sp_aux_case, str(checkpoint), ids, labels, cu, world_size=4, timeout=240
-    )[0]
+        sp_aux_case, str(checkpoint), ids, labels, cu, replicas, expected_dp["labels"],
+        world_size=4, timeout=240,
+    )[0]  # fmt: skip
+    dp = results.pop("dp2r2")
+    by_replica = {d: {loss for r, loss in dp["losses"] if r == d} for d in (0, 1)}
+    assert all(len(losses) == 1 for losses in by_replica.values()), dp["losses"]
+    step_loss = sum(losses.pop() for losses in by_replica.values())
+    assert abs(step_loss - expected_dp["loss"]) <= 1e-10 * expected_dp["loss"]
+    assert max(grad_errors(dp["grads"], expected_dp["grads"]).values()) <= 1e-10
     for grid, result in results.items():
         assert len(set(result["losses"])) == 1, (grid, result["losses"])
         assert abs(result["losses"][0] - expected["loss"]) <= 1e-10 * expected["loss"], grid

@@ -10,7 +10,7 @@ from planner_cases import target_of, write_config
 
 from usp.cli import main
 from usp.models import Levers
-from usp.planner.footprint import Layout
+from usp.planner.footprint import Choice
 from usp.planner.measure import measure, measure_scaled
 from usp.planner.traffic import fsdp_traffic
 from usp.planner.validate import real_peak
@@ -21,37 +21,37 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 # ----------------------------------------------------------------------------- depth
 @pytest.mark.parametrize(
-    "layout, checkpointing",
-    [(Layout(2, 2, 1, Levers(True)), True), (Layout(1, 2, 2, Levers(False)), False)],
+    "choice, checkpointing",
+    [(Choice(2, 2, 1, Levers(True)), True), (Choice(1, 2, 2, Levers(False)), False)],
 )
-def test_scaled_depth_equals_a_full_depth_run(tmp_path, layout, checkpointing):
+def test_scaled_depth_equals_a_full_depth_run(tmp_path, choice, checkpointing):
     """Measured at 3 and 4 layers and extrapolated to 6, every phase's peak (and each
     part of its breakdown) equals a 6-layer run byte for byte."""
     path = write_config(tmp_path, layers=6, seq_len=256, global_batch=2, layout="contiguous")
     target = target_of(path, 4)
-    full = measure(target, layout)
-    scaled = measure_scaled(target, layout)
+    full = measure(target, choice)
+    scaled = measure_scaled(target, choice)
     assert full.layers == scaled.layers == 6
     assert [p.device for p in scaled.phases] == [p.device for p in full.phases]
     assert [p.breakdown for p in scaled.phases] == [p.breakdown for p in full.phases]
     assert scaled.peak_device == full.peak_device > 0
     # what the extrapolation must get right: deeper is more memory, also in backward
-    shallow = measure(target, layout, layers=3)
+    shallow = measure(target, choice, layers=3)
     assert full.peak_device > shallow.peak_device
 
 
 # ----------------------------------------------------------------------------- real step
 @pytest.mark.parametrize(
-    "layout, ring_impl",
-    [(Layout(2, 2, 1, Levers(True)), "p2p"), (Layout(1, 4, 1, Levers(False)), "allgather")],
+    "choice, ring_impl",
+    [(Choice(2, 2, 1, Levers(True)), "p2p"), (Choice(1, 4, 1, Levers(False)), "allgather")],
 )
-def test_estimate_matches_what_a_real_cpu_step_allocates(tmp_path, layout, ring_impl):
+def test_estimate_matches_what_a_real_cpu_step_allocates(tmp_path, choice, ring_impl):
     """The same step run for real, its peak from torch.profiler's allocator events (not
     the tracker): the fake-tensor estimate is within 10% (measured: 0.995 and 0.998)."""
     path = write_config(tmp_path, seq_len=4096, ring_impl=ring_impl)
     target = target_of(path, 4)
-    estimate = measure(target, layout).peak_device
-    real = real_peak(target, layout)
+    estimate = measure(target, choice).peak_device
+    real = real_peak(target, choice)
     assert real > 1_000_000  # a real step of 1024 tokens per rank, not an empty profile
     assert 0.9 <= estimate / real <= 1.1, (estimate, real)
 
@@ -65,8 +65,8 @@ def test_offloaded_layer_inputs_count_as_host_memory_not_device(tmp_path):
     layers, seq_len, world = 3, 1024, 4
     path = write_config(tmp_path, layers=layers, seq_len=seq_len)
     target = target_of(path, world, device="cuda")
-    on_device = measure(target, Layout(2, 2, 1, Levers(True)))
-    offloaded = measure(target, Layout(2, 2, 1, Levers("offload")))
+    on_device = measure(target, Choice(2, 2, 1, Levers(True)))
+    offloaded = measure(target, Choice(2, 2, 1, Levers("offload")))
     per_layer = (seq_len // world) * target.model.hidden_size * 2  # bf16 [tokens, hidden]
     forward, backward = 0, 1  # phases: forward 0, backward 0, clip, optimizer
     assert on_device.phases[forward].device - offloaded.phases[forward].device == (
@@ -84,7 +84,7 @@ def test_offloaded_layer_inputs_count_as_host_memory_not_device(tmp_path):
     # the same measured at depth 3 and 4 and extrapolated: the host line continues too
     deep = write_config(tmp_path, layers=6, seq_len=seq_len)
     scaled = measure_scaled(
-        target_of(deep, world, device="cuda"), Layout(2, 2, 1, Levers("offload"))
+        target_of(deep, world, device="cuda"), Choice(2, 2, 1, Levers("offload"))
     )
     assert scaled.peak_host == 6 * per_layer
 
@@ -148,14 +148,14 @@ def test_plan_json_ranks_every_layout_and_finds_the_longest_sequence(tmp_path, c
     # the longest fitting sequence: a multiple of the layout's need, longer than 512 here
     assert plan["max_seq_len"] > 512 and plan["max_seq_len"] % 4 == 0
     # ... with the layout and levers that reach it, and that layout measured there
-    layout = plan["max_seq_len_layout"]
-    assert set(layout) == {
+    choice = plan["max_seq_len_layout"]
+    assert set(choice) == {
         "ulysses", "ring", "dp", "activation_checkpointing", "mlp_tile_tokens",
         "attention_head_chunks", "offload_optimizer", "offload_parameters",
     }  # fmt: skip
     at_longest = plan["max_seq_len_candidate"]
-    assert {k: at_longest[k] for k in layout} == layout and at_longest["fits"]
-    sp = layout["ulysses"] * layout["ring"]
+    assert {k: at_longest[k] for k in choice} == choice and at_longest["fits"]
+    sp = choice["ulysses"] * choice["ring"]
     assert at_longest["tokens_per_rank"] * sp == plan["max_seq_len"]
 
 
@@ -198,7 +198,7 @@ def test_plan_check_script_compares_on_this_device(tmp_path):
 # ----------------------------------------------------------------------------- cluster keys
 def test_cluster_keys_set_the_memory_limit_and_the_links(tmp_path):
     from usp.planner.plan import _cluster
-    from usp.planner.search import Layout, comm_bytes, step_time
+    from usp.planner.search import Choice, comm_bytes, step_time
 
     text = write_config(tmp_path, gpus=4, global_batch=2).read_text().replace(
         "gpus_per_node = 4", 'gpus_per_node = 4\ngpu = "A100"\nintra_node_gbps = 100\ninter_node_gbps = 5'
@@ -211,7 +211,7 @@ def test_cluster_keys_set_the_memory_limit_and_the_links(tmp_path):
     assert (cluster.intra_node_gbps, cluster.inter_node_gbps) == (100, 5)
     # a ring across the two nodes is bound by the 5 GB/s link, one inside a node is not
     target = target_of(path, 8, device="cuda")
-    across, inside = Layout(4, 2, 1), Layout(4, 1, 2)
+    across, inside = Choice(4, 2, 1), Choice(4, 1, 2)
     sent = comm_bytes(target, across)
     assert sent["attention_p2p"] > 0 and sent["attention_all_to_all"] > 0
     slow = step_time(target, across, cluster, sent)
@@ -258,10 +258,10 @@ class LinearMemory:
         )  # fmt: skip
         self.asked: list[int] = []
 
-    def want(self, layout, seq_len, *, urgent=False):
+    def want(self, choice, seq_len, *, urgent=False):
         pass
 
-    def footprint(self, layout, seq_len):
+    def footprint(self, choice, seq_len):
         from usp.planner.footprint import Footprint, Phase
 
         self.asked.append(seq_len)
@@ -286,19 +286,19 @@ def test_the_longest_sequence_is_where_the_first_limit_binds(
     from usp.planner import search
 
     target = target_of(write_config(tmp_path, gpus=2, seq_len=256), 2)
-    layout = Layout(1, 2, 1, Levers(True))
-    multiple = search.sequence_multiple(layout, target.job)  # 4: zigzag on a ring of 2
+    choice = Choice(1, 2, 1, Levers(True))
+    multiple = search.sequence_multiple(choice, target.job)  # 4: zigzag on a ring of 2
     cluster = search.Cluster(1, 2, gpu_memory_gib=1.0, host_memory_gib=2.0)
     measured = LinearMemory(device_per_token, host_per_token, base=3 * 2**20)
-    longest, chosen = search.max_seq_len(target, [layout], cluster, measured)
-    budget = search.overheads(target, layout, cluster).budget()
+    longest, chosen = search.max_seq_len(target, [choice], cluster, measured)
+    budget = search.overheads(target, choice, cluster).budget()
 
     def fits(s):
         return search.judge(
-            measured.footprint(layout, s), search.overheads(target, layout, cluster)
+            measured.footprint(choice, s), search.overheads(target, choice, cluster)
         )[0]
 
-    assert chosen == layout and longest % multiple == 0
+    assert chosen == choice and longest % multiple == 0
     assert fits(longest) and not fits(longest + multiple)
     device_limit = budget.device_peak_limit - 3 * 2**20  # (a CPU rank: 99% of its share)
     host_limit = budget.host_peak_limit  # 2 GiB per node over 2 ranks
@@ -318,18 +318,18 @@ def test_a_pessimistic_line_is_corrected_by_measuring(tmp_path):
     from usp.planner.footprint import Footprint, Phase
 
     class Bent(LinearMemory):
-        def footprint(self, layout, seq_len):
+        def footprint(self, choice, seq_len):
             self.asked.append(seq_len)
             slope = 2**19  # per token past 256: half the line's slope below it
             device = 2**20 * min(seq_len, 256) + slope * max(0, seq_len - 256)
             return Footprint((Phase(device, 0),), layers=2)
 
     target = target_of(write_config(tmp_path, gpus=2, seq_len=256), 2)
-    layout = Layout(1, 2, 1, Levers(True))
+    choice = Choice(1, 2, 1, Levers(True))
     cluster = search.Cluster(1, 2, gpu_memory_gib=1.0, host_memory_gib=2.0)
     measured = Bent(0, 0)
-    longest, _ = search.max_seq_len(target, [layout], cluster, measured, rounds=6)
-    limit = search.overheads(target, layout, cluster).budget().device_peak_limit
+    longest, _ = search.max_seq_len(target, [choice], cluster, measured, rounds=6)
+    limit = search.overheads(target, choice, cluster).budget().device_peak_limit
     expected = int(256 + (limit - 2**28) // 2**19) // 4 * 4
     assert longest == expected
 
@@ -352,27 +352,27 @@ def test_the_search_steps_down_a_pinned_rounding_cliff(tmp_path, monkeypatch, pi
     from usp.planner.measure import offload_rounding
 
     target = target_of(write_config(tmp_path, gpus=2, seq_len=4096), 2, device="cuda")
-    layout = Layout(1, 2, 1, Levers("offload"))
+    choice = Choice(1, 2, 1, Levers("offload"))
     layers = target.model.num_hidden_layers
     block = target.model.hidden_size * 2 // 2  # bytes per global token of one block (bf16, sp 2)
 
     class Offloaded(LinearMemory):
         def footprint(self, layout_, seq_len):
             self.asked.append(seq_len)
-            rounding = offload_rounding(target, layout, seq_len, layers)
+            rounding = offload_rounding(target, choice, seq_len, layers)
             host = layers * block * seq_len  # the layer inputs, exactly
             return Footprint((Phase(2**20, host),), layers=layers, extras=Extras(pinned=rounding))
 
     measured = Offloaded(0, 0)
     cluster = search.Cluster(1, 2, 1000.0, 64.0, gpu="H100")  # 20 GiB of host per rank
-    limit = search.overheads(target, layout, cluster).budget().host_peak_limit
-    longest, chosen = search.max_seq_len(target, [layout], cluster, measured)
-    multiple = search.sequence_multiple(layout, target.job)
+    limit = search.overheads(target, choice, cluster).budget().host_peak_limit
+    longest, chosen = search.max_seq_len(target, [choice], cluster, measured)
+    multiple = search.sequence_multiple(choice, target.job)
 
     def host_total(s):
-        return measured.footprint(layout, s).host_total
+        return measured.footprint(choice, s).host_total
 
-    assert chosen == layout and host_total(longest) <= limit < host_total(longest + multiple)
+    assert chosen == choice and host_total(longest) <= limit < host_total(longest + multiple)
     boundary = limit / layers  # the largest power of two block that fits
     cliff = 2 ** math.floor(math.log2(boundary)) // block // multiple * multiple
     if not pieces:

@@ -22,7 +22,7 @@ from planner_cases import target_of_job
 from train_cases import base_config
 from usp_cases import topology
 
-from usp.planner.footprint import Layout
+from usp.planner.footprint import Choice
 from usp.planner.measure import measure
 from usp.train.components import build_plan
 from usp.train.config import train_config_from_dict
@@ -112,7 +112,7 @@ def planned_micro_batches(config: dict) -> list[list[int]]:
     fake process group)."""
     target = target_of_job(train_config_from_dict(config), 4)
     with MicroBatchLog() as log:
-        measure(target, Layout(2, 2, 1))
+        measure(target, Choice(2, 2, 1))
     return log.rows
 
 
@@ -136,9 +136,9 @@ def test_planned_memory_of_an_accumulated_step(tmp_path):
     holds the first one's gradients unsharded (world x the sharded gradient bytes, on 4
     ranks) and no sharded gradient; after the last micro-batch's sync the optimizer phase
     holds exactly what a one-micro-batch step's holds (sharded gradients only)."""
-    layout = Layout(2, 2, 1)
-    single = measure(target_of_job(train_config_from_dict(accumulating_config(1)), 4), layout)
-    double = measure(target_of_job(train_config_from_dict(accumulating_config(2)), 4), layout)
+    choice = Choice(2, 2, 1)
+    single = measure(target_of_job(train_config_from_dict(accumulating_config(1)), 4), choice)
+    double = measure(target_of_job(train_config_from_dict(accumulating_config(2)), 4), choice)
     sharded = single.phases[-1].breakdown["gradients"]
     assert sharded > 0 and single.phases[-1].breakdown.get("gradients_unsharded", 0) == 0
     # phases: forward 0, backward 0, [forward 1, backward 1,] clip, optimizer

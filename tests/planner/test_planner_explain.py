@@ -6,7 +6,7 @@ from planner_cases import target_of, write_config
 
 from usp.models import Levers
 from usp.planner.explain import NOT_CREATED, explain, main, text
-from usp.planner.footprint import Layout
+from usp.planner.footprint import Choice
 from usp.planner.measure import measure
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
@@ -19,15 +19,15 @@ def target(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "layout", [Layout(2, 2, 1, Levers(True)), Layout(1, 4, 1, Levers("offload", 64))]
+    "choice", [Choice(2, 2, 1, Levers(True)), Choice(1, 4, 1, Levers("offload", 64))]
 )
-def test_every_byte_of_each_phase_peak_is_attributed(target, layout):
+def test_every_byte_of_each_phase_peak_is_attributed(target, choice):
     """Each phase's groups add up to the tracker's peak, and per category to the planner's
     breakdown, byte for byte; only what existed before the step (the optimizer state
     of the first step) is not made by an op of the step; everything else names a usp
     source line or an autograd node (or FSDP's own buffers, outside usp)."""
-    explained = explain(target, layout, layers=2)
-    planned = measure(target, layout, layers=2)
+    explained = explain(target, choice, layers=2)
+    planned = measure(target, choice, layers=2)
     assert [e.device for e in explained] == [p.device for p in planned.phases]
     for e, phase in zip(explained, planned.phases):
         assert e.attributed == e.device == phase.device > 0
@@ -55,7 +55,7 @@ def test_the_command_prints_the_peak_table(tmp_path, capsys):
 
 
 def test_text_of_a_named_phase(target):
-    explained = explain(target, Layout(2, 2, 1, Levers(False)), layers=2)
+    explained = explain(target, Choice(2, 2, 1, Levers(False)), layers=2)
     assert text(explained, phase="forward 0", top=3).startswith("peak of forward 0:")
 
 
@@ -71,10 +71,10 @@ def test_the_norm_keeps_no_float32_copy_of_its_input(target, monkeypatch):
     from usp.models.norm import rms_norm_reference
 
     target = dataclasses.replace(target, job=target.job.with_overrides(seq_len=4096))
-    layout = Layout(1, 4, 1, Levers(True))
-    ours = measure(target, layout)
+    choice = Choice(1, 4, 1, Levers(True))
+    ours = measure(target, choice)
     monkeypatch.setattr(decoder, "rms_norm", rms_norm_reference)
-    plain = measure(target, layout)
+    plain = measure(target, choice)
     saved = (4096 // 4) * target.model.hidden_size * 4
     forward, backward = 0, 1
     assert plain.phases[forward].device - ours.phases[forward].device == saved
@@ -98,7 +98,7 @@ def test_attention_head_chunks_lower_the_planned_backward_peak(target):
     for chunks in (1, 2, 4):
         job = target.job.with_train(seq_len=4096)
         planned = measure(dataclasses.replace(target, job=job, model=model),
-                          Layout(1, 4, 1, Levers("offload", 256, chunks)))  # fmt: skip
+                          Choice(1, 4, 1, Levers("offload", 256, chunks)))  # fmt: skip
         peaks[chunks] = [p.device for p in planned.phases]
     forward, backward = 0, 1
     assert peaks[4][forward] <= peaks[2][forward] <= peaks[1][forward]
@@ -117,18 +117,18 @@ def test_levers_plan_script_measures_each_option(target, tmp_path):
     path = write_config(tmp_path, ulysses=2, ring=2, seq_len=1024, device="cuda")
     script = load_benchmark("levers_plan")
     # a GPU with 4 MiB left for the step after the planner's named overheads
-    costs = search.overheads(target, Layout(1, 4, 1), search.Cluster(1, 4, 100.0, 2048.0))
+    costs = search.overheads(target, Choice(1, 4, 1), search.Cluster(1, 4, 100.0, 2048.0))
     fixed = sum(i.nbytes for i in costs.device_fixed if i.name != "margin") / 2**30
     memory = (0.004 * (1 + costs.reserve_fraction) + fixed) / 0.99
     table = script.main([str(path), "--seq-lens", "512", "--grid", "1x4",
                          "--gpu-memory-gib", str(memory), "--only", "true:0"])  # fmt: skip
     assert len(table) == 1 and table[0]["activation_checkpointing"] is True
     job = target.job.with_overrides(seq_len=512)
-    planned = measure_scaled(dataclasses_replace(target, job), Layout(1, 4, 1, Levers(True)))
+    planned = measure_scaled(dataclasses_replace(target, job), Choice(1, 4, 1, Levers(True)))
     assert table[0][512][0] * 2**30 == planned.peak_device
     longest = table[0]["longest"]
     assert (
-        longest > 0 and longest % search.sequence_multiple(Layout(1, 4, 1, Levers(True)), job) == 0
+        longest > 0 and longest % search.sequence_multiple(Choice(1, 4, 1, Levers(True)), job) == 0
     )
 
 

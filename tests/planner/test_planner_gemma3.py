@@ -7,7 +7,7 @@ from __future__ import annotations
 from planner_cases import write_config
 
 from usp.models import PRESETS, Levers
-from usp.planner.footprint import Layout, Target
+from usp.planner.footprint import Choice, Target
 from usp.planner.measure import measure
 from usp.planner.search import lever_options, tiles_mlp
 from usp.planner.validate import real_peak
@@ -25,8 +25,8 @@ def test_gemma3_estimate_matches_a_real_step(tmp_path):
     """ulysses 2 x ring 2 with checkpointing, window 16 < 1024 local tokens: within 5%."""
     job = load_train_config(write_config(tmp_path, seq_len=4096))
     target = Target(job, PRESETS["gemma3-tiny"], 4, 4, "cpu")
-    layout = Layout(2, 2, 1, Levers(True))
-    estimate = measure(target, layout).peak_device
-    real = real_peak(target, layout)
+    choice = Choice(2, 2, 1, Levers(True))
+    estimate = measure(target, choice).peak_device
+    real = real_peak(target, choice)
     assert real > 1_000_000
     assert 0.95 <= estimate / real <= 1.05, (estimate, real)

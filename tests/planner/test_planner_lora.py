@@ -17,7 +17,7 @@ from planner_cases import target_of_job, write_config
 
 from usp.models import PRESETS, Levers, Lora, apply_lora, family_of
 from usp.models.norm import NORM_CHUNK_TOKENS
-from usp.planner.footprint import Layout
+from usp.planner.footprint import Choice
 from usp.planner.measure import measure
 from usp.train.config import load_train_config
 
@@ -37,8 +37,8 @@ def test_lora_footprint_counts_adapters_only(tmp_path):
     target = target_of_job(
         job.with_train(lora={"rank": 4, "targets": list(lora.targets)}), WORLD, "cuda"
     )
-    footprint = measure(target, Layout(2, 2, 1, Levers()))
-    full = measure(target_of_job(job, WORLD, "cuda"), Layout(2, 2, 1, Levers()))
+    footprint = measure(target, Choice(2, 2, 1, Levers()))
+    full = measure(target_of_job(job, WORLD, "cuda"), Choice(2, 2, 1, Levers()))
 
     config = PRESETS["tiny"].replace(num_hidden_layers=2)
     model = apply_lora(family_of(config).build(config, None), lora)
@@ -63,7 +63,7 @@ def test_representative_tiles_with_lora_give_the_full_loops_footprint(tmp_path):
     path = write_config(tmp_path, gpus=WORLD, seq_len=WORLD * per_rank, device="cuda")
     job = load_train_config(path).with_train(lora={"rank": 4, "dropout": 0.1})
     target = target_of_job(job, WORLD, "cuda")
-    layout = Layout(1, 4, 1, Levers("offload", 4096))
-    full = measure(target, layout, representative=False)
-    assert measure(target, layout, representative=True) == full
+    choice = Choice(1, 4, 1, Levers("offload", 4096))
+    full = measure(target, choice, representative=False)
+    assert measure(target, choice, representative=True) == full
     assert full.peak_host > 0

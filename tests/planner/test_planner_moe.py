@@ -8,7 +8,7 @@ from __future__ import annotations
 from planner_cases import write_config
 
 from usp.models import PRESETS, Levers, model_counts
-from usp.planner.footprint import Layout, Target
+from usp.planner.footprint import Choice, Target
 from usp.planner.measure import measure
 from usp.planner.report import PlanResult, _parameters
 from usp.planner.validate import real_peak
@@ -22,9 +22,9 @@ def test_moe_estimate_matches_a_real_step_whatever_the_routing(tmp_path):
     inside the whole suite (CI, 2026-12-03)."""
     job = load_train_config(write_config(tmp_path, seq_len=4096))
     target = Target(job, PRESETS["qwen3-moe-tiny"], 4, 4, "cpu")
-    layout = Layout(1, 4, 1, Levers(False))
-    estimate = measure(target, layout).peak_device
-    real = real_peak(target, layout)
+    choice = Choice(1, 4, 1, Levers(False))
+    estimate = measure(target, choice).peak_device
+    real = real_peak(target, choice)
     assert real > 1_000_000
     assert 0.98 <= estimate / real <= 1.10, (estimate, real)
 
@@ -46,8 +46,8 @@ def test_gpt_oss_estimate_matches_a_real_step(tmp_path):
     of a real step."""
     job = load_train_config(write_config(tmp_path, seq_len=2048))
     target = Target(job, PRESETS["gpt-oss-tiny"], 4, 4, "cpu")
-    layout = Layout(1, 4, 1, Levers(False))
-    estimate = measure(target, layout).peak_device
-    real = real_peak(target, layout)
+    choice = Choice(1, 4, 1, Levers(False))
+    estimate = measure(target, choice).peak_device
+    real = real_peak(target, choice)
     assert real > 500_000
     assert 0.98 <= estimate / real <= 1.02, (estimate, real)

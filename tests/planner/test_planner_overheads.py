@@ -13,13 +13,13 @@ import torch
 from planner_cases import target_of, write_config
 from torch.profiler import ProfilerActivity, profile
 
+from usp.config import allocator
 from usp.models import Levers
 from usp.models.offload import pinned_bytes
 from usp.planner import overheads, report, search
-from usp.planner.footprint import Extras, Footprint, Layout, Phase
+from usp.planner.footprint import Choice, Extras, Footprint, Phase
 from usp.planner.measure import measure
 from usp.planner.overheads import GIB, attention_workspace, communicators
-from usp.train import allocator
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
@@ -112,10 +112,10 @@ def test_the_workspace_counts_inside_the_measured_step(tmp_path, monkeypatch):
     from usp.planner import kernels
 
     target = target_of(write_config(tmp_path, layers=2, seq_len=2048), 4, device="cuda")
-    layout = Layout(1, 4, 1, Levers(True))
-    with_workspace = measure(target, layout)
+    choice = Choice(1, 4, 1, Levers(True))
+    with_workspace = measure(target, choice)
     monkeypatch.setattr(kernels, "attention_workspace", lambda *a, **k: 0)
-    without = measure(target, layout)
+    without = measure(target, choice)
     extras = with_workspace.extras
     assert extras.workspace > 0 and extras.workspace_call.startswith("flash backward")
     assert without.extras.workspace == 0
@@ -125,8 +125,8 @@ def test_the_workspace_counts_inside_the_measured_step(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- NCCL
-def _kinds(layout, per_node=8, nvswitch=True):
-    return {c.group: (c.size, c.kinds) for c in communicators(*layout, ranks_per_node=per_node,
+def _kinds(choice, per_node=8, nvswitch=True):
+    return {c.group: (c.size, c.kinds) for c in communicators(*choice, ranks_per_node=per_node,
                                                               nvswitch=nvswitch)}  # fmt: skip
 
 
@@ -148,11 +148,11 @@ def test_communicators_per_layout():
 
 
 # ----------------------------------------------------------------------------- budget
-def _h100(layout, **cluster):
+def _h100(choice, **cluster):
     target = target_of_cuda()
     values = dict(nodes=1, gpus_per_node=8, gpu_memory_gib=79.6, host_memory_gib=2048.0,
                   gpu="H100") | cluster  # fmt: skip
-    return target, search.overheads(target, layout, search.Cluster(**values))
+    return target, search.overheads(target, choice, search.Cluster(**values))
 
 
 def target_of_cuda():
@@ -163,8 +163,8 @@ def target_of_cuda():
 
 
 def test_the_budget_adds_every_item_and_judges_at_its_edge():
-    layout = Layout(1, 8, 1, Levers(True))
-    _, costs = _h100(layout)
+    choice = Choice(1, 8, 1, Levers(True))
+    _, costs = _h100(choice)
     names = [i.name for i in costs.device_fixed]
     assert names == ["NCCL communicators", "CUDA context and libraries", "margin"]
     budget = costs.budget()
@@ -227,13 +227,13 @@ def test_the_budget_is_the_sum_of_the_printed_lines():
     """Every line the report prints with "+" is in the budget the planner judges by:
     a footprint with a workspace (shown, inside the step), parameter offload copies
     (device, added) and pinned rounding (host, added), on an H100 node of 8."""
-    layout = Layout(2, 2, 2, Levers(True, offload_optimizer=True, offload_parameters=True))
-    _, costs = _h100(layout)
+    choice = Choice(2, 2, 2, Levers(True, offload_optimizer=True, offload_parameters=True))
+    _, costs = _h100(choice)
     cluster = search.Cluster(1, 8, 79.6, 2048.0, gpu="H100")
     extras = Extras(workspace=3 * GIB // 7, workspace_call="q [1, 4096, 8, 128]",
                     pinned=GIB // 3, offload_copies=5 * GIB // 4)  # fmt: skip
     footprint = Footprint((Phase(40 * GIB, 0), Phase(30 * GIB, 6 * GIB)), 1, extras=extras)
-    candidate = search.Candidate(layout, 4096, footprint, True, None, 1.0, overheads=costs)
+    candidate = search.Candidate(choice, 4096, footprint, True, None, 1.0, overheads=costs)
     names = _assert_budget_is_the_sum_of_the_printed_lines(candidate, cluster)
     assert {
         "+ parameter offload copies", "+ pinned rounding", "  attention kernel workspace"
@@ -245,7 +245,7 @@ def test_the_budget_is_the_sum_of_the_printed_lines():
 
 def test_a_cpu_rank_pays_only_the_margin(tmp_path):
     target = target_of(write_config(tmp_path, gpus=2), 2)
-    costs = search.overheads(target, Layout(1, 2, 1), search.Cluster(1, 2, 1.0, 2.0))
+    costs = search.overheads(target, Choice(1, 2, 1), search.Cluster(1, 2, 1.0, 2.0))
     assert [i.name for i in costs.items(0)] == ["margin"]
     assert costs.budget().device_peak_limit == GIB - int(0.01 * GIB)
 
@@ -257,7 +257,7 @@ def test_pinned_blocks_round_up_to_powers_of_two():
 def test_offloaded_layer_inputs_pay_the_pinned_rounding(tmp_path):
     layers, seq_len, world = 3, 1536, 4  # 384 tokens x hidden 64 x bf16 per layer: not 2^k
     target = target_of(write_config(tmp_path, layers=layers, seq_len=seq_len), world, "cuda")
-    footprint = measure(target, Layout(2, 2, 1, Levers("offload")))
+    footprint = measure(target, Choice(2, 2, 1, Levers("offload")))
     block = seq_len // world * target.model.hidden_size * 2
     assert footprint.extras.pinned == layers * (pinned_bytes(block) - block) > 0
     assert footprint.host_total == footprint.peak_host + footprint.extras.pinned
@@ -270,10 +270,10 @@ def test_parameter_offload_moves_the_training_state_to_the_host(tmp_path):
     that are not powers of two, so pinning them costs a rounding)."""
     path = write_config(tmp_path, layers=3, seq_len=1024, extra_model="intermediate_size = 96")
     target = target_of(path, 4, device="cuda")
-    plain = measure(target, Layout(2, 2, 1, Levers(True)))
-    optimizer = measure(target, Layout(2, 2, 1, Levers(True, offload_optimizer=True)))
+    plain = measure(target, Choice(2, 2, 1, Levers(True)))
+    optimizer = measure(target, Choice(2, 2, 1, Levers(True, offload_optimizer=True)))
     both = measure(
-        target, Layout(2, 2, 1, Levers(True, offload_optimizer=True, offload_parameters=True))
+        target, Choice(2, 2, 1, Levers(True, offload_optimizer=True, offload_parameters=True))
     )
     state = plain.phases[-1].breakdown["optimizer_state"]
     assert state > 0 and plain.peak_host == 0
@@ -285,10 +285,10 @@ def test_parameter_offload_moves_the_training_state_to_the_host(tmp_path):
     assert both.phases[-1].device < optimizer.phases[-1].device
     assert both.extras.offload_copies > 0 and optimizer.extras.offload_copies == 0
     assert both.extras.pinned > 0  # FSDP pins each shard and gradient on CUDA
-    layout = Layout(2, 2, 1, Levers(True, offload_optimizer=True, offload_parameters=True))
+    choice = Choice(2, 2, 1, Levers(True, offload_optimizer=True, offload_parameters=True))
     cluster = search.Cluster(1, 4, 79.6, 2048.0, gpu="H100")
-    costs = search.overheads(target, layout, cluster)
-    candidate = search.Candidate(layout, 1024, both, True, None, 1.0, overheads=costs)
+    costs = search.overheads(target, choice, cluster)
+    candidate = search.Candidate(choice, 1024, both, True, None, 1.0, overheads=costs)
     names = _assert_budget_is_the_sum_of_the_printed_lines(candidate, cluster)
     assert "+ parameter offload copies" in names, names
 

@@ -23,14 +23,14 @@ def test_progress_best_row_and_columns(tmp_path, capsys):
         r"usp plan: measuring one rank's training step under fake tensors for (\d+) layouts at "
         r"128 tokens .*", lines[0]
     ), lines[0]  # fmt: skip
-    layouts = int(re.search(r"for (\d+) layouts", lines[0]).group(1))
+    choices = int(re.search(r"for (\d+) layouts", lines[0]).group(1))
     counts = [
         tuple(map(int, re.match(r"  \[(\d+)/(\d+)\] ulysses", line).groups())) for line in lines[1:]
     ]
     assert [done for done, _ in counts] == list(range(1, len(counts) + 1)), "n counts up by one"
     assert all(done <= asked for done, asked in counts) and counts[-1][0] == counts[-1][1]
-    assert counts[0][1] == layouts, "m starts at the layouts asked for; the search adds more"
-    assert len(counts) > layouts, "the longest-sequence search's measurements are shown too"
+    assert counts[0][1] == choices, "m starts at the layouts asked for; the search adds more"
+    assert len(counts) > choices, "the longest-sequence search's measurements are shown too"
     # the table: the best row (the first, fitting and fastest) marked, every column explained
     table = out[out.index("  # ulysses") :].splitlines()
     rows = [line for line in table[1:] if re.match(r"[ *] *\d+ ", line)]

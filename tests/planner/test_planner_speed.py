@@ -14,7 +14,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from usp.cli import main
 from usp.errors import InputError
 from usp.models import Levers
-from usp.planner.footprint import Layout
+from usp.planner.footprint import Choice
 from usp.planner.measure import measure, measure_scaled
 from usp.planner.pool import Measurements, WorkerError, default_jobs
 from usp.planner.tracker import PlanningTracker, returns_no_tensor
@@ -47,26 +47,26 @@ class CountingTracker(PlanningTracker):
 
 
 @pytest.mark.parametrize(
-    "layout, device, global_batch",
+    "choice, device, global_batch",
     [
-        (Layout(2, 2, 1, Levers(True)), "cpu", 1),
-        (Layout(1, 4, 1, Levers("offload", 64)), "cuda", 1),  # bf16, host stand-in, MLP tiles
-        (Layout(4, 1, 1, Levers(False)), "cuda", 2),  # two micro-batches
+        (Choice(2, 2, 1, Levers(True)), "cpu", 1),
+        (Choice(1, 4, 1, Levers("offload", 64)), "cuda", 1),  # bf16, host stand-in, MLP tiles
+        (Choice(4, 1, 1, Levers(False)), "cuda", 2),  # two micro-batches
     ],
 )
 def test_planning_tracker_footprint_equals_the_plain_trackers(
-    tmp_path, layout, device, global_batch
+    tmp_path, choice, device, global_batch
 ):
     """Every phase's device and host peak and its breakdown, byte for byte."""
     path = write_config(tmp_path, seq_len=1024, global_batch=global_batch)
     target = target_of(path, 4, device)
     CountingTracker.fast = 0
-    fast = measure(target, layout, tracker=CountingTracker)
-    plain = measure(target, layout, tracker=FSDPMemTracker)
+    fast = measure(target, choice, tracker=CountingTracker)
+    plain = measure(target, choice, tracker=FSDPMemTracker)
     assert CountingTracker.fast > 100  # the fast path ran (every .device query is one)
     assert fast == plain
     assert fast.peak_device > 0 and len(fast.phases) == 2 * global_batch + 2
-    if layout.levers.activation_checkpointing == "offload":
+    if choice.levers.activation_checkpointing == "offload":
         assert fast.peak_host > 0
 
 
@@ -81,21 +81,21 @@ class OpCountingTracker(PlanningTracker):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def _ops_and_footprint(target, layout, representative):
+def _ops_and_footprint(target, choice, representative):
     OpCountingTracker.ops = 0
-    footprint = measure(target, layout, tracker=OpCountingTracker, representative=representative)
+    footprint = measure(target, choice, tracker=OpCountingTracker, representative=representative)
     return OpCountingTracker.ops, footprint
 
 
 @pytest.mark.parametrize(
-    "layout, device, global_batch",
+    "choice, device, global_batch",
     [
-        (Layout(2, 2, 1, Levers(True)), "cpu", 1),
-        (Layout(1, 4, 1, Levers("offload", 8192)), "cuda", 1),  # bf16, host stand-in, MLP tiles
-        (Layout(4, 1, 1, Levers(False)), "cuda", 2),  # two micro-batches
+        (Choice(2, 2, 1, Levers(True)), "cpu", 1),
+        (Choice(1, 4, 1, Levers("offload", 8192)), "cuda", 1),  # bf16, host stand-in, MLP tiles
+        (Choice(4, 1, 1, Levers(False)), "cuda", 2),  # two micro-batches
     ],
 )
-def test_representative_tiles_give_the_full_loops_footprint(tmp_path, layout, device, global_batch):
+def test_representative_tiles_give_the_full_loops_footprint(tmp_path, choice, device, global_batch):
     """usp.models.tiling: with 3.5 tiles of RMSNorm (8192 tokens) per rank, the first and
     the last tile give every phase's peak and breakdown of all of them, byte for byte,
     with fewer ops."""
@@ -104,8 +104,8 @@ def test_representative_tiles_give_the_full_loops_footprint(tmp_path, layout, de
     per_rank = 3 * NORM_CHUNK_TOKENS + NORM_CHUNK_TOKENS // 2
     path = write_config(tmp_path, seq_len=4 * per_rank, global_batch=global_batch)
     target = target_of(path, 4, device)
-    full_ops, full = _ops_and_footprint(target, layout, representative=False)
-    fewer_ops, representative = _ops_and_footprint(target, layout, representative=True)
+    full_ops, full = _ops_and_footprint(target, choice, representative=False)
+    fewer_ops, representative = _ops_and_footprint(target, choice, representative=True)
     assert representative == full
     assert fewer_ops < full_ops  # (the mode took effect: the middle tiles did not run)
 
@@ -140,14 +140,14 @@ def test_the_plan_does_not_depend_on_the_number_of_jobs(tmp_path, capsys):
 def test_scaled_footprints_from_workers_equal_the_in_process_ones(tmp_path):
     """Depth-scaled (3 and 4 layers of 6, both in one worker), two lengths, two jobs."""
     target = target_of(write_config(tmp_path, layers=6, seq_len=256), 4)
-    layout = Layout(2, 2, 1, Levers(True))
+    choice = Choice(2, 2, 1, Levers(True))
     with Measurements(target, jobs=2) as measured:
-        measured.want(layout, 256)
-        measured.want(layout, 512, urgent=True)
-        got = {s: measured.footprint(layout, s) for s in (256, 512)}
+        measured.want(choice, 256)
+        measured.want(choice, 512, urgent=True)
+        got = {s: measured.footprint(choice, s) for s in (256, 512)}
         assert measured.runs == 4  # 2 lengths x depths 3 and 4
     for seq_len, footprint in got.items():
-        assert footprint == measure_scaled(target.at(seq_len), layout)
+        assert footprint == measure_scaled(target.at(seq_len), choice)
         assert footprint.layers == 6
 
 
@@ -172,14 +172,14 @@ def test_an_error_in_a_worker_ends_the_plan_as_it_does_in_process(tmp_path, caps
 
 def test_a_worker_that_dies_ends_the_plan_with_a_message(tmp_path):
     target = target_of(write_config(tmp_path, seq_len=256), 4)
-    layout = Layout(2, 2, 1, Levers(True))
+    choice = Choice(2, 2, 1, Levers(True))
     measured = Measurements(target, jobs=2)
-    measured.want(layout, 256)
-    measured.want(Layout(1, 4, 1, Levers(True)), 256)
+    measured.want(choice, 256)
+    measured.want(Choice(1, 4, 1, Levers(True)), 256)
     for process in list(measured._executor._processes.values()):
         os.kill(process.pid, signal.SIGKILL)
     with pytest.raises(WorkerError, match="worker process died .* rerun with --jobs 1"):
-        measured.footprint(layout, 256)
+        measured.footprint(choice, 256)
     measured.close()  # (closed already: a no-op)
 
 
@@ -199,12 +199,12 @@ def test_the_search_also_takes_a_plain_dict_as_its_cache(tmp_path):
 
     target = target_of(write_config(tmp_path, gpus=2, seq_len=256), 2)
     cluster = search.Cluster(1, 2, 0.01, 64.0)
-    layouts = [Layout(1, 2, 1, Levers(True))]
+    choices = [Choice(1, 2, 1, Levers(True))]
     cache: dict = {}
     with Measurements(target, jobs=1) as measured:
-        assert search.evaluate(target, layouts[0], cluster, cache) == search.evaluate(
-            target, layouts[0], cluster, measured
+        assert search.evaluate(target, choices[0], cluster, cache) == search.evaluate(
+            target, choices[0], cluster, measured
         )
-        longest = search.max_seq_len(target, layouts, cluster, measured)
-    assert search.max_seq_len(target, layouts, cluster, cache) == longest
-    assert longest[0] > 256 and (layouts[0], 256) in cache
+        longest = search.max_seq_len(target, choices, cluster, measured)
+    assert search.max_seq_len(target, choices, cluster, cache) == longest
+    assert longest[0] > 256 and (choices[0], 256) in cache

@@ -521,3 +521,40 @@ def test_config_overrides_never_clash_with_a_parameter_name(tmp_path):
             assert read(steps=3).train.steps == 3
             with pytest.raises(ConfigError, match=r"\[data\] source must be one of"):
                 read(source="nowhere")
+
+
+def test_config_json_is_read_once_per_start(tmp_path, monkeypatch):
+    """usp train reads a checkpoint's config.json once (:func:`model_source`) and hands
+    it on: the plan's head counts (``topology_config``) and the one-process weights
+    (``build_model`` -> ``from_pretrained``) read no file again; the same from_pretrained
+    without the file config reads it, and builds the same model."""
+    import torch
+
+    import usp.models.config as model_config
+    import usp.models.family as family
+    from usp.models import PRESETS, Llama
+    from usp.plan import Plan
+    from usp.train.components import build_model
+
+    torch.manual_seed(0)
+    Llama(PRESETS["tiny"]).save_pretrained(tmp_path / "model")
+    text = MINIMAL.replace('preset = "tiny"', f'path = "{tmp_path / "model"}"')
+    job = load_train_config(write(tmp_path, text))
+    reads = []
+    real = model_config.read_config_json
+
+    def counted(path):
+        reads.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(model_config, "read_config_json", counted)
+    monkeypatch.setattr(family, "read_config_json", counted)
+    source = model_source(job)
+    assert reads == ["config.json"] and source.file_config == source.config
+    topology_config(job, source)
+    model = build_model(job, source, Plan(None))
+    assert reads == ["config.json"], "nothing read config.json a second time"
+    again = Llama.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    assert reads == ["config.json"] * 2  # (without file_config= it reads the file)
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name

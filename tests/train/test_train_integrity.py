@@ -630,10 +630,10 @@ def test_sigterm_during_a_save_stops_at_that_checkpoint(distributed, tmp_path, c
 
 
 # ----------------------------------------------------------------------------- torchrun
-def _usp_train(config: Path, out: Path, *flags: str) -> list[str]:
+def _usp_train(config: Path, out: Path, *flags: str, nproc: int = 4) -> list[str]:
     port = free_port()
     return torchrun(
-        "--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(port),
+        "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
         "--shutdown-timeout", "60",
         "-m", "usp", "train", str(config), "--output", str(out), "--device", "cpu", *flags,
     )  # fmt: skip
@@ -669,7 +669,9 @@ def test_under_torchrun_damage_is_reported_and_repaired_without_a_traceback(tmp_
     bad = tmp_path / "bad"
     (bad / "metrics.jsonl").mkdir(parents=True)
     started = time.monotonic()
-    (result,) = run_agents([_usp_train(config, bad)], tmp_path, LAUNCH_TIMEOUT_S)
+    two_ranks = ("--set", "cluster.gpus_per_node=2", "--ulysses", "2", "--ring", "1")
+    launch = _usp_train(config, bad, *two_ranks, nproc=2)  # the refusal needs no 4 ranks
+    (result,) = run_agents([launch], tmp_path, LAUNCH_TIMEOUT_S)
     text = result.stdout
     print(f"the refused launch took {time.monotonic() - started:.1f} s")
     assert result.returncode != 0

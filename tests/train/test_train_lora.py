@@ -222,10 +222,13 @@ def _bf16_steps(config):
     job = train_config_from_dict(config)
     plan = components.build_plan(job, topology(2, 2))
     source = components.model_source(job)
-    model = components.build_model(job, source, plan)
+    levers = components.train_levers(job)
+    model = components.build_model(job, source, plan, levers)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    sharded = fully_shard_model(model, plan.topology, compute_dtype=torch.bfloat16).module
-    optimizer = components.build_optimizer(job, sharded)
+    sharded = fully_shard_model(
+        model, plan.topology, levers=levers, compute_dtype=torch.bfloat16
+    ).module
+    optimizer = components.build_optimizer(job, sharded, levers)
     step = TrainStep(sharded, optimizer, grad_clip=job.train.grad_clip)
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(4))
     batch = usp.models.shard_batch(

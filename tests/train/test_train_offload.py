@@ -33,9 +33,10 @@ TIMEOUT = 240
 def _built(config: dict, plan, topo):
     job = train_config_from_dict(config)
     source = components.model_source(job)
-    model = components.build_model(job, source, plan)  # the preset, from [train] seed
-    sharded = fully_shard_model(model, topo, compute_dtype=torch.float32)
-    optimizer = components.build_optimizer(job, sharded.module)
+    levers = components.train_levers(job)
+    model = components.build_model(job, source, plan, levers)  # the preset, from [train] seed
+    sharded = fully_shard_model(model, topo, levers=levers, compute_dtype=torch.float32)
+    optimizer = components.build_optimizer(job, sharded.module, levers)
     step = TrainStep(sharded.module, optimizer, loss_scale=sharded.loss_scale, grad_clip=0.5)
     return job, sharded.module, optimizer, step
 

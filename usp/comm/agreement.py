@@ -53,6 +53,12 @@ def stable_hash(values: Sequence[int]) -> int:
     return acc - (1 << 64) if acc >= (1 << 63) else acc
 
 
+def can_agree(group) -> bool:
+    """Whether ranks of ``group`` can agree: agreement needs real collectives (not the
+    ``fake`` backend of emulations, where one process plays one rank)."""
+    return dist.get_backend(group) != "fake"
+
+
 def _device_for(group) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

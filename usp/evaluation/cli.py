@@ -30,8 +30,9 @@ from usp.evaluation.report import table, to_json, write_plots
 from usp.evaluation.runner import DEFAULT_DEPTHS, EvalSettings, check_settings, run_checks
 from usp.evaluation.target import eval_tokenizer, held_out_stream, load_model, resolve_target
 from usp.plan import Plan
+from usp.process_groups import SINGLE_PROCESS
 from usp.train.cli import _init_process_group, _teardown  # usp train's, shared
-from usp.train.components import DTYPES, default_compute_dtype
+from usp.train.components import TORCH_DTYPES, default_compute_dtype
 from usp.train.config import load_train_config
 from usp.train.setup import user_errors as user_error_kinds
 
@@ -92,7 +93,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--ring", type=int_or_auto, help='ring degree, int or "auto"')
     p.add_argument("--dp", type=int_or_auto, help="replicas sharing the sequences (default 1)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default=AUTO, help="bf16 on CUDA")
+    p.add_argument("--dtype", choices=["auto", *TORCH_DTYPES], default=AUTO, help="bf16 on CUDA")
     p.set_defaults(run=run)
     return p
 
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"usp eval: error: {err}", file=sys.stderr)
         return EXIT_USER
     user_errors = user_error_kinds()
-    topology, synchronised = None, True
+    topology, synchronised = SINGLE_PROCESS, True
     try:
         timeout = job.train.collective_timeout_s if job is not None else 600.0
         _init_process_group(device, timeout)
@@ -198,7 +199,7 @@ def _evaluate_on_plan(args, job, settings, user_errors, target, plan):
         stream, target_flags, data = held_out_stream(tokenizer, data=args.data, job=job)
         notes = check_settings(settings, plan, tokenizer, stream.numel())
         device = plan.default_device()
-        dtype = default_compute_dtype(device) if args.dtype == AUTO else DTYPES[args.dtype]
+        dtype = default_compute_dtype(device) if args.dtype == AUTO else TORCH_DTYPES[args.dtype]
         model = load_model(target, plan, device, dtype)
         loaded = model, tokenizer, stream, target_flags, data, notes
     except user_errors as err:

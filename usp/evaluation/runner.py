@@ -105,8 +105,7 @@ def run_checks(
     ``{"perplexity": {length: {...}}, "passkey": {length: {depth: accuracy}}}``."""
     device = next(model.parameters()).device
     topology = plan.topology
-    dp = 1 if topology is None else topology.dp_degree
-    replica = 0 if topology is None else topology.dp_rank
+    dp, replica = topology.dp_degree, topology.dp_rank
     stream, target = stream.to(device), target.to(device)
     items = _items(settings, stream.numel())
     buckets = settings.buckets
@@ -131,7 +130,7 @@ def run_checks(
             if plan.sp_group is not None and plan.sp_degree > 1:
                 dist.all_reduce(checks, group=plan.sp_group)  # this replica's ranks
             passed[li, di] += int(checks[0] == checks[1])
-    if topology is not None and topology.world_size > 1:
+    if topology.world_size > 1:
         dist.all_reduce(sums, group=topology.dp_sp_group)  # every token counted once
         dist.all_reduce(counts, group=topology.dp_sp_group)
         if dp > 1:

@@ -77,8 +77,9 @@ def levers_from_args(args: argparse.Namespace) -> Levers:
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """The launch's plan (:func:`usp.integrations.hf_setup.launch_plan`); collective
     under torchrun."""
-    if args.topology is not None:
-        return launch_plan(topology_file=args.topology)
+    topology_file = args.topology  # a topology config's path, or None
+    if topology_file is not None:
+        return launch_plan(topology_file=topology_file)
     return launch_plan(args.ulysses, args.ring, layout=args.layout)
 
 

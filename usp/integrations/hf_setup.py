@@ -65,18 +65,16 @@ def launch_plan(
 
 
 # ----------------------------------------------------------------------------- features
-def attention_window(config) -> int | None:
-    """The shortest attention window (sliding window or attention chunk) any of the
-    model's layers applies, as transformers reads its config; None: full attention."""
+def attention_chunk(config) -> int | None:
+    """The attention chunk (Llama 4's ``attention_chunk_size``) any of the model's layers
+    applies, as transformers reads its config; None: no chunked layer. (Causal sliding
+    windows are not here: the attention call gets ``sliding_window`` and USP attention
+    computes it exactly.)"""
     types = getattr(config, "layer_types", None)
-    windows = []
-    sliding = getattr(config, "sliding_window", None)
-    if sliding is not None and (types is None or "sliding_attention" in types):
-        windows.append(int(sliding))
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk is not None and (types is None or "chunked_attention" in types):
-        windows.append(int(chunk))
-    return min(windows) if windows else None
+        return int(chunk)
+    return None
 
 
 def feature_problems(model: nn.Module, levers: Levers, plan: Plan | None = None) -> list[str]:
@@ -105,13 +103,9 @@ def feature_problems(model: nn.Module, levers: Levers, plan: Plan | None = None)
             "(USP attention has no dropout)"
         )
     try:
-        layers = decoder_layers(model)
+        decoder_layers(model)  # what the levers act on
     except ModelConfigError as err:
         problems.append(str(err))
-        layers = []
-    attentions = [getattr(layer, "self_attn", None) for layer in layers]
-    if any(getattr(attention, "sinks", None) is not None for attention in attentions):
-        problems.append("attention sinks (per-head sink logits): USP attention has none")
     if levers.loss_chunk_tokens is not None:
         try:
             usp_hf.check_chunked_loss(model)
@@ -122,15 +116,16 @@ def feature_problems(model: nn.Module, levers: Levers, plan: Plan | None = None)
 
 def window_problem(config, seq_len: int) -> str | None:
     """Why a global sequence of ``seq_len`` tokens cannot be attended exactly by
-    ``config``'s layers (a window shorter than it), or None."""
-    window = attention_window(config)
-    if window is None or window >= seq_len:
+    ``config``'s layers (an attention chunk shorter than it), or None. Sliding windows
+    and attention sinks are computed exactly by USP attention."""
+    chunk = attention_chunk(config)
+    if chunk is None or chunk >= seq_len:
         return None
     return (
         f"a global sequence (or packed row) of {seq_len} tokens for a model whose layers "
-        f"attend within {window} "
-        "tokens (config.sliding_window / attention_chunk_size): USP attention computes full "
-        f"causal attention, exact only for sequences of at most {window} tokens; shorten the "
+        f"attend within chunks of {chunk} tokens (config.attention_chunk_size): USP "
+        "attention computes causal attention (with sliding windows), not chunked attention, "
+        f"exact for such layers only on sequences of at most {chunk} tokens; shorten the "
         "sequences (max_length) or train this model without usp"
     )
 
@@ -173,8 +168,8 @@ def prepare_model(
     if levers.loss_chunk_tokens is not None:
         usp_hf.add_loss_forward(model)
     sharded, scale = False, 1.0
-    if plan.topology is not None and plan.topology.world_size > 1:
-        scale = fully_shard_model(model, plan.topology).loss_scale
+    if plan.topology.world_size > 1:
+        scale = fully_shard_model(model, plan.topology, levers=levers).loss_scale
         sharded = True
         # transformers' Trainer then neither wraps the model in DDP nor shards it again
         # (its path for models sharded at load time: usp owns placement and reduction),

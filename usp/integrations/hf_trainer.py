@@ -14,15 +14,17 @@ What the mixin changes in a Trainer (TRL's ``SFTTrainer`` included), and why:
   (:func:`usp.models.hf.sp_loss`, or the chunked :func:`usp.models.hf.causal_lm_loss`),
   so gradient accumulation and data parallelism are exact; the value returned for
   logging is summed over the replicas, so HF's mean over processes logs the global loss.
-* **errors**: a batch one replica cannot train (left padding, a window shorter than
+* **errors**: a batch one replica cannot train (left padding, an attention chunk shorter than
   the sequence, SP ranks holding different batches) is agreed over the replicas before
   any collective of the step, so every rank raises the same error instead of hanging.
-* **saving**: the full state dict is gathered from the shards; rank 0 writes it.
+* **saving**: the full state dict is gathered from the shards (tied weights once, as
+  transformers saves them); rank 0 writes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -30,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.data import DataLoader, IterableDataset
 
 import usp.models.hf as usp_hf
-from usp.comm.agreement import agree
+from usp.comm.agreement import agree, can_agree
 from usp.errors import (
     ConfigError,
     InputError,
@@ -47,7 +49,8 @@ from usp.integrations.hf_setup import (
     window_problem,
 )
 from usp.models.hf_inputs import HFInputError
-from usp.plan import _can_agree, as_plan
+from usp.models.moe import sp_router_aux_loss, stats_from_router_logits
+from usp.plan import as_plan
 from usp.train.parallelize import set_gradient_sync
 
 #: error classes re-raised as themselves when the replicas agree on a failure
@@ -165,8 +168,8 @@ class UspTrainerMixin:
         sampler = DataParallelSampler(
             len(dataset),
             batch_size=batch_size,
-            dp_rank=0 if topology is None else topology.dp_rank,
-            dp_degree=1 if topology is None else topology.dp_degree,
+            dp_rank=topology.dp_rank,
+            dp_degree=topology.dp_degree,
             shuffle=shuffle,
             seed=self.args.seed if self.args.data_seed is None else self.args.data_seed,
             drop_last=self.args.dataloader_drop_last,
@@ -205,6 +208,7 @@ class UspTrainerMixin:
         this micro-batch's own count over the SP group."""
         plan = self.usp_plan
         error, batch = None, None
+        self._usp_last_aux = None  # this micro-batch's router aux loss, if any
         try:
             batch = global_batch(inputs, plan).shard(plan, pad_token_id=self._usp_pad_id())
             problem = window_problem(self.model.config, batch.input_ids.shape[1] * plan.sp_degree)
@@ -213,18 +217,55 @@ class UspTrainerMixin:
         except UspError as err:
             error = err
         self._usp_agree_replicas("usp: this micro-batch", error)
+        weight = self._usp_router_aux_weight(num_items_in_batch)
+        router_aux = None
+        if weight is not None:
+            router_aux = functools.partial(self._usp_router_aux, real=batch.real, weight=weight)
         chunk = self.usp_model.levers.loss_chunk_tokens
         if chunk is not None:
             loss = usp_hf.causal_lm_loss(
-                model, batch, plan, chunk_tokens=chunk, num_items_in_batch=num_items_in_batch
-            )
+                model, batch, plan, chunk_tokens=chunk, num_items_in_batch=num_items_in_batch,
+                router_aux=router_aux,
+            )  # fmt: skip
         else:
-            logits = model(**batch.hf_kwargs()).logits  # [B, S/P, V]
-            loss = usp_hf.sp_loss(logits, batch.labels, plan, num_items_in_batch=num_items_in_batch)
+            extra = {} if router_aux is None else {"output_router_logits": True}
+            out = model(**batch.hf_kwargs(), **extra)
+            loss = usp_hf.sp_loss(  # logits [B, S/P, V]
+                out.logits, batch.labels, plan, num_items_in_batch=num_items_in_batch
+            )
+            if router_aux is not None:
+                loss = loss + router_aux(out.router_logits).to(loss.dtype)
         self._usp_after_loss(inputs)
         if self.usp_model.loss_scale != 1.0:
             loss = loss * self.usp_model.loss_scale  # FSDP averages: undone here
         return (loss, None) if return_outputs else loss
+
+    # ------------------------------------------------------------------ the router's aux
+    def _usp_router_aux_weight(self, num_items_in_batch) -> float | None:
+        """The coefficient of a mixture-of-experts model's load-balancing loss in this
+        micro-batch's loss, None: no aux term. transformers' models add
+        ``router_aux_loss_coef`` x aux to each micro-batch's loss when the config has
+        ``output_router_logits`` (TRL's trainer overrides this)."""
+        config = self.model.config.get_text_config()
+        if not getattr(config, "output_router_logits", False):
+            return None
+        return float(config.router_aux_loss_coef)
+
+    def _usp_router_aux(self, router_logits, *, real, weight: float) -> torch.Tensor:
+        """``weight`` x the load-balancing loss of this micro-batch of every replica
+        (its router statistics summed over dp x sp: what one process computes for the
+        whole micro-batch; the pads usp added are left out). Its value is divided by dp
+        (the logged loss is summed over the replicas), its gradient is this rank's share
+        (FSDP2 sums the shares)."""
+        config = self.model.config.get_text_config()
+        stats = stats_from_router_logits(router_logits, config.num_experts_per_tok, real)
+        topology = self.usp_plan.topology
+        group, dp = None, 1
+        if topology.world_size > 1:
+            group, dp = topology.dp_sp_group, topology.dp_degree
+        aux = sp_router_aux_loss(stats, router_logits[0].shape[-1], group)
+        self._usp_last_aux = aux.detach()
+        return weight * (aux - aux.detach() * (1 - 1 / dp))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """HF's step (backward of this rank's share); returns the micro-batch's loss
@@ -257,7 +298,7 @@ class UspTrainerMixin:
     # ------------------------------------------------------------------ replicas
     def _usp_dp_group(self):
         topology = self.usp_plan.topology
-        if topology is None or topology.dp_degree == 1 or not _can_agree(topology.dp_group):
+        if topology.dp_degree == 1 or not can_agree(topology.dp_group):
             return None
         return topology.dp_group
 
@@ -314,6 +355,11 @@ class UspTrainerMixin:
         if self.usp_model.sharded and state_dict is None:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             state_dict = get_model_state_dict(self.model, options=options)
+            # gathered copies no longer share storage, by which transformers finds tied
+            # weights (tied embeddings): leave them out as its own save does
+            for target, source in getattr(self.model, "all_tied_weights_keys", {}).items():
+                if source in state_dict:
+                    state_dict.pop(target, None)
             if not self.args.should_save:
                 return
         super()._save(output_dir, state_dict=state_dict)

@@ -40,9 +40,24 @@ class UspSFTTrainer(UspTrainerMixin, trl.SFTTrainer):
             raise ConfigError("usp's SFTTrainer integration cannot use " + "; ".join(problems))
         super().__init__(model, args, *more, **kwargs)
 
+    def _usp_router_aux_weight(self, num_items_in_batch) -> float | None:
+        """TRL's weight of a mixture-of-experts model's aux loss: ``router_aux_loss_coef``
+        (SFTConfig's, else the config's), divided by the gradient accumulation steps when
+        the step's label count normalises the loss (TRL's rule)."""
+        if not getattr(self, "aux_loss_enabled", False):
+            return None
+        steps = 1
+        if num_items_in_batch is not None and self.model.training:
+            steps = self.current_gradient_accumulation_steps
+        return self.router_aux_loss_coef / steps
+
     def _usp_after_loss(self, inputs) -> None:
         """TRL's ``num_tokens`` metric: every replica's tokens once (a padded batch's
         real tokens, a padding-free batch's all)."""
+        mode = "train" if self.model.training else "eval"
+        aux = getattr(self, "_usp_last_aux", None)
+        if aux is not None and getattr(self, "aux_loss_enabled", False):
+            self._metrics[mode]["aux_loss"].append(aux.item())  # the whole micro-batch's
         if not self.model.training:
             return
         mask = inputs.get("attention_mask")

@@ -43,7 +43,7 @@ from usp.integrations.hf_plan import plan_config
 from usp.integrations.hf_setup import (
     PreparedModel,
     UnsupportedModelError,
-    attention_window,
+    attention_chunk,
     feature_problems,
     launch_plan,
     prepare_model,
@@ -71,7 +71,7 @@ __all__ = [
     "UnsupportedModelError",
     "UspTrainer",
     "UspTrainerMixin",
-    "attention_window",
+    "attention_chunk",
     "check_training_arguments",
     "feature_problems",
     "global_batch",

@@ -13,6 +13,7 @@ import warnings
 
 from usp.kernels.backends import registry
 from usp.kernels.backends.base import Backend, BackendFailure
+from usp.kernels.backends.registry import KernelRegistry
 from usp.kernels.selfcheck import spec_verdict
 from usp.kernels.spec import AttentionInputError, AttentionSpec, BackendUnavailableError
 
@@ -41,25 +42,29 @@ def unsupported_reason(impl: Backend, spec: AttentionSpec) -> str | None:
     return reason
 
 
-def select_backend(spec: AttentionSpec, backend: str = "auto") -> Backend:
+def select_backend(
+    spec: AttentionSpec, backend: str = "auto", kernels: KernelRegistry | None = None
+) -> Backend:
     """The backend that will run a call: the named one, or the fastest that supports it.
+    ``kernels``: the registry the names are looked up in (default: usp's).
 
     Runs no kernel except a backend's one-time self-check, so callers can use it to
     validate a call before any communication. Raises AttentionInputError for an unknown
     name and BackendUnavailableError (with every backend's reason) when nothing fits.
     """
+    kernels = registry.DEFAULT if kernels is None else kernels
     if backend == "auto":
-        return _select_auto(spec)
+        return _select_auto(spec, kernels)
     if backend not in registry.BACKEND_NAMES:
         raise AttentionInputError(
             f"unknown attention backend {backend!r}; valid names: "
             f"{', '.join(('auto',) + registry.BACKEND_NAMES)}"
         )
-    impl = registry.get(backend)
+    impl = kernels.get(backend)
     reason = unsupported_reason(impl, spec)
     if reason is not None:
         able = [
-            n for n in registry.BACKEND_NAMES if unsupported_reason(registry.get(n), spec) is None
+            n for n in registry.BACKEND_NAMES if unsupported_reason(kernels.get(n), spec) is None
         ]
         raise BackendUnavailableError(
             f"attention backend {backend!r} cannot run {_describe(spec)}: it {reason}. "
@@ -68,8 +73,8 @@ def select_backend(spec: AttentionSpec, backend: str = "auto") -> Backend:
     return impl
 
 
-def _auto_reason(name: str, spec: AttentionSpec) -> str | None:
-    reason = unsupported_reason(registry.get(name), spec)
+def _auto_reason(name: str, spec: AttentionSpec, kernels: KernelRegistry) -> str | None:
+    reason = unsupported_reason(kernels.get(name), spec)
     if reason is None and name == "math" and spec.device.type != "cpu":
         scores = spec.batch * spec.num_heads * spec.seqlen_q * spec.seqlen_k
         if scores > MATH_AUTO_MAX_SCORES:
@@ -81,17 +86,17 @@ def _auto_reason(name: str, spec: AttentionSpec) -> str | None:
     return reason
 
 
-def _select_auto(spec: AttentionSpec) -> Backend:
+def _select_auto(spec: AttentionSpec, kernels: KernelRegistry) -> Backend:
     order = registry.auto_order(spec.device)
     if spec.varlen:  # native varlen kernels first; others loop over documents
-        order = sorted(order, key=lambda name: not registry.get(name).supports_varlen)
+        order = sorted(order, key=lambda name: not kernels.get(name).supports_varlen)
     skipped = []
     for name in order:
-        reason = _auto_reason(name, spec)
+        reason = _auto_reason(name, spec, kernels)
         if reason is None:
             for skipped_name, skipped_reason in skipped:
                 _report_skip(skipped_name, skipped_reason, name, spec)
-            return registry.get(name)
+            return kernels.get(name)
         skipped.append((name, reason))
     raise BackendUnavailableError(
         f"no attention backend can run {_describe(spec)}. "

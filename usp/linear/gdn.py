@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from usp.comm.agreement import Field, agree, float_bits, stable_hash
+from usp.comm.agreement import Field, agree, can_agree, float_bits, stable_hash
 from usp.errors import InputError, ShardingError
 from usp.linear.kernel import (
     compute_dtype,
@@ -50,7 +50,6 @@ from usp.linear.kernel import (
 )
 from usp.linear.ring import Segments, conv_contexts, ring_all_gather, segment_tails, start_states
 from usp.packing import PackedSequence
-from usp.plan import _can_agree
 from usp.process_groups import HeadLayoutError, degrees
 from usp.ring.documents import Documents
 from usp.sharding import sequence_documents
@@ -192,7 +191,7 @@ def gated_deltanet_usp(
             )
     except (InputError, HeadLayoutError) as err:
         error = err
-    if plan is not None and plan.sp_degree > 1 and _can_agree(plan.sp_group):
+    if plan is not None and plan.sp_degree > 1 and can_agree(plan.sp_group):
         fields = _fields(
             q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents
         )

@@ -47,9 +47,11 @@ from usp.models.loss import (
     sp_normalise,
 )
 from usp.models.mistral import Mistral, MistralConfig
-from usp.models.plans import plan_argument
+from usp.models.plan_inputs import plan_argument
 from usp.models.qwen2 import Qwen2, Qwen2Config
 from usp.models.qwen3 import Qwen3, Qwen3Config
+from usp.models.qwen3_5 import Qwen3_5, Qwen3_5Config
+from usp.models.qwen3_5_moe import Qwen3_5Moe, Qwen3_5MoeConfig
 from usp.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 
 
@@ -89,6 +91,10 @@ __all__ = [
     "Qwen3Config",
     "Qwen3Moe",
     "Qwen3MoeConfig",
+    "Qwen3_5",
+    "Qwen3_5Config",
+    "Qwen3_5Moe",
+    "Qwen3_5MoeConfig",
     "Gemma3",
     "Gemma3Config",
     "ShardedBatch",

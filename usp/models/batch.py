@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from usp.comm.agreement import agree, stable_hash
+from usp.comm.agreement import agree, can_agree, stable_hash
 from usp.models.labels import IGNORE_INDEX, shift_labels
-from usp.plan import PackedSequence, _can_agree, as_plan, batch_field
+from usp.plan import PackedSequence, as_plan, batch_field, documents_field
 
 #: the modulus of the fingerprint's weighted sums (a prime: 2**31 - 1), small enough that
 #: every product and every sum of up to 2**32 terms stays inside int64
@@ -37,6 +37,9 @@ class ShardedBatch:
     #: the global batch's :func:`batch_fingerprint`, agreed by the SP ranks (None: not
     #: computed, in one process or where ranks cannot agree: the ``fake`` backend)
     fingerprint: int | None = None
+    #: [B, S/P] bool: False at the pads usp added to place documents on the layout
+    #: (:func:`usp.models.hf.shard_flattened`); None: every token is the data's
+    real: torch.Tensor | None = None
 
     def model_kwargs(self) -> dict:
         """Keyword arguments of a usp model (besides ``input_ids``)."""
@@ -73,7 +76,9 @@ def shard_batch(
     ``cu_seqlens``) and then sharded like the tokens; ``shift=False``: ``labels`` are
     already the globally shifted targets (a packer's output), sharded as they are.
     ``cu_seqlens``: int32 boundaries of a packed sequence (B = 1; collective: every SP
-    rank calls this with the same ones). ``device``: where the shards, the positions and
+    rank calls this with the same ones), or the :class:`usp.PackedSequence` ``plan.pack``
+    made of them (its tensors stay where it placed them; what a caller that packed
+    outside a fake-tensor mode passes in). ``device``: where the shards, the positions and
     the packed sequence's tensors go (default: ``input_ids``' device); the global batch
     is sharded where it is, so only a rank's share moves.
 
@@ -92,10 +97,16 @@ def shard_batch(
         raise ValueError("shift=False needs the shifted labels (labels=...)")
     device = input_ids.device if device is None else torch.device(device)
     fingerprint = None
-    if plan.sp_degree > 1 and _can_agree(plan.sp_group):
+    if plan.sp_degree > 1 and can_agree(plan.sp_group):
         fingerprint = batch_fingerprint(input_ids, labels)
     packed = None
-    if cu_seqlens is not None:  # one exchange agrees on the boundaries and the batch
+    if isinstance(cu_seqlens, PackedSequence):  # packed already: agree on it with the batch
+        packed = plan.packed_sequence(cu_seqlens, seq_len=input_ids.shape[1])
+        cu_seqlens = packed.cu_seqlens
+        if fingerprint is not None:
+            fields = [documents_field(packed.fingerprint), batch_field(fingerprint)]
+            agree(plan.sp_group, "shard_batch", fields)
+    elif cu_seqlens is not None:  # one exchange agrees on the boundaries and the batch
         packed = plan.pack(cu_seqlens, device=device, batch_fingerprint=fingerprint)
     elif fingerprint is not None:
         agree(plan.sp_group, "shard_batch", [batch_field(fingerprint)])

@@ -100,12 +100,17 @@ def _few(names, limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def load_pretrained(cls, path, plan=None, /, *, dtype=None, device=None, config=None, **kwargs):
+def load_pretrained(
+    cls, path, plan=None, /, *, dtype=None, device=None, config=None, file_config=None, **kwargs
+):
     """``cls.from_pretrained`` (``cls`` a family's model class): see
-    :meth:`usp.models.decoder.CausalLM.from_pretrained`."""
+    :meth:`usp.models.decoder.CausalLM.from_pretrained`. ``file_config``: the
+    directory's ``config.json`` as its caller read it already (``usp train`` reads it
+    once per rank); None reads it here."""
     safe_open, _ = _safetensors()
     directory = checkpoint_dir(path)
-    file_config = cls.config_class.from_json_file(directory / CONFIG_FILE)
+    if file_config is None:
+        file_config = cls.config_class.from_json_file(directory / CONFIG_FILE)
     if config is None:
         config = file_config
     else:  # new position settings only (context extension); the architecture is the file's

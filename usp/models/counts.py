@@ -32,6 +32,10 @@ class ModelCounts:
     experts: int = 0  # every expert's parameters, all layers (mixture-of-experts models)
     routed: int = 0  # the parameters of the experts one token is routed to, all layers
     windows: tuple[int | None, ...] = ()  # each layer's sliding window (empty: all full)
+    attention_layers: int | None = None  # layers with softmax attention (None: every layer)
+    #: forward FLOPs per token of the linear-attention layers' recurrences, all such layers
+    #: together (Gated DeltaNet: ``config.linear_flops_per_token()``; 0 without them)
+    linear_flops_per_token: int = 0
 
     @property
     def total(self) -> int:
@@ -53,8 +57,11 @@ class ModelCounts:
         """Forward + backward FLOPs of causal attention over documents whose squared
         lengths sum to ``square_tokens``: per document of ``n`` tokens and layer,
         ``QK^T`` and ``PV`` cost ``2 * n^2 * head_dim`` each per head, half of it visible
-        -> forward ``2 * n^2 * H * head_dim``, times 3 for forward + backward."""
-        return 6 * self.layers * self.heads * self.head_dim * square_tokens
+        -> forward ``2 * n^2 * H * head_dim``, times 3 for forward + backward; only on
+        the layers with softmax attention (a hybrid's linear-attention layers are linear
+        in ``n``: :attr:`linear_flops_per_token`)."""
+        layers = self.layers if self.attention_layers is None else self.attention_layers
+        return 6 * layers * self.heads * self.head_dim * square_tokens
 
     def training_flops(self, document_lengths: list[int]) -> float:
         """Forward + backward FLOPs of one packed row (backward = 2x forward; activation
@@ -64,7 +71,8 @@ class ModelCounts:
         square = sum(n * n for n in document_lengths)
         if any(w is not None for w in self.windows):  # sliding layers: mean over layers
             square = sum(_window_square(document_lengths, w) for w in self.windows) / self.layers
-        return 6 * self.matmul * tokens + self.attention_flops(square)
+        linear = 3 * self.linear_flops_per_token * tokens
+        return 6 * self.matmul * tokens + self.attention_flops(square) + linear
 
 
 def _window_square(lengths: list[int], window: int | None) -> int:
@@ -111,6 +119,10 @@ def model_counts(config) -> ModelCounts:
         windows=tuple(config.layer_window(i) for i in range(layers))
         if hasattr(config, "layer_window")
         else (),
+        attention_layers=getattr(config, "attention_layer_count", None),
+        linear_flops_per_token=(
+            config.linear_flops_per_token() if hasattr(config, "linear_flops_per_token") else 0
+        ),
     )
 
 

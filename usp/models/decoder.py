@@ -26,9 +26,9 @@ from usp.models import checkpoint as hf_checkpoint
 from usp.models.config import DecoderConfig
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, sp_cross_entropy
-from usp.models.moe import collect_router_stats, sp_router_aux_loss
+from usp.models.moe import collect_router_stats, note_aux_loss, sp_router_aux_loss
 from usp.models.norm import rms_norm
-from usp.models.plans import check_attention_options, check_heads, pack_once, plan_argument
+from usp.models.plan_inputs import check_attention_options, check_heads, pack_once, plan_argument
 from usp.models.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
 from usp.plan import as_plan
 
@@ -113,9 +113,12 @@ class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). (A tiled variant is a lever:
     :class:`usp.models.Levers` ``mlp_tile_tokens``.)"""
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, intermediate_size: int | None = None):
+        """``intermediate_size``: ``config.intermediate_size`` unless given (e.g. a
+        mixture-of-experts block's shared expert)."""
         super().__init__()
-        dim, hidden = config.hidden_size, config.intermediate_size
+        dim = config.hidden_size
+        hidden = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
@@ -347,6 +350,7 @@ class CausalLM(nn.Module):
         )
         if stats is not None and stats.probabilities:  # as transformers: CE + coef * aux
             aux = sp_router_aux_loss(stats, self.config.num_experts, self.plan.sp_group)
+            note_aux_loss(aux)  # the metrics' aux_loss column
             loss = loss + self.config.router_aux_loss_coef * aux.to(loss.dtype)
         return loss
 

@@ -20,9 +20,19 @@ from typing import Any
 from torch import nn
 
 from usp.errors import ModelConfigError
-from usp.models import gemma3, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_moe
+from usp.models import (
+    gemma3,
+    gpt_oss,
+    llama,
+    mistral,
+    qwen2,
+    qwen3,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_moe,
+)
 from usp.models.config import DecoderConfig, read_config_json
-from usp.models.plans import plan_argument
+from usp.models.plan_inputs import plan_argument
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily(qwen3_moe.Qwen3Moe),
     ModelFamily(gpt_oss.GptOss),
     ModelFamily(gemma3.Gemma3),
+    # (before qwen3_5: its classes subclass those, and family_of takes the first match)
+    ModelFamily(qwen3_5_moe.Qwen3_5Moe),
+    ModelFamily(qwen3_5.Qwen3_5),
 )
 
 #: every family's presets by name (names are unique across families)

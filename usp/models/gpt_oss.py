@@ -310,16 +310,24 @@ class GptOssExperts(Experts):
             hidden = clamped_swiglu(gate_up, self.alpha, self.limit)  # [M, I]
             out = torch._grouped_mm(hidden, self.down_proj, offs=offsets)  # [M, H]
             return out + self.down_proj_bias.index_select(0, row_experts)
+        # unbind once (as usp.models.moe's segments do): one backward writes every expert's
+        # gradient into one [E, ...] tensor, where indexing per expert would give each
+        # expert a full-size zero gradient
+        gate_ups, gate_up_biases, downs, down_biases = (
+            p.unbind(0)
+            for p in (
+                self.gate_up_proj,
+                self.gate_up_proj_bias,
+                self.down_proj,
+                self.down_proj_bias,
+            )
+        )
         outputs = []
         for expert, segment in enumerate(rows.split(segment_sizes(rows, counts))):
             if segment.shape[0]:
-                gate_up = torch.addmm(
-                    self.gate_up_proj_bias[expert], segment, self.gate_up_proj[expert]
-                )  # [n, 2I]
+                gate_up = torch.addmm(gate_up_biases[expert], segment, gate_ups[expert])  # [n, 2I]
                 hidden = clamped_swiglu(gate_up, self.alpha, self.limit)  # [n, I]
-                outputs.append(
-                    torch.addmm(self.down_proj_bias[expert], hidden, self.down_proj[expert])
-                )
+                outputs.append(torch.addmm(down_biases[expert], hidden, downs[expert]))  # [n, H]
         return torch.cat(outputs) if outputs else rows.new_zeros(rows.shape)
 
 
@@ -340,6 +348,7 @@ class GptOssMoE(SparseMoE):
             config.swiglu_alpha,
             config.swiglu_limit,
         )
+        self.shared_expert = self.shared_expert_gate = None  # gpt-oss has none
 
     def route(self, flat: torch.Tensor):
         return self.router(flat)

@@ -36,8 +36,10 @@ layout, labels shifted per document, ``usp_packed``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -226,7 +228,7 @@ def shard_flattened(
     (:func:`usp.pad_documents`; pads get ``pad_token_id`` and ignored labels), the labels
     are shifted per document on the global sequence and everything is sharded as
     :func:`usp.models.shard_batch` does; ``.hf_kwargs()`` then carries the packed
-    documents as ``usp_packed``. Collective (``plan.pack``): every SP rank calls it with
+    documents as ``usp_packed``, and ``.real`` marks the tokens that are not such pads. Collective (``plan.pack``): every SP rank calls it with
     the same batch."""
     plan = as_plan(plan)
     input_ids = batch["input_ids"]
@@ -243,9 +245,12 @@ def shard_flattened(
     ids = padding.apply(input_ids, pad_token_id)
     labels = batch.get("labels")
     labels = padding.apply(input_ids if labels is None else labels, ignore_index)
-    return shard_batch(
+    sharded = shard_batch(
         plan, ids, labels=labels, cu_seqlens=padding.cu_seqlens, ignore_index=ignore_index
     )
+    real = padding.apply(torch.ones_like(input_ids, dtype=torch.bool), False)  # [1, S']
+    real = plan.shard(real, packed=sharded.packed).to(sharded.input_ids.device)
+    return dataclasses.replace(sharded, real=real)
 
 
 def flattened_boundaries(batch: dict, total: int) -> torch.Tensor:
@@ -309,6 +314,9 @@ class LossRequest:
     ignore_index: int = IGNORE_INDEX
     chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS
     num_items_in_batch: int | float | torch.Tensor | None = None
+    #: a mixture-of-experts model's term added to the loss: called with the decoder's
+    #: router logits (one [B*S/P, E] tensor per MoE layer); None: the cross-entropy alone
+    router_aux: Callable[[tuple], torch.Tensor] | None = None
 
 
 def causal_lm_loss(
@@ -319,13 +327,14 @@ def causal_lm_loss(
     ignore_index: int = IGNORE_INDEX,
     chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
     num_items_in_batch: int | float | torch.Tensor | None = None,
+    router_aux: Callable[[tuple], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The SP-correct loss of an HF causal LM without materialising its logits: the
     decoder (``model.get_decoder()``) and the chunked loss against the output embedding,
     run inside the model's own forward (:func:`add_loss_forward`, given on the first
     call), so that hooks around it (FSDP2's gathers, autocast wrappers) apply. For
     models whose logits are ``lm_head(hidden)`` (no softcapping or scaling: Llama,
-    Qwen2/3, Mistral)."""
+    Qwen2/3, Mistral). ``router_aux``: see :class:`LossRequest`."""
     if batch.labels is None:
         raise ValueError("batch has no labels: build it with shard_batch(..., with_labels=True)")
     add_loss_forward(model)
@@ -335,6 +344,7 @@ def causal_lm_loss(
         ignore_index=ignore_index,
         chunk_tokens=chunk_tokens,
         num_items_in_batch=num_items_in_batch,
+        router_aux=router_aux,
     )
     return model(**batch.hf_kwargs(), **{LOSS_KWARG: request})
 
@@ -373,9 +383,11 @@ def add_loss_forward(model):
     def forward(self, *args, usp_loss: LossRequest | None = None, **kwargs):
         if usp_loss is None:
             return inner(*args, **kwargs)
-        hidden = self.get_decoder()(*args, **kwargs).last_hidden_state  # [B, S/P, dim]
-        return sp_cross_entropy(
-            hidden,
+        if usp_loss.router_aux is not None:
+            kwargs["output_router_logits"] = True
+        out = self.get_decoder()(*args, **kwargs)
+        loss = sp_cross_entropy(
+            out.last_hidden_state,  # [B, S/P, dim]
             self.get_output_embeddings().weight,
             usp_loss.labels,
             usp_loss.group,
@@ -383,6 +395,9 @@ def add_loss_forward(model):
             chunk_tokens=usp_loss.chunk_tokens,
             num_items_in_batch=usp_loss.num_items_in_batch,
         )
+        if usp_loss.router_aux is not None:
+            loss = loss + usp_loss.router_aux(out.router_logits).to(loss.dtype)
+        return loss
 
     model.forward = types.MethodType(forward, model)
     model.usp_loss_forward = True

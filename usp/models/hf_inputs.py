@@ -23,7 +23,7 @@ import torch
 
 from usp.attend import TraceCache, packed_signature, stand_in_packed
 from usp.comm import traced
-from usp.comm.agreement import Field, agree
+from usp.comm.agreement import Field, agree, can_agree
 from usp.models.hf_padding import (  # noqa: F401 - re-exported: the plug-in's inputs
     HFInputError,
     PaddingSeen,
@@ -31,7 +31,7 @@ from usp.models.hf_padding import (  # noqa: F401 - re-exported: the plug-in's i
     padding_problem,
     window_problem,
 )
-from usp.plan import PackedSequence, PlanError, _can_agree
+from usp.plan import PackedSequence, PlanError
 from usp.sharding import ShardingError
 
 #: the keyword of ``model(...)`` that carries a ``usp.PackedSequence`` to the attention
@@ -139,7 +139,7 @@ class PackedInputs:
         except (HFInputError, ShardingError, PlanError) as err:
             error = err
         group = plan.sp_group
-        if group is not None and plan.sp_degree > 1 and _can_agree(group):
+        if group is not None and plan.sp_degree > 1 and can_agree(group):
             fingerprint = 0 if packed is None else packed.fingerprint
             agree(
                 group, f"attn_implementation={self.name!r} inputs",

@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 
 from usp.comm import traced
-from usp.comm.agreement import agree
+from usp.comm.agreement import agree, can_agree
 from usp.errors import InputError
-from usp.plan import _can_agree
 
 _FIX_PADDING = (
     "pad at the end of each row and give the pads the ignore label -100 (or no mask at "
@@ -188,7 +187,7 @@ def padding_mask_function(plan, name: str, seen: PaddingSeen, check_model_of=Non
             problem = padding_problem(plan, attention_mask, causal=causal)
             seen.padded = problem is None and not bool(attention_mask.bool().all())
         group = plan.sp_group  # None in one process (sp_degree 1)
-        if attention_mask is not None and plan.sp_degree > 1 and _can_agree(group):
+        if attention_mask is not None and plan.sp_degree > 1 and can_agree(group):
             error = None if problem is None else HFInputError(_padding_message(name, problem))
             agree(group, f"attn_implementation={name!r}", [], error, (HFInputError,))
         if problem is not None:

@@ -56,7 +56,7 @@ from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, check_chunk_tokens
 from usp.models.mlp_tiles import tiled_swiglu
 from usp.models.moe import is_moe
 from usp.models.offload import HostOffloader, check_activation_checkpointing
-from usp.models.plans import ring_kv_heads
+from usp.models.plan_inputs import ring_kv_heads
 
 
 class LeverError(InputError):

@@ -14,7 +14,9 @@ and the load-balancing loss, exact under sequence parallelism.
   host sync for the segment sizes). The weighted rows are added back per token with one
   ``index_add``. :func:`experts_loop` is the per-expert reference (transformers' scheme).
 * :class:`SparseMoE` (HF's ``Qwen3MoeSparseMoeBlock``): router + experts, the decoder
-  layer's ``mlp``. Every token stays on its rank (no expert parallelism): under SP the
+  layer's ``mlp``; with ``shared_expert=`` (HF's ``Qwen2MoeSparseMoeBlock`` and
+  ``Qwen3_5MoeSparseMoeBlock``) a dense MLP every token also runs, scaled per token by
+  ``sigmoid(shared_expert_gate(x))`` and added to the routed experts' sum. Every token stays on its rank (no expert parallelism): under SP the
   block needs no communication. Expert parallelism would replace the gather/scatter of
   :meth:`Experts.forward` by an all-to-all of the sorted rows over an expert axis, behind
   the same module.
@@ -216,10 +218,20 @@ class SparseMoE(nn.Module):
         num_experts: int,
         top_k: int,
         norm_topk_prob: bool,
+        *,
+        shared_expert: nn.Module | None = None,
     ):
+        """``shared_expert``: a dense MLP ``[N, H] -> [N, H]`` every token runs besides its
+        routed experts (e.g. the family's SwiGLU ``MLP`` of
+        ``shared_expert_intermediate_size``), held as ``shared_expert`` with its gate
+        ``shared_expert_gate`` (a bias-free ``Linear(H, 1)``): transformers' names."""
         super().__init__()
         self.gate = Router(hidden_size, num_experts, top_k, norm_topk_prob)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, top_k)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (
+            None if shared_expert is None else nn.Linear(hidden_size, 1, bias=False)
+        )
 
     def route(self, flat: torch.Tensor):
         """flat [N, H] -> (probabilities [N, E], top-k weights [N, k], top-k experts [N, k])
@@ -232,7 +244,11 @@ class SparseMoE(nn.Module):
         stats = _COLLECTOR.get()
         if stats is not None:
             stats.add(probs, experts)
-        return self.experts(flat, experts, weights).view_as(x)
+        out = self.experts(flat, experts, weights)  # [N, H]
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(flat))  # [N, 1]
+            out = out + gate * self.shared_expert(flat)
+        return out.view_as(x)
 
 
 # ---------------------------------------------------------------------- statistics
@@ -273,6 +289,48 @@ def collect_router_stats(enabled: bool = True):
         yield stats
     finally:
         _COLLECTOR.reset(token)
+
+
+_AUX_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("usp_aux_log", default=None)
+
+
+@contextlib.contextmanager
+def log_aux_losses():
+    """Yield a list to which every forward run inside the block that adds the router's
+    aux loss to its loss appends that load-balancing loss (a detached scalar, before the
+    coefficient: :func:`note_aux_loss`), for the metrics' own column."""
+    log: list[torch.Tensor] = []
+    token = _AUX_LOG.set(log)
+    try:
+        yield log
+    finally:
+        _AUX_LOG.reset(token)
+
+
+def note_aux_loss(aux: torch.Tensor) -> None:
+    """Add ``aux`` to the :func:`log_aux_losses` block this runs in, if any."""
+    log = _AUX_LOG.get()
+    if log is not None:
+        log.append(aux.detach())
+
+
+def stats_from_router_logits(
+    router_logits, top_k: int, real: torch.Tensor | None = None
+) -> RouterStats:
+    """This rank's :class:`RouterStats` from transformers' router logits (one ``[N, E]``
+    tensor per MoE layer, ``N`` this rank's ``B*S/P`` tokens, as an HF model returns them
+    with ``output_router_logits=True``), selected as transformers'
+    ``load_balancing_loss_func`` selects them: softmax over every expert, its top-k.
+    ``real`` ([B, S/P] bool, None: all): the rows that count; the others (pads added to
+    place documents) are left out, as transformers leaves out a padding mask's zeros."""
+    stats = RouterStats()
+    keep = None if real is None else real.reshape(-1)
+    for logits in router_logits:
+        probs = torch.softmax(logits.to(stats_dtype(logits.dtype)), dim=-1)  # [N, E]
+        if keep is not None:
+            probs = probs[keep.to(probs.device)]
+        stats.add(probs, torch.topk(probs, top_k, dim=-1).indices)
+    return stats
 
 
 def sp_router_aux_loss(stats: RouterStats, num_experts: int, group=None) -> torch.Tensor:

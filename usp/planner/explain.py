@@ -41,9 +41,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from usp.errors import UspError
 from usp.planner.footprint import (
     CATEGORIES,
+    Choice,
     Extras,
     Footprint,
-    Layout,
     Phase,
     Target,
     phase_footprint,
@@ -53,7 +53,7 @@ from usp.planner.plan import _cluster
 from usp.planner.report import overhead_lines
 from usp.planner.search import Candidate, overheads
 from usp.planner.tracker import phase_peak
-from usp.train.components import levers_of, model_source
+from usp.train.components import model_source, train_levers
 from usp.train.config import load_train_config
 
 # Paths as code objects name them (not resolved: a checkout reached through a symlink
@@ -238,10 +238,10 @@ def group(live: Sequence[tuple[Record, str, int]]) -> list[Live]:
     return sorted(items, key=lambda item: -item.nbytes)
 
 
-def explain(target: Target, layout: Layout, *, layers: int = 3) -> list[Explained]:
+def explain(target: Target, choice: Choice, *, layers: int = 3) -> list[Explained]:
     """Every phase of one rank's step (``layers`` decoder layers), its peak attributed."""
     explained = []
-    with built_step(target, layout, layers=layers, fake=True) as built:
+    with built_step(target, choice, layers=layers, fake=True) as built:
         tracker = FSDPMemTracker(built.model, built.optimizer)
         tokens = built.batches[0].input_ids.numel()
         with tracker:
@@ -257,7 +257,7 @@ def explain(target: Target, layout: Layout, *, layers: int = 3) -> list[Explaine
                     log.restart_peak()
                     if phase.startswith("backward"):
                         tracker.reset_mod_stats()
-        extras = measure_extras(target, layout, built)
+        extras = measure_extras(target, choice, built)
     return [dataclasses.replace(e, extras=extras) for e in explained]
 
 
@@ -301,13 +301,13 @@ def text(explained: Sequence[Explained], *, top: int = 20, phase: str | None = N
     return "\n".join(lines)
 
 
-def overheads_text(explained: Sequence[Explained], target: Target, layout: Layout, cluster) -> str:
+def overheads_text(explained: Sequence[Explained], target: Target, choice: Choice, cluster) -> str:
     """What the GPU and the host spend besides the tracked tensors of the peak phase
     (:mod:`usp.planner.overheads`, the lines ``usp plan`` prints), at this depth."""
     chosen = max(explained, key=lambda e: e.device)
     footprint = Footprint((Phase(chosen.device, 0, chosen.breakdown),), 0, extras=chosen.extras)
-    costs = overheads(target, layout, cluster)
-    candidate = Candidate(layout, target.seq_len, footprint, True, None, 0.0, {}, costs)
+    costs = overheads(target, choice, cluster)
+    candidate = Candidate(choice, target.seq_len, footprint, True, None, 0.0, {}, costs)
     lines = [
         "",
         "what the GPU and the host hold besides (usp plan's items, usp.planner.overheads):",
@@ -350,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.activation_checkpointing, args.activation_checkpointing
         )
         target = Target(job, model_source(job).config, world, cluster.gpus_per_node, args.device)
-        levers = levers_of(job).replace(
+        levers = train_levers(job).replace(
             activation_checkpointing=checkpointing, mlp_tile_tokens=args.mlp_tile_tokens
         )
         if args.attention_head_chunks is not None:
@@ -359,14 +359,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             levers = levers.replace(
                 offload_optimizer=True, offload_parameters=args.offload_parameters
             )
-        layout = Layout(args.ulysses, ring, args.dp, levers)
-        explained = explain(target, layout, layers=args.layers)
+        choice = Choice(args.ulysses, ring, args.dp, levers)
+        explained = explain(target, choice, layers=args.layers)
         planned = _planned_cluster(job, args.device)
     except UspError as err:
         print(f"explain: error: {err}", file=sys.stderr)
         return 2
     print(text(explained, top=args.top, phase=args.phase))
-    print(overheads_text(explained, target, layout, planned))
+    print(overheads_text(explained, target, choice, planned))
     return 0
 
 

@@ -34,9 +34,11 @@ HOST_STAND_IN = torch.device("meta")
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One way to run the job: the grid and the memory levers (the object the trainer
-    applies, :class:`usp.models.Levers`)."""
+class Choice:
+    """One way to run the job that the planner weighs: the grid and the memory levers
+    (the object the trainer applies, :class:`usp.models.Levers`). Not the sequence
+    layout (zigzag/contiguous), which comes from the config's ``[attention]``; the
+    report's text and JSON call a choice's grid its "layout" (``max_seq_len_layout``)."""
 
     ulysses: int
     ring: int

@@ -8,8 +8,9 @@ machine) and the CPU backend's finiteness test (a host read of a tensor). So the
 brings its own two backends, one per device type -- ``cudnn`` on CUDA, ``cpu`` on the
 CPU, the kernels ``usp train`` picks first there -- which call the same aten ops with
 the same layouts as :mod:`usp.kernels.backends.sdpa_cuda` and
-:mod:`usp.kernels.backends.cpu` and nothing else. :func:`planning_kernels` swaps them in
-for the registry's lookups of those names while a step is measured, and back on exit.
+:mod:`usp.kernels.backends.cpu` and nothing else. :func:`planning_kernels` makes a
+kernel registry with them in place of those names, which the planned step's
+:class:`usp.Plan` is given (``kernel_registry=``); usp's own registry is not touched.
 
 Workspaces: a fake kernel allocates only its outputs, while the real ones allocate
 working memory for the duration of a call (FA2's float32 ``dq_accum``, cuDNN's
@@ -24,10 +25,7 @@ the planner) the real kernel allocates its own and nothing is added.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -75,13 +73,18 @@ class KernelLog:
 
 
 class _Planning(Backend):
-    """What every planning backend shares: the workspace of the backend it stands for."""
+    """What every planning backend shares: the workspace of the backend it stands for,
+    noted in ``log``. ``name``: the backend it stands for; it takes the calls that one
+    takes."""
 
-    log: KernelLog | None = None  # set while planning_kernels() is active
-    # sliding windows (Gemma 3): the backends they stand for take them (FA2's
-    # window_size_left, the CPU kernel's mask) with the same outputs and workspaces, so a
-    # windowed call is planned as its dense call (memory only: no number is used)
-    supports_window = True
+    def __init__(self, name: str, log: KernelLog):
+        self.name = name
+        self.log = log
+        # sliding windows (Gemma 3) where the real backend takes them (FA2's
+        # window_size_left, the CPU kernel's mask), with the same outputs and workspaces:
+        # a windowed call is planned as its dense call, the full causal block, whose
+        # tensors have the same shapes (memory only: no number is used, none under-counted)
+        self.supports_window = registry.get(name).supports_window
 
     def _workspace(self, q: torch.Tensor, spec, *, backward: bool) -> torch.Tensor | None:
         """The real kernel's working memory for this call, as one fake tensor (None with
@@ -93,14 +96,13 @@ class _Planning(Backend):
             heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
             item_bytes=q.element_size(), backward=backward, threads=os.cpu_count() or 1,
         )  # fmt: skip
-        if self.log is not None:
-            kind = "backward" if backward else "forward"
-            self.log.note(
-                nbytes,
-                f"{self.name} {kind}, q [{spec.batch}, {spec.seqlen_q}, {spec.num_heads}, "
-                f"{spec.head_dim}], k/v [{spec.batch}, {spec.seqlen_k}, {spec.num_kv_heads}, "
-                f"{spec.head_dim}] {str(q.dtype).removeprefix('torch.')}",
-            )
+        kind = "backward" if backward else "forward"
+        self.log.note(
+            nbytes,
+            f"{self.name} {kind}, q [{spec.batch}, {spec.seqlen_q}, {spec.num_heads}, "
+            f"{spec.head_dim}], k/v [{spec.batch}, {spec.seqlen_k}, {spec.num_kv_heads}, "
+            f"{spec.head_dim}] {str(q.dtype).removeprefix('torch.')}",
+        )
         return torch.empty(nbytes, dtype=torch.uint8, device=q.device) if nbytes else None
 
 
@@ -142,7 +144,6 @@ class _FakeCpu(_Planning):
     """The CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``) without the
     real backend's finiteness detour (which reads a value on the host)."""
 
-    name = "cpu"
     device_types = ("cpu",)
     self_checked = False
     bottom_right_causal = False
@@ -166,37 +167,10 @@ class _FakeCpu(_Planning):
         return _bhsd(dq), _bhsd(dk), _bhsd(dv)
 
 
-def _standing_for(kernel: _Planning, name: str) -> _Planning:
-    """``kernel`` as the planning stand-in of backend ``name``: its name, and the calls it
-    takes (a sliding window where the real backend has one; the stand-in computes the
-    full causal block, whose tensors have the same shapes: memory is not under-counted)."""
-    kernel.name = name
-    kernel.supports_window = registry.get(name).supports_window
-    return kernel
-
-
-_PLANNING: dict[str, Backend] = {
-    "cpu": _standing_for(_FakeCpu(), "cpu"),
-    **{n: _standing_for(_FakeCuda(), n) for n in _CUDA_NAMES},
-}
-
-
-@contextmanager
-def planning_kernels() -> Iterator[KernelLog]:
-    """While inside, the registry hands out the planning backends for the CUDA names and
-    ``cpu`` (``math`` as before); yields the :class:`KernelLog` of their workspaces. Not
-    thread-safe: one planned step at a time."""
-    real_get = registry.get
+def planning_kernels() -> tuple[registry.KernelRegistry, KernelLog]:
+    """A kernel registry serving the planning backends for the CUDA names and ``cpu``
+    (``math`` as usp's), and the :class:`KernelLog` of their workspaces. A planned step
+    makes its own: nothing is shared between steps."""
     log = KernelLog()
-
-    def get(name: str) -> Backend:
-        return _PLANNING.get(name) or real_get(name)
-
-    for backend in _PLANNING.values():
-        backend.log = log
-    try:
-        with mock.patch.object(registry, "get", get):
-            yield log
-    finally:
-        for backend in _PLANNING.values():
-            backend.log = None
+    planning = {"cpu": _FakeCpu("cpu", log), **{n: _FakeCuda(n, log) for n in _CUDA_NAMES}}
+    return registry.DEFAULT.replacing(planning), log

@@ -47,10 +47,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from unittest import mock
 
 import torch
-from torch._subclasses import fake_impls
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 import usp
@@ -61,9 +59,9 @@ from usp.models.tiling import representative_tiles
 from usp.planner.footprint import (
     HOST_STAND_IN,
     OFFLOADED_PARAMETER_CATEGORIES,
+    Choice,
     Extras,
     Footprint,
-    Layout,
     Target,
     footprint_of,
     from_runs,
@@ -80,10 +78,10 @@ from usp.train.step import StepOutcome, TrainStep, clip_gradients
 MAX_MICRO_BATCHES = 2
 
 
-def measure_scaled(target: Target, layout: Layout) -> Footprint:
+def measure_scaled(target: Target, choice: Choice) -> Footprint:
     """:func:`measure` at the model's full depth, from two shallow runs (see
     :func:`scale_depth`); models no deeper than the second depth run in full."""
-    runs = [measure(target, layout, layers=d) for d in scaling_runs(target.model)]
+    runs = [measure(target, choice, layers=d) for d in scaling_runs(target.model)]
     return from_runs(target.model, runs)
 
 
@@ -96,7 +94,7 @@ def stand_in_device(device: str) -> torch.device:
 
 def measure(
     target: Target,
-    layout: Layout,
+    choice: Choice,
     *,
     layers: int | None = None,
     tracker: type | None = None,
@@ -108,18 +106,18 @@ def measure(
     :class:`usp.planner.tracker.PlanningTracker`; torch's ``FSDPMemTracker`` gives the
     same footprint, slower). ``representative``: memory-periodic token loops run their
     first and last tile only (:mod:`usp.models.tiling`; the same footprint, faster)."""
-    step = built_step(target, layout, layers=layers, fake=True, representative=representative)
+    step = built_step(target, choice, layers=layers, fake=True, representative=representative)
     with step as built:
         phases = _tracked_steps(built, tracker)
-        extras = measure_extras(target, layout, built)
+        extras = measure_extras(target, choice, built)
     stand_in = _host_stand_in(target, built.device)
-    moved = OFFLOADED_PARAMETER_CATEGORIES if stand_in and layout.levers.offload_parameters else ()
+    moved = OFFLOADED_PARAMETER_CATEGORIES if stand_in and choice.levers.offload_parameters else ()
     return footprint_of(
         phases, built.device, built.layers, target.device, host_categories=moved, extras=extras
     )
 
 
-def measure_extras(target: Target, layout: Layout, built: BuiltStep) -> Extras:
+def measure_extras(target: Target, choice: Choice, built: BuiltStep) -> Extras:
     """What the step shows besides its tracked tensors (:class:`Extras`): the largest
     kernel workspace, the pinned allocator's rounding of the blocks a CUDA run pins
     (offloaded layer inputs: one block per layer; FSDP's offloaded parameter and
@@ -127,10 +125,10 @@ def measure_extras(target: Target, layout: Layout, built: BuiltStep) -> Extras:
     a CPU stand-in does not make."""
     log = built.kernels or KernelLog()
     pinned = copies = 0
-    levers = layout.levers
+    levers = choice.levers
     if target.device == "cuda":
         if levers.activation_checkpointing == "offload":
-            pinned += offload_rounding(target, layout, target.seq_len, built.layers)
+            pinned += offload_rounding(target, choice, target.seq_len, built.layers)
         if levers.offload_parameters:
             units = _fsdp_units(built.model)
             shards = [4 * n for unit in units for n in unit]  # float32 shards, bytes
@@ -140,16 +138,16 @@ def measure_extras(target: Target, layout: Layout, built: BuiltStep) -> Extras:
     return Extras(log.workspace, log.call, pinned, copies)
 
 
-def offload_rounding(target: Target, layout: Layout, seq_len: int, layers: int) -> int:
+def offload_rounding(target: Target, choice: Choice, seq_len: int, layers: int) -> int:
     """What the pinned allocator adds to a CUDA step's offloaded layer inputs at
     ``seq_len`` (``activation_checkpointing = "offload"``: one copy per layer of a
     micro-batch's local tokens x hidden in the compute dtype, held in the pieces of
     :func:`usp.models.offload.pinned_pieces`, each rounded up to a power of two; 0 for
     other levers or devices). A step function of the length: the longest-sequence search
     adds it exactly to its line (:mod:`usp.planner.search`)."""
-    if target.device != "cuda" or layout.levers.activation_checkpointing != "offload":
+    if target.device != "cuda" or choice.levers.activation_checkpointing != "offload":
         return 0
-    tokens = seq_len * target.job.train.micro_batch // layout.sp
+    tokens = seq_len * target.job.train.micro_batch // choice.sp
     item = components.compute_dtype(target.job, torch.device("cuda")).itemsize
     return layers * pinned_waste(tokens * target.model.hidden_size, item)
 
@@ -195,7 +193,7 @@ class BuiltStep:
 @contextmanager
 def built_step(
     target: Target,
-    layout: Layout,
+    choice: Choice,
     *,
     layers: int | None = None,
     fake: bool = True,
@@ -217,9 +215,9 @@ def built_step(
     parallel = job.topology.parallel
     with fake_world(target.world_size, 0, device):
         topo = usp.build_topology(
-            layout.ulysses,
-            layout.ring,
-            dp_degree=layout.dp,
+            choice.ulysses,
+            choice.ring,
+            dp_degree=choice.dp,
             ranks_per_node=target.ranks_per_node,
             device_type=device.type,
             placement=parallel.placement,
@@ -227,34 +225,34 @@ def built_step(
         )
         try:
             attention = job.topology.attention
+            registry = kernels = None
+            if fake or device.type == "cpu":  # (a real CUDA run uses the real kernels)
+                registry, kernels = planning_kernels()
             plan = usp.Plan(
                 topo,
                 layout=attention.layout,
                 ring_impl=attention.ring_impl,
                 backend=planning_backend(target.device, attention.backend),
                 verify_calls=False,
+                kernel_registry=registry,
             )
             with ExitStack() as stack:
-                kernels = None
-                if fake or device.type == "cpu":  # (a real CUDA run uses the real kernels)
-                    kernels = stack.enter_context(planning_kernels())
                 if fake:
-                    stack.enter_context(all_labelled())
                     if representative:
                         stack.enter_context(representative_tiles())
-                    stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+                    stack.enter_context(AllLabelledFakeMode(allow_non_fake_inputs=True))
                 # the packed row as fake tensors: nothing proportional to the sequence is
                 # made on the planning machine (the boundaries stay real host values)
-                batches, num_labels = _batches(job, plan, device, layout)
+                batches, num_labels = _batches(job, plan, device, choice)
                 source = components.ModelSource(config, None)
-                model = components.build_model(job, source, plan, layout.levers)
+                model = components.build_model(job, source, plan, choice.levers)
                 if fake and _host_stand_in(target, device):
                     _offload_to(model, HOST_STAND_IN)
                 dtype = components.compute_dtype(job, torch.device(target.device))
-                sharded = fully_shard_model(model, topo, compute_dtype=dtype)
+                sharded = fully_shard_model(model, topo, levers=choice.levers, compute_dtype=dtype)
                 if not fake:
                     _randomise(sharded.module)
-                optimizer = components.build_optimizer(job, sharded.module)
+                optimizer = components.build_optimizer(job, sharded.module, choice.levers)
                 if fake and _host_stand_in(target, device):
                     _optimizer_to(optimizer, HOST_STAND_IN)
                 _first_optimizer_step(sharded.module, optimizer)
@@ -300,7 +298,7 @@ def _randomise(model) -> None:
             (p.to_local() if hasattr(p, "to_local") else p).normal_(0.0, 0.02)
 
 
-def _batches(job, plan, device: torch.device, layout: Layout) -> tuple[list, int]:
+def _batches(job, plan, device: torch.device, choice: Choice) -> tuple[list, int]:
     """The step's micro-batches for this rank, sharded as the trainer shards them
     (:func:`usp.models.shard_batch`): one document filling the packed row, every token
     labelled (the most the loss can hold); at most :data:`MAX_MICRO_BATCHES` (the second
@@ -309,15 +307,14 @@ def _batches(job, plan, device: torch.device, layout: Layout) -> tuple[list, int
     tensors, nothing of the sequence's size is allocated; only the document boundaries
     are packed for real (``Plan.pack`` reads them as host values: two int32 numbers)."""
     row = job.train.micro_batch * job.train.seq_len  # a forward's packed row
-    micro_batches = min(job.gradient_accumulation(layout.dp), MAX_MICRO_BATCHES)
+    micro_batches = min(job.gradient_accumulation(choice.dp), MAX_MICRO_BATCHES)
     with unset_fake_temporarily():
         cu_seqlens = torch.tensor([0, row], dtype=torch.int32)
         packed = plan.pack(cu_seqlens, device=device)  # (the SP ranks agree: fake group)
     tokens = torch.zeros(1, row, dtype=torch.long)  # [1, row]: fake inside the mode
-    with mock.patch.object(plan, "pack", lambda *args, **kwargs: packed):
-        batch = shard_batch(
-            plan, tokens, labels=tokens, cu_seqlens=cu_seqlens, shift=False, device=device
-        )  # ([1, row] -> [1, row / sp])
+    batch = shard_batch(
+        plan, tokens, labels=tokens, cu_seqlens=packed, shift=False, device=device
+    )  # ([1, row] -> [1, row / sp])
     return [batch] * micro_batches, row * micro_batches
 
 
@@ -361,16 +358,23 @@ def _first_optimizer_step(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-@contextmanager
-def all_labelled() -> Iterator[None]:
-    """``nonzero`` has no size under fake tensors (it depends on values): the loss's one
-    use of it, selecting the labelled tokens, gets every index. The planned batch labels
-    every token (the most the loss can hold), so that is what the op would return."""
+class AllLabelledFakeMode(FakeTensorMode):
+    """The planned step's ``FakeTensorMode``, in which ``nonzero`` returns every index.
 
-    def every_index(fake_mode, func, mask):
-        n = mask.numel()
-        return mask.new_empty_strided((n, mask.dim()), (1, n), dtype=torch.int64)  # [n, dim]
+    ``nonzero`` has no size under fake tensors (it depends on values). The planned batch
+    labels every token (the most the loss can hold), so the loss's selection of the
+    labelled tokens would return every index; so does every other ``nonzero`` of the
+    step (a MoE router's token selection per expert: each expert counted with every
+    token, an upper bound)."""
 
-    table = fake_impls.op_implementations_dict
-    with mock.patch.dict(table, {torch.ops.aten.nonzero.default: every_index}):
-        yield
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.nonzero.default:
+            return _every_index(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _every_index(mask: torch.Tensor) -> torch.Tensor:
+    """``nonzero(mask)`` of a mask that is true everywhere, as a fake tensor: int64
+    [n, mask.dim()], column-major as torch's own (strides (1, n))."""
+    n = mask.numel()
+    return mask.new_empty_strided((n, mask.dim()), (1, n), dtype=torch.int64)

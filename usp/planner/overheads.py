@@ -16,7 +16,7 @@ device, per rank (CUDA)
     output before its copy to the host, which a CPU stand-in never allocates.
   * **allocator reserve** -- a fraction of the peak (:data:`ALLOCATOR_RESERVE`): with
     ``expandable_segments`` (what ``usp train`` sets on CUDA unless
-    ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise: :mod:`usp.train.allocator`) or without.
+    ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise: :mod:`usp.config.allocator`) or without.
   * **margin** -- :data:`MARGIN_FRACTION` of the GPU, for what no item names.
 host, per node
   * the ranks' measured host tensors (offloaded activations, offloaded parameters,
@@ -41,7 +41,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from usp.train.allocator import expandable_segments
+from usp.config.allocator import expandable_segments
 
 GIB = 2**30
 

@@ -104,19 +104,19 @@ def plan(
     cluster, gpu = _cluster(job, nodes, gpus_per_node, gpu_memory_gib, host_memory_gib, device)
     job = _with_cluster(job, cluster)
     notes: list[str] = []
-    layouts = search.layouts(model, cluster, job)
-    if not layouts:
+    choices = search.choices(model, cluster, job)
+    if not choices:
         raise HeadLayoutError(
             f"{config}: no (ulysses, ring, dp) serves {model.num_attention_heads} heads / "
             f"{model.num_key_value_heads} KV heads on {cluster.nodes} node(s) x "
             f"{cluster.gpus_per_node} with global_batch {job.train.global_batch}"
         )
     runnable = [
-        layout
-        for layout in layouts
-        if job.train.seq_len % search.sequence_multiple(layout, job) == 0
+        choice
+        for choice in choices
+        if job.train.seq_len % search.sequence_multiple(choice, job) == 0
     ]
-    skipped = len(layouts) - len(runnable)
+    skipped = len(choices) - len(runnable)
     if skipped:
         notes.append(
             f"{skipped} layout(s) skipped: seq_len {job.train.seq_len} is not a multiple of "
@@ -134,10 +134,10 @@ def plan(
     with Measurements(target, jobs, progress=_measurement_lines(progress)) as measured:
         # what the longest-sequence search waits for first, then every other candidate
         # (workers measure those while the search waits for its next lengths)
-        for layout in search.frontier_candidates(runnable) + runnable:
-            measured.want(layout, target.seq_len)
+        for choice in search.frontier_candidates(runnable) + runnable:
+            measured.want(choice, target.seq_len)
         longest, longest_layout = search.max_seq_len(target, runnable, cluster, measured)
-        candidates = [search.evaluate(target, layout, cluster, measured) for layout in runnable]
+        candidates = [search.evaluate(target, choice, cluster, measured) for choice in runnable]
         at_longest = None
         if longest_layout is not None:  # (measured already: the search's last fit)
             at_longest = search.evaluate(target.at(longest), longest_layout, cluster, measured)
@@ -186,7 +186,7 @@ def plan(
         gpu=gpu,
         candidates=ranked,
         max_seq_len=longest,
-        max_seq_layout=longest_layout,
+        max_seq_choice=longest_layout,
         at_longest=at_longest,
         notes=notes,
         seconds=time.perf_counter() - started,

@@ -37,7 +37,7 @@ from concurrent.futures.process import BrokenProcessPool
 import torch
 
 from usp.errors import InputError, UspError
-from usp.planner.footprint import Footprint, Layout, Target, from_runs, scaling_runs
+from usp.planner.footprint import Choice, Footprint, Target, from_runs, scaling_runs
 from usp.planner.hardware import default_jobs  # noqa: F401 (usp plan's default --jobs)
 from usp.planner.measure import measure
 
@@ -49,10 +49,10 @@ class WorkerError(UspError, RuntimeError):
     """A planning worker process died or sent back what could not be read."""
 
 
-_Key = tuple[Layout, int]  # (layout, seq_len): the runs of every depth, in one worker
+_Key = tuple[Choice, int]  # (layout, seq_len): the runs of every depth, in one worker
 #: told of each finished measurement: (layout, seq_len, CPU seconds, measured so far,
 #: asked for so far -- the search asks for more as it goes)
-Progress = Callable[[Layout, int, float, int, int], None]
+Progress = Callable[[Choice, int, float, int, int], None]
 
 
 class Measurements:
@@ -68,17 +68,17 @@ class Measurements:
         self._asked: set[_Key] = set()  # every (layout, seq_len) wanted or asked for so far
         self.runs = 0  # measurements made (one per depth)
         self.cpu_seconds = 0.0  # the CPU time they took, workers' included
-        self.log: list[tuple[Layout, int, float]] = []  # (layout, seq_len, CPU seconds)
+        self.log: list[tuple[Choice, int, float]] = []  # (layout, seq_len, CPU seconds)
         self._done: dict[_Key, tuple[Footprint, ...]] = {}
         self._pending: list[_Key] = []  # wanted, not started; the first starts first
         self._running: dict[Future, _Key] = {}
         self._executor: ProcessPoolExecutor | None = None
 
     # ----------------------------------------------------------------- the search's side
-    def want(self, layout: Layout, seq_len: int, *, urgent: bool = False) -> None:
+    def want(self, choice: Choice, seq_len: int, *, urgent: bool = False) -> None:
         """Say that :meth:`footprint` will be asked for this; ``urgent``: before what
         was wanted so far. (In process, nothing runs ahead of its :meth:`footprint`.)"""
-        key = (layout, seq_len)
+        key = (choice, seq_len)
         self._asked.add(key)
         if self.jobs == 1 or key in self._done or key in self._running.values():
             return
@@ -89,15 +89,15 @@ class Measurements:
         self._pending.insert(0, key) if urgent else self._pending.append(key)
         self._start()
 
-    def footprint(self, layout: Layout, seq_len: int) -> Footprint:
+    def footprint(self, choice: Choice, seq_len: int) -> Footprint:
         """The layout's footprint at ``seq_len`` and the model's full depth."""
-        key = (layout, seq_len)
+        key = (choice, seq_len)
         self._asked.add(key)
         if self.jobs == 1:
             if key not in self._done:
-                self._keep(key, _timed_runs(self.target, layout, seq_len))
+                self._keep(key, _timed_runs(self.target, choice, seq_len))
         else:
-            self.want(layout, seq_len, urgent=True)
+            self.want(choice, seq_len, urgent=True)
             while key not in self._done:
                 self._collect()
         return from_runs(self.target.model, list(self._done[key]))
@@ -183,13 +183,13 @@ def _stop(processes) -> None:
         process.join()
 
 
-def _timed_runs(target: Target, layout: Layout, seq_len: int):
+def _timed_runs(target: Target, choice: Choice, seq_len: int):
     """The runs of :func:`usp.planner.footprint.scaling_runs`, in order (in one process the
     second reuses most of the fake-tensor cache the first filled: same shapes but for
     the layer count), and the CPU seconds they took: ``(footprints, seconds)``."""
     started = time.process_time()
     at = target.at(seq_len)
-    runs = tuple(measure(at, layout, layers=layers) for layers in scaling_runs(target.model))
+    runs = tuple(measure(at, choice, layers=layers) for layers in scaling_runs(target.model))
     return runs, time.process_time() - started
 
 
@@ -214,12 +214,12 @@ def _init_worker() -> None:
     torch.set_num_threads(1)  # fake tensors compute nothing; the CPUs are the workers'
 
 
-def _runs_in_worker(target: Target, layout: Layout, seq_len: int):
+def _runs_in_worker(target: Target, choice: Choice, seq_len: int):
     """:func:`_timed_runs` in a worker: ``("ok", (footprints, seconds))``; an error is
     raised as it was when it pickles (the parent raises it again), else sent back as
     ``("error", class name, message, whether it is a UspError)``."""
     try:
-        return "ok", _timed_runs(target, layout, seq_len)
+        return "ok", _timed_runs(target, choice, seq_len)
     except Exception as err:  # noqa: BLE001 (every error goes back to the parent)
         try:
             pickle.loads(pickle.dumps(err))

@@ -31,7 +31,7 @@ class PlanResult:
     gpu: str
     candidates: list[Candidate]  # ranked
     max_seq_len: int
-    max_seq_layout: object | None
+    max_seq_choice: object | None
     notes: list[str]
     seconds: float
     at_longest: Candidate | None = None  # max_seq_layout measured at max_seq_len
@@ -44,13 +44,13 @@ class PlanResult:
         return fitting[0] if fitting else None
 
 
-def layout_json(layout) -> dict:
+def choice_json(choice) -> dict:
     """A layout's grid and levers, as the config keys that set them."""
-    levers = layout.levers
+    levers = choice.levers
     return {
-        "ulysses": layout.ulysses,
-        "ring": layout.ring,
-        "dp": layout.dp,
+        "ulysses": choice.ulysses,
+        "ring": choice.ring,
+        "dp": choice.dp,
         "activation_checkpointing": levers.activation_checkpointing,
         "mlp_tile_tokens": levers.mlp_tile_tokens,
         "attention_head_chunks": levers.attention_head_chunks,
@@ -70,10 +70,10 @@ def item_json(item) -> dict:
 
 
 def candidate_json(c: Candidate) -> dict:
-    layout = c.layout
+    choice = c.choice
     return {
-        **layout_json(layout),
-        "tokens_per_rank": c.seq_len // layout.sp,
+        **choice_json(choice),
+        "tokens_per_rank": c.seq_len // choice.sp,
         "peak_device_gib": round(c.peak_device_gib, 3),
         "device_total_gib": round(c.device_total_gib, 3),
         "peak_host_gib": round(c.peak_host_gib, 3),
@@ -108,7 +108,7 @@ def to_json(result: PlanResult) -> dict:
         "best": None if best is None else candidate_json(best),
         "max_seq_len": result.max_seq_len,
         "max_seq_len_layout": (
-            None if result.max_seq_layout is None else layout_json(result.max_seq_layout)
+            None if result.max_seq_choice is None else choice_json(result.max_seq_choice)
         ),
         "max_seq_len_candidate": (
             None if result.at_longest is None else candidate_json(result.at_longest)
@@ -154,32 +154,32 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def describe_layout(layout) -> str:
+def describe_choice(choice) -> str:
     """``ulysses 2 x ring 2 x dp 1, ckpt true, tile 0, heads 1``: one layout in a line."""
-    levers = layout.levers
+    levers = choice.levers
     offload = "" if levers.offload == "none" else f", offload {levers.offload}"
     return (
-        f"ulysses {layout.ulysses} x ring {layout.ring} x dp {layout.dp}, ckpt "
+        f"ulysses {choice.ulysses} x ring {choice.ring} x dp {choice.dp}, ckpt "
         f"{_checkpointing(levers.activation_checkpointing)}, tile {levers.mlp_tile_tokens}, "
         f"heads {levers.attention_head_chunks}{offload}"
     )
 
 
-def progress_intro(target, layouts: list, jobs: int) -> str:
+def progress_intro(target, choices: list, jobs: int) -> str:
     """The first progress line: what ``usp plan`` is about to measure."""
     depths = len(scaling_runs(target.model))
     where = "in this process" if jobs == 1 else f"in {jobs} worker processes"
     return (
         f"usp plan: measuring one rank's training step under fake tensors for "
-        f"{len(layouts)} layouts at {target.seq_len:,} tokens ({depths} model depth(s) each, "
+        f"{len(choices)} layouts at {target.seq_len:,} tokens ({depths} model depth(s) each, "
         f"{where}), then the longest sequence that fits (a few more)"
     )
 
 
-def measurement_line(layout, seq_len: int, seconds: float, done: int, asked: int) -> str:
+def measurement_line(choice, seq_len: int, seconds: float, done: int, asked: int) -> str:
     """One finished measurement; ``asked`` grows while the longest-sequence search runs."""
     return (
-        f"  [{done}/{asked}] {describe_layout(layout)} at {seq_len:,} tokens: {seconds:.1f} s CPU"
+        f"  [{done}/{asked}] {describe_choice(choice)} at {seq_len:,} tokens: {seconds:.1f} s CPU"
     )
 
 
@@ -201,14 +201,14 @@ def table(result: PlanResult) -> str:
     lines = [header]
     best = result.best
     for i, c in enumerate(result.candidates[:TABLE_ROWS], 1):
-        layout, levers = c.layout, c.layout.levers
+        choice, levers = c.choice, c.choice.levers
         comm = sum(c.comm_bytes.values()) / 1e9
         mark = "*" if c is best else " "
         lines.append(
-            f"{mark}{i:>2} {layout.ulysses:>7} {layout.ring:>4} {layout.dp:>3} "
+            f"{mark}{i:>2} {choice.ulysses:>7} {choice.ring:>4} {choice.dp:>3} "
             f"{_checkpointing(levers.activation_checkpointing):>9} {levers.mlp_tile_tokens:>5} "
             f"{levers.attention_head_chunks:>5} {OFFLOAD_SHORT[levers.offload]:>7} "
-            f"{c.seq_len // layout.sp:>11,} {c.peak_device_gib:>8.1f} "
+            f"{c.seq_len // choice.sp:>11,} {c.peak_device_gib:>8.1f} "
             f"{c.device_total_gib:>10.1f} {c.peak_host_gib:>8.1f} "
             f"{'yes' if c.fits else 'no':>4} {c.step_time_s:>13.2f} {comm:>8.1f}"
         )
@@ -219,16 +219,16 @@ def table(result: PlanResult) -> str:
 
 
 def paste_lines(c: Candidate) -> str:
-    layout = c.layout
+    choice = c.choice
     lines = [
         "[parallel]",
-        f"ulysses = {layout.ulysses}",
-        f"ring = {layout.ring}",
-        f"dp = {layout.dp}",
+        f"ulysses = {choice.ulysses}",
+        f"ring = {choice.ring}",
+        f"dp = {choice.dp}",
         "",
         "[train]",
         f"seq_len = {c.seq_len}",
-        *lever_lines(layout.levers),
+        *lever_lines(choice.levers),
     ]
     return "\n".join(lines)
 
@@ -326,7 +326,7 @@ def text(result: PlanResult) -> str:
             "",
         ]
     if result.max_seq_len:
-        m = result.max_seq_layout
+        m = result.max_seq_choice
         lines.append(
             f"longest sequence that fits: {result.max_seq_len:,} tokens "
             f"(ulysses {m.ulysses} x ring {m.ring}, {', '.join(lever_lines(m.levers))})"

@@ -20,8 +20,8 @@ import torch
 
 from usp.config import ConfigError
 from usp.models import LeverError, Levers, family_of
-from usp.models.plans import kv_heads_per_ring
-from usp.planner.footprint import Footprint, Layout, Target
+from usp.models.plan_inputs import kv_heads_per_ring
+from usp.planner.footprint import Choice, Footprint, Target
 from usp.planner.hardware import (  # noqa: F401 (also read from here)
     DEFAULT_GPU,
     DEFAULT_HOST_MEMORY_GIB,
@@ -82,7 +82,7 @@ class Cluster:
 class Candidate:
     """One layout at one sequence length, measured and timed."""
 
-    layout: Layout
+    choice: Choice
     seq_len: int
     footprint: Footprint
     fits: bool
@@ -172,27 +172,27 @@ def grids(model, cluster: Cluster, job) -> list[tuple[int, int, int]]:
     return found
 
 
-def layouts(model, cluster: Cluster, job) -> list[Layout]:
+def choices(model, cluster: Cluster, job) -> list[Choice]:
     return [
-        Layout(u, r, dp, levers)
+        Choice(u, r, dp, levers)
         for u, r, dp in grids(model, cluster, job)
         for levers in lever_options(model, (u, r, dp), cluster.gpus_per_node)
     ]
 
 
-def sequence_multiple(layout: Layout, job) -> int:
+def sequence_multiple(choice: Choice, job) -> int:
     """Every sequence length a layout serves is a multiple of this."""
-    return required_multiple(layout.ring, layout.ulysses, job.topology.attention.layout)
+    return required_multiple(choice.ring, choice.ulysses, job.topology.attention.layout)
 
 
 # ----------------------------------------------------------------------------- fitting
-def overheads(target: Target, layout: Layout, cluster: Cluster) -> Overheads:
+def overheads(target: Target, choice: Choice, cluster: Cluster) -> Overheads:
     """What a rank of ``layout`` spends besides its measured step (:mod:`usp.planner.
     overheads`: NCCL communicators, CUDA context, allocator reserve, margin, host)."""
     return overheads_for(
         device=target.device, gpu=cluster.gpu, gpu_memory_gib=cluster.gpu_memory_gib,
         host_memory_gib=cluster.host_memory_gib, ranks_per_node=cluster.gpus_per_node,
-        ulysses=layout.ulysses, ring=layout.ring, dp=layout.dp,
+        ulysses=choice.ulysses, ring=choice.ring, dp=choice.dp,
         nvswitch=cluster.gpu in NVSWITCH_GPUS,
     )  # fmt: skip
 
@@ -227,17 +227,17 @@ class _DictCache:
     def __init__(self, target: Target, cache: dict) -> None:
         self.target, self.cache = target, cache
 
-    def want(self, layout: Layout, seq_len: int, *, urgent: bool = False) -> None:
+    def want(self, choice: Choice, seq_len: int, *, urgent: bool = False) -> None:
         pass  # (nothing runs ahead in process)
 
-    def footprint(self, layout: Layout, seq_len: int) -> Footprint:
-        return _footprint_at(self.target, layout, self.cache, seq_len)
+    def footprint(self, choice: Choice, seq_len: int) -> Footprint:
+        return _footprint_at(self.target, choice, self.cache, seq_len)
 
 
-def _footprint_at(target: Target, layout: Layout, cache: dict, seq_len: int) -> Footprint:
-    key = (layout, seq_len)
+def _footprint_at(target: Target, choice: Choice, cache: dict, seq_len: int) -> Footprint:
+    key = (choice, seq_len)
     if key not in cache:
-        cache[key] = measure_scaled(target.at(seq_len), layout)
+        cache[key] = measure_scaled(target.at(seq_len), choice)
     return cache[key]
 
 
@@ -245,15 +245,15 @@ def _measurements(measured, target: Target):
     return _DictCache(target, measured) if isinstance(measured, dict) else measured
 
 
-def evaluate(target: Target, layout: Layout, cluster: Cluster, measured) -> Candidate:
+def evaluate(target: Target, choice: Choice, cluster: Cluster, measured) -> Candidate:
     """One layout at the target's sequence length (``measured``: the plan's
     :class:`usp.planner.pool.Measurements`, or a dict to cache in)."""
-    footprint = _measurements(measured, target).footprint(layout, target.seq_len)
-    costs = overheads(target, layout, cluster)
+    footprint = _measurements(measured, target).footprint(choice, target.seq_len)
+    costs = overheads(target, choice, cluster)
     fits, why = judge(footprint, costs)
-    sent = comm_bytes(target, layout)
-    seconds = step_time(target, layout, cluster, sent)
-    return Candidate(layout, target.seq_len, footprint, fits, why, seconds, sent, costs)
+    sent = comm_bytes(target, choice)
+    seconds = step_time(target, choice, cluster, sent)
+    return Candidate(choice, target.seq_len, footprint, fits, why, seconds, sent, costs)
 
 
 def rank(candidates: list[Candidate]) -> list[Candidate]:
@@ -269,8 +269,8 @@ FRONTIER = 2
 
 
 def max_seq_len(
-    target: Target, layouts_: list[Layout], cluster: Cluster, measured, *, rounds: int = 4
-) -> tuple[int, Layout | None]:
+    target: Target, layouts_: list[Choice], cluster: Cluster, measured, *, rounds: int = 4
+) -> tuple[int, Choice | None]:
     """The longest sequence (a multiple of what the layout needs, at most
     :func:`longest_plannable`) that some layout fits, and that layout. Each layout's
     device and host peaks grow close to linearly with the sequence: a line through two
@@ -285,24 +285,24 @@ def max_seq_len(
     frontier = [
         (lay, _line_lengths(lay, target)) for lay in _frontier(layouts_, target, cluster, measured)
     ]
-    for layout, lengths in reversed(frontier):  # every line's points, before any wait
+    for choice, lengths in reversed(frontier):  # every line's points, before any wait
         for s in reversed(lengths):
-            measured.want(layout, s, urgent=True)
-    for layout, lengths in frontier:
-        multiple = sequence_multiple(layout, target.job)
-        costs = overheads(target, layout, cluster)
-        points = [(s, measured.footprint(layout, s)) for s in lengths]
+            measured.want(choice, s, urgent=True)
+    for choice, lengths in frontier:
+        multiple = sequence_multiple(choice, target.job)
+        costs = overheads(target, choice, cluster)
+        points = [(s, measured.footprint(choice, s)) for s in lengths]
         cap = longest_plannable(target, multiple)
-        rounding = _rounding(target, layout)
+        rounding = _rounding(target, choice)
         predicted = min(cap, _predict(points, costs, multiple, rounding))
-        predictions.append((predicted, layout, multiple, costs))
+        predictions.append((predicted, choice, multiple, costs))
         for s, footprint in points:
             if judge(footprint, costs)[0] and s > best_len:
-                best_len, best_layout = s, layout
+                best_len, best_layout = s, choice
     predictions.sort(key=lambda p: -p[0])
-    for predicted, layout, multiple, costs in predictions[:1]:
+    for predicted, choice, multiple, costs in predictions[:1]:
         cap = longest_plannable(target, multiple)
-        points = {s: measured.footprint(layout, s) for s in _line_lengths(layout, target)}
+        points = {s: measured.footprint(choice, s) for s in _line_lengths(choice, target)}
         length = predicted
 
         def fits(s: int) -> bool:
@@ -317,24 +317,24 @@ def max_seq_len(
                 break  # the boundary is between two measured lengths a multiple apart
             above = length + multiple
             if measured.jobs > 1 and above <= cap:  # a free worker measures it meanwhile
-                measured.want(layout, above, urgent=True)
-            points[length] = measured.footprint(layout, length)
+                measured.want(choice, above, urgent=True)
+            points[length] = measured.footprint(choice, length)
             if fits(length):
-                best_len, best_layout = length, layout
+                best_len, best_layout = length, choice
                 if above > cap:
                     break  # the longest the search can represent fits
-                points[above] = measured.footprint(layout, above)
+                points[above] = measured.footprint(choice, above)
                 if not fits(above):
                     break  # measured: this length fits and the next multiple does not
             nearest = _nearest(points, costs)
-            length = min(cap, _predict(nearest, costs, multiple, _rounding(target, layout)))
+            length = min(cap, _predict(nearest, costs, multiple, _rounding(target, choice)))
     return best_len, best_layout
 
 
-def _rounding(target: Target, layout: Layout):
+def _rounding(target: Target, choice: Choice):
     """The pinned rounding of the layout's offloaded layer inputs at a length."""
     layers = target.model.num_hidden_layers
-    return lambda seq_len: offload_rounding(target, layout, seq_len, layers)
+    return lambda seq_len: offload_rounding(target, choice, seq_len, layers)
 
 
 def longest_plannable(target: Target, multiple: int) -> int:
@@ -344,41 +344,41 @@ def longest_plannable(target: Target, multiple: int) -> int:
     return MAX_ROW_TOKENS // target.job.train.micro_batch // multiple * multiple
 
 
-def _line_lengths(layout: Layout, target: Target) -> tuple[int, int]:
+def _line_lengths(choice: Choice, target: Target) -> tuple[int, int]:
     """The two lengths a layout's line is drawn through: the planned one and about half
     (or twice it, within :func:`longest_plannable`, when half is the same)."""
     base = target.seq_len
-    multiple = sequence_multiple(layout, target.job)
+    multiple = sequence_multiple(choice, target.job)
     lengths = (base, max(multiple, base // 2 // multiple * multiple))
     if lengths[1] != lengths[0]:
         return lengths
     return (base, min(base * 2, max(base + multiple, longest_plannable(target, multiple))))
 
 
-def frontier_candidates(layouts_: list[Layout]) -> list[Layout]:
+def frontier_candidates(layouts_: list[Choice]) -> list[Choice]:
     """The layouts :func:`_frontier` chooses from: dp = 1 (a replica of fewer ranks
     holds more tokens per rank), each grid with its most memory-saving activation option
     (the last accepted) for each training-state offload (none, the optimizer's, the
     parameters'): offloading saves device memory and costs host memory, so which one
     reaches further depends on which limit binds."""
-    best: dict[tuple[int, int, str], Layout] = {}
-    for layout in layouts_:
-        if layout.dp == 1:
-            best[(layout.ulysses, layout.ring, layout.levers.offload)] = layout
+    best: dict[tuple[int, int, str], Choice] = {}
+    for choice in layouts_:
+        if choice.dp == 1:
+            best[(choice.ulysses, choice.ring, choice.levers.offload)] = choice
     return list(best.values())
 
 
-def _frontier(layouts_: list[Layout], target: Target, cluster: Cluster, measured) -> list[Layout]:
+def _frontier(layouts_: list[Choice], target: Target, cluster: Cluster, measured) -> list[Choice]:
     """The layouts worth extending: of :func:`frontier_candidates`, the :data:`FRONTIER`
     that fill their budget least at the planned length (the larger of the device peak's
     and the host's share of their limits: both grow about linearly with the sequence)."""
     candidates = frontier_candidates(layouts_)
-    for layout in reversed(candidates):  # urgent: the first ends up first
-        measured.want(layout, target.seq_len, urgent=True)
+    for choice in reversed(candidates):  # urgent: the first ends up first
+        measured.want(choice, target.seq_len, urgent=True)
 
-    def fill(layout: Layout) -> float:
-        footprint = measured.footprint(layout, target.seq_len)
-        budget = overheads(target, layout, cluster).budget(footprint.extras)
+    def fill(choice: Choice) -> float:
+        footprint = measured.footprint(choice, target.seq_len)
+        budget = overheads(target, choice, cluster).budget(footprint.extras)
         host = footprint.host_total / max(budget.host_peak_limit, 1.0)
         return max(footprint.peak_device / max(budget.device_peak_limit, 1.0), host)
 

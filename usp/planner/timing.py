@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from usp.models import model_counts
-from usp.planner.footprint import Layout, Target
+from usp.planner.footprint import Choice, Target
 from usp.planner.hardware import (
     ATTENTION_TFLOPS,
     CPU_TFLOPS,
@@ -26,14 +26,14 @@ def _spans_nodes(members, ranks_per_node: int) -> bool:
     return len({m // ranks_per_node for m in members}) > 1
 
 
-def comm_bytes(target: Target, layout: Layout) -> dict[str, int]:
+def comm_bytes(target: Target, choice: Choice) -> dict[str, int]:
     """Bytes one rank sends per step, by kind (:mod:`usp.planner.traffic`)."""
     model, job = target.model, target.job
     compute = 2 if target.device == "cuda" else 4
     heads = _Heads(model.num_attention_heads, model.num_key_value_heads, model.attention_head_dim)
     row = job.train.micro_batch * job.train.seq_len
     attention = traffic_formula(
-        heads, batch=1, seqlen=row, ulysses=layout.ulysses, ring=layout.ring,
+        heads, batch=1, seqlen=row, ulysses=choice.ulysses, ring=choice.ring,
         ring_impl=job.topology.attention.ring_impl, item_bytes=compute, acc_bytes=4,
     )  # fmt: skip
     counts = model_counts(model)
@@ -46,8 +46,8 @@ def comm_bytes(target: Target, layout: Layout) -> dict[str, int]:
         attention,
         fsdp,
         layers=model.num_hidden_layers,
-        micro_batches=job.gradient_accumulation(layout.dp),
-        recompute=bool(layout.levers.activation_checkpointing),
+        micro_batches=job.gradient_accumulation(choice.dp),
+        recompute=bool(choice.levers.activation_checkpointing),
     )
 
 
@@ -58,7 +58,7 @@ class _Heads:
     head_dim: int
 
 
-def step_time(target: Target, layout: Layout, cluster, sent: dict[str, int]) -> float:
+def step_time(target: Target, choice: Choice, cluster, sent: dict[str, int]) -> float:
     """Estimated seconds per optimizer step on one rank: FLOPs at the kernels'
     throughput plus communication over the links. Matmuls (x4/3 with activation
     checkpointing's recompute, x1 + 2/3 more for a tiled MLP's) overlap FSDP's
@@ -68,13 +68,13 @@ def step_time(target: Target, layout: Layout, cluster, sent: dict[str, int]) -> 
     model, job = target.model, target.job
     counts = model_counts(model)
     row = job.train.micro_batch * job.train.seq_len
-    rows = job.gradient_accumulation(layout.dp)
-    sp = layout.sp
+    rows = job.gradient_accumulation(choice.dp)
+    sp = choice.sp
     gemm = 6 * counts.matmul * row * rows / sp
     attention = counts.attention_flops(row * row) * rows / sp
-    if layout.levers.activation_checkpointing:
+    if choice.levers.activation_checkpointing:
         gemm, attention = gemm * 4 / 3, attention * 4 / 3
-    if layout.levers.mlp_tile_tokens:
+    if choice.levers.mlp_tile_tokens:
         gemm *= 1.2  # the MLP's forward once more (it is ~2/3 of a layer's matmuls)
     if target.device == "cuda":
         backend = planning_backend("cuda", job.topology.attention.backend)
@@ -82,7 +82,7 @@ def step_time(target: Target, layout: Layout, cluster, sent: dict[str, int]) -> 
         attention_s = attention / (ATTENTION_TFLOPS.get(backend, 144.0) * 1e12)
     else:
         gemm_s, attention_s = gemm / (CPU_TFLOPS * 1e12), attention / (CPU_TFLOPS * 1e12)
-    links = _links(layout, cluster, job)
+    links = _links(choice, cluster, job)
     seconds = {kind: sent.get(kind, 0) / (links[kind] * GB) for kind in links}
     exposed = seconds["attention_all_to_all"] + seconds["attention_all_gather"]
     exposed += seconds["attention_reduce_scatter"]
@@ -90,11 +90,11 @@ def step_time(target: Target, layout: Layout, cluster, sent: dict[str, int]) -> 
         max(gemm_s, seconds["fsdp_all_gather"] + seconds["fsdp_reduce_scatter"])
         + max(attention_s, seconds["attention_p2p"])
         + exposed
-        + host_step_time(target, layout)
+        + host_step_time(target, choice)
     )
 
 
-def host_step_time(target: Target, layout: Layout) -> float:
+def host_step_time(target: Target, choice: Choice) -> float:
     """Seconds an offloaded optimizer adds to a step on one rank (0 without offload;
     assumptions of :mod:`usp.planner.hardware`): AdamW on the host over the rank's
     parameter shard at :data:`HOST_ADAM_PARAMS_PER_S`, plus its copies over PCIe at
@@ -102,7 +102,7 @@ def host_step_time(target: Target, layout: Layout) -> float:
     and its gradient to the host and the shard back (12 bytes per parameter);
     ``offload_parameters`` copies each shard to the device for its all-gathers
     (forward and backward: 8 bytes) and each gradient to the host (4 bytes)."""
-    levers = layout.levers
+    levers = choice.levers
     if not levers.offload_optimizer or target.device != "cuda":
         return 0.0
     shard = model_counts(target.model).total / target.world_size  # parameters per rank
@@ -110,13 +110,13 @@ def host_step_time(target: Target, layout: Layout) -> float:
     return shard / HOST_ADAM_PARAMS_PER_S + copied / (PCIE_GBPS * GB)
 
 
-def _links(layout: Layout, cluster, job) -> dict[str, float]:
+def _links(choice: Choice, cluster, job) -> dict[str, float]:
     """GB/s of the link each kind crosses for rank 0: a group that spans nodes is bound
     by its inter-node hop."""
     parallel = job.topology.parallel
     n = cluster.gpus_per_node
     rank_map = RankMap(
-        cluster.world_size, n, layout.ulysses, layout.ring, layout.dp, parallel.placement,
+        cluster.world_size, n, choice.ulysses, choice.ring, choice.dp, parallel.placement,
         parallel.allow_cross_node_ulysses,
     )  # fmt: skip
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from usp.planner.footprint import Layout, Target
+from usp.planner.footprint import Choice, Target
 from usp.planner.measure import built_step
 
 
@@ -55,10 +55,10 @@ def _peak_of_events(events) -> int:
     return peak
 
 
-def real_peak(target: Target, layout: Layout, *, layers: int | None = None) -> int:
+def real_peak(target: Target, choice: Choice, *, layers: int | None = None) -> int:
     """Bytes: the highest memory one real step of ``layout`` allocated on this rank
     (after a first optimizer step, as the planner measures it)."""
-    with built_step(target, layout, layers=layers, fake=False) as built:
+    with built_step(target, choice, layers=layers, fake=False) as built:
         if built.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -24,6 +24,7 @@ from usp.process_groups.rank_math import (
     RankMap,
     TopologyError,
 )
+from usp.process_groups.single import SINGLE_PROCESS, SingleProcess, as_topology
 from usp.process_groups.topology import (
     MESH_AXES,
     Topology,
@@ -43,9 +44,12 @@ __all__ = [
     "RankInfo",
     "RankLaunch",
     "RankMap",
+    "SINGLE_PROCESS",
+    "SingleProcess",
     "Topology",
     "TopologyDestroyedError",
     "TopologyError",
+    "as_topology",
     "build_topology",
     "describe_valid_pairs",
     "format_pairs",

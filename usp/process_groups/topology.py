@@ -220,6 +220,9 @@ class Topology:
         """This rank's dp group, indexed by dp rank (ascending)."""
         return self.rank_map.dp_group_of(self.rank)
 
+    #: process groups exist (see :class:`usp.process_groups.single.SingleProcess`)
+    single_process = False
+
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Topology:
         return self

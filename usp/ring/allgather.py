@@ -17,7 +17,7 @@ from usp.comm import traced
 from usp.comm.collectives import all_gather_into, reduce_scatter_into
 from usp.kernels.masks import accumulation_dtype
 from usp.ring.calls import calls_for
-from usp.ring.config import RingConfig
+from usp.ring.config import PreparedRing
 
 
 def head_chunks(num_kv_heads: int, chunks: int) -> list[tuple[int, int]]:
@@ -29,7 +29,7 @@ def head_chunks(num_kv_heads: int, chunks: int) -> list[tuple[int, int]]:
     return [(h, h + step) for h in range(0, num_kv_heads, step)]
 
 
-def _placed_segments(cfg: RingConfig):
+def _placed_segments(cfg: PreparedRing):
     """The query pieces' segments: every key each piece sees, or with a window only the
     chunks it reaches (keys wholly outside it are neither selected nor computed)."""
     if cfg.window is not None:
@@ -37,12 +37,12 @@ def _placed_segments(cfg: RingConfig):
     return cfg.placement.segments[cfg.causal]
 
 
-def _segments(cfg: RingConfig):
+def _segments(cfg: PreparedRing):
     """(query rows, rows of the gathered K/V they see, kernel calls) per query piece."""
     return [(seg.q_rows, seg.kv_rows, calls_for(cfg, seg.docs)) for seg in _placed_segments(cfg)]
 
 
-def block_shapes(cfg: RingConfig, local_len: int, heads: int, kv_heads: int) -> set[tuple]:
+def block_shapes(cfg: PreparedRing, local_len: int, heads: int, kv_heads: int) -> set[tuple]:
     """The (Sq, Sk, H, Hkv, causal, varlen) of every kernel call of this rank (one per
     query piece and group of KV heads)."""
     chunk_kv = kv_heads // cfg.kv_head_chunks
@@ -62,7 +62,7 @@ def block_shapes(cfg: RingConfig, local_len: int, heads: int, kv_heads: int) -> 
     }
 
 
-def _gather_kv(k, v, heads: slice, cfg: RingConfig, after=None) -> torch.Tensor:
+def _gather_kv(k, v, heads: slice, cfg: PreparedRing, after=None) -> torch.Tensor:
     """Local [B, L, Hkv, D] x2 -> every ring rank's K/V [2, B, r * L, hc, D], rank order.
     ``after``: in a compiled backward, the gradient the gather is tied to, so that it
     gathers again there (:func:`usp.comm.traced.stack_after`) instead of the forward's
@@ -82,7 +82,7 @@ def _gather_kv(k, v, heads: slice, cfg: RingConfig, after=None) -> torch.Tensor:
     return by_rank.reshape(two, batch, cfg.size * local_len, hc, dim)
 
 
-def _scatter_grads(dkv: torch.Tensor, cfg: RingConfig) -> torch.Tensor:
+def _scatter_grads(dkv: torch.Tensor, cfg: PreparedRing) -> torch.Tensor:
     """[2, B, r * L, hc, D] (rank order) -> this rank's summed share [2, B, L, hc, D]."""
     two, batch, total, hc, dim = dkv.shape
     local_len = total // cfg.size
@@ -97,7 +97,7 @@ def _scatter_grads(dkv: torch.Tensor, cfg: RingConfig) -> torch.Tensor:
     return mine
 
 
-def allgather_forward(q, k, v, cfg: RingConfig, documents=None):
+def allgather_forward(q, k, v, cfg: PreparedRing, documents=None):
     """``documents`` is not read: the all-gather ring's segments index the gathered K/V
     by document (sizes that depend on the packing), so its compiled graph is specialised
     to the packing ``cfg`` was placed for."""
@@ -119,7 +119,7 @@ def allgather_forward(q, k, v, cfg: RingConfig, documents=None):
     return out, lse
 
 
-def allgather_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None):
+def allgather_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=None):
     group_size = q.shape[2] // k.shape[2]
     acc = accumulation_dtype(q.dtype)
     dq = torch.empty_like(q)

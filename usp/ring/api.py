@@ -12,6 +12,7 @@ from usp.comm.agreement import Field, stable_hash
 from usp.comm.stats import CommStats
 from usp.comm.traced import TracedGroup
 from usp.errors import InputError
+from usp.kernels.backends.registry import KernelRegistry
 from usp.kernels.docs import DeviceBounds
 from usp.kernels.spec import (
     AttentionInputError,
@@ -25,7 +26,7 @@ from usp.options import BACKENDS, LAYOUTS, RING_IMPLS, check_choice
 from usp.ring.allgather import allgather_backward, allgather_forward, head_chunks
 from usp.ring.allgather import block_shapes as allgather_block_shapes
 from usp.ring.calls import BlockKernels, calls_for
-from usp.ring.config import RingConfig
+from usp.ring.config import PreparedRing
 from usp.ring.documents import DocumentLayoutError, Documents
 from usp.ring.heads import backward_by_heads, forward_by_heads
 from usp.ring.layout import required_local_multiple
@@ -44,16 +45,16 @@ class RingInputError(InputError):
     """The inputs of a ring-attention call do not fit its group or layout."""
 
 
-def _local_forward(q, k, v, cfg: RingConfig, documents=None):
+def _local_forward(q, k, v, cfg: PreparedRing, documents=None):
     """Ring of one with a dense sequence: the local kernel, no communication at all."""
     return calls_for(cfg, None).forward(q, k, v, cfg.causal, cfg.window)
 
 
-def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None):
+def _local_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=None):
     return calls_for(cfg, None).backward(dout, q, k, v, out, lse, cfg.causal, cfg.window)
 
 
-def _implementation(cfg: RingConfig):
+def _implementation(cfg: PreparedRing):
     """(forward, backward) for this call: local, p2p ring or all-gather ring. A ring of
     one with packed documents runs the p2p plan whatever ``ring_impl`` says (it never
     sends anything; there is nothing to gather). With ``kv_head_chunks`` > 1 the local
@@ -103,7 +104,7 @@ class _RingAttention(torch.autograd.Function):
     the ring's backward then uses as they are."""
 
     @staticmethod
-    def forward(ctx, cfg: RingConfig, q, k, v, boundaries, longest, sinks):
+    def forward(ctx, cfg: PreparedRing, q, k, v, boundaries, longest, sinks):
         documents = _device_bounds(boundaries, longest)
         out, lse = _implementation(cfg)[0](q, k, v, cfg, documents)
         if sinks is not None:
@@ -130,7 +131,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def run_ring(
-    q, k, v, cfg: RingConfig, placement: RankPlacement | None = None, sinks=None
+    q, k, v, cfg: PreparedRing, placement: RankPlacement | None = None, sinks=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A validated call (see :func:`ring_attention`): (out, lse), differentiable in q/k/v.
     ``placement``: in a compiled graph, the live packing's (its piece boundaries and
@@ -182,7 +183,7 @@ def ring_attention(
     """
     bounds = None
 
-    def validate() -> RingConfig:
+    def validate() -> PreparedRing:
         nonlocal bounds
         check_choice("sequence layout", layout, LAYOUTS, RingInputError)
         check_choice("ring_impl", ring_impl, RING_IMPLS, RingInputError)
@@ -263,9 +264,11 @@ def prepare_ring(
     comm_stats: CommStats | None,
     kv_head_chunks: int = 1,
     window: int | None = None,
-) -> RingConfig:
+    kernel_registry: KernelRegistry | None = None,
+) -> PreparedRing:
     """Every local check of a ring call, so that nothing fails after the first send: the
-    group's device, lengths, head chunks, softmax scale and the kernel backend."""
+    group's device, lengths, head chunks, softmax scale and the kernel backend (looked
+    up in ``kernel_registry``, default usp's)."""
     if spec.seqlen_q != spec.seqlen_k:
         raise RingInputError(
             "ring attention needs q and k/v with the same local sequence length, "
@@ -284,10 +287,11 @@ def prepare_ring(
         head_chunks(spec.num_kv_heads, kv_head_chunks)
     except ValueError as err:
         raise RingInputError(str(err)) from None
-    kernels = BlockKernels(spec, backend, default_scale(spec.head_dim, softmax_scale))
+    scale = default_scale(spec.head_dim, softmax_scale)
+    kernels = BlockKernels(spec, backend, scale, kernel_registry)
     size = 1 if group is None else dist.get_world_size(group)
     peers = TracedGroup.of(group) if size > 1 else None
-    cfg = RingConfig(
+    cfg = PreparedRing(
         group, causal, layout, ring_impl, kernels, placement, comm_stats, kv_head_chunks, peers,
         window,
     )  # fmt: skip
@@ -308,7 +312,7 @@ def _shape_order(shape: tuple) -> tuple:
     return (*shape[:-1], -1 if shape[-1] is None else shape[-1])
 
 
-def _block_shapes(cfg: RingConfig, spec: AttentionSpec) -> set[tuple]:
+def _block_shapes(cfg: PreparedRing, spec: AttentionSpec) -> set[tuple]:
     """(Sq, Sk, H, Hkv, causal, varlen) of every kernel call the ring of
     :func:`_implementation` makes on this rank."""
     heads, kv_heads = spec.num_heads, spec.num_kv_heads

@@ -24,6 +24,7 @@ import torch
 
 from usp.kernels import ops
 from usp.kernels.backends.base import Backend
+from usp.kernels.backends.registry import KernelRegistry
 from usp.kernels.dispatch import PreparedDense, docs_backward, docs_forward, document_calls
 from usp.kernels.docs import DeviceBounds, PackedDocs
 from usp.kernels.selection import select_backend
@@ -35,15 +36,23 @@ class BlockKernels:
     """The kernel side of one validated ring call.
 
     ``template``: the call's spec (batch, heads, head dim, dtype, device); ``backend``:
-    the requested name (``auto`` or a backend); ``scale``: the resolved softmax scale.
+    the requested name (``auto`` or a backend); ``scale``: the resolved softmax scale;
+    ``registry``: where the names are looked up (None: usp's).
     :meth:`resolve` picks the backend of a block shape once and remembers it.
     """
 
-    __slots__ = ("backend", "scale", "names", "_template", "_resolved", "_prepared")
+    __slots__ = ("backend", "scale", "registry", "names", "_template", "_resolved", "_prepared")
 
-    def __init__(self, template: AttentionSpec, backend: str, scale: float):
+    def __init__(
+        self,
+        template: AttentionSpec,
+        backend: str,
+        scale: float,
+        registry: KernelRegistry | None = None,
+    ):
         self.backend = backend
         self.scale = scale
+        self.registry = registry
         #: the resolved backend's name per block key (what a compiled graph reads)
         self.names: dict[tuple, str] = {}
         self._template = template
@@ -64,7 +73,7 @@ class BlockKernels:
                 seqlen_k=seqlen_k, num_heads=heads, num_kv_heads=kv_heads, causal=causal,
                 window=window, varlen=varlen,
             )  # fmt: skip
-            hit = (select_backend(spec, self.backend), spec)
+            hit = (select_backend(spec, self.backend, self.registry), spec)
             self._resolved[key] = hit
             self.names[key] = hit[0].name
         return hit

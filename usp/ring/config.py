@@ -1,4 +1,5 @@
-"""Options of one ring-attention call, passed as one object through autograd."""
+"""One ring-attention call as validated (:class:`PreparedRing`), passed as one object
+through autograd."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from usp.ring.placement import RankPlacement
 
 
 @dataclass(frozen=True)
-class RingConfig:
-    """A validated call: the group (None for a single process), the options, the resolved
-    softmax scale and this rank's placement of the sequence."""
+class PreparedRing:
+    """A ring-attention call as ``prepare_ring`` validated it: the group (None for a
+    single process), the options, the resolved softmax scale and kernels, and this rank's
+    placement of the sequence."""
 
     group: dist.ProcessGroup | None
     causal: bool

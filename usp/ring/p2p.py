@@ -25,7 +25,7 @@ from usp.kernels import merge_into
 from usp.kernels.docs import DeviceBounds
 from usp.kernels.masks import accumulation_dtype
 from usp.ring.calls import calls_for
-from usp.ring.config import RingConfig
+from usp.ring.config import PreparedRing
 from usp.ring.layout import ALL, packed_step_blocks, step_blocks
 from usp.ring.window import (
     dense_window_blocks,
@@ -39,7 +39,7 @@ def _kv_rank(ring: RingExchange, step: int) -> int:
     return (ring.rank - step) % ring.size
 
 
-def _exchange(cfg: RingConfig):
+def _exchange(cfg: PreparedRing):
     """The ring's exchange: posted on the group (eager), or functional collectives
     that a compiled graph holds (their waits where the loops below wait)."""
     if torch.compiler.is_compiling():
@@ -47,7 +47,7 @@ def _exchange(cfg: RingConfig):
     return RingExchange(cfg.group, cfg.stats)
 
 
-def _plan(cfg: RingConfig, local_len: int, documents: DeviceBounds | None = None):
+def _plan(cfg: PreparedRing, local_len: int, documents: DeviceBounds | None = None):
     """(blocks of a step, the kernel calls that compute them) for dense or packed input.
     ``documents``: a compiled graph's piece-vs-piece documents (device boundaries and
     the longest document as a symbolic size), from the live PackedSequence because
@@ -69,13 +69,13 @@ def _plan(cfg: RingConfig, local_len: int, documents: DeviceBounds | None = None
     return blocks, calls_for(cfg, cfg.placement.piece_docs if documents is None else documents)
 
 
-def chunk_lengths(cfg: RingConfig) -> tuple[int, ...]:
+def chunk_lengths(cfg: PreparedRing) -> tuple[int, ...]:
     """The chunk length of every packed document (a piece holds one chunk of each)."""
     bounds = cfg.placement.documents.piece_bounds
     return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
-def steps(cfg: RingConfig, local_len: int) -> int:
+def steps(cfg: PreparedRing, local_len: int) -> int:
     """How many steps the ring rotates: all of them, or with a window only while some
     rank still has a block inside it (:func:`usp.ring.window.ring_steps`)."""
     if cfg.window is None or cfg.size == 1:
@@ -84,7 +84,7 @@ def steps(cfg: RingConfig, local_len: int) -> int:
     return ring_steps(cfg.layout, cfg.size, local_len, lengths, cfg.window)
 
 
-def block_shapes(cfg: RingConfig, local_len: int, heads: int, kv_heads: int) -> set[tuple]:
+def block_shapes(cfg: PreparedRing, local_len: int, heads: int, kv_heads: int) -> set[tuple]:
     """The (Sq, Sk, H, Hkv, causal, varlen) of every kernel call a pass of this rank makes
     (the same in forward and backward), from the blocks the loops below run."""
     blocks, _ = _plan(cfg, local_len)
@@ -170,7 +170,7 @@ def _start_accumulator(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return x if x.dtype == acc else x.to(acc)
 
 
-def p2p_forward(q, k, v, cfg: RingConfig, documents=None) -> tuple[torch.Tensor, torch.Tensor]:
+def p2p_forward(q, k, v, cfg: PreparedRing, documents=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, L, H, D], k/v [B, L, Hkv, D] (local) -> out [B, L, H, D], lse [B, H, L];
     ``documents`` as in :func:`_plan`."""
     ring = _exchange(cfg)
@@ -219,7 +219,7 @@ def _add_block_grads(dkv: _Pair, block_grads) -> None:
         dkv.second[kv_rows].add_(dv_block)
 
 
-def p2p_backward(dout, q, k, v, out, lse, cfg: RingConfig, documents=None):
+def p2p_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=None):
     """Gradients of :func:`p2p_forward`. Every buffer is dropped as soon as nothing reads
     it any more (a block's kernel outputs once added, the spare K/V buffer once no
     receive is left, the accumulators before the casts at the end), so that at most

@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from usp.config import AUTO, ConfigError
+from usp.config.allocator import set_allocator_default
 from usp.config.launch import GridSizeError
-from usp.train.allocator import set_allocator_default
-from usp.train.components import build_plan  # the one way a job becomes a Plan
+from usp.process_groups import SINGLE_PROCESS
+from usp.train.components import build_plan, model_source  # a job's Plan, its model
 from usp.train.config import load_train_config
 from usp.train.error_file import write_error_file
 from usp.train.guard import EXIT_STATUS, CollectiveFailedError, TrainingDivergedError
@@ -106,12 +107,13 @@ def run(args: argparse.Namespace) -> int:
         write_error_file(f"usp train: error: {err}", 2)
         return 2
     user_errors = user_error_kinds()
-    topology, synchronised = None, True
+    topology, synchronised = SINGLE_PROCESS, True
     try:
         _init_process_group(_device_of(job, args.device), job.train.collective_timeout_s)
-        plan = build_plan(job)
+        source = model_source(job)  # config.json, read once for the plan and the run
+        plan = build_plan(job, source=source)
         topology = plan.topology
-        result = _train(job, plan, args.resume, getattr(args, "resume_changed", False))
+        result = _train(job, plan, source, args.resume, getattr(args, "resume_changed", False))
         if result.stopped_by is not None:
             line = (
                 f"usp train: stopped by {result.stopped_by} at step {result.stopped_at}; "
@@ -165,13 +167,13 @@ def run(args: argparse.Namespace) -> int:
             _teardown(topology)
 
 
-def _train(job, plan, resume: bool, resume_changed: bool = False):
-    return train(job, plan, resume=resume, resume_changed=resume_changed)
+def _train(job, plan, source, resume: bool, resume_changed: bool = False):
+    return train(job, plan, resume=resume, resume_changed=resume_changed, source=source)
 
 
 def _teardown(topology) -> None:
     """``Topology.destroy()`` (which synchronises the ranks), then the default group."""
-    if topology is not None:
+    if not topology.single_process:
         topology.destroy()
     elif dist.is_initialized():
         dist.barrier()  # no rank closes connections a peer still reads

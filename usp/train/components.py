@@ -26,7 +26,6 @@ from usp.models import (
     family_of,
     lora_of,
 )
-from usp.models import levers_of as levers_of_model
 from usp.models.lora import initial_adapters
 from usp.plan import Plan
 from usp.process_groups import Topology
@@ -42,7 +41,8 @@ from usp.train.data.build import DataInputs, describe_files, packed_dataset
 from usp.train.host_optimizer import HostAdamW
 from usp.train.parallelize import compile_layers, parameters_device
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: the torch dtype of each ``[train] dtype`` name other than "auto"
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # ----------------------------------------------------------------------------- model shape
@@ -52,6 +52,9 @@ class ModelSource:
     directory: Path | None  # the HF checkpoint directory, None for a preset
     #: "name: old -> new" for each [model] position setting that changed the config
     changes: tuple[str, ...] = ()
+    #: the directory's config.json as read (before the position settings), so that
+    #: loading the weights does not read it again (None for a preset)
+    file_config: object | None = None
 
 
 def model_source(job: TrainJobConfig) -> ModelSource:
@@ -77,7 +80,8 @@ def model_source(job: TrainJobConfig) -> ModelSource:
     if not config_file.is_file():
         raise job.error(f"[model] path {directory} has no config.json (not an HF checkpoint)")
     try:
-        source = ModelSource(config_from_file(config_file), directory)
+        config = config_from_file(config_file)
+        source = ModelSource(config, directory, file_config=config)
     except ModelConfigError as err:
         raise job.error(f"[model] {err}") from None
     return _with_positions(job, source)
@@ -92,15 +96,16 @@ def _with_positions(job: TrainJobConfig, source: ModelSource) -> ModelSource:
     except ModelConfigError as err:
         raise job.error(f"[model] {err}") from None
     changes = tuple(source.config.position_changes(config))
-    return ModelSource(config, source.directory, changes)
+    return ModelSource(config, source.directory, changes, source.file_config)
 
 
-def topology_config(job: TrainJobConfig) -> UspConfig:
+def topology_config(job: TrainJobConfig, source: ModelSource | None = None) -> UspConfig:
     """The job's topology config with the model's head counts as its ``[model]``, so
     ``ulysses = "auto"`` and the head checks see the real model (what ``usp topo`` shows
-    and what ``usp train`` builds its topology from). A :class:`ConfigError` when the
-    model's config cannot be read."""
-    config = model_source(job).config
+    and what ``usp train`` builds its topology from). ``source``: the job's
+    :func:`model_source` if read already (else read here: a :class:`ConfigError` when
+    the model's config cannot be read)."""
+    config = (model_source(job) if source is None else source).config
     return job.topology_with_heads(
         config.num_attention_heads, config.num_key_value_heads, config.attention_head_dim
     )
@@ -113,22 +118,22 @@ def topology_config(job: TrainJobConfig) -> UspConfig:
 TRAIN_VERIFY_CALLS = False
 
 
-def build_plan(job: TrainJobConfig, topology: Topology | None | str = "build") -> Plan:
+def build_plan(
+    job: TrainJobConfig,
+    topology: Topology | None | str = "build",
+    *,
+    source: ModelSource | None = None,
+) -> Plan:
     """The Plan a training job runs on (:meth:`Plan.from_config` with
     :data:`TRAIN_VERIFY_CALLS`). ``"build"``: the topology from the config, with the
     model's head counts checked (a collective: every rank calls it after
     ``init_process_group``); a Topology: that one, whose degrees must match the
-    config's; None: one process."""
-    config = topology_config(job) if isinstance(topology, str) else job.topology
+    config's; None: one process. ``source``: as in :func:`topology_config`."""
+    config = topology_config(job, source) if isinstance(topology, str) else job.topology
     return Plan.from_config(config, topology=topology, verify_calls=TRAIN_VERIFY_CALLS)
 
 
 # ----------------------------------------------------------------------------- lengths
-def layout_chunks(plan) -> int:
-    """Every document must be a multiple of this in the plan's layout (2r or r)."""
-    return options.layout_chunks(plan.layout, plan.ring_degree)
-
-
 def check_lengths(job: TrainJobConfig, plan) -> int:
     """Checks ``seq_len`` against the layout; returns the document multiple to pack with."""
     seq_len, multiple = job.train.seq_len, plan.sequence_multiple
@@ -139,7 +144,7 @@ def check_lengths(job: TrainJobConfig, plan) -> int:
             f"layout with ring={plan.ring_degree}, ulysses={plan.ulysses_degree}; "
             f"e.g. seq_len = {fit}"
         )
-    need = layout_chunks(plan)
+    need = options.layout_chunks(plan.layout, plan.ring_degree)  # a document's chunks: 2r or r
     document_multiple = job.data.document_multiple
     if document_multiple == AUTO:
         return need
@@ -229,7 +234,7 @@ def build_dataset(
 
 
 # ----------------------------------------------------------------------------- model
-def levers_of(job: TrainJobConfig) -> Levers:
+def train_levers(job: TrainJobConfig) -> Levers:
     """The memory levers ``[train]`` asks for, as one :class:`usp.models.Levers`."""
     t = job.train
     try:
@@ -246,7 +251,7 @@ def levers_of(job: TrainJobConfig) -> Levers:
 
 def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers | None = None):
     """The model of the source's family before parallelisation, with ``levers`` applied
-    (default: ``[train]``'s, :func:`levers_of`). A preset: float32 on the CPU,
+    (default: ``[train]``'s, :func:`train_levers`). A preset: float32 on the CPU,
     initialised from ``[train] seed`` identically on every rank. A checkpoint in one
     process: loaded on the CPU. A checkpoint in a distributed run: built on the meta
     device (no memory), to be sharded first and filled by :func:`load_weights` (rank 0
@@ -255,14 +260,15 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers |
     (:func:`usp.models.apply_lora`, seeded by ``[train] seed``), before the levers.
     With ``[train] compile`` each decoder layer is compiled (:func:`compile_layers`)."""
     family = family_of(source.config)
-    levers = levers_of(job) if levers is None else levers
+    levers = train_levers(job) if levers is None else levers
     if source.directory is None:
         torch.manual_seed(job.train.seed)
         model = family.build(source.config, plan)
-    elif plan.topology is None:
+    elif plan.topology.single_process:
         model = family.from_pretrained(
-            source.directory, plan, dtype=torch.float32, config=source.config
-        )
+            source.directory, plan, dtype=torch.float32, config=source.config,
+            file_config=source.file_config,
+        )  # fmt: skip
     else:
         with torch.device("meta"):
             model = family.build(source.config, plan)
@@ -280,17 +286,20 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers |
     return model
 
 
-def load_weights(model, source: ModelSource, device: torch.device, *, seed: int = 0) -> None:
+def load_weights(
+    model, source: ModelSource, device: torch.device, levers: Levers, *, seed: int = 0
+) -> None:
     """Fill a sharded model built on the meta device with the checkpoint's weights
     (float32 master weights; LoRA's frozen base in its own dtype) and LoRA's initial
-    adapters: rank 0 reads the files, every rank receives its shards. A collective; a
+    adapters: rank 0 reads the files, every rank receives its shards (on the host with
+    ``levers.offload_parameters``). A collective; a
     checkpoint rank 0 cannot read fails on every rank alike."""
-    model.to_empty(device=parameters_device(model, device))  # the host with offload_parameters
+    model.to_empty(device=parameters_device(levers, device))  # the host with offload_parameters
     full, error = {}, None
     if dist.get_rank() == 0:
         try:
             loaded = family_of(source.config).from_pretrained(
-                source.directory, None, dtype=torch.float32
+                source.directory, None, dtype=torch.float32, file_config=source.file_config
             )
             full = loaded.state_dict()
             if lora_of(model) is not None:  # the adapters' start, as one process draws it
@@ -305,7 +314,7 @@ def load_weights(model, source: ModelSource, device: torch.device, *, seed: int 
 def compute_dtype(job: TrainJobConfig, device: torch.device) -> torch.dtype:
     if job.train.dtype == AUTO:
         return default_compute_dtype(device)
-    return DTYPES[job.train.dtype]
+    return TORCH_DTYPES[job.train.dtype]
 
 
 def default_compute_dtype(device: torch.device) -> torch.dtype:
@@ -313,10 +322,12 @@ def default_compute_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def build_optimizer(job: TrainJobConfig, model: torch.nn.Module) -> torch.optim.AdamW:
+def build_optimizer(
+    job: TrainJobConfig, model: torch.nn.Module, levers: Levers
+) -> torch.optim.AdamW:
     """AdamW over the trainable parameters (with LoRA: the adapters only); weight decay
-    on matrices only (not on norms). With the model's ``offload_optimizer`` lever
-    (:func:`usp.models.levers_of`) a :class:`usp.train.host_optimizer.HostAdamW`: the same
+    on matrices only (not on norms). With ``levers.offload_optimizer`` (the levers the
+    model was built with) a :class:`usp.train.host_optimizer.HostAdamW`: the same
     update, its state and its step on the host (in place on host parameters with
     ``offload_parameters``)."""
     t = job.train
@@ -328,7 +339,6 @@ def build_optimizer(job: TrainJobConfig, model: torch.nn.Module) -> torch.optim.
         {"params": no_decay, "weight_decay": 0.0},
     ]
     options = {"lr": t.lr, "betas": t.adam_betas, "eps": t.adam_eps}
-    levers = levers_of_model(model)
     if levers.offload_optimizer:
         return HostAdamW(groups, params_on_host=levers.offload_parameters, **options)
     return torch.optim.AdamW(groups, **options)
@@ -336,7 +346,7 @@ def build_optimizer(job: TrainJobConfig, model: torch.nn.Module) -> torch.optim.
 
 def resolve_device(job: TrainJobConfig, plan) -> torch.device:
     """The plan's device for a distributed run; for one process, ``[train] device``."""
-    if plan.topology is not None:
+    if not plan.topology.single_process:
         device = plan.default_device()
         if job.train.device not in (AUTO, device.type):
             raise ConfigError(

@@ -76,7 +76,7 @@ from usp.config.schema import SECTIONS as TOPOLOGY_SCHEMA
 from usp.train.config_sections import (  # the sections, also importable from here
     DATA_SOURCES,
     DEVICES,
-    DTYPES,
+    DTYPE_CHOICES,
     LONG_DOCUMENTS,
     REPORT_TO,
     DataSection,
@@ -89,7 +89,7 @@ TOPOLOGY_SECTIONS = ("cluster", "parallel", "attention")
 TRAIN_SECTIONS = ("model", "data", "train")
 OPTIONAL_SECTIONS = ("eval",)
 __all__ = [
-    "AUTO", "ConfigError", "DATA_SOURCES", "DEVICES", "DTYPES", "LONG_DOCUMENTS", "OVERRIDE_KEYS",
+    "AUTO", "ConfigError", "DATA_SOURCES", "DEVICES", "DTYPE_CHOICES", "LONG_DOCUMENTS", "OVERRIDE_KEYS",
     "REPORT_TO", "DataSection", "EvalSection", "ModelSection", "TrainJobConfig", "TrainSection",
     "is_train_config", "load_train_config", "train_config_from_dict",
 ]  # fmt: skip

@@ -25,7 +25,7 @@ from usp.models.lora import Lora, LoraError, lora_from_table
 from usp.models.rope_config import POSITION_FIELDS
 
 DATA_SOURCES = ("jsonl", "synthetic")
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LONG_DOCUMENTS = ("truncate", "split", "drop", "error")
 #: [train] report_to: where metrics go besides metrics.jsonl (usp.train.report_to)
@@ -201,7 +201,7 @@ class TrainSection:
         ):
             _fail(s, "adam_betas", "two numbers in [0, 1), e.g. [0.9, 0.95]", betas)
         object.__setattr__(self, "adam_betas", tuple(float(b) for b in betas))
-        _choice(s, "dtype", self.dtype, DTYPES)
+        _choice(s, "dtype", self.dtype, DTYPE_CHOICES)
         _choice(s, "device", self.device, DEVICES)
         checkpointing = self.activation_checkpointing
         if not (isinstance(checkpointing, bool) or checkpointing == "offload"):

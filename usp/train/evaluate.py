@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from usp.process_groups import as_topology
 from usp.train.data import (
     DataError,
     MicroBatch,
@@ -184,7 +185,8 @@ def load_held_out(
             "label token (every token is a prompt or padding); give documents with trained "
             "tokens (text, a completion, assistant turns)"
         )
-    dp = 1 if topology is None else topology.dp_degree
+    topology = as_topology(topology)
+    dp = topology.dp_degree
     return HeldOut(
         dataset,
         sequences,
@@ -192,7 +194,7 @@ def load_held_out(
         global_batch=t.global_batch,
         micro_batch=t.micro_batch,
         dp_degree=dp,
-        dp_rank=0 if topology is None else topology.dp_rank,
+        dp_rank=topology.dp_rank,
         notes=tuple(
             note
             for note in (
@@ -222,7 +224,7 @@ def evaluate(model, plan, held_out: HeldOut, device: torch.device) -> EvalResult
             )
             total += loss.to(torch.float64)
     topology = plan.topology
-    if topology is not None and topology.dp_degree > 1:
+    if topology.dp_degree > 1:
         # every SP rank of a replica holds the replica's part; the replicas' parts add up
         dist.all_reduce(total, group=topology.dp_group)
     loss = float(total)

@@ -134,6 +134,8 @@ def summary(row: dict[str, Any], evaluation: dict[str, Any] | None = None) -> st
     """The short form of one step's metrics shown by the progress display, with the
     latest ``evaluation`` row's loss."""
     parts = [f"loss {row['loss']:.4f}", f"grad_norm {row['grad_norm']:.3g}"]
+    if "aux_loss" in row:
+        parts.insert(1, f"aux_loss {_number(row['aux_loss'], '.4f')}")
     if row.get("skipped"):
         parts.append("SKIPPED (non-finite: the update was not applied)")
     parts.append(f"lr {row['lr']:.2e}")
@@ -297,6 +299,9 @@ class StepTiming:
     grad_norm: float
     lr: float
     seconds: float
+    #: the router's load-balancing loss (before its coefficient), the mean over the
+    #: step's forwards; None: the model adds none
+    aux_loss: float | None = None
 
 
 def step_row(timing: StepTiming, batch, job, counts, world, device, peak) -> dict:
@@ -315,6 +320,8 @@ def step_row(timing: StepTiming, batch, job, counts, world, device, peak) -> dic
         "tokens_per_s_per_gpu": tokens / seconds / world,
         "step_time_s": seconds,
     }
+    if timing.aux_loss is not None:  # (loss includes router_aux_loss_coef x each forward's)
+        row["aux_loss"] = timing.aux_loss
     if peak is not None:
         flops = counts.training_flops(batch.document_lengths)
         row["mfu"] = flops / seconds / world / (peak * 1e12)
@@ -343,7 +350,7 @@ def _lora_lines(model) -> list[str]:
 def print_header(job, plan, source, dataset, model, state, newest, stream) -> None:
     params = sum(p.numel() for p in model.parameters())
     t = job.train
-    dp = 1 if plan.topology is None else plan.topology.dp_degree
+    dp = plan.topology.dp_degree
     accumulation = job.gradient_accumulation(dp)
     what = source.directory or f'preset "{job.model.preset}"'
     config = source.config

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from usp.comm.overlap import compile_options
 from usp.models.family import decoder_layers
-from usp.models.levers import compile_forward, levers_of
+from usp.models.levers import Levers, compile_forward
 
 
 @dataclass(frozen=True)
@@ -58,16 +58,16 @@ def mixed_precision(compute_dtype: torch.dtype, param_dtype: torch.dtype):
 
 
 def fully_shard_model(
-    model: nn.Module, topology, *, compute_dtype: torch.dtype | None = None
+    model: nn.Module, topology, *, levers: Levers, compute_dtype: torch.dtype | None = None
 ) -> ShardedModel:
     """Shard ``model`` (a usp model of any family, or an HF causal LM: its decoder layers
     from :func:`usp.models.decoder_layers`) over ``topology.dp_sp_mesh``.
 
     ``compute_dtype``: None or the parameters' dtype runs in that dtype; another (bf16)
     adds a :class:`MixedPrecisionPolicy` with float32 reduction. Parameters on the CPU are
-    moved to the mesh's device by ``fully_shard``, unless the model's levers
-    (:func:`usp.models.levers_of`) say ``offload_parameters``: then they stay on the
-    host (:func:`offload_policy`). Frozen parameters (``requires_grad`` False: LoRA's
+    moved to the mesh's device by ``fully_shard``, unless ``levers`` (the
+    :class:`usp.models.Levers` the model was built with) say ``offload_parameters``: then
+    they stay on the host (:func:`offload_policy`). Frozen parameters (``requires_grad`` False: LoRA's
     base weights) are cast to ``compute_dtype`` first: they are never updated, so they
     need no float32 master copy (FSDP2 gathers them as they are); the trainable ones keep
     their dtype (the master weights).
@@ -84,7 +84,7 @@ def fully_shard_model(
     policy = mixed_precision(compute_dtype or param_dtype, param_dtype)
     if policy is not None:
         options["mp_policy"] = policy
-    if levers_of(model).offload_parameters:
+    if levers.offload_parameters:
         options["offload_policy"] = offload_policy(topology.dp_sp_mesh.device_type)
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
@@ -109,10 +109,10 @@ def offload_policy(device_type: str):
     return CPUOffloadPolicy(pin_memory=device_type == "cuda")
 
 
-def parameters_device(model: nn.Module, device: torch.device) -> torch.device:
+def parameters_device(levers: Levers, device: torch.device) -> torch.device:
     """Where a sharded model's parameters are materialised (``to_empty``, a checkpoint's
-    weights): the host with ``offload_parameters``, else ``device``."""
-    return torch.device("cpu") if levers_of(model).offload_parameters else device
+    weights): the host with ``levers.offload_parameters``, else ``device``."""
+    return torch.device("cpu") if levers.offload_parameters else device
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -47,7 +47,9 @@ def _check_numpy_for_checkpoints() -> None:
         ) from None
 
 
-def setup_run(job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed: bool):
+def setup_run(
+    job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed: bool, source=None
+):
     """Everything a run checks and prepares before the model is built, on every rank:
     the device, the model's config, the data (tokenised later), the held-out set, the
     run record and the checkpoints a resume may load (the newest readable one checked
@@ -55,13 +57,12 @@ def setup_run(job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed
     note, eval_inputs)``; a user error here is agreed by :func:`agree_on_setup`."""
     _check_numpy_for_checkpoints()
     device = components.resolve_device(job, plan)
-    source = components.model_source(job)
+    source = components.model_source(job) if source is None else source
     document_multiple = components.check_lengths(job, plan)
-    dp = 1 if plan.topology is None else plan.topology.dp_degree
-    job.gradient_accumulation(dp)  # checks the batch arithmetic
+    job.gradient_accumulation(plan.topology.dp_degree)  # checks the batch arithmetic
     dataset = components.prepare_data(job, source, document_multiple)  # tokenised in _run
     eval_inputs = prepare_held_out(job, dataset)  # [eval]: None without it
-    rank0 = plan.topology is None or plan.topology.rank == 0
+    rank0 = plan.topology.rank == 0
     if rank0:  # the libraries [train] report_to needs (rank 0 writes; the ranks agree)
         report_to.check_available(job.train.report_to)
     record = run_record(job, source.config, document_multiple, dataset.files) if rank0 else None
@@ -93,13 +94,13 @@ def setup_run(job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed
             f"[model] path {source.directory}: reading an HF checkpoint needs the safetensors "
             "package: pip install safetensors"
         )
-    if job.train.offload_parameters and plan.topology is None:
+    if job.train.offload_parameters and plan.topology.single_process:
         raise job.error(
             "[train] offload_parameters = true offloads FSDP2's parameter shards, and a single "
             "process without a topology runs without FSDP; launch with torchrun (one GPU: "
             "usp train --nproc-per-node 1 CONFIG), or set offload_parameters = false"
         )
-    if job.train.dtype not in (AUTO, "float32") and plan.topology is None:
+    if job.train.dtype not in (AUTO, "float32") and plan.topology.single_process:
         raise job.error(
             f"[train] dtype = {job.train.dtype!r}: a single process without a topology runs in "
             "float32; launch with torchrun for mixed precision"
@@ -126,7 +127,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def agree_on_setup(plan, error: BaseException | None) -> None:
     """Raise the first failing rank's error on every rank (one tiny all-gather)."""
-    if plan.topology is None or not dist.is_initialized():
+    if plan.topology.single_process or not dist.is_initialized():
         if error is not None:
             raise error
         return

@@ -6,7 +6,8 @@ fake tensors to measure it (there is no other copy of this arithmetic).
    ``num_items_in_batch`` = the label count of the whole optimizer step (all dp
    replicas), so the micro-batch losses of all replicas add up to the step's mean loss,
    and backward (the loss times ``loss_scale``); FSDP's gradient reduction runs on the
-   last micro-batch only (:func:`usp.train.parallelize.set_gradient_sync`).
+   last micro-batch only (:func:`usp.train.parallelize.set_gradient_sync`). A
+   mixture-of-experts model's router aux losses (part of each loss) are summed apart too.
 2. The gradient's global norm is taken and clipped to ``grad_clip`` (0: not clipped).
 3. ``decide(outcome)`` says whether the optimizer steps (the trainer: every rank agrees
    the loss and the norm are finite; the planner: always), then the gradients are
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from usp.models import ShardedBatch
+from usp.models.moe import log_aux_losses
 from usp.train.parallelize import set_gradient_sync
 
 
@@ -34,6 +36,9 @@ class StepOutcome:
     """What a step leaves, filled in as its phases run."""
 
     loss: torch.Tensor  # float64 scalar: this rank's sum of the micro-batch losses
+    #: float64 scalar: the sum of the micro-batches' router aux losses (before the
+    #: coefficient; the same on the SP ranks of a replica); None: the model adds none
+    aux_loss: torch.Tensor | None = None
     grad_norm: torch.Tensor | None = None  # the global norm before clipping
     applied: bool = False  # whether the optimizer stepped
 
@@ -81,9 +86,13 @@ class TrainStep:
         last = len(batches) - 1
         for i, batch in enumerate(batches):
             set_gradient_sync(self.model, i == last)
-            loss = self.model(
-                batch.input_ids, **batch.model_kwargs(), num_items_in_batch=num_labels
-            )
+            with log_aux_losses() as auxes:
+                loss = self.model(
+                    batch.input_ids, **batch.model_kwargs(), num_items_in_batch=num_labels
+                )
+            for aux in auxes:  # (a mixture-of-experts model with the aux loss on)
+                aux = aux.to(torch.float64)
+                outcome.aux_loss = aux if outcome.aux_loss is None else outcome.aux_loss + aux
             yield f"forward {i}"
             (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
             outcome.loss += loss.detach().to(torch.float64)

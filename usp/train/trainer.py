@@ -90,7 +90,7 @@ def _plan_of(job: TrainJobConfig, plan_or_topology):
 
 
 def _rank0(plan) -> bool:
-    return plan.topology is None or plan.topology.rank == 0
+    return plan.topology.rank == 0
 
 
 def train(
@@ -102,6 +102,7 @@ def train(
     resume_changed: bool = False,
     stop_after: int | None = None,
     stream: TextIO | None = None,
+    source: components.ModelSource | None = None,
 ) -> TrainResult:
     """Run ``job`` on ``plan_or_topology`` (a :class:`usp.Plan`, a Topology, or None for
     one process). Outputs go to ``output_dir`` (default: the config's). ``resume``
@@ -116,7 +117,9 @@ def train(
     beyond ``[train] max_skipped_steps``, raises ``TrainingDivergedError`` (nothing
     non-finite is saved); a failed collective raises ``CollectiveFailedError`` naming the
     step; a SIGTERM/SIGINT (handlers installed while this runs in the main thread) stops
-    the run after the step in flight with a checkpoint (``result.stopped_by``)."""
+    the run after the step in flight with a checkpoint (``result.stopped_by``).
+    ``source``: the job's :func:`usp.train.components.model_source` if the caller read
+    it already (``usp train`` reads config.json once per rank)."""
     plan = _plan_of(job, plan_or_topology)
     out = Path(output_dir) if output_dir is not None else job.output_dir
     stream = stream or sys.stderr
@@ -130,7 +133,7 @@ def train(
             check_output_dir(out, export=job.train.export)
             if _rank0(plan):  # one job per output directory, before anything is written
                 lock = OutputLock.acquire(out)
-            setup = setup_run(job, plan, out, resume, resume_changed)
+            setup = setup_run(job, plan, out, resume, resume_changed, source)
         except user_errors() as err:
             error = err
         agree_on_setup(plan, error)
@@ -144,22 +147,23 @@ def train(
 def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
     topology = plan.topology
     rank0 = _rank0(plan)
-    distributed = topology is not None and dist.is_initialized()
+    distributed = not topology.single_process and dist.is_initialized()
     device, source, dataset, checkpointer, candidates, resume_note, eval_inputs = setup
     # [eval] (None without it): its own documents, never trained (usp.train.evaluate)
     held_out = load_held_out(job, eval_inputs, dataset, topology=topology, cache_root=out / "cache")
     dataset = components.load_dataset(job, dataset, topology=topology, cache_root=out / "cache")
 
-    model = components.build_model(job, source, plan)
-    if topology is not None:
+    levers = components.train_levers(job)  # passed to each part that needs them
+    model = components.build_model(job, source, plan, levers)
+    if not topology.single_process:
         dtype = components.compute_dtype(job, device)
-        sharded = fully_shard_model(model, topology, compute_dtype=dtype)
+        sharded = fully_shard_model(model, topology, levers=levers, compute_dtype=dtype)
         model, loss_scale = sharded.module, sharded.loss_scale
         if source.directory is not None:  # built on the meta device: fill the shards now
-            components.load_weights(model, source, device, seed=job.train.seed)
+            components.load_weights(model, source, device, levers, seed=job.train.seed)
     else:
         model, loss_scale = model.to(device), 1.0
-    optimizer = components.build_optimizer(job, model)
+    optimizer = components.build_optimizer(job, model, levers)
     train_step = TrainStep(model, optimizer, loss_scale=loss_scale, grad_clip=job.train.grad_clip)
     schedule = WarmupCosine(
         job.train.lr, job.train.steps, job.train.warmup_steps, job.train.min_lr_ratio
@@ -168,8 +172,8 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
         dataset,
         global_batch=job.train.global_batch,
         micro_batch=job.train.micro_batch,
-        dp_degree=1 if topology is None else topology.dp_degree,
-        dp_rank=0 if topology is None else topology.dp_rank,
+        dp_degree=topology.dp_degree,
+        dp_rank=topology.dp_rank,
     )
 
     state, newest = TrainState(0, 0), None
@@ -204,7 +208,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
     )
     peak = device_peak_tflops(job, device)
     counts = model_counts(source.config)  # parameter and FLOP counts, for MFU
-    world = 1 if topology is None else topology.world_size
+    world = topology.world_size
     step, skipped = state.step, []
 
     def save(at: int) -> Path:
@@ -223,14 +227,15 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
             lr = schedule.apply(optimizer, step)
             batch = loader.next_step()
             with collective_phase(f"step {step + 1}", timeout):
-                loss, grad_norm, applied, stop_now = _train_step(
+                loss, grad_norm, applied, stop_now, aux_loss = _train_step(
                     train_step, plan, batch, job, device, stop, distributed
                 )
             _synchronize(device)
             seconds = time.perf_counter() - started
             step += 1
             row = step_row(
-                StepTiming(step, loss, grad_norm, lr, seconds), batch, job, counts, world, device,
+                StepTiming(step, loss, grad_norm, lr, seconds, aux_loss), batch, job, counts, world,
+                device,
                 peak,
             )  # fmt: skip
             if not applied:
@@ -321,7 +326,7 @@ def _train_step(train_step: TrainStep, plan, batch: StepBatch, job, device, stop
     ]
     # LoRA dropout keys its masks by the tokens' place in the data: this replica's first
     # token (micro-batches follow on, each a row of micro_batch sequences)
-    dp_rank = 0 if plan.topology is None else plan.topology.dp_rank
+    dp_rank = plan.topology.dp_rank
     share = len(batch.micro_batches) * job.train.micro_batch  # this replica's sequences
     set_stream_position(
         train_step.model, (batch.first_sequence + dp_rank * share) * job.train.seq_len
@@ -329,15 +334,19 @@ def _train_step(train_step: TrainStep, plan, batch: StepBatch, job, device, stop
     agreed = {}
 
     def decide(outcome) -> bool:
-        total = outcome.loss
+        # [loss] or [loss, the router aux losses' sum] (mixture-of-experts models)
+        totals = torch.stack([outcome.loss] + [a for a in [outcome.aux_loss] if a is not None])
         topology = plan.topology
-        if topology is not None and topology.dp_degree > 1:
+        dp = topology.dp_degree
+        if dp > 1:
             # every SP rank holds its replica's loss; the replicas' losses add up
-            dist.all_reduce(total, group=topology.dp_group)
+            dist.all_reduce(totals, group=topology.dp_group)
         loss, norm, non_finite, stop_now = agree_on_step(
-            float(total), float(outcome.grad_norm), stop.name, device, distributed
+            float(totals[0]), float(outcome.grad_norm), stop.name, device, distributed
         )
-        agreed.update(loss=loss, norm=norm, stop=stop_now)
+        # the aux column: the mean over the step's forwards (micro-batches x replicas)
+        aux = float(totals[1]) / (len(batches) * dp) if len(totals) > 1 else None
+        agreed.update(loss=loss, norm=norm, stop=stop_now, aux=aux)
         if not non_finite and norm == 0.0 and batch.num_labels > 0:
             # the global norm (the same on every rank): no learning signal from any of the
             # step's label tokens. A model that diverged into saturation (lr far too high)
@@ -360,7 +369,7 @@ def _train_step(train_step: TrainStep, plan, batch: StepBatch, job, device, stop
             f"the optimizer step overflowed ({err}) at lr {lr:g}:"
             f" [train] lr (now {job.train.lr:g}) is far too high; nothing was saved"
         ) from None
-    return agreed["loss"], agreed["norm"], outcome.applied, agreed["stop"]
+    return agreed["loss"], agreed["norm"], outcome.applied, agreed["stop"], agreed["aux"]
 
 
 def _synchronize(device: torch.device) -> None:

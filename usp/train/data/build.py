@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from usp.comm.agreement import agree
 from usp.errors import DataError
+from usp.process_groups import as_topology
 from usp.train.checksums import file_sha256
 from usp.train.data.corpus import (
     Corpus,
@@ -87,7 +88,7 @@ def build_corpus(inputs: DataInputs, *, topology=None, cache_root: Path | None =
     if cache_root is None:
         corpus = tokenise(inputs.files, inputs.tokenizer, report).corpus()
         return Built(corpus, report, [report.describe()], None)
-    if topology is None:
+    if as_topology(topology).single_process:
         return _single(inputs, cache_root)
     return _distributed(inputs, cache_root, topology)
 

@@ -1,6 +1,6 @@
-"""How a model checks its heads against the plan and turns cu_seqlens (or a
-PackedSequence) into one PackedSequence per forward (``usp.plan.as_plan`` makes the plan),
-and how the model constructors and loaders read their ``plan`` argument."""
+"""What a model reads from its plan: the ``plan`` argument of the constructors and
+loaders, the head counts checked against the plan's Ulysses degree, and cu_seqlens (or a
+PackedSequence) turned into one PackedSequence per forward (``usp.plan.as_plan`` makes the plan)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def check_attention_options(options: dict, where: str) -> None:
 def check_heads(plan: Plan, num_heads: int, num_kv_heads: int) -> None:
     """Fail at model construction (not at the first forward) when the Ulysses degree
     cannot split the heads; the error lists the (ulysses, ring) pairs that can."""
-    if plan.topology is None:
+    if plan.topology.single_process:
         return
     kv_replication_for(
         num_heads, num_kv_heads, plan.ulysses_degree, plan.sp_degree,
@@ -62,7 +62,7 @@ def check_heads(plan: Plan, num_heads: int, num_kv_heads: int) -> None:
 
 def ring_kv_heads(plan: Plan, num_heads: int, num_kv_heads: int) -> int:
     """The KV heads each rank's ring attends to: after KV replication, / ulysses."""
-    if plan.topology is None:
+    if plan.topology.single_process:
         return num_kv_heads
     return kv_heads_per_ring(
         num_heads, num_kv_heads, plan.ulysses_degree, plan.sp_degree,

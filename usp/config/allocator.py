@@ -1,4 +1,5 @@
-"""The CUDA caching allocator's settings a ``usp train`` rank runs with (no torch import).
+"""The CUDA caching allocator's settings a ``usp train`` rank runs with (no torch import):
+in the config layer, so that the trainer and the planner both read this one rule.
 
 ``usp train`` turns on ``expandable_segments`` on CUDA unless ``PYTORCH_CUDA_ALLOC_CONF``
 already names it (the user decided): segments then grow in place in 2 MiB pages, so
