@@ -208,6 +208,9 @@ class CausalLM(nn.Module):
     stack_class: ClassVar[type[nn.Module]] = DecoderStack
     #: the family's named shapes (``from_config("name")``)
     presets: ClassVar[dict[str, DecoderConfig]] = {}
+    #: why ``[train] compile`` (each decoder layer compiled whole, ``fullgraph=True``)
+    #: cannot compile this family's layers yet, for the refusal's message; None: it can
+    compile_refusal: ClassVar[str | None] = None
 
     @staticmethod
     def make_mlp(config: DecoderConfig, index: int) -> nn.Module:

@@ -58,6 +58,11 @@ class ModelFamily:
     def architectures(self) -> tuple[str, ...]:
         return self.config_class.architectures
 
+    @property
+    def compile_refusal(self) -> str | None:
+        """Why ``[train] compile`` cannot compile this family's layers yet (None: it can)."""
+        return self.model_class.compile_refusal
+
     def preset(self, name: str) -> DecoderConfig:
         try:
             return self.presets[name]

@@ -39,7 +39,7 @@ from torch import nn
 from usp.errors import ModelConfigError
 from usp.models.config import DecoderConfig, merge_alias
 from usp.models.decoder import Attention, CausalLM
-from usp.models.moe import Experts, SparseMoE, segment_sizes, stats_dtype
+from usp.models.moe import MOE_COMPILE_REFUSAL, Experts, SparseMoE, segment_sizes, stats_dtype
 
 #: transformers' gpt-oss RoPE for a config.json that names none (the published one)
 GPT_OSS_ROPE: dict[str, Any] = {
@@ -397,6 +397,7 @@ class GptOss(CausalLM):
 
     config_class = GptOssConfig
     presets = PRESETS
+    compile_refusal = MOE_COMPILE_REFUSAL
     attention_class = GptOssAttention
 
     def __init__(self, config: GptOssConfig, /, plan=None, **attention_options):

@@ -273,6 +273,14 @@ class RouterStats:
         self.rows += probs.shape[0]
 
 
+#: why a family with a :class:`SparseMoE` block refuses ``[train] compile`` (its
+#: ``compile_refusal``)
+MOE_COMPILE_REFUSAL = (
+    "its mixture-of-experts block does not trace whole: the router statistics are "
+    "collected through a context variable and the experts run on segments whose sizes "
+    "depend on the routing (data-dependent shapes)"
+)
+
 _COLLECTOR: contextvars.ContextVar[RouterStats | None] = contextvars.ContextVar(
     "usp_router_stats", default=None
 )

@@ -20,8 +20,15 @@ from typing import Any, ClassVar
 
 from usp.errors import ModelConfigError
 from usp.models.decoder import MLP
-from usp.models.moe import SparseMoE
-from usp.models.qwen3_5 import FULL, LINEAR, QWEN3_5_HF_DEFAULTS, Qwen3_5, Qwen3_5Config
+from usp.models.moe import MOE_COMPILE_REFUSAL, SparseMoE
+from usp.models.qwen3_5 import (
+    FULL,
+    GDN_COMPILE_REFUSAL,
+    LINEAR,
+    QWEN3_5_HF_DEFAULTS,
+    Qwen3_5,
+    Qwen3_5Config,
+)
 
 #: transformers' Qwen3_5MoeTextConfig defaults (5.24) for keys a config.json leaves out
 QWEN3_5_MOE_HF_DEFAULTS: dict[str, Any] = {
@@ -139,6 +146,7 @@ class Qwen3_5Moe(Qwen3_5):
 
     config_class = Qwen3_5MoeConfig
     presets = PRESETS
+    compile_refusal = f"{GDN_COMPILE_REFUSAL}; and {MOE_COMPILE_REFUSAL}"
 
     @staticmethod
     def make_mlp(config: Qwen3_5MoeConfig, index: int) -> SparseMoE:

@@ -249,6 +249,18 @@ def train_levers(job: TrainJobConfig) -> Levers:
         raise job.error(f"[train] {err}") from None
 
 
+def check_compile(job: TrainJobConfig, source: ModelSource) -> None:
+    """``[train] compile = true`` on a family whose layers do not compile whole yet
+    (:attr:`usp.models.family.ModelFamily.compile_refusal`): refused at set-up, on every
+    rank alike and before any collective, rather than at the first forward's trace."""
+    family = family_of(source.config)
+    if job.train.compile and family.compile_refusal is not None:
+        raise job.error(
+            f"[train] compile = true does not support {family.name} models yet: "
+            f"{family.compile_refusal}; set [train] compile = false for {family.name} models"
+        )
+
+
 def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers | None = None):
     """The model of the source's family before parallelisation, with ``levers`` applied
     (default: ``[train]``'s, :func:`train_levers`). A preset: float32 on the CPU,

@@ -362,7 +362,9 @@ def _train_step(train_step: TrainStep, plan, batch: StepBatch, job, device, stop
     try:
         outcome = train_step.run(batches, batch.num_labels, decide=decide, device=device)
     except RuntimeError as err:  # AdamW's step size itself overflows (lr ~1e38)
-        if "overflow" not in str(err):
+        # only torch's own conversion error: a subclass (e.g. Inductor's C++ compile error,
+        # whose compiler output may mention an overflow) is not a diverged run
+        if type(err) is not RuntimeError or "overflow" not in str(err):
             raise
         lr = train_step.optimizer.param_groups[0]["lr"]
         raise TrainingDivergedError(
