@@ -141,3 +141,40 @@ def stack_after(tensors: list[torch.Tensor], anchor: torch.Tensor) -> torch.Tens
     or two K/V blocks at a time as eager does, not every rank's block saved from the
     forward to the backward."""
     return torch.ops.usp.stack_after.default(tensors, anchor)
+
+
+_LIB.define("copy_after(Tensor x, ScalarType dtype, Tensor[] anchors) -> Tensor")
+
+
+def _copy_after(x, dtype, anchors):
+    return x.to(dtype, copy=True)
+
+
+_LIB.impl("copy_after", _copy_after, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("usp::copy_after", lib=_LIB)
+def _(x, dtype, anchors):
+    return x.to(dtype, copy=True)
+
+
+def anchor(received: torch.Tensor) -> torch.Tensor:
+    """One element of a received message (a copy: it keeps nothing else alive), for
+    :func:`copy_after`."""
+    return received.reshape(-1)[:1].clone()
+
+
+def copy_after(x: torch.Tensor, dtype: torch.dtype, anchors: list[torch.Tensor]) -> torch.Tensor:
+    """``x.to(dtype, copy=True)``, made to depend on ``anchors`` in the graph (an opaque
+    op, ``usp::copy_after``, as :func:`stack_after`).
+
+    Why: AOT autograd's partitioner keeps only the nodes an output depends on, and a
+    collective's ``wait_tensor`` is no exception. A ring shift whose received block a
+    rank never computes on (rank 0 of a causal contiguous ring receives the last rank's
+    block: every key is after its queries; or a block outside a window) would vanish
+    from that rank's graph alone, and the neighbours that still post their half of the
+    all-to-all would wait for it forever. Each received message's :func:`anchor` ends
+    here, in a copy the ring makes anyway (or a float32 LSE's: a small one)."""
+    if not anchors:
+        return x.to(dtype, copy=True)
+    return torch.ops.usp.copy_after.default(x, dtype, anchors)
