@@ -85,12 +85,14 @@ class PostedShift:
         return wait(self._received).view(self._shape)
 
 
-def post_shift(send: torch.Tensor, peers: TracedGroup) -> PostedShift:
+def post_shift(send: torch.Tensor, peers: TracedGroup, hops: int = 1) -> PostedShift:
     """Post ``send`` -> the next ring rank and the receive of the previous rank's tensor
-    (of the same shape), as one all-to-all whose only non-empty splits are those two."""
+    (of the same shape), as one all-to-all whose only non-empty splits are those two;
+    ``hops``: to ``hops`` ranks ahead, from ``hops`` ranks behind."""
     numel = send.numel()
-    out_splits = [numel if rank == peers.prev else 0 for rank in range(peers.size)]
-    in_splits = [numel if rank == peers.next else 0 for rank in range(peers.size)]
+    to, source = (peers.rank + hops) % peers.size, (peers.rank - hops) % peers.size
+    out_splits = [numel if rank == source else 0 for rank in range(peers.size)]
+    in_splits = [numel if rank == to else 0 for rank in range(peers.size)]
     flat = send.contiguous().view(-1)
     received = _c10d.all_to_all_single(flat, out_splits, in_splits, peers.name)
     return PostedShift(received, send.shape)
