@@ -119,11 +119,13 @@ def check_call(
     spec = validate_inputs(q, k, v, causal=causal, window=None)
     check_sinks(sinks, spec)
     check_window(window, causal)
-    if compiled and window is not None:
+    if compiled and window is not None and packed is not None:
+        # a windowed block between packed pieces runs one call per document, sized by
+        # the packing's host ints: a graph would be specialised to one packing
         raise AttentionInputError(
-            f"window={window} is not supported under torch.compile yet: call usp attention "
-            "with a window eagerly (outside the compiled region, e.g. compile only the "
-            "model's full-attention layers)"
+            f"window={window} with packed documents is not supported under torch.compile "
+            "yet: call usp attention with a window on packed input eagerly (outside the "
+            "compiled region), or compile it on dense input"
         )
     u, r = plan.ulysses_degree, plan.ring_degree
     local_len = spec.seqlen_q

@@ -187,28 +187,37 @@ def test_the_overlap_pass_puts_each_kernel_between_its_shift_and_the_wait(monkey
 
 def run_front_doors_compiled():
     """``usp_attention(..., topology)`` makes its plan inside the trace; ``UspAttention``
-    holds one: both compile whole and equal eager."""
+    holds one: both compile whole and equal eager. Also the shifts of each graph, under
+    the min-cut partitioner: under ``contiguous`` rank 0 never reads the block it
+    receives (the last rank's keys are after all its queries), and so once lost that
+    K/V shift from its graph alone (dead code) and posted its first dK/dV shift (zeros)
+    in the forward instead, each of which left rank 1 waiting."""
     topo = topology(1, 2)
     gen = torch.Generator().manual_seed(3 + topo.ring_rank)
     q = torch.randn(1, LOCAL, HEADS, DIM, generator=gen).requires_grad_()
     k, v = (torch.randn(1, LOCAL, KV_HEADS, DIM, generator=gen).requires_grad_() for _ in "kv")
     module = usp.UspAttention(topo, causal=True, backend="cpu", layout="contiguous")
     calls = [lambda q, k, v: usp.usp_attention(q, k, v, topo, causal=True, backend="cpu"), module]
-    errors = []
+    errors, shifts = [], []
     for call in calls:
         torch._dynamo.reset()
-        compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+        graphs: list = []
+        compiled = torch.compile(call, fullgraph=True, backend=_recording_backend(graphs))
         got, want = compiled(q, k, v), call(q, k, v)
         grads = [torch.autograd.grad(o.sum(), (q, k, v)) for o in (got, want)]
         errors.append(max(((a - b).abs().max() / b.abs().max()).item()
                           for a, b in zip((got, *grads[0]), (want, *grads[1]))))  # fmt: skip
+        shifts.append([[kind for kind, _ in _ops(gm)].count("shift") for gm in graphs])
     torch._dynamo.reset()
-    return errors
+    return errors, shifts
 
 
 def test_the_front_doors_compile(distributed):
-    for errors in distributed.run(run_front_doors_compiled, world_size=2, timeout=600):
+    for errors, shifts in distributed.run(run_front_doors_compiled, world_size=2, timeout=600):
         assert max(errors) <= TOL, errors
+        # forward: the K/V shift; backward: K/V again and the dK/dV accumulator; on
+        # every rank, whether or not it reads what it receives
+        assert shifts == [[1, 2], [1, 2]], shifts
 
 
 #: global document boundaries, as fractions of the sequence in units of the document

@@ -34,9 +34,27 @@ def reference(q, k, v, dout, sinks, cu: list[int], window, with_sinks: bool):
     return [out.detach(), *grads] + ([] if with_sinks else [None])
 
 
-def usp_case(topo, inputs, *, layout, ring_impl, window, with_sinks, packed, dtype, sinks_dtype):
+def _min_cut_backend():
+    """AOT autograd with Inductor's min-cut partitioner, graphs run as they are (no code
+    generation): what decides which pass a collective lands in."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    def run(gm, _example_inputs):
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(
+        fw_compiler=run, bw_compiler=run, partition_fn=min_cut_rematerialization_partition
+    )
+
+
+def usp_case(
+    topo, inputs, *, layout, ring_impl, window, with_sinks, packed, dtype, sinks_dtype,
+    compiled=False,
+):  # fmt: skip
     """``packed``: global document boundaries (each a multiple of the layout's chunks),
-    or None for a dense sequence."""
+    or None for a dense sequence. ``compiled``: the call under
+    ``torch.compile(fullgraph=True)``."""
     q, k, v, dout, sinks = inputs
     sinks = sinks.to(sinks_dtype).double()  # the reference sees the sinks as given
     total = q.shape[1]
@@ -46,10 +64,17 @@ def usp_case(topo, inputs, *, layout, ring_impl, window, with_sinks, packed, dty
     shard = dict(layout=layout, cu_seqlens=cu)
     local = [usp.shard_sequence(t, topo, **shard).to(dtype).requires_grad_() for t in (q, k, v)]
     local_sinks = sinks.to(sinks_dtype).detach().requires_grad_() if with_sinks else None
-    out = usp.usp_attention(
-        *local, topo, causal=True, layout=layout, ring_impl=ring_impl, cu_seqlens=cu,
-        window=window, sinks=local_sinks,
-    )  # fmt: skip
+
+    def attend(q, k, v, sinks):
+        return usp.usp_attention(
+            q, k, v, topo, causal=True, layout=layout, ring_impl=ring_impl, cu_seqlens=cu,
+            window=window, sinks=sinks,
+        )  # fmt: skip
+
+    if compiled:
+        torch._dynamo.reset()
+        attend = torch.compile(attend, fullgraph=True, backend=_min_cut_backend())
+    out = attend(*local, local_sinks)
     out.backward(usp.shard_sequence(dout, topo, **shard).to(dtype))
     actual = [out.detach(), *(t.grad for t in local)]
     gathered = [usp.gather_sequence(a, topo, **shard) for a in actual]
@@ -62,4 +87,6 @@ def usp_case(topo, inputs, *, layout, ring_impl, window, with_sinks, packed, dty
         dsinks = local_sinks.grad.double()
         dist.all_reduce(dsinks, group=topo.sp_group)  # as FSDP sums gradients
         errors["dsinks"] = relative_error(dsinks, expected[4])
+    if compiled:
+        torch._dynamo.reset()
     return errors

@@ -113,8 +113,11 @@ class TracedRingExchange:
         self.size = 1 if peers is None else peers.size
         self.rank = 0 if peers is None else peers.rank
 
-    def start(self, send: torch.Tensor, recv_into: torch.Tensor | None = None) -> PostedShift:
-        """Post ``send`` -> next rank; ``recv_into`` is not used (the op allocates)."""
+    def start(
+        self, send: torch.Tensor, recv_into: torch.Tensor | None = None, hops: int = 1
+    ) -> PostedShift:
+        """Post ``send`` -> next rank (``hops`` ranks ahead); ``recv_into`` is not used
+        (the op allocates)."""
         if self.peers is None:
             raise RuntimeError("TracedRingExchange.start called on a ring of size 1")
-        return post_shift(send, self.peers)
+        return post_shift(send, self.peers, hops)

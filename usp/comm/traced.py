@@ -85,12 +85,14 @@ class PostedShift:
         return wait(self._received).view(self._shape)
 
 
-def post_shift(send: torch.Tensor, peers: TracedGroup) -> PostedShift:
+def post_shift(send: torch.Tensor, peers: TracedGroup, hops: int = 1) -> PostedShift:
     """Post ``send`` -> the next ring rank and the receive of the previous rank's tensor
-    (of the same shape), as one all-to-all whose only non-empty splits are those two."""
+    (of the same shape), as one all-to-all whose only non-empty splits are those two;
+    ``hops``: to ``hops`` ranks ahead, from ``hops`` ranks behind."""
     numel = send.numel()
-    out_splits = [numel if rank == peers.prev else 0 for rank in range(peers.size)]
-    in_splits = [numel if rank == peers.next else 0 for rank in range(peers.size)]
+    to, source = (peers.rank + hops) % peers.size, (peers.rank - hops) % peers.size
+    out_splits = [numel if rank == source else 0 for rank in range(peers.size)]
+    in_splits = [numel if rank == to else 0 for rank in range(peers.size)]
     flat = send.contiguous().view(-1)
     received = _c10d.all_to_all_single(flat, out_splits, in_splits, peers.name)
     return PostedShift(received, send.shape)
@@ -141,3 +143,40 @@ def stack_after(tensors: list[torch.Tensor], anchor: torch.Tensor) -> torch.Tens
     or two K/V blocks at a time as eager does, not every rank's block saved from the
     forward to the backward."""
     return torch.ops.usp.stack_after.default(tensors, anchor)
+
+
+_LIB.define("copy_after(Tensor x, ScalarType dtype, Tensor[] anchors) -> Tensor")
+
+
+def _copy_after(x, dtype, anchors):
+    return x.to(dtype, copy=True)
+
+
+_LIB.impl("copy_after", _copy_after, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("usp::copy_after", lib=_LIB)
+def _(x, dtype, anchors):
+    return x.to(dtype, copy=True)
+
+
+def anchor(received: torch.Tensor) -> torch.Tensor:
+    """One element of a received message (a copy: it keeps nothing else alive), for
+    :func:`copy_after`."""
+    return received.reshape(-1)[:1].clone()
+
+
+def copy_after(x: torch.Tensor, dtype: torch.dtype, anchors: list[torch.Tensor]) -> torch.Tensor:
+    """``x.to(dtype, copy=True)``, made to depend on ``anchors`` in the graph (an opaque
+    op, ``usp::copy_after``, as :func:`stack_after`).
+
+    Why: AOT autograd's partitioner keeps only the nodes an output depends on, and a
+    collective's ``wait_tensor`` is no exception. A ring shift whose received block a
+    rank never computes on (rank 0 of a causal contiguous ring receives the last rank's
+    block: every key is after its queries; or a block outside a window) would vanish
+    from that rank's graph alone, and the neighbours that still post their half of the
+    all-to-all would wait for it forever. Each received message's :func:`anchor` ends
+    here, in a copy the ring makes anyway (or a float32 LSE's: a small one)."""
+    if not anchors:
+        return x.to(dtype, copy=True)
+    return torch.ops.usp.copy_after.default(x, dtype, anchors)

@@ -44,7 +44,7 @@ _LIB = torch.library.Library("usp", "FRAGMENT")  # the ops of this package
 @functools.lru_cache(maxsize=4096)
 def _dense_call(
     impl: Backend, shape_q: torch.Size, shape_k: torch.Size, dtype: torch.dtype,
-    device: torch.device, causal: bool, scale: float,
+    device: torch.device, causal: bool, scale: float, window: int | None = None,
 ) -> PreparedDense:  # fmt: skip
     """The :class:`PreparedDense` call of a dense block shape (q [B, Sq, H, D], k
     [B, Sk, Hkv, D]), made once per process: a compiled graph calls the same few block
@@ -52,7 +52,7 @@ def _dense_call(
     more host time than the op dispatch itself. Holds no tensor."""
     batch, seqlen_q, heads, head_dim = shape_q
     spec = AttentionSpec(
-        batch, seqlen_q, shape_k[1], heads, shape_k[2], head_dim, dtype, device, causal, None
+        batch, seqlen_q, shape_k[1], heads, shape_k[2], head_dim, dtype, device, causal, window
     )  # fmt: skip
     return PreparedDense(impl, spec, scale)
 
@@ -77,26 +77,27 @@ def _lse_like(q: Tensor, varlen: bool) -> Tensor:
 
 # ------------------------------------------------------------------ dense
 _LIB.define(
-    "dense_forward(Tensor q, Tensor k, Tensor v, str backend, bool causal, float scale)"
-    " -> (Tensor, Tensor)"
+    "dense_forward(Tensor q, Tensor k, Tensor v, str backend, bool causal, float scale, "
+    "int? window=None) -> (Tensor, Tensor)"
 )
 _LIB.define(
     "dense_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-    "str backend, bool causal, float scale) -> (Tensor, Tensor, Tensor)"
+    "str backend, bool causal, float scale, int? window=None) -> (Tensor, Tensor, Tensor)"
 )
 
 
-def _dense_forward(q, k, v, backend, causal, scale):
-    """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> out [B, Sq, H, D], lse [B, H, Sq]."""
+def _dense_forward(q, k, v, backend, causal, scale, window=None):
+    """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> out [B, Sq, H, D], lse [B, H, Sq];
+    ``window``: the kernels' left window (spec.py), None for none."""
     impl = registry.get(backend)
-    call = _dense_call(impl, q.shape, k.shape, q.dtype, q.device, causal, scale)
+    call = _dense_call(impl, q.shape, k.shape, q.dtype, q.device, causal, scale, window)
     out, lse = call.forward(q, k, v)
     return out.contiguous(), lse.contiguous()
 
 
-def _dense_backward(dout, q, k, v, out, lse, backend, causal, scale):
+def _dense_backward(dout, q, k, v, out, lse, backend, causal, scale, window=None):
     impl = registry.get(backend)
-    call = _dense_call(impl, q.shape, k.shape, q.dtype, q.device, causal, scale)
+    call = _dense_call(impl, q.shape, k.shape, q.dtype, q.device, causal, scale, window)
     dq, dk, dv = call.backward(dout, q, k, v, out, lse)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
@@ -106,12 +107,12 @@ _LIB.impl("dense_backward", _dense_backward, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("usp::dense_forward", lib=_LIB)
-def _(q, k, v, backend, causal, scale):
+def _(q, k, v, backend, causal, scale, window=None):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],)), _lse_like(q, False)
 
 
 @torch.library.register_fake("usp::dense_backward", lib=_LIB)
-def _(dout, q, k, v, out, lse, backend, causal, scale):
+def _(dout, q, k, v, out, lse, backend, causal, scale, window=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

@@ -55,11 +55,12 @@ def traffic_formula(
       allgather: forward all_gather of (r-1) local K/V; backward all_gather again and
       reduce_scatter of (r-1) accumulator dK/dV blocks ((r-1)/r of the gathered dK/dV).
     A sliding ``window`` (transformers' W, a dense sequence in ``layout``) shortens the
-    p2p ring to k steps (:func:`usp.ring.window.ring_steps`): k-1 K/V blocks forward,
-    k-1 K/V and k-1 dK/dV blocks backward, the dK/dV's last hop straight to its owner.
-    ``contiguous``: k = min(r, 1 + ceil((W-1) / (S/r))); ``zigzag``: k = r for W >= 2
-    (every rank's second chunk needs the next rank's), 1 for W = 1. The all-gather ring
-    and the all-to-alls move what they move without a window.
+    p2p ring to k steps (:func:`usp.ring.window.ring_steps`), the dK/dV's last hop going
+    straight to its owner. ``contiguous``: k = min(r, 1 + ceil((W-1) / (S/r))), and hop
+    s (1 .. k-1) carries only the last t_s = min(S/r, W-1 - (s-1) * S/r) rows of K/V
+    (the keys the window needs), the dK/dV accumulator t_1 rows; ``zigzag``: k = r for
+    W >= 2 (every rank's second chunk needs the next rank's), whole blocks, 1 for W = 1.
+    The all-gather ring and the all-to-alls move what they move without a window.
     """
     u, r = ulysses, ring
     local = seqlen // (u * r)
@@ -75,13 +76,21 @@ def traffic_formula(
     if r > 1:
         block = 2 * batch * (seqlen // r) * (kv_heads // u) * shape.head_dim  # K and V elements
         kv, dkv = block * item_bytes, block * acc_bytes
-        hops = r - 1
+        hops, block_len = r - 1, seqlen // r
+        # rows of each hop's K/V message, and of the travelling dK/dV accumulator
+        rows, acc_rows = [block_len] * hops, block_len
         if window is not None and window < seqlen:  # a window holding the sequence: none
-            hops = ring_steps(layout, r, seqlen // r, None, window - 1) - 1
+            hops = ring_steps(layout, r, block_len, None, window - 1) - 1
+            rows = [block_len] * hops
+            if layout == "contiguous":  # only the keys the window needs (p2p.tail_starts)
+                rows = [min(block_len, window - 1 - s * block_len) for s in range(hops)]
+            acc_rows = rows[0] if rows else 0
         if ring_impl == "p2p":
             if hops:  # a window of 1 (each query sees itself): nothing moves
-                forward["p2p"] = _counts(hops * kv, hops)
-                backward["p2p"] = _counts(hops * (kv + dkv), 2 * hops)
+                kv_sent = sum(rows) * kv // block_len
+                dkv_sent = hops * acc_rows * dkv // block_len
+                forward["p2p"] = _counts(kv_sent, hops)
+                backward["p2p"] = _counts(kv_sent + dkv_sent, 2 * hops)
         else:
             forward["all_gather"] = _counts((r - 1) * kv, 1)
             backward["all_gather"] = _counts((r - 1) * kv, 1)

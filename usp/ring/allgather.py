@@ -33,6 +33,8 @@ def _placed_segments(cfg: PreparedRing):
     """The query pieces' segments: every key each piece sees, or with a window only the
     chunks it reaches (keys wholly outside it are neither selected nor computed)."""
     if cfg.window is not None:
+        if torch.compiler.is_compiling():  # made when the call was prepared
+            return cfg.placement.windows[cfg.window]
         return cfg.placement.window_segments(cfg.window)
     return cfg.placement.segments[cfg.causal]
 

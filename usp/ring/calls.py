@@ -91,11 +91,13 @@ class BlockKernels:
         return prepared
 
 
-def backend_name(kernels: BlockKernels, shape: tuple, causal: bool, varlen: bool) -> str:
+def backend_name(
+    kernels: BlockKernels, shape: tuple, causal: bool, varlen: bool, window: int | None = None
+) -> str:
     """The name of the backend a block shape resolved to when the call was prepared
     (``prepare_ring`` resolves every block shape): read, never resolved, while a graph
     is traced, so selection and its caches stay out of the graph."""
-    return kernels.names[(*shape, causal, varlen, None)]
+    return kernels.names[(*shape, causal, varlen, window)]
 
 
 class DenseCalls:
@@ -105,15 +107,16 @@ class DenseCalls:
     def forward(self, q, k, v, causal, window=None, delta=0):
         """``window``: the block's left window; ``delta`` is only for packed blocks (a
         dense block's geometry is in its rows, :mod:`usp.ring.window`)."""
-        if torch.compiler.is_compiling():  # one opaque op of the graph (no window: refused)
-            name = backend_name(self.kernels, _shape(q, k), causal, False)
-            return ops.dense_forward_op(q, k, v, name, causal, self.kernels.scale)
+        if torch.compiler.is_compiling():  # one opaque op of the graph
+            name = backend_name(self.kernels, _shape(q, k), causal, False, window)
+            return ops.dense_forward_op(q, k, v, name, causal, self.kernels.scale, window)
         return self.kernels.dense(*_shape(q, k), causal, window).forward(q, k, v)
 
     def backward(self, dout, q, k, v, out, lse, causal, window=None, delta=0):
         if torch.compiler.is_compiling():
-            name = backend_name(self.kernels, _shape(q, k), causal, False)
-            return ops.dense_backward_op(dout, q, k, v, out, lse, name, causal, self.kernels.scale)
+            name = backend_name(self.kernels, _shape(q, k), causal, False, window)
+            scale = self.kernels.scale
+            return ops.dense_backward_op(dout, q, k, v, out, lse, name, causal, scale, window)
         return self.kernels.dense(*_shape(q, k), causal, window).backward(dout, q, k, v, out, lse)
 
 

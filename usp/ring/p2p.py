@@ -11,8 +11,17 @@ locally in float32.
 
 Sliding windows (:mod:`usp.ring.window`): the blocks are cut to the window, the ring
 rotates only while some rank has a block inside it (the accumulators' last hop then goes
-straight to their owners). Each hop still sends whole blocks: sending only the keys the
-window needs (O(W) bytes) is not done yet.
+straight to their owners). Under ``contiguous`` (dense) each hop sends only the keys the
+window needs, the suffix of the block that later steps read (:func:`tail_starts`):
+O(W) bytes, not O(S/r); zigzag and packed documents send whole blocks.
+
+Compiled, a rank's graph must post the same shifts in the same passes as its
+neighbours', also when it never reads a block (rank 0 of a causal contiguous ring gets
+the last rank's): every received K/V message ends in an opaque copy of an output
+(:func:`usp.comm.traced.copy_after`; else the shift is dead code on that rank alone),
+and the first dK/dV accumulator is tied to the incoming gradient
+(:func:`usp.comm.traced.stack_after`; else, still zeros on such a rank, its shift
+would be posted in the forward). Either way the neighbours would wait forever.
 """
 
 from __future__ import annotations
@@ -73,6 +82,22 @@ def chunk_lengths(cfg: PreparedRing) -> tuple[int, ...]:
     """The chunk length of every packed document (a piece holds one chunk of each)."""
     bounds = cfg.placement.documents.piece_bounds
     return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def tail_starts(cfg: PreparedRing, local_len: int, n_steps: int) -> list[int] | None:
+    """A windowed dense ring in the contiguous layout sends only the keys the window
+    needs: the block a rank holds at step s is its owner's rows from ``starts[s] =
+    max(0, s * L - w)`` on (the keys before are outside every later query's window), so
+    each hop forwards a suffix of what arrived, and a window shorter than a block moves
+    its last w rows only. None: whole blocks (no window, packed documents, zigzag)."""
+    if cfg.window is None or cfg.packed or cfg.layout != "contiguous" or n_steps < 2:
+        return None
+    return [0] + [max(0, s * local_len - cfg.window) for s in range(1, n_steps)]
+
+
+def _shifted(rows: slice, offset: int) -> slice:
+    """Block rows in a message that starts ``offset`` rows into its block."""
+    return rows if not offset else slice(rows.start - offset, rows.stop - offset)
 
 
 def steps(cfg: PreparedRing, local_len: int) -> int:
@@ -136,25 +161,49 @@ class _Pair:
         self.first, self.second = _Rows(tensor[0]), _Rows(tensor[1])
 
 
-class _DoubleBuffer:
-    """The message a step computes on (``current``) and the ``spare`` buffer the next
-    one arrives in while it does; they swap at each exchange."""
+class _KVRing:
+    """The K/V message a step computes on (``current``: its owner's block from row
+    ``offset(step)`` on) and how the next one arrives: a whole block in the ``spare``
+    buffer (they swap at each exchange), or with a window only the suffix that later
+    steps need (:func:`tail_starts`), each in a buffer of its own size. Compiled,
+    ``anchors`` holds one element of every message received, for
+    :func:`usp.comm.traced.copy_after` (a block a rank never computes on would
+    otherwise drop its shift from that rank's graph alone)."""
 
-    __slots__ = ("current", "spare")
+    __slots__ = ("current", "spare", "tails", "n_steps", "anchors")
 
-    def __init__(self, message: torch.Tensor, exchanges: bool):
+    def __init__(self, message: torch.Tensor, n_steps: int, tails: list[int] | None):
         self.current = _Pair(message)
-        self.spare = _Pair(torch.empty_like(message)) if exchanges else None
+        whole = n_steps > 1 and tails is None
+        self.spare = _Pair(torch.empty_like(message)) if whole else None
+        self.tails, self.n_steps = tails, n_steps
+        self.anchors: list[torch.Tensor] = []
 
-    def start(self, ring: RingExchange):
-        return ring.start(self.current.tensor, self.spare.tensor)
+    def offset(self, step: int) -> int:
+        return 0 if self.tails is None else self.tails[step]
 
-    def finish(self, pending, keep_spare: bool) -> None:
-        """Wait for ``pending`` (its message arrived in ``spare``, or compiled in a
+    def send(self, ring: RingExchange, step: int):
+        """Post the message of the next step (None after the last)."""
+        if step + 1 >= self.n_steps:
+            return None
+        if self.tails is None:
+            return ring.start(self.current.tensor, self.spare.tensor)
+        held = self.current.tensor  # [2, B, rows, Hkv, D]
+        cut = self.tails[step + 1] - self.tails[step]
+        return ring.start(held.narrow(2, cut, held.shape[2] - cut).contiguous())
+
+    def receive(self, pending, step: int) -> None:
+        """Wait for ``pending`` (a whole block arrived in ``spare``, or compiled in a
         tensor of its own; our send finished too, so what we sent becomes the spare, or
         is dropped when no receive is left)."""
-        spare = self.current if keep_spare else None
-        self.current = _arrived(pending.wait(), self.spare)
+        received = pending.wait()
+        if torch.compiler.is_compiling():
+            self.anchors.append(traced.anchor(received))
+        if self.tails is not None:
+            self.current = _Pair(received)
+            return
+        spare = self.current if step + 2 < self.n_steps else None
+        self.current = _arrived(received, self.spare)
         self.spare = spare
 
 
@@ -176,16 +225,18 @@ def p2p_forward(q, k, v, cfg: PreparedRing, documents=None) -> tuple[torch.Tenso
     ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
     n_steps = steps(cfg, q.shape[1])
-    kv = _DoubleBuffer(torch.stack([k, v]), n_steps > 1)  # [2, B, L, Hkv, D]: one message
+    # [2, B, L, Hkv, D]: one message
+    kv = _KVRing(torch.stack([k, v]), n_steps, tail_starts(cfg, q.shape[1], n_steps))
     blocks, calls = _plan(cfg, q.shape[1], documents)
     q_rows = _Rows(q)
     out_rows = lse_rows = None  # float32 accumulators [B, L, H, D] and [B, H, L]
     for step in range(n_steps):
-        pending = kv.start(ring) if step + 1 < n_steps else None
-        held = kv.current
+        pending = kv.send(ring, step)
+        held, offset = kv.current, kv.offset(step)
         for block in blocks(ring.rank, _kv_rank(ring, step)):
+            kv_rows = _shifted(block.kv_rows, offset)
             block_out, block_lse = calls.forward(
-                q_rows[block.q_rows], held.first[block.kv_rows], held.second[block.kv_rows],
+                q_rows[block.q_rows], held.first[kv_rows], held.second[kv_rows],
                 block.causal, block.window, block.delta,
             )  # fmt: skip
             if out_rows is None and block.q_rows == ALL:  # the first block sees every row
@@ -201,9 +252,13 @@ def p2p_forward(q, k, v, cfg: PreparedRing, documents=None) -> tuple[torch.Tenso
             del block_out, block_lse  # merged: not alive during the next block's kernel
         del held
         if pending is not None:
-            kv.finish(pending, keep_spare=step + 2 < n_steps)
+            kv.receive(pending, step)
+    anchors = kv.anchors
     del kv
-    return out_rows.tensor.to(q.dtype), lse_rows.tensor
+    lse = lse_rows.tensor
+    if anchors:  # compiled: every shift stays in this rank's graph
+        lse = traced.copy_after(lse, lse.dtype, anchors)
+    return out_rows.tensor.to(q.dtype), lse
 
 
 def lse_shape(q: torch.Tensor) -> tuple[int, int, int]:
@@ -234,7 +289,8 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=None):
     else:
         message = torch.stack([k, v])
     n_steps = steps(cfg, q.shape[1])
-    kv = _DoubleBuffer(message, n_steps > 1)
+    tails = tail_starts(cfg, q.shape[1], n_steps)
+    kv = _KVRing(message, n_steps, tails)
     del message
     # dK/dV in float32: ``own`` keeps this rank's contribution to its own block (step 0);
     # the accumulator of every other block starts at the owner's next rank, collects
@@ -245,25 +301,37 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=None):
     travelling: list[_Pair] = []
     current, dkv_pending = 0, None
     blocks, calls = _plan(cfg, q.shape[1], documents)
+    # with tails, the travelling accumulators hold the rows from tails[1] on: every row
+    # a later step touches
+    first_tail = 0 if tails is None else tails[1]
     for step in range(n_steps):
-        kv_pending = kv.start(ring) if step + 1 < n_steps else None
-        held = kv.current
+        kv_pending = kv.send(ring, step)
+        held, offset = kv.current, kv.offset(step)
         block_grads = []
         for block in blocks(ring.rank, _kv_rank(ring, step)):
-            rows, kv_rows = block.q_rows, block.kv_rows
+            rows, kv_rows = block.q_rows, _shifted(block.kv_rows, offset)
             dq_block, dk_block, dv_block = calls.backward(
                 dout_rows[rows], q_rows[rows], held.first[kv_rows], held.second[kv_rows],
                 out_rows[rows], lse_rows[rows], block.causal, block.window, block.delta,
             )  # fmt: skip
             dq_rows[rows].add_(dq_block)
             del dq_block  # added: not alive during the next block's kernel
-            block_grads.append((kv_rows, dk_block, dv_block))
+            acc_rows = _shifted(block.kv_rows, first_tail if step else 0)
+            block_grads.append((acc_rows, dk_block, dv_block))
             del dk_block, dv_block
         del held
         if step == 0:
             dkv = own
         elif step == 1:
-            travelling = [_Pair(torch.zeros_like(own.tensor)), _Pair(torch.empty_like(own.tensor))]
+            shape = own.tensor.narrow(2, first_tail, own.tensor.shape[2] - first_tail).shape
+            zeros = torch.zeros(shape, dtype=acc, device=k.device)
+            if torch.compiler.is_compiling():
+                # tied to the incoming gradient: a rank whose step 1 has no block sends
+                # these zeros as they are, and AOT's partitioner would post that shift
+                # in the forward, on that rank alone (:func:`traced.stack_after`)
+                zeros = traced.stack_after(list(zeros.unbind()), dout)
+            travelling = [_Pair(zeros), _Pair(torch.empty_like(zeros))]
+            del zeros
             dkv = travelling[current]
         else:  # this block's accumulator arrived (in travelling[current], eager)
             dkv = travelling[current] = _arrived(dkv_pending.wait(), travelling[current])
@@ -281,12 +349,16 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=None):
             current = 1 - current
         del dkv
         if kv_pending is not None:
-            kv.finish(kv_pending, keep_spare=step + 2 < n_steps)
+            kv.receive(kv_pending, step)
+    anchors = kv.anchors
     del kv
     if dkv_pending is not None:  # everyone else's contributions to this rank's block
-        own.tensor.add_(dkv_pending.wait())
+        rows = own.tensor.shape[2] - first_tail
+        own.tensor.narrow(2, first_tail, rows).add_(dkv_pending.wait())
     del travelling, dkv_pending
     # copies even for float32: dk and dv must not be views of one shared buffer
-    dk, dv = own.tensor[0].to(k.dtype, copy=True), own.tensor[1].to(v.dtype, copy=True)
+    # (compiled: the copy of dK also ends every K/V shift, :func:`traced.copy_after`)
+    dk = traced.copy_after(own.tensor[0], k.dtype, anchors)
+    dv = own.tensor[1].to(v.dtype, copy=True)
     del own
     return dq_rows.tensor.to(q.dtype), dk, dv

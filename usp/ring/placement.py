@@ -48,8 +48,9 @@ class RankPlacement:
     #: tokens per piece (``documents.piece_len``; a field: traced code reads fields only)
     piece_len: int = field(init=False)
     #: all-gather, sliding windows: the causal segments cut to each window's chunks,
-    #: built once per window (:meth:`window_segments`)
-    _windows: dict = field(init=False, default_factory=dict, repr=False)
+    #: built once per window (:meth:`window_segments`) when a call is prepared; a
+    #: compiled graph reads them here (Dynamo cannot trace the method)
+    windows: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "piece_len", self.documents.piece_len)
@@ -57,9 +58,9 @@ class RankPlacement:
     def window_segments(self, w: int) -> tuple[Segment, ...]:
         """All-gather ring, causal with the kernels' left window ``w``: each query
         piece's segment holds only the chunks of its documents the window reaches."""
-        segments = self._windows.get(w)
+        segments = self.windows.get(w)
         if segments is None:
-            segments = self._windows[w] = _segments(
+            segments = self.windows[w] = _segments(
                 self.documents, self.ring_rank, True, self.packed, self.device, w
             )
         return segments
