@@ -435,6 +435,12 @@ class Gemma3(CausalLM):
     presets = PRESETS
     attention_class = Gemma3Attention
     stack_class = Gemma3Stack
+    #: usp train packs documents, and a window over packed documents does not compile
+    #: (its per-document calls would specialise the graph to one packing: usp/attend.py)
+    compile_refusal = (
+        "its sliding-window layers compile only on dense input, and usp train packs "
+        "documents (a windowed call over packed documents is not traced)"
+    )
 
     @staticmethod
     def make_mlp(config: Gemma3Config, index: int) -> nn.Module:
