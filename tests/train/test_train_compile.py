@@ -6,7 +6,7 @@ generated documents packed into sequences, a new packing at every step, which th
 compiled layers take without recompiling (``error_on_recompile``).
 
 A family whose layers do not compile whole yet (the MoE families, qwen3_5's GDN) is
-refused at set-up.
+refused at set-up, with the same message on every rank of the launch.
 
 Tolerance: Inductor fuses and reorders float32 arithmetic, so losses and gradient norms
 agree to float32 rounding, not bit for bit: 1e-5 relative per step (observed in one
@@ -66,7 +66,15 @@ def run_compile_case(config, out):
     rows = [(r["step"], r["loss"], r["grad_norm"]) for r in result.metrics]
     breaks = sum(counters["graph_break"].values())
     graphs = counters["stats"]["unique_graphs"]
-    return {"rows": rows, "graphs": graphs, "breaks": breaks, "packings": packings}
+    refused = None
+    if config["train"]["compile"]:  # a family that cannot compile yet: refused at set-up
+        moe = {**config, "model": {"preset": "qwen3-moe-tiny"}}
+        try:
+            train(train_config_from_dict(moe), plan, output_dir=f"{out}_moe", stream=io.StringIO())
+        except ConfigError as err:
+            refused = str(err)
+    return {"rows": rows, "graphs": graphs, "breaks": breaks, "packings": packings,
+            "refused": refused}  # fmt: skip
 
 
 def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
@@ -92,6 +100,9 @@ def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
     assert len(packings) == STEPS and len(set(packings)) > 1 and min(packings) > 1, packings
     assert packings == eager[0]["packings"]
     assert all(r["rows"] == compiled[0]["rows"] for r in compiled), "ranks log alike"
+    refused = compiled[0]["refused"]
+    assert refused is not None and "set [train] compile = false for qwen3_moe" in refused
+    assert all(r["refused"] == refused for r in compiled)  # every rank, the same message
     rows, reference = compiled[0]["rows"], eager[0]["rows"]
     assert [r[0] for r in rows] == list(range(1, STEPS + 1))
     for (step, loss, norm), (_, ref_loss, ref_norm) in zip(rows, reference):
