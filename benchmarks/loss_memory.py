@@ -34,7 +34,7 @@ from contextlib import nullcontext
 import torch
 
 from usp.models import sp_cross_entropy
-from usp.planner.measure import all_labelled
+from usp.planner.measure import AllLabelledFakeMode
 
 MIB = 2**20
 
@@ -68,14 +68,13 @@ def measure(tokens: int, dim: int, vocab: int, chunk: int | None, dtype: str, de
 def measure_fake(tokens: int, dim: int, vocab: int, chunk: int | None, dtype: str, device: str,
                  representative: bool) -> dict:  # fmt: skip
     """Peak bytes (``MemTracker``) and host seconds of fwd+bwd under fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from usp.models.tiling import representative_tiles
 
     torch_dtype = getattr(torch, dtype)
     mode = representative_tiles() if representative else nullcontext()
-    with all_labelled(), mode, FakeTensorMode():
+    with mode, AllLabelledFakeMode():
         hidden = torch.empty(1, tokens, dim, device=device, dtype=torch_dtype, requires_grad=True)
         weight = torch.empty(vocab, dim, device=device, dtype=torch_dtype, requires_grad=True)
         labels = torch.zeros(1, tokens, device=device, dtype=torch.int64)

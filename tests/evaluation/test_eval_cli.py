@@ -261,17 +261,18 @@ def test_without_matplotlib_the_plots_are_skipped_with_the_reason(
 
 
 def test_a_hybrid_hf_directory_is_refused_in_one_line(tmp_path, capsys):
-    """usp eval computes usp's families only: a Qwen3.5 export (Gated DeltaNet layers) is
-    refused by name, exit 2, one line, before anything runs."""
+    """usp eval computes usp's families only: a Qwen3-Next export (Gated DeltaNet layers;
+    Qwen3.5 is a usp family since, Qwen3-Next is not) is refused by name, exit 2, one
+    line, before anything runs."""
     pytest.importorskip("transformers", minversion="5.24")
     from hybrid_cases import HYBRID, build
 
-    build("qwen3_5_text", HYBRID["qwen3_5_text"]).save_pretrained(tmp_path / "qwen3_5")
+    build("qwen3_next", HYBRID["qwen3_next"]).save_pretrained(tmp_path / "qwen3_next")
     capsys.readouterr()  # transformers' progress bar of the save
-    status = _usp_eval([str(tmp_path / "qwen3_5"), "--lengths", "16"])
+    status = _usp_eval([str(tmp_path / "qwen3_next"), "--lengths", "16", "--tokenizer", "byte"])
     stderr = capsys.readouterr().err
     assert status == 2, stderr
-    assert "Qwen3_5ForCausalLM is not a usp model family" in stderr, stderr
+    assert "Qwen3NextForCausalLM is not a usp model family" in stderr, stderr
     assert stderr.count("\n") == 1, "one line, no traceback"
 
 

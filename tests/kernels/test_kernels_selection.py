@@ -9,6 +9,7 @@ real one (it accepts CUDA specs without touching a GPU).
 from __future__ import annotations
 
 import logging
+import types
 
 import pytest
 import torch
@@ -54,8 +55,11 @@ def fakes(monkeypatch):
         "flash": FakeBackend("flash", BackendFailure("is not in this torch build"), varlen=True),
         "efficient": FakeBackend("efficient", None),
     }
-    real_get = registry.get
-    monkeypatch.setattr(registry, "get", lambda name: backends.get(name) or real_get(name))
+    # usp's registry (what select_backend and registry.get read) looking names up in
+    # ``backends`` first, live: a test may replace a fake after the fixture ran
+    real = registry.DEFAULT
+    live = types.SimpleNamespace(get=lambda name: backends.get(name) or real.get(name))
+    monkeypatch.setattr(registry, "DEFAULT", live)
     monkeypatch.setattr(selection, "_reported_skips", set())
     return backends
 
