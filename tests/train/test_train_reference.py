@@ -209,7 +209,7 @@ def _train_with_sgd(monkeypatch, tmp_path, grad_clip: float):
     """One process with the trainer's AdamW swapped for RecordingSGD (a test hook only)."""
     made = []
 
-    def sgd(job, model):
+    def sgd(job, model, levers):
         made.append(RecordingSGD(model.parameters(), lr=job.train.lr))
         return made[-1]
 
