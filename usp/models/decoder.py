@@ -142,6 +142,15 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def pad_row_embedding(config) -> nn.Embedding:
+    """The input embedding with transformers' ``padding_idx``: the pad token's row gets no
+    gradient from the input side (Gemma 3, Qwen3.5; a pad id outside the vocabulary, or
+    none, gives a plain embedding)."""
+    pad = config.pad_token_id
+    pad = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
+    return nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=pad)
+
+
 class DecoderStack(nn.Module):
     """Embeddings, decoder layers and the final norm (HF's ``model.`` prefix)."""
 

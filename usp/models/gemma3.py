@@ -37,7 +37,7 @@ from torch import nn
 
 from usp.errors import ModelConfigError
 from usp.models.config import DecoderConfig
-from usp.models.decoder import Attention, CausalLM, _check_tokens
+from usp.models.decoder import Attention, CausalLM, _check_tokens, pad_row_embedding
 from usp.models.hf_keys import transformers_key_form
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import loss_dtype, sp_normalise
@@ -400,10 +400,7 @@ class Gemma3Stack(nn.Module):
         super().__init__()
         self.config = config
         self.plan = plan
-        # as transformers: the pad token's row gets no gradient from the input side
-        pad = config.pad_token_id
-        pad = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=pad)
+        self.embed_tokens = pad_row_embedding(config)
         make_mlp = make_mlp or (lambda config, index: GeGLU(config))
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, plan, index, make_mlp(config, index))

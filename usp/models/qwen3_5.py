@@ -39,7 +39,7 @@ from torch import nn
 from usp.errors import ModelConfigError
 from usp.linear.module import GatedDeltaNet
 from usp.models.config import DecoderConfig
-from usp.models.decoder import MLP, Attention, CausalLM
+from usp.models.decoder import MLP, Attention, CausalLM, pad_row_embedding
 from usp.models.gemma3 import GemmaRMSNorm as ZeroCentredRMSNorm
 from usp.models.hf_keys import transformers_key_form
 from usp.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
@@ -391,9 +391,7 @@ class Qwen3_5Stack(nn.Module):
         super().__init__()
         self.config = config
         self.plan = plan
-        pad = config.pad_token_id  # as transformers: the pad row gets no input-side gradient
-        pad = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=pad)
+        self.embed_tokens = pad_row_embedding(config)
         make_mlp = make_mlp or (lambda config, index: MLP(config))
         self.layers = nn.ModuleList(
             Qwen3_5DecoderLayer(config, plan, index, make_mlp(config, index))
