@@ -16,10 +16,10 @@ and the load-balancing loss, exact under sequence parallelism.
 * :class:`SparseMoE` (HF's ``Qwen3MoeSparseMoeBlock``): router + experts, the decoder
   layer's ``mlp``; with ``shared_expert=`` (HF's ``Qwen2MoeSparseMoeBlock`` and
   ``Qwen3_5MoeSparseMoeBlock``) a dense MLP every token also runs, scaled per token by
-  ``sigmoid(shared_expert_gate(x))`` and added to the routed experts' sum. Every token stays on its rank (no expert parallelism): under SP the
-  block needs no communication. Expert parallelism would replace the gather/scatter of
-  :meth:`Experts.forward` by an all-to-all of the sorted rows over an expert axis, behind
-  the same module.
+  ``sigmoid(shared_expert_gate(x))`` and added to the routed experts' sum. Every token
+  stays on its rank (no expert parallelism): under SP the block needs no communication.
+  Expert parallelism would replace the gather/scatter of :meth:`Experts.forward` by an
+  all-to-all of the sorted rows over an expert axis, behind the same module.
 * A family whose router or experts differ (:mod:`usp.models.gpt_oss`: a router with bias,
   experts with biases and another activation, kept in transformers' layout) subclasses
   :class:`SparseMoE` (:meth:`SparseMoE.route`) and :class:`Experts`
