@@ -276,22 +276,54 @@ def test_a_hybrid_hf_directory_is_refused_in_one_line(tmp_path, capsys):
     assert stderr.count("\n") == 1, "one line, no traceback"
 
 
-def test_a_gpt_oss_hf_directory_gives_transformers_perplexity(trained, tmp_path, capsys):
-    """``usp eval`` on a tiny gpt-oss checkpoint written by transformers (sliding windows
-    of 6, sinks, experts): the overall perplexity of two 64-token windows equals
-    transformers' own (eager attention, float64) on the same windows, within 1e-5 (usp
-    eval runs float32); the per-bucket token counts are the windows' predicting tokens."""
+def _family_checkpoint(directory, family):
+    """A tiny HF checkpoint of ``family`` written by transformers (vocabulary 256: the byte
+    tokenizer's) and transformers' float64 model of it (its reference loader)."""
+    import gemma3_cases
+    import qwen3_5_cases
+    from model_cases import load_hf_reference, write_family_checkpoint
+
+    if family == "gemma3":  # windows of 5 on layers 0 and 2, soft-capped logits
+        ckpt = gemma3_cases.write_checkpoint(directory, "capped", seed=3, vocab_size=256)
+        return ckpt, gemma3_cases.load_reference(ckpt)
+    if family == "qwen3_5":  # Gated DeltaNet layers 0 and 2, gated attention on layer 1
+        ckpt = qwen3_5_cases.write_checkpoint(directory, "biased", seed=3, vocab_size=256)
+        return ckpt, qwen3_5_cases.load_reference(ckpt)
+    if family == "qwen3_5_moe":  # the same layers, 4 experts and a shared one
+        ckpt = qwen3_5_cases.write_moe_checkpoint(directory, seed=3, vocab_size=256)
+        return ckpt, qwen3_5_cases.load_reference(ckpt)
+    ckpt = write_family_checkpoint(directory, family, seed=3, vocab_size=256)
+    return ckpt, load_hf_reference(ckpt)  # gpt-oss: eager (transformers has no sdpa for it)
+
+
+#: transformers' class of each family's tiny checkpoint
+HF_CLASSES = {
+    "gpt_oss": "GptOssForCausalLM",  # sliding windows of 6, sinks, experts
+    "qwen3_moe": "Qwen3MoeForCausalLM",  # experts on layer 1, q/k norms, biases
+    "gemma3": "Gemma3ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+}
+
+
+@pytest.mark.parametrize("family", list(HF_CLASSES))
+def test_a_family_hf_directory_gives_transformers_perplexity(trained, tmp_path, capsys, family):
+    """``usp eval`` on a tiny checkpoint of each 2026 family written by transformers: the
+    overall perplexity of two 64-token windows equals transformers' own (its float64
+    reference: float64 norms, routers and Gated DeltaNet core) on the same windows, within
+    1e-5 (usp eval runs float32); the per-bucket token counts are the windows'
+    predicting tokens."""
     pytest.importorskip("transformers", minversion="5.24")
     import torch.nn.functional as F
     import transformers
-    from model_cases import load_hf_reference, write_family_checkpoint
 
     from usp.evaluation.target import held_out_stream
     from usp.evaluation.tasks import window
     from usp.train.data import ByteTokenizer
 
     tmp, _ = trained
-    ckpt = write_family_checkpoint(tmp_path / "gpt_oss", "gpt_oss", seed=3, vocab_size=256)
+    ckpt, reference = _family_checkpoint(tmp_path / family, family)
+    assert type(reference) is getattr(transformers, HF_CLASSES[family])
     held = str(tmp / "held.jsonl")
     capsys.readouterr()
     argv = [str(ckpt), "--tokenizer", "byte", "--data", held, "--lengths", "64"]
@@ -301,8 +333,6 @@ def test_a_gpt_oss_hf_directory_gives_transformers_perplexity(trained, tmp_path,
     assert report["windows"] == 2 and report["tokens"] == [64, 62]
 
     stream, target, _ = held_out_stream(ByteTokenizer(), data=[held])
-    reference = load_hf_reference(ckpt)  # eager: transformers has no sdpa for gpt-oss
-    assert isinstance(reference, transformers.GptOssForCausalLM)
     total, count = 0.0, 0
     with torch.no_grad():
         for index in range(2):

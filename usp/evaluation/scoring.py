@@ -41,8 +41,8 @@ class TokenScores:
 def final_hidden(model, batch: ShardedBatch) -> torch.Tensor:
     """[1, L/P, dim]: the decoder's output (after its final norm) for this rank's tokens.
 
-    A usp model's own ``hidden_states`` (any family) and its output projection
-    ``model.output_weight``."""
+    A usp model's own ``hidden_states`` (any family), which its ``logits`` (the output
+    projection and any family's soft cap) turns into logits."""
     return model.hidden_states(
         batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.packed
     )
@@ -69,14 +69,13 @@ def score_tokens(
         aligned = torch.where(target.to(tokens.device), tokens, IGNORE_INDEX)[None]
     batch = shard_batch(plan, tokens[None], labels=aligned)  # the global shift, then sharded
     hidden = final_hidden(model, batch)[0]  # [L/P, dim]
-    weight = model.output_weight  # [V, dim]
     labels = batch.labels[0]  # [L/P]
     labelled = labels != IGNORE_INDEX
     loss = torch.zeros(labels.shape, dtype=torch.float64, device=labels.device)
     greedy = torch.empty(labels.shape, dtype=torch.int64, device=labels.device)
     for start in range(0, hidden.shape[0], chunk_tokens):
         rows = slice(start, start + chunk_tokens)
-        logits = F.linear(hidden[rows], weight).to(loss_dtype(hidden.dtype))  # [c, V]
+        logits = model.logits(hidden[rows]).to(loss_dtype(hidden.dtype))  # [c, V]
         greedy[rows] = logits.argmax(dim=-1)
         nll = F.cross_entropy(logits, labels[rows], ignore_index=IGNORE_INDEX, reduction="none")
         loss[rows] = nll.to(torch.float64)  # 0 where ignored

@@ -327,6 +327,12 @@ class CausalLM(nn.Module):
         """[V, dim]: ``lm_head.weight``, or the embedding with tied embeddings."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., V]: the logits of final-norm outputs ``hidden`` [..., dim] (any rows):
+        the output projection, and whatever a family adds after it (Gemma 3's soft cap).
+        What code outside the model that turns :meth:`hidden_states` into logits calls."""
+        return F.linear(hidden, self.output_weight)
+
     # ------------------------------------------------------------------ forward
     def forward(
         self,
@@ -350,7 +356,7 @@ class CausalLM(nn.Module):
         else:
             hidden = self.hidden_states(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens)
         if labels is None:
-            return F.linear(hidden, self.output_weight)  # [B, S/P, V]
+            return self.logits(hidden)  # [B, S/P, V]
         loss = sp_cross_entropy(
             hidden,
             self.output_weight,

@@ -464,6 +464,13 @@ class Gemma3(CausalLM):
             return None
         return key
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output projection, then ``cap * tanh(logits / cap)`` when
+        ``final_logit_softcapping`` is set (token-local, as transformers)."""
+        logits = F.linear(hidden, self.output_weight)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -482,8 +489,7 @@ class Gemma3(CausalLM):
             )  # fmt: skip
         _check_tokens(input_ids, labels, position_ids)  # before any collective
         hidden = self.hidden_states(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens)
-        logits = F.linear(hidden, self.output_weight)  # [B, S/P, V]
-        logits = torch.tanh(logits / cap) * cap  # token-local, as transformers
+        logits = self.logits(hidden)  # [B, S/P, V], capped
         if labels is None:
             return logits
         local = F.cross_entropy(
