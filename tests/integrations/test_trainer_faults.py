@@ -8,9 +8,10 @@ every rank (its class and message), and the process groups stay usable after it.
   was fed correctly and learns of replica 0's error through the replicas' agreement);
 * a model feature USP attention cannot compute exactly: attention dropout (refused when
   the trainer is built; sliding windows and sinks are computed: test_trainer_dist.py);
-* a hybrid model (Qwen3.5: Gated DeltaNet layers beside attention) under SP, refused
-  when ``UspTrainer`` / ``UspSFTTrainer`` is built, with the model type, the layers and
-  the fix, on every rank.
+* a hybrid model usp does not compute (Bamba: Mamba layers beside attention) under SP,
+  refused when ``UspTrainer`` / ``UspSFTTrainer`` is built, with the model type, the
+  layers and the fix, on every rank (Qwen3.5's Gated DeltaNet layers are computed by
+  usp's module: test_trainer_dist.py's qwen3_5 case).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer_faults")
     tc.write_checkpoint(root / "llama", "llama")
     tc.write_checkpoint(root / "dropout", "llama", attention_dropout=0.1)
-    hybrid = build("qwen3_5_text", HYBRID["qwen3_5_text"], seed=5)
-    hybrid.save_pretrained(root / "qwen3_5")
-    tc.write_tokenizer(root / "qwen3_5")
+    hybrid = build("bamba", HYBRID["bamba"], seed=5)
+    hybrid.save_pretrained(root / "bamba")
+    tc.write_tokenizer(root / "bamba")
     tc.write_token_rows(root / "tokens.jsonl", 16, 32)
     tc.write_texts(root / "texts.jsonl", 16)
     return root
@@ -103,17 +104,17 @@ def test_attention_dropout_is_refused_on_every_rank(distributed, workdir):
 
 @pytest.mark.parametrize("example", ["hf_trainer", "trl_sft"])
 def test_a_hybrid_model_is_refused_when_the_trainer_is_built(distributed, workdir, example):
-    """Qwen3.5's GDN layers would see only each rank's shard: refused at construction
+    """Bamba's Mamba layers would see only each rank's shard: refused at construction
     (an UnsupportedModelError naming the model type, the layers and the fix, not an
     AttributeError), the same on every rank, the groups usable afterwards."""
     data = "texts.jsonl" if example == "hf_trainer" else "chats.jsonl"
     if example == "trl_sft":
         tc.write_chats(workdir / data, 8)
-    argv = flags(workdir, "qwen3_5", data, workdir / f"hybrid-{example}")
+    argv = flags(workdir, "bamba", data, workdir / f"hybrid-{example}")
     results = distributed.run(
         run_expecting_an_error, example, argv, 1, 2, world_size=4, timeout=600
     )
     same_error_everywhere(
-        results, "UnsupportedModelError", "model_type 'qwen3_5_text'",
-        "layers 0: linear_attn (Qwen3_5GatedDeltaNet", "ulysses 1 x ring 2", "ulysses = ring = 1",
+        results, "UnsupportedModelError", "model_type 'bamba'",
+        "layers 0: mamba (BambaMixer", "ulysses 1 x ring 2", "ulysses = ring = 1",
     )  # fmt: skip

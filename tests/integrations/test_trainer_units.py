@@ -273,6 +273,45 @@ def test_model_features_usp_cannot_compute_are_named():
         UspTrainer(model=gemma, args=_args(), train_dataset=[{"input_ids": [1, 2]}], plan=PLAN)
 
 
+def test_gated_deltanet_layers_become_usps_and_restart_at_documents():
+    """prepare_model puts usp's Gated DeltaNet in place of transformers' (Qwen3.5: layers
+    0 and 2), the parameter names kept; in one process too (4 ranks: test_trainer_dist's
+    qwen3_5 case). A padding-free row of two documents gives each document's logits of
+    transformers' own model run on it alone (its torch path would run them as one
+    sequence), float64 (transformers' float32 parts in float64, as tests/models do)."""
+    from qwen3_5_cases import as_float64_reference, hf_text_config, randomise
+
+    from usp.integrations.transformers import prepare_model
+    from usp.linear import GatedDeltaNet
+
+    torch.manual_seed(1)
+    reference = transformers.Qwen3_5ForCausalLM(hf_text_config("tied")).double()
+    randomise(reference)
+    model = transformers.Qwen3_5ForCausalLM(hf_text_config("tied")).double()
+    model.load_state_dict(reference.state_dict())
+    # transformers' norms and GDN in float64 (it computes them in float32: qwen3_5_cases);
+    # the model's patched GDN forwards go with the swap
+    for hf_model in (reference, model):
+        as_float64_reference(hf_model)
+    prepared = prepare_model(model, PLAN, Levers(loss_chunk_tokens=None), name="usp-gdn")
+    assert prepared.linear_attention_layers == 2
+    swapped = [i for i, layer in enumerate(model.model.layers)
+               if isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet)]  # fmt: skip
+    assert swapped == [0, 2]
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    ids = torch.randint(0, 64, (1, 21), generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, 9, 21], dtype=torch.int32)
+    batch = shard_batch(PLAN, ids, cu_seqlens=cu)
+    with torch.no_grad():
+        got = model(**batch.hf_kwargs()).logits
+        alone = [reference(input_ids=ids[:, a:b], use_cache=False).logits
+                 for a, b in ((0, 9), (9, 21))]  # fmt: skip
+        expected = torch.cat(alone, dim=1)
+        as_one = reference(input_ids=ids, use_cache=False).logits
+    assert relative_error(got, expected) < 1e-10
+    assert relative_error(as_one[:, 9:], expected[:, 9:]) > 1e-3  # the documents matter
+
+
 def test_attention_chunks_are_refused_and_sliding_windows_are_not():
     """Llama 4's chunked layers are read as transformers reads them and refused for a
     sequence longer than the chunk; causal sliding windows (Mistral, Gemma 2) are

@@ -141,6 +141,8 @@ class PreparedModel:
     levers: Levers
     sharded: bool
     loss_scale: float = 1.0
+    #: transformers' Gated DeltaNet layers replaced by usp's (Qwen3.5, Qwen3-Next)
+    linear_attention_layers: int = 0
 
 
 def prepare_model(
@@ -152,10 +154,17 @@ def prepare_model(
     decoder layer and the root sharded with FSDP2 over ``dp x sp`` with summed gradients
     (the SP ranks' gradients are parts of one gradient). A feature USP attention cannot
     compute exactly is an :class:`UnsupportedModelError` (the same on every rank: it
-    comes from the model). Apply before handing the model to a Trainer."""
+    comes from the model). Apply before handing the model to a Trainer.
+
+    transformers' Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are replaced by
+    usp's (:func:`usp.models.hf.swap_linear_attention`: the same parameters and names),
+    which compute them exactly under the plan's SP and restart them at every document of
+    a padding-free batch; in one process too, so that one process and N ranks run the
+    same layers."""
     levers = Levers() if levers is None else levers
     if not isinstance(levers, Levers):
         raise TypeError(f"levers must be a usp.models.Levers, got {type(levers).__name__}")
+    swapped = usp_hf.swap_linear_attention(model, plan)  # before FSDP2 and the optimizer
     problems = feature_problems(model, levers, plan)
     if problems:
         raise UnsupportedModelError(
@@ -176,4 +185,4 @@ def prepare_model(
         # and defers the reduce-scatter to a step's last micro-batch
         model._is_distributed_loading_by_transformers = True
         model._is_fsdp_managed_module = True
-    return PreparedModel(name, levers, sharded, scale)
+    return PreparedModel(name, levers, sharded, scale, swapped)
