@@ -80,14 +80,16 @@ def lora_layers(model) -> list[tuple[str, nn.Module]]:
 
 
 def peft_model(
-    directory, *, rank, alpha, targets, seed, dropout=0.0, dtype=torch.float64, tokens=None
-):
+    directory, *, rank, alpha, targets, seed, dropout=0.0, dtype=torch.float64, tokens=None,
+    load=None,
+):  # fmt: skip
     """``(model, tokens)``: HF + PEFT as the module docstring says; ``tokens`` (a
-    :class:`Tokens`) feeds the keyed dropout when ``dropout > 0``."""
+    :class:`Tokens`) feeds the keyed dropout when ``dropout > 0``; ``load(directory,
+    dtype)``: the family's reference loader (default: model_cases.load_hf_reference)."""
     from model_cases import load_hf_reference
     from peft import LoraConfig, get_peft_model
 
-    base = load_hf_reference(directory, dtype=dtype)
+    base = (load or load_hf_reference)(directory, dtype=dtype)
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets)
     model = get_peft_model(base, config)
     generator = torch.Generator().manual_seed(seed)
