@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from model_cases import TINY, hf_config, relative_error
+from qwen3_5_cases import as_float64_reference, hf_text_config, randomise
 
 transformers = pytest.importorskip(
     "transformers", minversion="5.24", reason="the integration needs transformers 5.24"
@@ -36,7 +37,9 @@ from usp.integrations.transformers import (  # noqa: E402
     global_batch,
     launch_plan,
     plan_config,
+    prepare_model,
 )
+from usp.linear import GatedDeltaNet  # noqa: E402
 from usp.models import Levers, shard_batch, shift_labels  # noqa: E402
 from usp.models.batch import batch_fingerprint  # noqa: E402
 from usp.models.hf_inputs import HFInputError  # noqa: E402
@@ -279,11 +282,6 @@ def test_gated_deltanet_layers_become_usps_and_restart_at_documents():
     qwen3_5 case). A padding-free row of two documents gives each document's logits of
     transformers' own model run on it alone (its torch path would run them as one
     sequence), float64 (transformers' float32 parts in float64, as tests/models do)."""
-    from qwen3_5_cases import as_float64_reference, hf_text_config, randomise
-
-    from usp.integrations.transformers import prepare_model
-    from usp.linear import GatedDeltaNet
-
     torch.manual_seed(1)
     reference = transformers.Qwen3_5ForCausalLM(hf_text_config("tied")).double()
     randomise(reference)
