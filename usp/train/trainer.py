@@ -222,7 +222,7 @@ def _assemble(job, plan, out, setup: RunSetup, stream) -> Run:
     )
     dataset = components.load_dataset(job, setup.data, topology=topology, cache_root=out / "cache")
 
-    levers = components.train_levers(job)  # passed to each part that needs them
+    levers = job.train.levers  # passed to each part that needs them
     model = components.build_model(job, source, plan, levers)
     if not topology.single_process:
         dtype = components.compute_dtype(job, device)

@@ -3,7 +3,7 @@ the data, the batch arithmetic and where a resume starts from."""
 
 from __future__ import annotations
 
-from usp.models import levers_of, lora_of
+from usp.models import lora_of
 
 
 def _lora_lines(model) -> list[str]:
@@ -31,7 +31,7 @@ def print_header(job, plan, source, dataset, model, state, newest, stream) -> No
         f"  plan:  {plan.describe()}",
         f"  model: {what} ({config.family}), {params / 1e6:.2f}M parameters, "
         f"{config.num_hidden_layers} layers",
-        f"  levers: {levers_of(model).describe()}",
+        f"  levers: {t.levers.describe()}",  # what the trainer built the model with
         *_lora_lines(model),
         *(f"  data:  {line}" for line in dataset.summary(t.steps * t.global_batch)),
         f"  batch: {t.global_batch} sequences/step = dp {dp} x micro_batch {t.micro_batch} x "
