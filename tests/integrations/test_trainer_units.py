@@ -381,7 +381,7 @@ def test_usp_plan_plans_the_run_a_trainer_describes(tmp_path):
 
     from usp.planner import search
     from usp.planner.footprint import Choice, Target
-    from usp.train.components import model_source, train_levers
+    from usp.train.components import model_source
     from usp.train.config import load_train_config
 
     ckpt = trainer_cases.write_checkpoint(tmp_path / "qwen3", "qwen3")
@@ -395,13 +395,13 @@ def test_usp_plan_plans_the_run_a_trainer_describes(tmp_path):
     )  # fmt: skip
     job = load_train_config(path)
     assert (job.train.seq_len, job.train.micro_batch, job.train.global_batch) == (64, 2, 4)
-    assert train_levers(job) == levers.replace(loss_chunk_tokens=Levers().loss_chunk_tokens)
+    assert job.train.levers == levers.replace(loss_chunk_tokens=Levers().loss_chunk_tokens)
     parallel = job.topology.parallel
     assert (parallel.ulysses, parallel.ring) == (1, 2)
     model = model_source(job).config
     assert type(model).__name__ == "Qwen3Config"
     assert model.num_attention_heads == TINY["num_attention_heads"]
-    choice = Choice(1, 2, 1, train_levers(job))
+    choice = Choice(1, 2, 1, job.train.levers)
     assert choice in search.choices(model, search.Cluster(1, 2, 80.0, 2048.0), job)
     candidate = search.evaluate(
         Target(job, model, 2, 2, "cpu"), choice, search.Cluster(1, 2, 1.0, 64.0), {}

@@ -135,8 +135,8 @@ def test_offload_in_pieces_equals_on_device_checkpointing(monkeypatch):
     for mode in (True, "offload"):
         model = Llama(config)
         model.load_state_dict(state)
-        model.usp_offloader = offload.HostOffloader(min_piece=8)
-        Levers(activation_checkpointing=mode).apply(model)
+        offloader = offload.HostOffloader(min_piece=8)
+        Levers(activation_checkpointing=mode).apply(model, offloader=offloader)
         loss = model(ids, labels=shift_labels(ids))
         loss.backward()
         runs[mode] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
@@ -171,10 +171,12 @@ def test_tiled_mlp_holds_one_tile_of_intermediate_activations():
 
 
 def test_option_errors_name_the_valid_values():
-    with pytest.raises(ValueError, match="false, true or 'offload'.*got 'host'"):
+    with pytest.raises(LeverError, match="true, false or \"offload\".*got 'host'"):
         Levers(activation_checkpointing="host")
-    with pytest.raises(ValueError, match="false, true or 'offload'.*got 1"):
+    with pytest.raises(LeverError, match='true, false or "offload".*got 1'):
         Levers(activation_checkpointing=1)
+    with pytest.raises(LeverError, match="offload_parameters must be false unless offload_opt"):
+        Levers(offload_parameters=True)
     for bad in (-1, 2.0, True):
         with pytest.raises(LeverError, match="mlp_tile_tokens must be an integer >= 0"):
             Levers(mlp_tile_tokens=bad)

@@ -105,14 +105,21 @@ BAD = [
     (
         "train",
         "activation_checkpointing = 1",
-        '[train] activation_checkpointing must be true, false or "offload", got 1',
+        '[train] activation_checkpointing must be true, false or "offload" (each layer\'s input '
+        "kept in host memory), got 1",
     ),
     (
         "train",
         'activation_checkpointing = "cpu"',
-        '[train] activation_checkpointing must be true, false or "offload", got "cpu"',
+        '[train] activation_checkpointing must be true, false or "offload" (each layer\'s input '
+        'kept in host memory), got "cpu"',
     ),
-    ("train", "mlp_tile_tokens = -4", "[train] mlp_tile_tokens must be an integer >= 0, got -4"),
+    (
+        "train",
+        "mlp_tile_tokens = -4",
+        "[train] mlp_tile_tokens must be an integer >= 0 (0: untiled; N: tiles of N local "
+        "tokens), got -4",
+    ),
     ("train", "mlp_tile_tokens = 1.5", "[train] mlp_tile_tokens must be an integer >= 0"),
     (
         "train",
@@ -240,6 +247,7 @@ def test_memory_levers_reach_the_model(tmp_path):
         )
     )
     assert (job.train.activation_checkpointing, job.train.mlp_tile_tokens) == ("offload", 96)
+    assert job.train.levers == Levers("offload", 96, 2)  # validated once, held by [train]
     model = build_model(job, model_source(job), Plan(None))
     assert levers_of(model) == Levers("offload", 96, 2)
     assert all(layer.mlp.forward.tile == 96 for layer in model.model.layers)
@@ -251,6 +259,7 @@ def test_memory_levers_reach_the_model(tmp_path):
     plain = load_train_config(write(tmp_path, MINIMAL))
     assert (plain.train.activation_checkpointing, plain.train.mlp_tile_tokens) == (False, 0)
     assert plain.train.attention_head_chunks == 1
+    assert plain.train.levers == Levers()
 
 
 def test_model_section_errors(tmp_path):

@@ -222,7 +222,7 @@ def _bf16_steps(config):
     job = train_config_from_dict(config)
     plan = components.build_plan(job, topology(2, 2))
     source = components.model_source(job)
-    levers = components.train_levers(job)
+    levers = job.train.levers
     model = components.build_model(job, source, plan, levers)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     sharded = fully_shard_model(

@@ -33,7 +33,7 @@ TIMEOUT = 240
 def _built(config: dict, plan, topo):
     job = train_config_from_dict(config)
     source = components.model_source(job)
-    levers = components.train_levers(job)
+    levers = job.train.levers
     model = components.build_model(job, source, plan, levers)  # the preset, from [train] seed
     sharded = fully_shard_model(model, topo, levers=levers, compute_dtype=torch.float32)
     optimizer = components.build_optimizer(job, sharded.module, levers)

@@ -33,8 +33,9 @@ planner's search space is this class's values (:mod:`usp.planner.search`).
   for each all-gather (:func:`usp.train.parallelize.fully_shard_model`); the optimizer
   then steps on the host, where its parameters are.
 
-The last two are read from outside the model (``levers_of(model)``) when it is sharded
-and its optimizer built; ``apply`` only records them. Every option computes the same
+The last two are passed with the levers to whatever shards the model and builds its
+optimizer (the trainer and the planner pass the one ``Levers`` explicitly); ``apply``
+only records them (:func:`levers_of` shows what was applied). Every option computes the same
 numbers (up to float rounding of sums over tiles).
 """
 
@@ -55,12 +56,24 @@ from usp.models.lora import low_rank
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, check_chunk_tokens
 from usp.models.mlp_tiles import tiled_swiglu
 from usp.models.moe import is_moe
-from usp.models.offload import HostOffloader, check_activation_checkpointing
+from usp.models.offload import HostOffloader
 from usp.models.plan_inputs import ring_kv_heads
 
 
 class LeverError(InputError):
-    """A lever this model (or this plan) cannot take; the message says which values can."""
+    """A lever this model (or this plan) cannot take; the message says which values can.
+    A value no model could take (:meth:`invalid`) names its ``key``, the ``expected``
+    values and the ``value`` given, so that a config can word it as its own errors."""
+
+    def __init__(self, message: str, *, key: str | None = None, expected=None, value=None):
+        super().__init__(message)
+        self.key, self.expected, self.value = key, expected, value
+
+    @classmethod
+    def invalid(cls, key: str, expected: str, value) -> LeverError:
+        return cls(
+            f"{key} must be {expected}, got {value!r}", key=key, expected=expected, value=value
+        )
 
 
 @dataclass(frozen=True)
@@ -75,27 +88,33 @@ class Levers:
     offload_parameters: bool = False
 
     def __post_init__(self) -> None:
+        # the one validation of these values (usp train's [train] keys are checked here too)
+        checkpointing = self.activation_checkpointing
+        if not (isinstance(checkpointing, bool) or checkpointing == "offload"):
+            raise LeverError.invalid(
+                "activation_checkpointing",
+                'true, false or "offload" (each layer\'s input kept in host memory)',
+                checkpointing,
+            )
         try:
-            check_activation_checkpointing(self.activation_checkpointing)
             check_chunk_tokens(self.loss_chunk_tokens)
         except ValueError as err:
             raise LeverError(str(err)) from None
         if not _count(self.mlp_tile_tokens, minimum=0):
-            raise LeverError(
-                f"mlp_tile_tokens must be an integer >= 0 (0: untiled; N: tiles of N local "
-                f"tokens), got {self.mlp_tile_tokens!r}"
-            )
+            expected = "an integer >= 0 (0: untiled; N: tiles of N local tokens)"
+            raise LeverError.invalid("mlp_tile_tokens", expected, self.mlp_tile_tokens)
         if not _count(self.attention_head_chunks, minimum=1):
-            raise LeverError(
-                f"attention_head_chunks must be an integer >= 1, got {self.attention_head_chunks!r}"
-            )
+            expected = "an integer >= 1"
+            raise LeverError.invalid("attention_head_chunks", expected, self.attention_head_chunks)
         for name in ("offload_optimizer", "offload_parameters"):
             if not isinstance(getattr(self, name), bool):
-                raise LeverError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise LeverError.invalid(name, "true or false", getattr(self, name))
         if self.offload_parameters and not self.offload_optimizer:
-            raise LeverError(
-                "offload_parameters = true keeps the sharded parameters, their gradients and "
-                "so the optimizer step in host memory: set offload_optimizer = true as well"
+            raise LeverError.invalid(
+                "offload_parameters",
+                "false unless offload_optimizer = true (the parameters on the host take their "
+                "optimizer step there)",
+                self.offload_parameters,
             )
 
     def replace(self, **changes) -> Levers:
@@ -153,15 +172,20 @@ class Levers:
         if plan is not None and not isinstance(model, CausalLM):
             check_model(model, plan)  # an HF model under SP: token mixers outside attention
 
-    def apply(self, model: nn.Module, plan=None) -> nn.Module:
+    def apply(
+        self, model: nn.Module, plan=None, *, offloader: HostOffloader | None = None
+    ) -> nn.Module:
         """Set these levers on ``model`` (in place; returns it). Applying again replaces
         the previous levers. ``plan``: the plan the model runs on (a usp model's own by
-        default; an HF model's is the one its attention was registered with)."""
+        default; an HF model's is the one its attention was registered with).
+        ``offloader``: where ``activation_checkpointing = "offload"`` keeps the layers'
+        inputs (default: a new :class:`usp.models.offload.HostOffloader`; the planner
+        passes one whose host copies go to its stand-in host device)."""
         self.check(model, plan)
-        offloader = None
         if self.activation_checkpointing == "offload":
-            offloader = getattr(model, "usp_offloader", None) or HostOffloader()
-            model.usp_offloader = offloader  # the planner redirects its host copies
+            offloader = offloader if offloader is not None else HostOffloader()
+        else:
+            offloader = None
         for index, layer in enumerate(decoder_layers(model)):
             _wrap(layer, _Checkpointed, self.activation_checkpointing, offloader)
             if self.mlp_tile_tokens or hasattr(layer, "mlp"):
@@ -191,11 +215,6 @@ def tile_mlp(mlp: nn.Module, tile: int) -> nn.Module:
 def levers_of(model: nn.Module) -> Levers:
     """The levers last applied to ``model`` (the defaults if none were)."""
     return getattr(model, "usp_levers", Levers())
-
-
-def offloader_of(model: nn.Module) -> HostOffloader | None:
-    """The host offloader of a model with ``activation_checkpointing = "offload"``."""
-    return getattr(model, "usp_offloader", None)
 
 
 def _count(value, *, minimum: int) -> bool:

@@ -80,16 +80,6 @@ def pinned_waste(numel: int, itemsize: int, min_piece: int | None = None) -> int
     return sum(pinned_bytes(n * itemsize) - n * itemsize for n in pinned_pieces(numel, min_piece))
 
 
-def check_activation_checkpointing(value) -> bool | str:
-    """``value`` if it is one of :data:`ACTIVATION_CHECKPOINTING`, else a ValueError."""
-    if value is True or value is False or (isinstance(value, str) and value == "offload"):
-        return value
-    raise ValueError(
-        f"activation_checkpointing must be false, true or 'offload' (each layer's "
-        f"checkpoint kept in host memory), got {value!r}"
-    )
-
-
 class _HostCopy:
     """One offloaded tensor: its host copy in pieces (:func:`pinned_pieces`), and how to
     bring it back as one tensor."""

@@ -53,7 +53,7 @@ from usp.planner.plan import _cluster
 from usp.planner.report import overhead_lines
 from usp.planner.search import Candidate, overheads
 from usp.planner.tracker import phase_peak
-from usp.train.components import model_source, train_levers
+from usp.train.components import model_source
 from usp.train.config import load_train_config
 
 # Paths as code objects name them (not resolved: a checkout reached through a symlink
@@ -350,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.activation_checkpointing, args.activation_checkpointing
         )
         target = Target(job, model_source(job).config, world, cluster.gpus_per_node, args.device)
-        levers = train_levers(job).replace(
+        levers = job.train.levers.replace(
             activation_checkpointing=checkpointing, mlp_tile_tokens=args.mlp_tile_tokens
         )
         if args.attention_head_chunks is not None:

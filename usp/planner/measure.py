@@ -53,8 +53,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 import usp
 from usp.models import shard_batch
-from usp.models.levers import offloader_of
-from usp.models.offload import pinned_bytes, pinned_waste
+from usp.models.offload import HostOffloader, pinned_bytes, pinned_waste
 from usp.models.tiling import representative_tiles
 from usp.planner.footprint import (
     HOST_STAND_IN,
@@ -245,9 +244,14 @@ def built_step(
                 # made on the planning machine (the boundaries stay real host values)
                 batches, num_labels = _batches(job, plan, device, choice)
                 source = components.ModelSource(config, None)
-                model = components.build_model(job, source, plan, choice.levers)
+                # the activation offload's host copies: on the host stand-in when a CUDA
+                # step runs on the CPU stand-in (a no-op without activation offload)
+                offloader = HostOffloader()
                 if fake and _host_stand_in(target, device):
-                    _offload_to(model, HOST_STAND_IN)
+                    offloader.host_device = HOST_STAND_IN
+                model = components.build_model(
+                    job, source, plan, choice.levers, offloader=offloader
+                )
                 dtype = components.compute_dtype(job, torch.device(target.device))
                 sharded = fully_shard_model(model, topo, levers=choice.levers, compute_dtype=dtype)
                 if not fake:
@@ -273,14 +277,6 @@ def built_step(
 def _host_stand_in(target: Target, device: torch.device) -> bool:
     """Whether host memory needs a stand-in: a CUDA step run on the CPU stand-in."""
     return target.device == "cuda" and device.type == "cpu"
-
-
-def _offload_to(model, host: torch.device) -> None:
-    """Send the activation offload's host copies to ``host`` (a no-op for a model
-    without ``activation_checkpointing = "offload"``)."""
-    offloader = offloader_of(model)
-    if offloader is not None:
-        offloader.host_device = host
 
 
 def _optimizer_to(optimizer, host: torch.device) -> None:

@@ -27,6 +27,7 @@ from usp.models import (
     lora_of,
 )
 from usp.models.lora import initial_adapters
+from usp.models.offload import HostOffloader
 from usp.plan import Plan
 from usp.process_groups import Topology
 from usp.train.config import AUTO, TrainJobConfig
@@ -234,21 +235,6 @@ def build_dataset(
 
 
 # ----------------------------------------------------------------------------- model
-def train_levers(job: TrainJobConfig) -> Levers:
-    """The memory levers ``[train]`` asks for, as one :class:`usp.models.Levers`."""
-    t = job.train
-    try:
-        return Levers(
-            activation_checkpointing=t.activation_checkpointing,
-            mlp_tile_tokens=t.mlp_tile_tokens,
-            attention_head_chunks=t.attention_head_chunks,
-            offload_optimizer=t.offload_optimizer,
-            offload_parameters=t.offload_parameters,
-        )
-    except LeverError as err:
-        raise job.error(f"[train] {err}") from None
-
-
 def check_compile(job: TrainJobConfig, source: ModelSource) -> None:
     """``[train] compile = true`` on a family whose layers do not compile whole yet
     (:attr:`usp.models.family.ModelFamily.compile_refusal`): refused at set-up, on every
@@ -261,9 +247,17 @@ def check_compile(job: TrainJobConfig, source: ModelSource) -> None:
         )
 
 
-def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers | None = None):
+def build_model(
+    job: TrainJobConfig,
+    source: ModelSource,
+    plan,
+    levers: Levers | None = None,
+    *,
+    offloader: HostOffloader | None = None,
+):
     """The model of the source's family before parallelisation, with ``levers`` applied
-    (default: ``[train]``'s, :func:`train_levers`). A preset: float32 on the CPU,
+    (default: ``[train]``'s, ``job.train.levers``; ``offloader``: as in
+    :meth:`usp.models.Levers.apply`). A preset: float32 on the CPU,
     initialised from ``[train] seed`` identically on every rank. A checkpoint in one
     process: loaded on the CPU. A checkpoint in a distributed run: built on the meta
     device (no memory), to be sharded first and filled by :func:`load_weights` (rank 0
@@ -272,7 +266,7 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers |
     (:func:`usp.models.apply_lora`, seeded by ``[train] seed``), before the levers.
     With ``[train] compile`` each decoder layer is compiled (:func:`compile_layers`)."""
     family = family_of(source.config)
-    levers = train_levers(job) if levers is None else levers
+    levers = job.train.levers if levers is None else levers
     if source.directory is None:
         torch.manual_seed(job.train.seed)
         model = family.build(source.config, plan)
@@ -290,7 +284,7 @@ def build_model(job: TrainJobConfig, source: ModelSource, plan, levers: Levers |
         except LoraError as err:
             raise job.error(f"[train] lora: {err}") from None
     try:
-        levers.apply(model)
+        levers.apply(model, offloader=offloader)
     except LeverError as err:
         raise job.error(f"[train] {err}") from None
     if job.train.compile:  # [train] compile: each decoder layer, from outside the model

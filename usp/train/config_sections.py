@@ -21,6 +21,7 @@ from usp.config import (
     fail,
     is_number,
 )
+from usp.models.levers import LeverError, Levers
 from usp.models.lora import Lora, LoraError, lora_from_table
 from usp.models.rope_config import POSITION_FIELDS
 
@@ -171,13 +172,20 @@ class TrainSection:
     compile: bool = False  # torch.compile each decoder layer (usp.train.parallelize)
     # metrics also to TensorBoard (output_dir/tensorboard) and/or W&B, from rank 0
     report_to: tuple[str, ...] = ()
-    # training state in host memory (usp.models.Levers): AdamW's state and step; with
+    # training state in host memory: AdamW's state and step; with
     # offload_parameters also the sharded parameters and gradients (FSDP2 CPUOffloadPolicy)
     offload_optimizer: bool = False
     offload_parameters: bool = False
     # LoRA (usp.models.lora): {rank, alpha, dropout, targets}; a table ({} = defaults),
     # true (the defaults) or false/absent (every weight trained)
     lora: Lora | None = None
+
+    @property
+    def levers(self) -> Levers:
+        """The memory levers these keys ask for (activation_checkpointing,
+        mlp_tile_tokens, attention_head_chunks, offload_optimizer, offload_parameters),
+        as the one :class:`usp.models.Levers` the trainer and the planner pass on."""
+        return self._levers
 
     def __post_init__(self) -> None:
         s = "train"
@@ -203,11 +211,6 @@ class TrainSection:
         object.__setattr__(self, "adam_betas", tuple(float(b) for b in betas))
         _choice(s, "dtype", self.dtype, DTYPE_CHOICES)
         _choice(s, "device", self.device, DEVICES)
-        checkpointing = self.activation_checkpointing
-        if not (isinstance(checkpointing, bool) or checkpointing == "offload"):
-            _fail(s, "activation_checkpointing", 'true, false or "offload"', checkpointing)
-        _int(s, "mlp_tile_tokens", self.mlp_tile_tokens, minimum=0)
-        _int(s, "attention_head_chunks", self.attention_head_chunks, minimum=1)
         _bool(s, "export", self.export)
         _string(s, "output_dir", self.output_dir)
         if self.peak_tflops != AUTO:
@@ -224,14 +227,20 @@ class TrainSection:
             expected = "a list of distinct names among " + ", ".join(f'"{r}"' for r in REPORT_TO)
             _fail(s, "report_to", expected, self.report_to)
         object.__setattr__(self, "report_to", tuple(report_to))
-        _bool(s, "offload_optimizer", self.offload_optimizer)
-        _bool(s, "offload_parameters", self.offload_parameters)
-        if self.offload_parameters and not self.offload_optimizer:
-            _fail(
-                s, "offload_parameters",
-                "false unless offload_optimizer = true (the parameters on the host take their "
-                "optimizer step there)", self.offload_parameters,
-            )  # fmt: skip
+        # the memory levers: validated once, by the Levers they form (usp.models.levers)
+        try:
+            levers = Levers(
+                activation_checkpointing=self.activation_checkpointing,
+                mlp_tile_tokens=self.mlp_tile_tokens,
+                attention_head_chunks=self.attention_head_chunks,
+                offload_optimizer=self.offload_optimizer,
+                offload_parameters=self.offload_parameters,
+            )
+        except LeverError as err:
+            if err.key is None:
+                raise ConfigError(f"[{s}] {err}") from None
+            _fail(s, err.key, err.expected, err.value)  # worded as every [train] key's error
+        object.__setattr__(self, "_levers", levers)
         try:
             object.__setattr__(self, "lora", lora_from_table(self.lora))
         except LoraError as err:

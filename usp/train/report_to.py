@@ -1,6 +1,6 @@
 """``[train] report_to``: every metrics row also to TensorBoard and/or Weights & Biases.
 
-Rows are taken generically, as :class:`usp.train.metrics.MetricsWriter` gets them (step
+Rows are taken generically, as :class:`usp.train.metrics.jsonl.MetricsWriter` gets them (step
 rows, evaluation rows, whatever a later feature adds): each number of a row becomes a
 scalar at the row's ``step``, named ``eval/<rest>`` for a key ``eval_<rest>`` and
 ``train/<key>`` otherwise (``train/loss``, ``train/lr``, ``train/grad_norm``,
@@ -125,7 +125,7 @@ def open_reporters(report_to, out: Path, *, start_step: int, config: dict[str, A
 
 
 class ReportingWriter:
-    """A :class:`~usp.train.metrics.MetricsWriter` whose rows also go to the reporters
+    """A :class:`~usp.train.metrics.jsonl.MetricsWriter` whose rows also go to the reporters
     (the same interface: ``write``, ``close``, ``notes``)."""
 
     def __init__(self, writer, reporters: list) -> None:

@@ -4,6 +4,7 @@ the config or the files" (:func:`user_errors`) and the ranks' agreement on them
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from usp.train import components, report_to
 from usp.train.checkpoint import Checkpointer, CheckpointError, CheckpointShapeError
 from usp.train.config import AUTO, TrainJobConfig
 from usp.train.data import DataError
+from usp.train.data.build import DataInputs
 from usp.train.evaluate import prepare_held_out
 from usp.train.guard import TrainingDivergedError
 from usp.train.lock import OutputLockedError
@@ -47,14 +49,26 @@ def _check_numpy_for_checkpoints() -> None:
         ) from None
 
 
+@dataclass(frozen=True)
+class RunSetup:
+    """What :func:`setup_run` checked and prepared, before the model exists."""
+
+    device: torch.device
+    source: components.ModelSource  # the model's config (and checkpoint directory)
+    data: DataInputs  # the training data, checked; tokenised when the run assembles
+    eval_inputs: DataInputs | None  # [eval]'s held-out documents (None without [eval])
+    checkpointer: Checkpointer
+    candidates: list[tuple[int, Path]]  # complete checkpoints (step, path), oldest first
+    resume_note: str | None  # what a resume changes against the checkpoint (rank 0)
+
+
 def setup_run(
     job: TrainJobConfig, plan, out: Path, resume: bool, resume_changed: bool, source=None
-):
+) -> RunSetup:
     """Everything a run checks and prepares before the model is built, on every rank:
     the device, the model's config, the data (tokenised later), the held-out set, the
     run record and the checkpoints a resume may load (the newest readable one checked
-    against this config). Returns ``(device, source, dataset, checkpointer, candidates,
-    note, eval_inputs)``; a user error here is agreed by :func:`agree_on_setup`."""
+    against this config). A user error here is agreed by :func:`agree_on_setup`."""
     _check_numpy_for_checkpoints()
     device = components.resolve_device(job, plan)
     source = components.model_source(job) if source is None else source
@@ -106,7 +120,7 @@ def setup_run(
             f"[train] dtype = {job.train.dtype!r}: a single process without a topology runs in "
             "float32; launch with torchrun for mixed precision"
         )
-    return device, source, dataset, checkpointer, candidates, note, eval_inputs
+    return RunSetup(device, source, dataset, eval_inputs, checkpointer, candidates, note)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

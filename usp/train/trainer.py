@@ -37,8 +37,8 @@ from usp.train.checkpoint import (
     export_hf,
 )
 from usp.train.config import TrainJobConfig
-from usp.train.data import DataLoader, StepBatch
-from usp.train.evaluate import evaluate, load_held_out
+from usp.train.data import DataLoader, PackedDataset, StepBatch
+from usp.train.evaluate import HeldOut, evaluate, load_held_out
 from usp.train.guard import (
     StopSignal,
     TrainingDivergedError,
@@ -62,7 +62,13 @@ from usp.train.metrics import (
 from usp.train.parallelize import fully_shard_model
 from usp.train.resume import agree_on_checkpoints, load_with_fallback
 from usp.train.schedule import WarmupCosine
-from usp.train.setup import agree_on_setup, has_safetensors, setup_run, user_errors
+from usp.train.setup import (
+    RunSetup,
+    agree_on_setup,
+    has_safetensors,
+    setup_run,
+    user_errors,
+)
 from usp.train.step import TrainStep
 
 
@@ -144,16 +150,79 @@ def train(
             lock.release()
 
 
-def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
-    topology = plan.topology
-    rank0 = _rank0(plan)
-    distributed = not topology.single_process and dist.is_initialized()
-    device, source, dataset, checkpointer, candidates, resume_note, eval_inputs = setup
-    # [eval] (None without it): its own documents, never trained (usp.train.evaluate)
-    held_out = load_held_out(job, eval_inputs, dataset, topology=topology, cache_root=out / "cache")
-    dataset = components.load_dataset(job, dataset, topology=topology, cache_root=out / "cache")
+def _run(job, plan, out, setup: RunSetup, stream, stop, stop_after, lock) -> TrainResult:
+    run = _assemble(job, plan, out, setup, stream)
+    state, newest = _resume(run)
+    result = TrainResult(out, start_step=state.step)
+    if run.rank0:
+        _print_start(run, state, newest, notes=[lock.note if lock else None, setup.resume_note])
+    step, skipped = _train_steps(run, result, state, newest, stop, stop_after)
+    if result.stopped_by is not None:
+        return result  # a signal stopped the run, with a checkpoint
+    if skipped:
+        result.notes.append(f"skipped steps (non-finite, not applied): {skipped}")
+    if step < job.train.steps:
+        return result  # stopped early (stop_after): no final checkpoint, export or plot
+    _finish(run, result, state, newest, step)
+    return result
 
-    levers = components.train_levers(job)  # passed to each part that needs them
+
+@dataclass
+class Run:
+    """A run once assembled (:func:`_assemble`): what set-up prepared and the parts
+    built from it, which the loop and the end of the run read."""
+
+    job: TrainJobConfig
+    plan: Plan
+    out: Path
+    setup: RunSetup
+    stream: TextIO
+    dataset: PackedDataset  # the training data, tokenised
+    held_out: HeldOut | None  # [eval]'s documents (None without [eval])
+    model: torch.nn.Module  # sharded (FSDP2) in a distributed run
+    optimizer: torch.optim.Optimizer
+    train_step: TrainStep
+    loader: DataLoader
+
+    @property
+    def device(self) -> torch.device:
+        return self.setup.device
+
+    @property
+    def rank0(self) -> bool:
+        return _rank0(self.plan)
+
+    @property
+    def distributed(self) -> bool:
+        return not self.plan.topology.single_process and dist.is_initialized()
+
+    def save(self, at: int, newest: Path | None) -> Path:
+        """The checkpoint of step ``at`` (refused when the weights are not finite)."""
+        job, checkpointer = self.job, self.setup.checkpointer
+        with collective_phase(
+            f"saving the checkpoint of step {at}", job.train.collective_timeout_s
+        ):
+            if not parameters_finite(self.model, self.device, self.distributed):
+                raise TrainingDivergedError(
+                    f"step {at}: the weights are not finite after the optimizer step (an "
+                    f"overflow: lr {job.train.lr:g} is far too high?); nothing was saved. "
+                    f"{newest_note(checkpointer, newest)}"
+                )
+            state = TrainState(at, self.loader.position)
+            return checkpointer.save(self.model, self.optimizer, state)
+
+
+def _assemble(job, plan, out, setup: RunSetup, stream) -> Run:
+    """The data tokenised, the model built (sharded and filled in a distributed run),
+    the optimizer and the loader."""
+    topology, device, source = plan.topology, setup.device, setup.source
+    # [eval] (None without it): its own documents, never trained (usp.train.evaluate)
+    held_out = load_held_out(
+        job, setup.eval_inputs, setup.data, topology=topology, cache_root=out / "cache"
+    )
+    dataset = components.load_dataset(job, setup.data, topology=topology, cache_root=out / "cache")
+
+    levers = job.train.levers  # passed to each part that needs them
     model = components.build_model(job, source, plan, levers)
     if not topology.single_process:
         dtype = components.compute_dtype(job, device)
@@ -165,9 +234,6 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
         model, loss_scale = model.to(device), 1.0
     optimizer = components.build_optimizer(job, model, levers)
     train_step = TrainStep(model, optimizer, loss_scale=loss_scale, grad_clip=job.train.grad_clip)
-    schedule = WarmupCosine(
-        job.train.lr, job.train.steps, job.train.warmup_steps, job.train.min_lr_ratio
-    )
     loader = DataLoader(
         dataset,
         global_batch=job.train.global_batch,
@@ -175,28 +241,51 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
         dp_degree=topology.dp_degree,
         dp_rank=topology.dp_rank,
     )
+    return Run(
+        job, plan, out, setup, stream, dataset, held_out, model, optimizer, train_step, loader
+    )
 
-    state, newest = TrainState(0, 0), None
-    timeout = job.train.collective_timeout_s
+
+def _resume(run: Run) -> tuple[TrainState, Path | None]:
+    """The newest checkpoint that loads, if any (model, optimizer and data position
+    restored): ``(its state, its path)``; ``(step 0, None)`` for a new run."""
+    candidates = run.setup.candidates
     agree_on_checkpoints([step for step, _ in candidates])  # e.g. node-local storage
-    if candidates:
-        with collective_phase("resuming", timeout):
-            newest, state = load_with_fallback(
-                checkpointer, candidates, model, optimizer, rank0=rank0, stream=stream
-            )
-        loader.load_state_dict({"position": state.data_position})
-    result = TrainResult(out, start_step=state.step)
-    if rank0:
-        print_header(job, plan, source, dataset, model, state, newest, stream)
-        for line in held_out.summary(job.eval.every) if held_out is not None else []:
-            print(f"  eval:  {line}", file=stream, flush=True)
-        config_path = run_config.save_effective_config(job, out)
-        print("\n".join(run_config.startup_lines(job, config_path)), file=stream, flush=True)
-        for note in [lock.note if lock else None, resume_note]:
-            if note:
-                print(f"  note: {note}", file=stream, flush=True)
+    if not candidates:
+        return TrainState(0, 0), None
+    with collective_phase("resuming", run.job.train.collective_timeout_s):
+        newest, state = load_with_fallback(
+            run.setup.checkpointer, candidates, run.model, run.optimizer,
+            rank0=run.rank0, stream=run.stream,
+        )  # fmt: skip
+    run.loader.load_state_dict({"position": state.data_position})
+    return state, newest
 
-    # ---------------------------------------------------------------- the loop
+
+def _print_start(run: Run, state: TrainState, newest: Path | None, notes) -> None:
+    """Rank 0's header: the plan, model, levers, data and batch; the effective config."""
+    job, stream = run.job, run.stream
+    print_header(job, run.plan, run.setup.source, run.dataset, run.model, state, newest, stream)
+    for line in run.held_out.summary(job.eval.every) if run.held_out is not None else []:
+        print(f"  eval:  {line}", file=stream, flush=True)
+    config_path = run_config.save_effective_config(job, run.out)
+    print("\n".join(run_config.startup_lines(job, config_path)), file=stream, flush=True)
+    for note in notes:
+        if note:
+            print(f"  note: {note}", file=stream, flush=True)
+
+
+def _train_steps(run: Run, result: TrainResult, state, newest, stop, stop_after):
+    """The optimizer steps from ``state.step`` on, each logged (metrics.jsonl, progress)
+    and evaluated/checkpointed when due. Returns ``(the last step, the skipped steps)``;
+    a stop signal saves a checkpoint and sets ``result.stopped_by``."""
+    job, plan, out, stream, device = run.job, run.plan, run.out, run.stream, run.device
+    train_step, loader, held_out, model = run.train_step, run.loader, run.held_out, run.model
+    distributed, rank0 = run.distributed, run.rank0
+    checkpointer = run.setup.checkpointer
+    schedule = WarmupCosine(
+        job.train.lr, job.train.steps, job.train.warmup_steps, job.train.min_lr_ratio
+    )
     writer = MetricsWriter(out / "metrics.jsonl", resume_after_step=state.step) if rank0 else None
     writer = report_to.reporting(writer, job, out, start_step=state.step, distributed=distributed)
     for note in writer.notes if writer else []:
@@ -207,24 +296,14 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
         else None
     )
     peak = device_peak_tflops(job, device)
-    counts = model_counts(source.config)  # parameter and FLOP counts, for MFU
-    world = topology.world_size
+    counts = model_counts(run.setup.source.config)  # parameter and FLOP counts, for MFU
+    world = plan.topology.world_size
+    timeout = job.train.collective_timeout_s
     step, skipped = state.step, []
-
-    def save(at: int) -> Path:
-        with collective_phase(f"saving the checkpoint of step {at}", timeout):
-            if not parameters_finite(model, device, distributed):
-                raise TrainingDivergedError(
-                    f"step {at}: the weights are not finite after the optimizer step (an "
-                    f"overflow: lr {job.train.lr:g} is far too high?); nothing was saved. "
-                    f"{newest_note(checkpointer, newest)}"
-                )
-            return checkpointer.save(model, optimizer, TrainState(at, loader.position))
-
     try:
         while step < job.train.steps and (stop_after is None or step < stop_after):
             started = time.perf_counter()
-            lr = schedule.apply(optimizer, step)
+            lr = schedule.apply(run.optimizer, step)
             batch = loader.next_step()
             with collective_phase(f"step {step + 1}", timeout):
                 loss, grad_norm, applied, stop_now, aux_loss = _train_step(
@@ -258,7 +337,7 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
                 )
             interval = job.train.checkpoint_interval
             if stop_now or (interval and step % interval == 0 and step < job.train.steps):
-                result.checkpoint = save(step)
+                result.checkpoint = run.save(step, newest)
                 # a signal during the save stops the run here, with this checkpoint, not
                 # after another step that the launcher's grace period may not cover
                 with collective_phase(f"after saving the checkpoint of step {step}", timeout):
@@ -266,45 +345,45 @@ def _run(job, plan, out, setup, stream, stop, stop_after, lock) -> TrainResult:
                 if stop_now:
                     result.stopped_by = stop.name or "a signal on another rank"
                     result.stopped_at = step
-                    return result
+                    return step, skipped
     finally:
         if progress is not None:
             progress.close()
         if writer is not None:
             writer.close()
-    if skipped:
-        result.notes.append(f"skipped steps (non-finite, not applied): {skipped}")
-    if step < job.train.steps:
-        return result  # stopped early (stop_after): no final checkpoint, export or plot
+    return step, skipped
 
-    # ---------------------------------------------------------------- the end
+
+def _finish(run: Run, result: TrainResult, state, newest, step: int) -> None:
+    """The end of a finished run: the last checkpoint, the HF export, loss.png."""
+    job, out, source = run.job, run.out, run.setup.source
+    checkpointer = run.setup.checkpointer
     if step > state.step:  # (interval checkpoints never fall on the last step)
-        result.checkpoint = save(step)
+        result.checkpoint = run.save(step, newest)
     else:  # resumed a finished run: its last checkpoint stands
         result.checkpoint = newest
-    if checkpointer.saves and rank0:
+    if checkpointer.saves and run.rank0:
         result.notes.append(checkpointer.saves_note())
     if job.train.export and not has_safetensors():
         result.notes.append("no HF export: safetensors is not installed (pip install safetensors)")
     elif job.train.export:
         adapter_dir = out / "adapter" if job.train.lora is not None else None
         exported = export_hf(
-            model,
+            run.model,
             source.config,
             out / "hf",
-            dtype=components.compute_dtype(job, device),  # bf16 on CUDA, as HF ships these models
+            dtype=components.compute_dtype(job, run.device),  # bf16 on CUDA, as HF ships these
             copy_from=source.directory,
             adapter_dir=adapter_dir,  # [train] lora: the PEFT adapter; hf/ holds the merge
         )
         result.export_dir = None if exported is None else out / "hf"  # as the user named it
         result.adapter_dir = None if exported is None else adapter_dir
-    if rank0:
+    if run.rank0:
         note = plot_loss(out / "metrics.jsonl", out / "loss.png")
         if note is None:
             result.plot = out / "loss.png"
         else:
             result.notes.append(f"no loss.png: {note}")
-    return result
 
 
 def _train_step(train_step: TrainStep, plan, batch: StepBatch, job, device, stop, distributed):
