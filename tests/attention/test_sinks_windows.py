@@ -18,8 +18,9 @@ from usp_cases import topology
 from window_cases import case_inputs, usp_case
 
 import usp
-from usp.planner.traffic import traffic_formula
+from usp.planner.traffic import traffic_formula, window_gather_rows
 from usp.ring.documents import Documents
+from usp.ring.placement import plan_window_gather
 from usp.ring.window import chunk_pair, dense_window_blocks, ring_steps
 
 TOL = {torch.float64: (1e-10, 1e-10), torch.bfloat16: (2e-2, 5e-2)}
@@ -228,9 +229,12 @@ def run_window_traffic():
     for grid in ((1, 4), (2, 2)):
         topo = topology(*grid)
         q, k, v, dout, _ = case_inputs(256, 4, 2, seed=4)
-        # the all-gather ring gathers everything, window or not: one case of it
-        cases = [*itertools.product(("contiguous", "zigzag"), ["p2p"], (1, 16, 40, 1000))]
-        cases.append(("contiguous", "allgather", 16))
+        cases = [
+            *itertools.product(("contiguous", "zigzag"), ["p2p"], (1, 16, 40, 1000)),
+            # the all-gather ring gathers the rows windows reach: none (1), a chunk's
+            # tail (16), more than a zigzag chunk of u2r2 (100), everything (1000)
+            *itertools.product(("contiguous", "zigzag"), ["allgather"], (1, 16, 100, 1000)),
+        ]
         for layout, ring_impl, window in cases:
             local = [
                 usp.shard_sequence(t, topo, layout=layout).to(torch.bfloat16).requires_grad_()
@@ -280,6 +284,14 @@ def test_a_windowed_layer_moves_the_stated_bytes(distributed):
         / _formula((1, 8), window=None, **big)["backward"]["p2p"]["sent"]
     )
     assert ratio == pytest.approx(15 / (7 * 16384))
+    # the all-gather ring, contiguous u1r4: every rank contributes its last 15 rows of
+    # 64; zigzag u1r4 (chunks of 32): the last 15 of both chunks
+    for layout, rows in (("contiguous", 15), ("zigzag", 30)):
+        full = _formula((1, 4), layout, "allgather", None)
+        w16 = _formula((1, 4), layout, "allgather", 16)
+        for phase, kind in (("forward", "all_gather"), ("backward", "reduce_scatter")):
+            assert 64 * w16[phase][kind]["sent"] == rows * full[phase][kind]["sent"]
+    assert "all_gather" not in _formula((1, 4), "zigzag", "allgather", 1)["forward"]
 
 
 def test_a_window_of_16_at_u1r8_moves_a_small_fraction_of_the_full_rings_bytes():
@@ -319,6 +331,10 @@ def test_a_window_of_16_at_u1r8_moves_a_small_fraction_of_the_full_rings_bytes()
 
 
 # ------------------------------------------------------------------ geometry (one process)
+def window_gather(documents, rank, w):
+    return plan_window_gather(documents, rank, len(documents.lengths) > 1, torch.device("cpu"), w)
+
+
 def test_chunk_pairs_keep_exactly_the_window():
     """chunk_pair's rows, keys and kernel window (spec.py's masking semantics) select the
     same query-key pairs as the window itself, for every distance, chunk and window; and
@@ -348,6 +364,39 @@ def test_a_window_skips_blocks_steps_and_gathered_keys():
     documents = Documents.single(64, 2, "zigzag")
     rows, bounds = documents.window_rows(0, 1, 4)
     positions = torch.cat([documents.block_positions(r) for r in range(2)])
-    assert positions[rows].tolist() == list(range(32, 64)) and bounds == [0, 32]
+    # takes keys 44 .. 63 (chunk 3 is 48 .. 63, its first query sees 4 keys before)
+    assert positions[rows].tolist() == list(range(44, 64)) and bounds == [0, 20]
     full, _ = documents.visible_rows(0, 1, True)
     assert full.numel() == 64
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_the_windowed_all_gather_takes_exactly_the_keys_windows_reach(layout):
+    """For every ring size, block and window (and packed documents): every query piece's
+    keys are its documents' positions from its first query's window start to its last
+    query, each read from the owner's contributed rows (or its own block); a rank
+    contributes the most rows any block has that other ranks read, which for a dense
+    sequence is the closed form the traffic formula states."""
+    cases = [((s,), r, w) for r in (2, 3, 4) for s in (8 * r, 16 * r) for w in (0, 1, 3, 7, 9, 40)]
+    cases += [((8, 24, 16), 2, 3), ((16, 8, 8, 32), 4, 5), ((32, 16), 4, 0)]
+    for lengths, r, w in cases:
+        documents = Documents(lengths, r, layout)
+        local_len = documents.local_len
+        starts = [sum(lengths[:d]) for d in range(len(lengths))]
+        positions = torch.cat([documents.block_positions(rank) for rank in range(r)])
+        gathers = [window_gather(documents, rank, w) for rank in range(r)]
+        m = gathers[0].rows_per_rank
+        sent = [positions[rank * local_len + g.send_rows] for rank, g in enumerate(gathers)]
+        for rank, gather in enumerate(gathers):
+            assert gather.rows_per_rank == m and gather.send_rows.numel() == m
+            # the buffer a rank attends over: every rank's m rows, then its own block
+            buffer = torch.cat([*sent, documents.block_positions(rank)])
+            for piece, segment in enumerate(gather.segments):
+                chunk = documents.chunk_of(rank, piece)
+                want = []
+                for start, length in zip(starts, lengths):
+                    n = length // documents.chunks_per_doc
+                    want += range(start + max(0, chunk * n - w), start + (chunk + 1) * n)
+                assert buffer[segment.kv_rows].tolist() == want, (lengths, r, w, rank, piece)
+        if len(lengths) == 1:
+            assert m == window_gather_rows(layout, r, local_len, w), (lengths, r, w)
