@@ -22,6 +22,7 @@ from usp.planner.traffic import traffic_formula, window_gather_rows
 from usp.ring.documents import Documents
 from usp.ring.placement import plan_window_gather
 from usp.ring.window import chunk_pair, dense_window_blocks, ring_steps
+from usp.ring.zigzag_tails import zigzag_tail_plans
 
 TOL = {torch.float64: (1e-10, 1e-10), torch.bfloat16: (2e-2, 5e-2)}
 #: dsinks in a lower-precision dtype than the inputs (rounded once, at the end)
@@ -107,8 +108,14 @@ def run_windows(ulysses, ring):
         )
         results.append(({**case, "value_dim": value_dim}, torch.float64, errors))
     if ring == 4:  # under torch.compile(fullgraph=True), dense: the contiguous tails and
-        # the dK/dV's early return (2 steps of 4), and the all-gather's window segments
-        compiled_cases = (("contiguous", "p2p", 5, True), ("contiguous", "allgather", 20, True))
+        # the dK/dV's early return (2 steps of 4), the all-gather's window segments, and
+        # a zigzag window shorter than a chunk (eager: neighbours' tails; compiled: the
+        # whole ring)
+        compiled_cases = (
+            ("contiguous", "p2p", 5, True),
+            ("contiguous", "allgather", 20, True),
+            ("zigzag", "p2p", 5, False),
+        )
         for layout, ring_impl, window, sinks in compiled_cases:
             case = dict(layout=layout, ring_impl=ring_impl, packed=None, window=window)
             errors = usp_case(
@@ -292,6 +299,14 @@ def test_a_windowed_layer_moves_the_stated_bytes(distributed):
         for phase, kind in (("forward", "all_gather"), ("backward", "reduce_scatter")):
             assert 64 * w16[phase][kind]["sent"] == rows * full[phase][kind]["sent"]
     assert "all_gather" not in _formula((1, 4), "zigzag", "allgather", 1)["forward"]
+    # zigzag p2p u1r4 (chunks of 32): window 16 sends its two neighbours 15 rows each
+    # (and their dK/dV back) against the full ring's 3 blocks of 64 (and 3 accumulators)
+    full = _formula((1, 4), "zigzag", "p2p", None)
+    w16 = _formula((1, 4), "zigzag", "p2p", 16)
+    for phase, calls in (("forward", 2), ("backward", 4)):
+        assert 3 * 64 * w16[phase]["p2p"]["sent"] == 2 * 15 * full[phase]["p2p"]["sent"]
+        assert w16[phase]["p2p"]["calls"] == calls
+    assert _formula((1, 4), "zigzag", "p2p", 40) == full  # 39 keys: more than a chunk
 
 
 def test_a_window_of_16_at_u1r8_moves_a_small_fraction_of_the_full_rings_bytes():
@@ -400,3 +415,31 @@ def test_the_windowed_all_gather_takes_exactly_the_keys_windows_reach(layout):
                 assert buffer[segment.kv_rows].tolist() == want, (lengths, r, w, rank, piece)
         if len(lengths) == 1:
             assert m == window_gather_rows(layout, r, local_len, w), (lengths, r, w)
+
+
+def test_zigzag_tails_hold_every_pair_a_short_window_reads():
+    """A zigzag window shorter than a chunk: each rank's blocks against its own K/V and
+    its neighbours' tails compute exactly the query-key pairs of the whole windowed ring
+    (every rank's blocks against every rank's K/V), for every ring size, block and
+    window; the tails are W-1 rows."""
+
+    def pairs(block, q_len, k_len):
+        rows, keys = range(q_len)[block.q_rows], range(k_len)[block.kv_rows]
+        return int(reference_mask(len(rows), len(keys), block.causal, block.window).sum())
+
+    for r, local_len in itertools.product((2, 3, 4, 5), (4, 8, 16)):
+        for w in range(1, local_len // 2):
+            plans = zigzag_tail_plans(r, local_len, w)
+            assert plans is not None, (r, local_len, w)
+            for rank, plan in enumerate(plans):
+                assert plan.rows == w
+                got = sum(pairs(b, local_len, local_len) for b in plan.own)
+                got += sum(pairs(b, local_len, w) for b in (*plan.prev, *plan.next))
+                want = sum(
+                    pairs(b, local_len, local_len)
+                    for kv_rank in range(r)
+                    for b in dense_window_blocks("zigzag", r, rank, kv_rank, local_len, w)
+                )
+                assert got == want > 0, (r, local_len, w, rank)
+                assert bool(plan.prev) == (rank > 0), (r, local_len, w, rank)
+                assert bool(plan.next) == (rank < r - 1), (r, local_len, w, rank)

@@ -58,8 +58,10 @@ def traffic_formula(
     p2p ring to k steps (:func:`usp.ring.window.ring_steps`), the dK/dV's last hop going
     straight to its owner. ``contiguous``: k = min(r, 1 + ceil((W-1) / (S/r))), and hop
     s (1 .. k-1) carries only the last t_s = min(S/r, W-1 - (s-1) * S/r) rows of K/V
-    (the keys the window needs), the dK/dV accumulator t_1 rows; ``zigzag``: k = r for
-    W >= 2 (every rank's second chunk needs the next rank's), whole blocks, 1 for W = 1.
+    (the keys the window needs), the dK/dV accumulator t_1 rows; ``zigzag``: a window
+    shorter than a chunk (1 <= W-1 < S/2r) sends its two neighbours the last W-1 rows of
+    a chunk each (forward; backward again, and the dK/dV of as many rows back:
+    :mod:`usp.ring.zigzag_tails`), a longer one k = r whole blocks, W = 1 nothing.
     The all-gather ring with a window gathers m rows of every rank's block instead of
     S/r (:func:`window_gather_rows`), and reduce-scatters their dK/dV; the all-to-alls
     move what they move without a window.
@@ -86,6 +88,8 @@ def traffic_formula(
             rows = [block_len] * hops
             if layout == "contiguous":  # only the keys the window needs (p2p.tail_starts)
                 rows = [min(block_len, window - 1 - s * block_len) for s in range(hops)]
+            elif 0 < window - 1 < block_len // 2:  # zigzag: tails both ways (zigzag_tails)
+                hops, rows = 2, [window - 1] * 2
             acc_rows = rows[0] if rows else 0
         if ring_impl == "p2p":
             if hops:  # a window of 1 (each query sees itself): nothing moves
