@@ -18,9 +18,11 @@ from usp_cases import topology
 from window_cases import case_inputs, usp_case
 
 import usp
-from usp.planner.traffic import traffic_formula
+from usp.planner.traffic import traffic_formula, window_gather_rows
 from usp.ring.documents import Documents
+from usp.ring.placement import plan_window_gather
 from usp.ring.window import chunk_pair, dense_window_blocks, ring_steps
+from usp.ring.zigzag_tails import zigzag_tail_plans
 
 TOL = {torch.float64: (1e-10, 1e-10), torch.bfloat16: (2e-2, 5e-2)}
 #: dsinks in a lower-precision dtype than the inputs (rounded once, at the end)
@@ -106,8 +108,14 @@ def run_windows(ulysses, ring):
         )
         results.append(({**case, "value_dim": value_dim}, torch.float64, errors))
     if ring == 4:  # under torch.compile(fullgraph=True), dense: the contiguous tails and
-        # the dK/dV's early return (2 steps of 4), and the all-gather's window segments
-        compiled_cases = (("contiguous", "p2p", 5, True), ("contiguous", "allgather", 20, True))
+        # the dK/dV's early return (2 steps of 4), the all-gather's window segments, and
+        # a zigzag window shorter than a chunk (eager: neighbours' tails; compiled: the
+        # whole ring)
+        compiled_cases = (
+            ("contiguous", "p2p", 5, True),
+            ("contiguous", "allgather", 20, True),
+            ("zigzag", "p2p", 5, False),
+        )
         for layout, ring_impl, window, sinks in compiled_cases:
             case = dict(layout=layout, ring_impl=ring_impl, packed=None, window=window)
             errors = usp_case(
@@ -228,9 +236,12 @@ def run_window_traffic():
     for grid in ((1, 4), (2, 2)):
         topo = topology(*grid)
         q, k, v, dout, _ = case_inputs(256, 4, 2, seed=4)
-        # the all-gather ring gathers everything, window or not: one case of it
-        cases = [*itertools.product(("contiguous", "zigzag"), ["p2p"], (1, 16, 40, 1000))]
-        cases.append(("contiguous", "allgather", 16))
+        cases = [
+            *itertools.product(("contiguous", "zigzag"), ["p2p"], (1, 16, 40, 1000)),
+            # the all-gather ring gathers the rows windows reach: none (1), a chunk's
+            # tail (16), more than a zigzag chunk of u2r2 (100), everything (1000)
+            *itertools.product(("contiguous", "zigzag"), ["allgather"], (1, 16, 100, 1000)),
+        ]
         for layout, ring_impl, window in cases:
             local = [
                 usp.shard_sequence(t, topo, layout=layout).to(torch.bfloat16).requires_grad_()
@@ -280,6 +291,22 @@ def test_a_windowed_layer_moves_the_stated_bytes(distributed):
         / _formula((1, 8), window=None, **big)["backward"]["p2p"]["sent"]
     )
     assert ratio == pytest.approx(15 / (7 * 16384))
+    # the all-gather ring, contiguous u1r4: every rank contributes its last 15 rows of
+    # 64; zigzag u1r4 (chunks of 32): the last 15 of both chunks
+    for layout, rows in (("contiguous", 15), ("zigzag", 30)):
+        full = _formula((1, 4), layout, "allgather", None)
+        w16 = _formula((1, 4), layout, "allgather", 16)
+        for phase, kind in (("forward", "all_gather"), ("backward", "reduce_scatter")):
+            assert 64 * w16[phase][kind]["sent"] == rows * full[phase][kind]["sent"]
+    assert "all_gather" not in _formula((1, 4), "zigzag", "allgather", 1)["forward"]
+    # zigzag p2p u1r4 (chunks of 32): window 16 sends its two neighbours 15 rows each
+    # (and their dK/dV back) against the full ring's 3 blocks of 64 (and 3 accumulators)
+    full = _formula((1, 4), "zigzag", "p2p", None)
+    w16 = _formula((1, 4), "zigzag", "p2p", 16)
+    for phase, calls in (("forward", 2), ("backward", 4)):
+        assert 3 * 64 * w16[phase]["p2p"]["sent"] == 2 * 15 * full[phase]["p2p"]["sent"]
+        assert w16[phase]["p2p"]["calls"] == calls
+    assert _formula((1, 4), "zigzag", "p2p", 40) == full  # 39 keys: more than a chunk
 
 
 def test_a_window_of_16_at_u1r8_moves_a_small_fraction_of_the_full_rings_bytes():
@@ -319,6 +346,10 @@ def test_a_window_of_16_at_u1r8_moves_a_small_fraction_of_the_full_rings_bytes()
 
 
 # ------------------------------------------------------------------ geometry (one process)
+def window_gather(documents, rank, w):
+    return plan_window_gather(documents, rank, len(documents.lengths) > 1, torch.device("cpu"), w)
+
+
 def test_chunk_pairs_keep_exactly_the_window():
     """chunk_pair's rows, keys and kernel window (spec.py's masking semantics) select the
     same query-key pairs as the window itself, for every distance, chunk and window; and
@@ -348,6 +379,67 @@ def test_a_window_skips_blocks_steps_and_gathered_keys():
     documents = Documents.single(64, 2, "zigzag")
     rows, bounds = documents.window_rows(0, 1, 4)
     positions = torch.cat([documents.block_positions(r) for r in range(2)])
-    assert positions[rows].tolist() == list(range(32, 64)) and bounds == [0, 32]
+    # takes keys 44 .. 63 (chunk 3 is 48 .. 63, its first query sees 4 keys before)
+    assert positions[rows].tolist() == list(range(44, 64)) and bounds == [0, 20]
     full, _ = documents.visible_rows(0, 1, True)
     assert full.numel() == 64
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_the_windowed_all_gather_takes_exactly_the_keys_windows_reach(layout):
+    """For every ring size, block and window (and packed documents): every query piece's
+    keys are its documents' positions from its first query's window start to its last
+    query, each read from the owner's contributed rows (or its own block); a rank
+    contributes the most rows any block has that other ranks read, which for a dense
+    sequence is the closed form the traffic formula states."""
+    cases = [((s,), r, w) for r in (2, 3, 4) for s in (8 * r, 16 * r) for w in (0, 1, 3, 7, 9, 40)]
+    cases += [((8, 24, 16), 2, 3), ((16, 8, 8, 32), 4, 5), ((32, 16), 4, 0)]
+    for lengths, r, w in cases:
+        documents = Documents(lengths, r, layout)
+        local_len = documents.local_len
+        starts = [sum(lengths[:d]) for d in range(len(lengths))]
+        positions = torch.cat([documents.block_positions(rank) for rank in range(r)])
+        gathers = [window_gather(documents, rank, w) for rank in range(r)]
+        m = gathers[0].rows_per_rank
+        sent = [positions[rank * local_len + g.send_rows] for rank, g in enumerate(gathers)]
+        for rank, gather in enumerate(gathers):
+            assert gather.rows_per_rank == m and gather.send_rows.numel() == m
+            # the buffer a rank attends over: every rank's m rows, then its own block
+            buffer = torch.cat([*sent, documents.block_positions(rank)])
+            for piece, segment in enumerate(gather.segments):
+                chunk = documents.chunk_of(rank, piece)
+                want = []
+                for start, length in zip(starts, lengths):
+                    n = length // documents.chunks_per_doc
+                    want += range(start + max(0, chunk * n - w), start + (chunk + 1) * n)
+                assert buffer[segment.kv_rows].tolist() == want, (lengths, r, w, rank, piece)
+        if len(lengths) == 1:
+            assert m == window_gather_rows(layout, r, local_len, w), (lengths, r, w)
+
+
+def test_zigzag_tails_hold_every_pair_a_short_window_reads():
+    """A zigzag window shorter than a chunk: each rank's blocks against its own K/V and
+    its neighbours' tails compute exactly the query-key pairs of the whole windowed ring
+    (every rank's blocks against every rank's K/V), for every ring size, block and
+    window; the tails are W-1 rows."""
+
+    def pairs(block, q_len, k_len):
+        rows, keys = range(q_len)[block.q_rows], range(k_len)[block.kv_rows]
+        return int(reference_mask(len(rows), len(keys), block.causal, block.window).sum())
+
+    for r, local_len in itertools.product((2, 3, 4, 5), (4, 8, 16)):
+        for w in range(1, local_len // 2):
+            plans = zigzag_tail_plans(r, local_len, w)
+            assert plans is not None, (r, local_len, w)
+            for rank, plan in enumerate(plans):
+                assert plan.rows == w
+                got = sum(pairs(b, local_len, local_len) for b in plan.own)
+                got += sum(pairs(b, local_len, w) for b in (*plan.prev, *plan.next))
+                want = sum(
+                    pairs(b, local_len, local_len)
+                    for kv_rank in range(r)
+                    for b in dense_window_blocks("zigzag", r, rank, kv_rank, local_len, w)
+                )
+                assert got == want > 0, (r, local_len, w, rank)
+                assert bool(plan.prev) == (rank > 0), (r, local_len, w, rank)
+                assert bool(plan.next) == (rank < r - 1), (r, local_len, w, rank)

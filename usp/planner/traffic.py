@@ -58,9 +58,13 @@ def traffic_formula(
     p2p ring to k steps (:func:`usp.ring.window.ring_steps`), the dK/dV's last hop going
     straight to its owner. ``contiguous``: k = min(r, 1 + ceil((W-1) / (S/r))), and hop
     s (1 .. k-1) carries only the last t_s = min(S/r, W-1 - (s-1) * S/r) rows of K/V
-    (the keys the window needs), the dK/dV accumulator t_1 rows; ``zigzag``: k = r for
-    W >= 2 (every rank's second chunk needs the next rank's), whole blocks, 1 for W = 1.
-    The all-gather ring and the all-to-alls move what they move without a window.
+    (the keys the window needs), the dK/dV accumulator t_1 rows; ``zigzag``: a window
+    shorter than a chunk (1 <= W-1 < S/2r) sends its two neighbours the last W-1 rows of
+    a chunk each (forward; backward again, and the dK/dV of as many rows back:
+    :mod:`usp.ring.zigzag_tails`), a longer one k = r whole blocks, W = 1 nothing.
+    The all-gather ring with a window gathers m rows of every rank's block instead of
+    S/r (:func:`window_gather_rows`), and reduce-scatters their dK/dV; the all-to-alls
+    move what they move without a window.
     """
     u, r = ulysses, ring
     local = seqlen // (u * r)
@@ -84,6 +88,8 @@ def traffic_formula(
             rows = [block_len] * hops
             if layout == "contiguous":  # only the keys the window needs (p2p.tail_starts)
                 rows = [min(block_len, window - 1 - s * block_len) for s in range(hops)]
+            elif 0 < window - 1 < block_len // 2:  # zigzag: tails both ways (zigzag_tails)
+                hops, rows = 2, [window - 1] * 2
             acc_rows = rows[0] if rows else 0
         if ring_impl == "p2p":
             if hops:  # a window of 1 (each query sees itself): nothing moves
@@ -92,10 +98,37 @@ def traffic_formula(
                 forward["p2p"] = _counts(kv_sent, hops)
                 backward["p2p"] = _counts(kv_sent + dkv_sent, 2 * hops)
         else:
-            forward["all_gather"] = _counts((r - 1) * kv, 1)
-            backward["all_gather"] = _counts((r - 1) * kv, 1)
-            backward["reduce_scatter"] = _counts((r - 1) * dkv, 1)
+            gathered = block_len  # rows each rank contributes to the all-gather
+            if window is not None and window < seqlen:
+                gathered = window_gather_rows(layout, r, block_len, window - 1)
+            if gathered:  # a window of 1: nothing is gathered
+                kv, dkv = kv * gathered // block_len, dkv * gathered // block_len
+                forward["all_gather"] = _counts((r - 1) * kv, 1)
+                backward["all_gather"] = _counts((r - 1) * kv, 1)
+                backward["reduce_scatter"] = _counts((r - 1) * dkv, 1)
     return {"forward": forward, "backward": backward}
+
+
+def window_gather_rows(layout: str, ring: int, block_len: int, w: int) -> int:
+    """Rows of its block every rank contributes to a windowed all-gather ring (the
+    kernels' left window ``w`` = W - 1, a dense sequence of blocks of ``block_len``):
+    the most rows of one block that other ranks' windows reach. A window reaches the
+    last t = min(n, w) keys of the chunk before a query chunk (chunk length n), and
+    fewer of the chunks before that, so:
+
+    - contiguous (n = S/r): m = t (each rank's chunk is read by the next rank's);
+    - zigzag (n = S/2r, rank i holds chunks i and 2r-1-i): m = 2t for r >= 3 (a middle
+      rank's two chunks are read by its two neighbours); for r = 2, rank 1's chunk 1 is
+      read by its own chunk 2 and, two chunks on, by rank 0's chunk 3 (its last
+      min(n, max(0, w - n)) keys), and its chunk 2 by chunk 3: m = t + min(n, max(0, w-n)).
+    """
+    if ring < 2:
+        return 0
+    if layout == "contiguous":
+        return min(block_len, w)
+    n = block_len // 2
+    t = min(n, w)
+    return 2 * t if ring >= 3 else t + min(n, max(0, w - n))
 
 
 def fsdp_traffic(

@@ -7,6 +7,11 @@ a bottom-right causal mask, or varlen for packed documents. The backward gathers
 again (nothing sequence-long is kept between forward and backward) and reduce-scatters
 dK/dV in float32 to their owners. Simpler than p2p, at the price of holding the whole
 K/V of ``Hkv / kv_head_chunks`` heads at once.
+
+With a sliding window a rank gathers only the rows of the other blocks that some
+window reaches (the last keys of each chunk, :class:`usp.ring.placement.WindowGather`),
+the same number from every rank, and reads its own block from its local K/V; the
+backward reduce-scatters the gradients of those rows only.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from usp.comm.collectives import all_gather_into, reduce_scatter_into
 from usp.kernels.masks import accumulation_dtype
 from usp.ring.calls import calls_for
 from usp.ring.config import PreparedRing
+from usp.ring.placement import WindowGather
 
 
 def head_chunks(num_kv_heads: int, chunks: int) -> list[tuple[int, int]]:
@@ -29,19 +35,20 @@ def head_chunks(num_kv_heads: int, chunks: int) -> list[tuple[int, int]]:
     return [(h, h + step) for h in range(0, num_kv_heads, step)]
 
 
-def _placed_segments(cfg: PreparedRing):
-    """The query pieces' segments: every key each piece sees, or with a window only the
-    chunks it reaches (keys wholly outside it are neither selected nor computed)."""
-    if cfg.window is not None:
-        if torch.compiler.is_compiling():  # made when the call was prepared
-            return cfg.placement.windows[cfg.window]
-        return cfg.placement.window_segments(cfg.window)
-    return cfg.placement.segments[cfg.causal]
+def _window_gather(cfg: PreparedRing) -> WindowGather | None:
+    """With a sliding window, what this rank gathers and the keys each query piece sees
+    (:class:`usp.ring.placement.WindowGather`); None without one."""
+    if cfg.window is None:
+        return None
+    if torch.compiler.is_compiling():  # made when the call was prepared
+        return cfg.placement.windows[cfg.window]
+    return cfg.placement.window_gather(cfg.window)
 
 
-def _segments(cfg: PreparedRing):
+def _segments(cfg: PreparedRing, gather: WindowGather | None):
     """(query rows, rows of the gathered K/V they see, kernel calls) per query piece."""
-    return [(seg.q_rows, seg.kv_rows, calls_for(cfg, seg.docs)) for seg in _placed_segments(cfg)]
+    segments = cfg.placement.segments[cfg.causal] if gather is None else gather.segments
+    return [(seg.q_rows, seg.kv_rows, calls_for(cfg, seg.docs)) for seg in segments]
 
 
 def block_shapes(cfg: PreparedRing, local_len: int, heads: int, kv_heads: int) -> set[tuple]:
@@ -50,6 +57,8 @@ def block_shapes(cfg: PreparedRing, local_len: int, heads: int, kv_heads: int) -
     chunk_kv = kv_heads // cfg.kv_head_chunks
     chunk_heads = chunk_kv * (heads // kv_heads)
     rows = range(local_len)
+    gather = _window_gather(cfg)
+    segments = cfg.placement.segments[cfg.causal] if gather is None else gather.segments
     return {
         (
             len(rows[s.q_rows]),
@@ -60,43 +69,72 @@ def block_shapes(cfg: PreparedRing, local_len: int, heads: int, kv_heads: int) -
             s.docs is not None,
             cfg.window,
         )
-        for s in _placed_segments(cfg)
+        for s in segments
     }
 
 
-def _gather_kv(k, v, heads: slice, cfg: PreparedRing, after=None) -> torch.Tensor:
-    """Local [B, L, Hkv, D] x2 -> every ring rank's K/V [2, B, r * L, hc, D], rank order.
-    ``after``: in a compiled backward, the gradient the gather is tied to, so that it
-    gathers again there (:func:`usp.comm.traced.stack_after`) instead of the forward's
-    gathered K/V being saved for the backward."""
+def _local_kv(k, v, heads: slice, after=None) -> torch.Tensor:
+    """[2, B, L, hc, D]: this rank's K and V of a group of heads. ``after``: in a compiled
+    backward, the gradient the gather of it is tied to, so that it gathers again there
+    (:func:`usp.comm.traced.stack_after`) instead of the forward's gathered K/V being
+    saved for the backward."""
+    parts = [k[:, :, heads], v[:, :, heads]]
+    if after is not None and torch.compiler.is_compiling():
+        return traced.stack_after(parts, after)
+    return torch.stack(parts)
+
+
+def _gather_rows(local: torch.Tensor, cfg: PreparedRing) -> torch.Tensor:
+    """[2, B, n, hc, D] on every rank -> [2, B, r * n, hc, D], in ring-rank order."""
     if torch.compiler.is_compiling():  # a functional collective of the graph
-        parts = [k[:, :, heads], v[:, :, heads]]
-        local = torch.stack(parts) if after is None else traced.stack_after(parts, after)
         gathered = traced.all_gather(local, cfg.peers.name, cfg.size)
     else:
-        local = torch.stack([k[:, :, heads], v[:, :, heads]])  # [2, B, L, hc, D]
         gathered = torch.empty(
             (cfg.size * 2,) + local.shape[1:], dtype=local.dtype, device=local.device
         )
         all_gather_into(gathered, local, cfg.group, cfg.stats)
-    two, batch, local_len, hc, dim = local.shape
-    by_rank = gathered.view(cfg.size, two, batch, local_len, hc, dim).permute(1, 2, 0, 3, 4, 5)
-    return by_rank.reshape(two, batch, cfg.size * local_len, hc, dim)
+    two, batch, rows, hc, dim = local.shape
+    by_rank = gathered.view(cfg.size, two, batch, rows, hc, dim).permute(1, 2, 0, 3, 4, 5)
+    return by_rank.reshape(two, batch, cfg.size * rows, hc, dim)
+
+
+def _gather_kv(k, v, heads: slice, cfg: PreparedRing, gather, after=None) -> torch.Tensor:
+    """Local [B, L, Hkv, D] x2 -> the K/V the segments index, [2, B, n, hc, D]: every
+    ring rank's block (n = r * L, rank order), or with a window the rows of every rank
+    that some window reaches, then this rank's own block (n = r * m + L; nothing is
+    gathered when no window reaches another rank, m = 0)."""
+    local = _local_kv(k, v, heads, after)
+    if gather is None:
+        return _gather_rows(local, cfg)
+    if not gather.rows_per_rank:
+        return local
+    return torch.cat([_gather_rows(local.index_select(2, gather.send_rows), cfg), local], 2)
 
 
 def _scatter_grads(dkv: torch.Tensor, cfg: PreparedRing) -> torch.Tensor:
-    """[2, B, r * L, hc, D] (rank order) -> this rank's summed share [2, B, L, hc, D]."""
+    """[2, B, r * n, hc, D] (rank order) -> this rank's summed share [2, B, n, hc, D]."""
     two, batch, total, hc, dim = dkv.shape
-    local_len = total // cfg.size
-    by_rank = (
-        dkv.view(two, batch, cfg.size, local_len, hc, dim).permute(2, 0, 1, 3, 4, 5).contiguous()
-    )
-    full = by_rank.view(cfg.size * two, batch, local_len, hc, dim)
+    rows = total // cfg.size
+    by_rank = dkv.view(two, batch, cfg.size, rows, hc, dim).permute(2, 0, 1, 3, 4, 5).contiguous()
+    full = by_rank.view(cfg.size * two, batch, rows, hc, dim)
     if torch.compiler.is_compiling():
         return traced.reduce_scatter(full, cfg.peers.name, cfg.size)
-    mine = torch.empty((two, batch, local_len, hc, dim), dtype=dkv.dtype, device=dkv.device)
+    mine = torch.empty((two, batch, rows, hc, dim), dtype=dkv.dtype, device=dkv.device)
     reduce_scatter_into(mine, full, cfg.group, cfg.stats)
     return mine
+
+
+def _own_grads(dkv: torch.Tensor, cfg: PreparedRing, gather) -> torch.Tensor:
+    """dK/dV of the gathered K/V ([2, B, n, hc, D] as :func:`_gather_kv`'s) -> this
+    rank's block's, summed over the ranks: reduce-scattered, or with a window the
+    gathered rows' reduce-scattered and added to the rows this rank sent."""
+    if gather is None:
+        return _scatter_grads(dkv, cfg)
+    sent = cfg.size * gather.rows_per_rank
+    own = dkv[:, :, sent:]
+    if sent:
+        own.index_add_(2, gather.send_rows, _scatter_grads(dkv[:, :, :sent], cfg))
+    return own
 
 
 def allgather_forward(q, k, v, cfg: PreparedRing, documents=None):
@@ -107,9 +145,10 @@ def allgather_forward(q, k, v, cfg: PreparedRing, documents=None):
     group_size = heads // k.shape[2]
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, local_len), dtype=accumulation_dtype(q.dtype), device=q.device)
-    segments = _segments(cfg)
+    gather = _window_gather(cfg)
+    segments = _segments(cfg, gather)
     for h0, h1 in head_chunks(k.shape[2], cfg.kv_head_chunks):
-        kv = _gather_kv(k, v, slice(h0, h1), cfg)
+        kv = _gather_kv(k, v, slice(h0, h1), cfg, gather)
         q_heads = slice(h0 * group_size, h1 * group_size)
         for q_rows, kv_rows, calls in segments:
             visible = kv.index_select(2, kv_rows)  # [2, B, n, hc, D]
@@ -127,9 +166,10 @@ def allgather_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=Non
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    segments = _segments(cfg)
+    gather = _window_gather(cfg)
+    segments = _segments(cfg, gather)
     for h0, h1 in head_chunks(k.shape[2], cfg.kv_head_chunks):
-        kv = _gather_kv(k, v, slice(h0, h1), cfg, after=dout)
+        kv = _gather_kv(k, v, slice(h0, h1), cfg, gather, after=dout)
         q_heads = slice(h0 * group_size, h1 * group_size)
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         for q_rows, kv_rows, calls in segments:
@@ -146,7 +186,7 @@ def allgather_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=Non
             )
             dq[:, q_rows, q_heads] = dq_seg
             dkv.index_add_(2, kv_rows, torch.stack([dk_seg, dv_seg]).to(acc))
-        mine = _scatter_grads(dkv, cfg)
+        mine = _own_grads(dkv, cfg, gather)
         dk[:, :, h0:h1] = mine[0]
         dv[:, :, h0:h1] = mine[1]
     return dq, dk, dv

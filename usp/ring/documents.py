@@ -119,10 +119,9 @@ class Documents:
             parts.append(ranges(starts, self.chunk_lengths, self.piece_len))
         return torch.cat(parts)
 
-    def gathered_rows(self, num_chunks: int, first=None) -> tuple[torch.Tensor, list[int]]:
+    def gathered_rows(self, num_chunks: int) -> tuple[torch.Tensor, list[int]]:
         """Rows of the ring's blocks concatenated in ring-rank order ([r * local_len])
-        holding chunks ``0 .. num_chunks-1`` of every document (from chunk ``first[d]``
-        of document d when ``first``, an int64 [N], is given), document by document in
+        holding chunks ``0 .. num_chunks-1`` of every document, document by document in
         position order; and the cumulative per-document boundaries of that selection."""
         chunks = torch.arange(num_chunks)
         second = chunks >= self.ring_size  # zigzag chunks r..2r-1 sit in piece 1 of rank 2r-1-c
@@ -131,8 +130,6 @@ class Documents:
         doc_offset = torch.tensor(self.piece_bounds[:-1], dtype=torch.int64)  # [N]
         starts = doc_offset[:, None] + chunk_offset[None, :]  # [N, C], document-major
         lengths = self.chunk_lengths[:, None].expand(-1, num_chunks)
-        if first is not None:  # chunks before a document's first: none of its rows
-            lengths = lengths * (chunks[None, :] >= first[:, None])
         per_document = lengths.sum(1)
         bounds = [0, *torch.cumsum(per_document, 0).tolist()]
         total = int(per_document.sum())
@@ -149,10 +146,23 @@ class Documents:
 
     def window_rows(self, ring_rank: int, piece: int, w: int) -> tuple[torch.Tensor, list[int]]:
         """:meth:`visible_rows` (causal) of a sliding window of w keys before each query
-        (the kernels' left window): only the chunks from the first one the piece's first
-        query reaches, ``chunk - ceil(w / n)`` for a document of chunk length n (whole
-        chunks: the kernels' bottom-right alignment still holds)."""
+        (the kernels' left window): per document of chunk length n, only the keys from
+        the first one the piece's first query reaches, position ``chunk * n - w`` of the
+        document (clamped at its start), to the piece's last query. The last key is still
+        the last query's own, so the kernels' bottom-right causal alignment holds."""
         chunk = self.chunk_of(ring_rank, piece)
-        n = self.chunk_lengths.clamp(min=1)
-        first = (chunk - (w + n - 1) // n).clamp(min=0)  # chunk - ceil(w / n)
-        return self.gathered_rows(chunk + 1, first)
+        n = self.chunk_lengths
+        first = (chunk * n - w).clamp(min=0)  # [N] the first key, relative to its document
+        lengths = (chunk + 1) * n - first
+        positions = ranges(self._doc_starts + first, lengths, int(lengths.sum()))
+        bounds = [0, *torch.cumsum(lengths, 0).tolist()]
+        return self.rows_of_positions[positions], bounds
+
+    @property
+    def rows_of_positions(self) -> torch.Tensor:
+        """int64 [S]: the row of each global position in the ring's blocks concatenated
+        in ring-rank order (the inverse of every rank's :meth:`block_positions`)."""
+        positions = torch.cat([self.block_positions(rank) for rank in range(self.ring_size)])
+        rows = torch.empty_like(positions)
+        rows[positions] = torch.arange(positions.numel())
+        return rows

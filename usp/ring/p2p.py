@@ -13,7 +13,9 @@ Sliding windows (:mod:`usp.ring.window`): the blocks are cut to the window, the 
 rotates only while some rank has a block inside it (the accumulators' last hop then goes
 straight to their owners). Under ``contiguous`` (dense) each hop sends only the keys the
 window needs, the suffix of the block that later steps read (:func:`tail_starts`):
-O(W) bytes, not O(S/r); zigzag and packed documents send whole blocks.
+O(W) bytes, not O(S/r). Under ``zigzag`` (dense, eager) a window shorter than a chunk
+exchanges chunk tails with both neighbours instead (:mod:`usp.ring.zigzag_tails`);
+longer zigzag windows and packed documents send whole blocks.
 
 Compiled, a rank's graph must post the same shifts in the same passes as its
 neighbours', also when it never reads a block (rank 0 of a causal contiguous ring gets
@@ -42,6 +44,7 @@ from usp.ring.window import (
     ring_steps,
     window_documents,
 )
+from usp.ring.zigzag_tails import tail_plan, tails_backward, tails_forward
 
 
 def _kv_rank(ring: RingExchange, step: int) -> int:
@@ -222,6 +225,9 @@ def _start_accumulator(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 def p2p_forward(q, k, v, cfg: PreparedRing, documents=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, L, H, D], k/v [B, L, Hkv, D] (local) -> out [B, L, H, D], lse [B, H, L];
     ``documents`` as in :func:`_plan`."""
+    tails = tail_plan(cfg, q.shape[1])
+    if tails is not None:  # zigzag, a window shorter than a chunk: neighbours' tails
+        return tails_forward(q, k, v, cfg, tails)
     ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
     n_steps = steps(cfg, q.shape[1])
@@ -280,6 +286,9 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=None):
     receive is left, the accumulators before the casts at the end), so that at most
     the float32 dQ, ``own`` and two ``travelling`` dK/dV accumulators, two K/V blocks and
     one step's kernel outputs are alive at once."""
+    zigzag_tails = tail_plan(cfg, q.shape[1])
+    if zigzag_tails is not None:
+        return tails_backward(dout, q, k, v, out, lse, cfg, zigzag_tails)
     ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
     dq_rows = _Rows(torch.zeros(q.shape, dtype=acc, device=q.device))

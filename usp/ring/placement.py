@@ -47,34 +47,81 @@ class RankPlacement:
     longest: torch.Tensor | None = None
     #: tokens per piece (``documents.piece_len``; a field: traced code reads fields only)
     piece_len: int = field(init=False)
-    #: all-gather, sliding windows: the causal segments cut to each window's chunks,
-    #: built once per window (:meth:`window_segments`) when a call is prepared; a
-    #: compiled graph reads them here (Dynamo cannot trace the method)
+    #: all-gather, sliding windows: a :class:`WindowGather` per window, built once
+    #: (:meth:`window_gather`) when a call is prepared; a compiled graph reads it here
+    #: (Dynamo cannot trace the method)
     windows: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "piece_len", self.documents.piece_len)
 
-    def window_segments(self, w: int) -> tuple[Segment, ...]:
-        """All-gather ring, causal with the kernels' left window ``w``: each query
-        piece's segment holds only the chunks of its documents the window reaches."""
-        segments = self.windows.get(w)
-        if segments is None:
-            segments = self.windows[w] = _segments(
-                self.documents, self.ring_rank, True, self.packed, self.device, w
+    def window_gather(self, w: int) -> WindowGather:
+        """All-gather ring, causal with the kernels' left window ``w``: what this rank
+        gathers and the keys each of its query pieces sees (:class:`WindowGather`)."""
+        gather = self.windows.get(w)
+        if gather is None:
+            gather = self.windows[w] = plan_window_gather(
+                self.documents, self.ring_rank, self.packed, self.device, w
             )
-        return segments
+        return gather
 
 
-def _segments(
-    documents: Documents, ring_rank: int, causal: bool, packed: bool, device, window=None
-):
+@dataclass(frozen=True, eq=False)
+class WindowGather:
+    """All-gather ring with a sliding window: every rank contributes only the rows of its
+    block that some other rank's window reaches (the last keys of each chunk), padded to
+    ``rows_per_rank`` (m, the most any rank has; the same on every rank, as an all-gather
+    needs), and attends over ``[r * m gathered rows (ring-rank order), its own L rows]``.
+    The padding rows repeat a row already sent: no segment reads them, so their
+    gradient, reduce-scattered back like the others', is zero."""
+
+    #: query pieces against rows of the ``[r * m + L]`` buffer above
+    segments: tuple[Segment, ...]
+    #: int64 [m] on the device: the rows of this rank's block it contributes
+    send_rows: torch.Tensor
+    rows_per_rank: int
+
+
+def plan_window_gather(
+    documents: Documents, ring_rank: int, packed: bool, device, w: int
+) -> WindowGather:
+    """``ring_rank``'s :class:`WindowGather` for the kernels' left window ``w``, from the
+    keys every rank's query pieces see (``Documents.window_rows``; host work, once per
+    batch and window)."""
+    size, local_len, pieces = documents.ring_size, documents.local_len, documents.pieces
+    # rows of the gathered sequence ([r * L], ring-rank order) each query piece sees
+    seen = {
+        (rank, piece): documents.window_rows(rank, piece, w)
+        for rank in range(size)
+        for piece in range(pieces)
+    }
+    needed = []  # per owner: the sorted rows of its block other ranks' windows read
+    for owner in range(size):
+        rows = [r for (rank, _), (r, _) in seen.items() if rank != owner]
+        rows = torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
+        needed.append(torch.unique(rows[rows // local_len == owner] % local_len))
+    m = max(len(rows) for rows in needed)
+    # each gathered row's place in the buffer; -1 for rows no window reads
+    place = torch.full((size * local_len,), -1, dtype=torch.int64)
+    for owner, rows in enumerate(needed):
+        place[owner * local_len + rows] = owner * m + torch.arange(len(rows))
+    own = slice(ring_rank * local_len, (ring_rank + 1) * local_len)
+    place[own] = size * m + torch.arange(local_len)  # its own block from the local K/V
+    segments = []
+    for piece in range(pieces):
+        rows, bounds_k = seen[ring_rank, piece]
+        docs = PackedDocs.build(documents.piece_bounds, bounds_k, device) if packed else None
+        segments.append(Segment(documents.piece_rows(piece), place[rows].to(device), docs))
+    send = needed[ring_rank]
+    padding = send[-1:] if len(send) else torch.zeros(1, dtype=torch.int64)
+    send = torch.cat([send, padding.expand(m - len(send))])
+    return WindowGather(tuple(segments), send.to(device), m)
+
+
+def _segments(documents: Documents, ring_rank: int, causal: bool, packed: bool, device):
     segments = []
     for piece in range(documents.pieces):
-        if window is None:
-            rows, bounds_k = documents.visible_rows(ring_rank, piece, causal)
-        else:
-            rows, bounds_k = documents.window_rows(ring_rank, piece, window)
+        rows, bounds_k = documents.visible_rows(ring_rank, piece, causal)
         docs = PackedDocs.build(documents.piece_bounds, bounds_k, device) if packed else None
         segments.append(Segment(documents.piece_rows(piece), rows.to(device), docs))
     return tuple(segments)
