@@ -34,6 +34,7 @@ from usp.packing import PackedSequence, PlanError, check_packed_fits
 from usp.process_groups import HeadLayoutError
 from usp.ring.api import RING_ERRORS, prepare_ring, ring_placement, run_ring
 from usp.ring.config import PreparedRing
+from usp.ring.kv_message import KVDims
 from usp.sharding import ShardingError, check_sequence_length
 from usp.ulysses import (
     kv_replication_for,
@@ -199,6 +200,7 @@ def attend(
     Under ``torch.compile`` the call is checked (and, with ``verify``, agreed across the
     SP ranks) while the graph is traced, once per plan and call shape
     (:func:`traced_call`): the graph holds only the collectives and the computation."""
+    key_dim = k.shape[-1] if isinstance(k, torch.Tensor) else None
     q, k, v, softmax_scale, value_dim = equal_head_dims(q, k, v, softmax_scale)
     live = None  # the placement a compiled graph reads documents from (cfg's eagerly)
     if torch.compiler.is_compiling():
@@ -219,7 +221,11 @@ def attend(
         k, v = replicate_kv_heads(k, v, call.kv_replication)
         q, k, v = to_head_sharded([q, k, v], ulysses, stats)  # [B, S/r, h/u, D]
     local_sinks = None if sinks is None else sinks[call.heads[0] : call.heads[1]]  # [H/u]
-    out, _ = run_ring(q, k, v, call.ring, live, local_sinks)
+    ring = call.ring
+    if value_dim is not None and not torch.compiler.is_compiling():
+        # MLA: ring messages carry K and V at their own head sizes (usp.ring.kv_message)
+        ring = dataclasses.replace(ring, kv_dims=KVDims(key_dim, value_dim))
+    out, _ = run_ring(q, k, v, ring, live, local_sinks)
     if plan.ulysses_degree > 1:
         out = to_sequence_sharded(out, ulysses, stats)  # [B, S/P, H, D]
     if value_dim is not None:

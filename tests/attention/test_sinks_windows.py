@@ -99,10 +99,18 @@ def run_windows(ulysses, ring):
         topo, inputs, with_sinks=True, dtype=torch.bfloat16, sinks_dtype=torch.float32, **case
     )
     results.append((case, torch.bfloat16, errors))
-    # a value head size of its own (MLA): smaller and larger than q/k's 8
-    for value_dim, ring_impl, packed in ((4, "p2p", DOCS), (12, "allgather", None)):
+    # a value head size of its own (MLA): smaller and larger than q/k's 8; the ring sends
+    # K and V at their own sizes (whole blocks, contiguous and zigzag tails, all-gather)
+    mla_cases = (
+        (4, "p2p", DOCS, "contiguous", 20),
+        (12, "allgather", None, "contiguous", 20),
+        (12, "p2p", None, "zigzag", 5),
+        (4, "p2p", None, "zigzag", None),
+        (4, "allgather", DOCS, "zigzag", 5),
+    )
+    for value_dim, ring_impl, packed, layout, window in mla_cases:
         mla = case_inputs(64, 4, 2, seed=value_dim, value_dim=value_dim)
-        case = dict(layout="contiguous", ring_impl=ring_impl, packed=packed, window=20)
+        case = dict(layout=layout, ring_impl=ring_impl, packed=packed, window=window)
         errors = usp_case(
             topo, mla, with_sinks=True, dtype=torch.float64, sinks_dtype=torch.float64, **case
         )
@@ -231,18 +239,25 @@ def test_what_cannot_be_computed_is_refused_on_every_rank(distributed):
 # ------------------------------------------------------------------ traffic
 def run_window_traffic():
     """CommStats of one windowed forward and backward per case (bf16, B 1, S 256, 4
-    query / 2 KV heads of 8) under u1r4 and u2r2."""
+    query / 2 KV heads of 8; v's head size 8, or 4 and 12 for MLA) under u1r4 and u2r2."""
     results = {}
     for grid in ((1, 4), (2, 2)):
         topo = topology(*grid)
-        q, k, v, dout, _ = case_inputs(256, 4, 2, seed=4)
         cases = [
             *itertools.product(("contiguous", "zigzag"), ["p2p"], (1, 16, 40, 1000)),
             # the all-gather ring gathers the rows windows reach: none (1), a chunk's
             # tail (16), more than a zigzag chunk of u2r2 (100), everything (1000)
             *itertools.product(("contiguous", "zigzag"), ["allgather"], (1, 16, 100, 1000)),
         ]
-        for layout, ring_impl, window in cases:
+        cases = [(*case, 8) for case in cases] + [
+            ("zigzag", "p2p", 16, 12),  # MLA: K and V each at its own head size
+            ("contiguous", "p2p", None, 4),
+            ("contiguous", "p2p", 40, 12),
+            ("zigzag", "allgather", 16, 4),
+            ("contiguous", "allgather", None, 12),
+        ]
+        for layout, ring_impl, window, value_dim in cases:
+            q, k, v, dout, _ = case_inputs(256, 4, 2, seed=4, value_dim=value_dim)
             local = [
                 usp.shard_sequence(t, topo, layout=layout).to(torch.bfloat16).requires_grad_()
                 for t in (q, k, v)
@@ -255,26 +270,30 @@ def run_window_traffic():
             topo.comm_stats.reset()
             out.backward(usp.shard_sequence(dout, topo, layout=layout).to(torch.bfloat16))
             backward = topo.comm_stats.snapshot()
-            results[grid, layout, ring_impl, window] = {"forward": forward, "backward": backward}
+            results[grid, layout, ring_impl, window, value_dim] = {
+                "forward": forward,
+                "backward": backward,
+            }
     return results
 
 
-def _formula(grid, layout, ring_impl, window, seqlen=256):
+def _formula(grid, layout, ring_impl, window, seqlen=256, value_dim=8):
     return traffic_formula(
         types.SimpleNamespace(heads=4, kv_heads=2, head_dim=8), batch=1, seqlen=seqlen,
         ulysses=grid[0], ring=grid[1], ring_impl=ring_impl, item_bytes=2, acc_bytes=4,
-        window=window, layout=layout,
+        window=window, layout=layout, value_dim=value_dim,
     )  # fmt: skip
 
 
 def test_a_windowed_layer_moves_the_stated_bytes(distributed):
     failures = []
     for rank, results in enumerate(distributed.run(run_window_traffic, world_size=4)):
-        for (grid, layout, impl, window), traffic in results.items():
-            want = _formula(grid, layout, impl, window)
+        for (grid, layout, impl, window, value_dim), traffic in results.items():
+            want = _formula(grid, layout, impl, window, value_dim=value_dim)
             if traffic != want:
                 failures.append(
-                    f"rank {rank} {grid} {layout} {impl} W={window}: {traffic} != {want}"
+                    f"rank {rank} {grid} {layout} {impl} W={window} Dv={value_dim}: "
+                    f"{traffic} != {want}"
                 )
     assert not failures, "\n".join(failures[:8])
     # contiguous u1r4, 64 tokens a rank: a window of 16 needs the previous rank's last
@@ -307,6 +326,12 @@ def test_a_windowed_layer_moves_the_stated_bytes(distributed):
         assert 3 * 64 * w16[phase]["p2p"]["sent"] == 2 * 15 * full[phase]["p2p"]["sent"]
         assert w16[phase]["p2p"]["calls"] == calls
     assert _formula((1, 4), "zigzag", "p2p", 40) == full  # 39 keys: more than a chunk
+    # MLA, u2r2: the ring moves K (8) and V (4) columns, 12 of the padded pair's 16; the
+    # all-to-alls move v padded to 8 (as much as without MLA)
+    mla, same = (_formula((2, 2), "contiguous", "p2p", None, value_dim=d) for d in (4, 8))
+    for phase in ("forward", "backward"):
+        assert 16 * mla[phase]["p2p"]["sent"] == 12 * same[phase]["p2p"]["sent"]
+        assert mla[phase]["all_to_all"] == same[phase]["all_to_all"]
 
 
 def test_a_window_of_16_at_u1r8_moves_a_small_fraction_of_the_full_rings_bytes():

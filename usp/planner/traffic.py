@@ -39,6 +39,7 @@ def traffic_formula(
     acc_bytes: int,
     window: int | None = None,
     layout: str = "zigzag",
+    value_dim: int | None = None,
 ) -> dict[str, dict[str, dict[str, int]]]:
     """Bytes one rank sends and receives per collective kind, ``{"forward": {kind:
     {"sent", "received", "calls"}}, "backward": {...}}``, as ``CommStats.snapshot()``.
@@ -62,23 +63,30 @@ def traffic_formula(
     shorter than a chunk (1 <= W-1 < S/2r) sends its two neighbours the last W-1 rows of
     a chunk each (forward; backward again, and the dK/dV of as many rows back:
     :mod:`usp.ring.zigzag_tails`), a longer one k = r whole blocks, W = 1 nothing.
+    ``value_dim``: v's head size when it is not q/k's ``head_dim`` (MLA): the all-to-alls
+    move q, k, v and out padded to the larger of the two (as ``usp.attend`` pads them),
+    the ring's K/V and dK/dV messages each tensor at its own size (``head_dim +
+    value_dim`` columns per K/V pair instead of 2 * D).
     The all-gather ring with a window gathers m rows of every rank's block instead of
     S/r (:func:`window_gather_rows`), and reduce-scatters their dK/dV; the all-to-alls
     move what they move without a window.
     """
     u, r = ulysses, ring
     local = seqlen // (u * r)
+    value_dim = shape.head_dim if value_dim is None else value_dim
+    padded_dim = max(shape.head_dim, value_dim)  # what the all-to-alls move
     kv_heads = shape.kv_heads * kv_replication(shape.heads, shape.kv_heads, u)
     forward: dict[str, dict[str, int]] = {}
     backward: dict[str, dict[str, int]] = {}
     if u > 1:
-        head_bytes = batch * local * shape.head_dim * item_bytes  # one head of this rank's tokens
+        head_bytes = batch * local * padded_dim * item_bytes  # one head of this rank's tokens
         qkv = (shape.heads + 2 * kv_heads) // u * (u - 1) * head_bytes
         out = shape.heads // u * (u - 1) * head_bytes
         forward["all_to_all"] = _counts(qkv + out, 2)
         backward["all_to_all"] = _counts(out + qkv, 2)
     if r > 1:
-        block = 2 * batch * (seqlen // r) * (kv_heads // u) * shape.head_dim  # K and V elements
+        # K and V elements of a block, each at its own head size
+        block = batch * (seqlen // r) * (kv_heads // u) * (shape.head_dim + value_dim)
         kv, dkv = block * item_bytes, block * acc_bytes
         hops, block_len = r - 1, seqlen // r
         # rows of each hop's K/V message, and of the travelling dK/dV accumulator

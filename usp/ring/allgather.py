@@ -86,8 +86,14 @@ def _local_kv(k, v, heads: slice, after=None) -> torch.Tensor:
 
 def _gather_rows(local: torch.Tensor, cfg: PreparedRing) -> torch.Tensor:
     """[2, B, n, hc, D] on every rank -> [2, B, r * n, hc, D], in ring-rank order."""
+    dims = cfg.kv_dims
     if torch.compiler.is_compiling():  # a functional collective of the graph
         gathered = traced.all_gather(local, cfg.peers.name, cfg.size)
+    elif dims is not None and dims.key_dim != dims.value_dim:  # MLA: the real columns only
+        packed = dims.pack(local)  # [N]
+        flat = torch.empty(cfg.size * packed.numel(), dtype=packed.dtype, device=packed.device)
+        all_gather_into(flat, packed, cfg.group, cfg.stats)
+        gathered = dims.unpack(flat.view(cfg.size, -1), (cfg.size, *local.shape))
     else:
         gathered = torch.empty(
             (cfg.size * 2,) + local.shape[1:], dtype=local.dtype, device=local.device
@@ -119,6 +125,12 @@ def _scatter_grads(dkv: torch.Tensor, cfg: PreparedRing) -> torch.Tensor:
     full = by_rank.view(cfg.size * two, batch, rows, hc, dim)
     if torch.compiler.is_compiling():
         return traced.reduce_scatter(full, cfg.peers.name, cfg.size)
+    dims = cfg.kv_dims
+    if dims is not None and dims.key_dim != dims.value_dim:  # MLA: the real columns only
+        packed = dims.pack(by_rank).view(-1)  # [r * N], rank order
+        mine = torch.empty(packed.numel() // cfg.size, dtype=dkv.dtype, device=dkv.device)
+        reduce_scatter_into(mine, packed, cfg.group, cfg.stats)
+        return dims.unpack(mine, (two, batch, rows, hc, dim))
     mine = torch.empty((two, batch, rows, hc, dim), dtype=dkv.dtype, device=dkv.device)
     reduce_scatter_into(mine, full, cfg.group, cfg.stats)
     return mine

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from usp.comm.stats import CommStats
 from usp.comm.traced import TracedGroup
 from usp.ring.calls import BlockKernels
+from usp.ring.kv_message import KVDims
 from usp.ring.placement import RankPlacement
 
 
@@ -36,6 +37,10 @@ class PreparedRing:
     #: the kernels' left window (keys p - window .. p of a query at position p of its
     #: document; ``causal`` only), None for full attention (``usp.ring.window``)
     window: int | None = None
+    #: MLA: the real head sizes of K and V inside the pairs padded to one head size, so
+    #: that ring messages carry only those columns (:mod:`usp.ring.kv_message`); None
+    #: when K and V have the same head size
+    kv_dims: KVDims | None = None
     #: the ring's size, this rank in it, and whether the documents are packed: fields,
     #: not properties: inside an autograd function, traced code reads only the fields
     #: of the objects it is given

@@ -37,6 +37,7 @@ from usp.kernels.docs import DeviceBounds
 from usp.kernels.masks import accumulation_dtype
 from usp.ring.calls import calls_for
 from usp.ring.config import PreparedRing
+from usp.ring.kv_message import KVDims, start_pair
 from usp.ring.layout import ALL, packed_step_blocks, step_blocks
 from usp.ring.window import (
     dense_window_blocks,
@@ -173,9 +174,12 @@ class _KVRing:
     :func:`usp.comm.traced.copy_after` (a block a rank never computes on would
     otherwise drop its shift from that rank's graph alone)."""
 
-    __slots__ = ("current", "spare", "tails", "n_steps", "anchors")
+    __slots__ = ("current", "spare", "tails", "n_steps", "anchors", "dims")
 
-    def __init__(self, message: torch.Tensor, n_steps: int, tails: list[int] | None):
+    def __init__(
+        self, message: torch.Tensor, n_steps: int, tails: list[int] | None, dims: KVDims | None
+    ):
+        self.dims = dims  # MLA: K's and V's own head sizes (sent without padding)
         self.current = _Pair(message)
         whole = n_steps > 1 and tails is None
         self.spare = _Pair(torch.empty_like(message)) if whole else None
@@ -190,10 +194,10 @@ class _KVRing:
         if step + 1 >= self.n_steps:
             return None
         if self.tails is None:
-            return ring.start(self.current.tensor, self.spare.tensor)
+            return start_pair(ring, self.current.tensor, self.dims, self.spare.tensor)
         held = self.current.tensor  # [2, B, rows, Hkv, D]
         cut = self.tails[step + 1] - self.tails[step]
-        return ring.start(held.narrow(2, cut, held.shape[2] - cut).contiguous())
+        return start_pair(ring, held.narrow(2, cut, held.shape[2] - cut).contiguous(), self.dims)
 
     def receive(self, pending, step: int) -> None:
         """Wait for ``pending`` (a whole block arrived in ``spare``, or compiled in a
@@ -232,7 +236,7 @@ def p2p_forward(q, k, v, cfg: PreparedRing, documents=None) -> tuple[torch.Tenso
     acc = accumulation_dtype(q.dtype)
     n_steps = steps(cfg, q.shape[1])
     # [2, B, L, Hkv, D]: one message
-    kv = _KVRing(torch.stack([k, v]), n_steps, tail_starts(cfg, q.shape[1], n_steps))
+    kv = _KVRing(torch.stack([k, v]), n_steps, tail_starts(cfg, q.shape[1], n_steps), cfg.kv_dims)
     blocks, calls = _plan(cfg, q.shape[1], documents)
     q_rows = _Rows(q)
     out_rows = lse_rows = None  # float32 accumulators [B, L, H, D] and [B, H, L]
@@ -299,7 +303,7 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=None):
         message = torch.stack([k, v])
     n_steps = steps(cfg, q.shape[1])
     tails = tail_starts(cfg, q.shape[1], n_steps)
-    kv = _KVRing(message, n_steps, tails)
+    kv = _KVRing(message, n_steps, tails, cfg.kv_dims)
     del message
     # dK/dV in float32: ``own`` keeps this rank's contribution to its own block (step 0);
     # the accumulator of every other block starts at the owner's next rank, collects
@@ -351,10 +355,7 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=None):
             # short by a window, straight back to the block's owner (step hops behind)
             hops = 1 if step + 1 < ring.size and step + 1 < n_steps else ring.size - step
             receive_into = travelling[1 - current].tensor
-            if hops == 1:
-                dkv_pending = ring.start(dkv.tensor, receive_into)
-            else:
-                dkv_pending = ring.start(dkv.tensor, receive_into, hops=hops)
+            dkv_pending = start_pair(ring, dkv.tensor, cfg.kv_dims, receive_into, hops)
             current = 1 - current
         del dkv
         if kv_pending is not None:

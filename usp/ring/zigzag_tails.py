@@ -33,6 +33,7 @@ from usp.kernels import merge_into
 from usp.kernels.masks import accumulation_dtype
 from usp.ring.calls import calls_for
 from usp.ring.config import PreparedRing
+from usp.ring.kv_message import start_pair
 from usp.ring.layout import Block
 from usp.ring.window import dense_window_blocks
 
@@ -97,13 +98,13 @@ def tail_plan(cfg: PreparedRing, local_len: int) -> TailPlan | None:
     return None if plans is None else plans[cfg.rank]
 
 
-def _exchange_tails(ring: RingExchange, message: torch.Tensor, rows: int):
+def _exchange_tails(ring: RingExchange, message: torch.Tensor, rows: int, dims):
     """Post [2, B, L, ...] ``message``'s piece-0 tail to the next rank and its piece-1
     tail to the previous one; returns the pending receives (previous rank's piece-0
     tail, next rank's piece-1 tail)."""
     n = message.shape[2] // 2
-    first = ring.start(message[:, :, n - rows : n].contiguous())
-    second = ring.start(message[:, :, 2 * n - rows :].contiguous(), hops=-1)
+    first = start_pair(ring, message[:, :, n - rows : n].contiguous(), dims)
+    second = start_pair(ring, message[:, :, 2 * n - rows :].contiguous(), dims, hops=-1)
     return first, second
 
 
@@ -112,7 +113,7 @@ def tails_forward(q, k, v, cfg: PreparedRing, plan: TailPlan):
     ring = RingExchange(cfg.group, cfg.stats)
     calls = calls_for(cfg, None)
     acc = accumulation_dtype(q.dtype)
-    pending = _exchange_tails(ring, torch.stack([k, v]), plan.rows)
+    pending = _exchange_tails(ring, torch.stack([k, v]), plan.rows, cfg.kv_dims)
     out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)
     lse = torch.full(
         (q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device
@@ -136,7 +137,7 @@ def tails_backward(dout, q, k, v, out, lse, cfg: PreparedRing, plan: TailPlan):
     ring = RingExchange(cfg.group, cfg.stats)
     calls = calls_for(cfg, None)
     acc = accumulation_dtype(q.dtype)
-    pending = _exchange_tails(ring, torch.stack([k, v]), plan.rows)
+    pending = _exchange_tails(ring, torch.stack([k, v]), plan.rows, cfg.kv_dims)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     own = torch.zeros((2,) + k.shape, dtype=acc, device=k.device)  # [2, B, L, Hkv, D]
     grads = [own]
@@ -158,8 +159,8 @@ def tails_backward(dout, q, k, v, out, lse, cfg: PreparedRing, plan: TailPlan):
     # the previous rank's piece-0 tail's gradient back to it (the next rank sends ours),
     # the next rank's piece-1 tail's to it (the previous rank sends ours)
     n, w = k.shape[1] // 2, plan.rows
-    first = ring.start(grads[1], hops=-1)
-    second = ring.start(grads[2])
+    first = start_pair(ring, grads[1], cfg.kv_dims, hops=-1)
+    second = start_pair(ring, grads[2], cfg.kv_dims)
     own[:, :, n - w : n] += first.wait()
     own[:, :, 2 * n - w :] += second.wait()
     return dq.to(q.dtype), own[0].to(k.dtype, copy=True), own[1].to(v.dtype, copy=True)
