@@ -1,6 +1,6 @@
 """Bytes on the wire, counted alike for every peer: a ``TorchDispatchMode`` over the
 ``c10d`` and functional-collective ops (:class:`CollectiveCounter`), in the convention of
-``usp.CommStats``."""
+``usp.comm.stats.CommStats``."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _all_to_all_bytes(output, inp, out_splits, in_splits, group) -> tuple[int, i
 
 def _collective_traffic(op: str, args: tuple, result) -> tuple[str, int, int, int] | None:
     """(kind, sent, received, calls) of one collective op, in the convention of
-    ``usp.CommStats``: the part a rank keeps is not counted; an all-gather sends the local
+    ``usp.comm.stats.CommStats``: the part a rank keeps is not counted; an all-gather sends the local
     block to each of the other ranks; a reduce-scatter sends all but the kept slice; an
     all-reduce counts a ring's 2 (n - 1) / n; a receive counts no call. None: not traffic."""
     if op == "send":

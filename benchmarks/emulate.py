@@ -312,7 +312,7 @@ def accounted_bytes(cfg: Config) -> dict[str, int]:
     return {**parts, "total": sum(parts.values())}
 
 
-def measure_rank(cfg: Config, topo: usp.Topology, opts: Options) -> dict:
+def measure_rank(cfg: Config, topo: usp.process_groups.Topology, opts: Options) -> dict:
     """Time, traffic and peak memory of this rank's usp_attention forward + backward."""
     q, k, v, dout = random_inputs(cfg, cfg.local_len, opts.device)
     kwargs = {

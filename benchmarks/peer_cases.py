@@ -95,7 +95,7 @@ class Case:
     forward: Callable[[], torch.Tensor]
     backward: Callable[[torch.Tensor], object]
     notes: list[str] = field(default_factory=list)
-    comm_stats: usp.CommStats | None = None
+    comm_stats: usp.comm.stats.CommStats | None = None
 
 
 def _randn(shape, setup: Setup, grad: bool = False) -> torch.Tensor:

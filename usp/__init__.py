@@ -15,7 +15,6 @@ from :mod:`usp.ring`, byte counters from :mod:`usp.comm`, configs from
 
 import importlib as _importlib
 import importlib.util as _importlib_util
-import warnings as _warnings
 
 from usp.errors import (
     BackendUnavailableError,
@@ -80,39 +79,15 @@ __all__ = [
     "usp_attention",
 ]
 
-# Names the front door held in 0.1.0 and their modules now: still reachable as
-# ``usp.NAME`` (with a DeprecationWarning saying where they live), not in ``__all__``.
-_MOVED = {
-    "CommStats": "usp.comm.stats",
-    "DocumentPadding": "usp.sharding",
-    "PackedSequence": "usp.plan",
-    "RankMap": "usp.process_groups",
-    "Topology": "usp.process_groups",
-    "UspConfig": "usp.config",
-    "attention_backward": "usp.kernels",
-    "attention_forward": "usp.kernels",
-    "ring_attention": "usp.ring",
-    "suggest_degrees": "usp.process_groups",
-    "valid_degree_pairs": "usp.process_groups",
-}
-
 
 def __getattr__(name: str):
     if name in _LAZY:
         value = getattr(_importlib.import_module(_LAZY[name]), name)
         globals()[name] = value  # (next time a plain attribute)
         return value
-    if name not in _MOVED:
-        if _importlib_util.find_spec(f"usp.{name}") is not None:  # a subpackage: usp.models
-            return _importlib.import_module(f"usp.{name}")
-        raise AttributeError(f"module 'usp' has no attribute {name!r}")
-    module = _MOVED[name]
-    _warnings.warn(
-        f"usp.{name} moved out of the front door: use {module}.{name}",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(_importlib.import_module(module), name)
+    if _importlib_util.find_spec(f"usp.{name}") is not None:  # a subpackage: usp.models
+        return _importlib.import_module(f"usp.{name}")
+    raise AttributeError(f"module 'usp' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -319,7 +319,7 @@ def _tensor_signature(x):
 def _check_packed_type(packed) -> None:
     if not isinstance(packed, PackedSequence):
         raise PlanError(
-            "under torch.compile, packed documents must be a usp.PackedSequence built outside "
+            "under torch.compile, packed documents must be a usp.plan.PackedSequence built outside "
             "the compiled call (plan.pack(cu_seqlens)): raw cu_seqlens would be read on the host "
             "inside the graph"
         )

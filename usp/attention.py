@@ -34,12 +34,12 @@ def usp_attention(
 
     q [B, S/P, H, D], k/v [B, S/P, Hkv, D] (P = ulysses * ring) -> [B, S/P, H, D].
     ``plan``: a :class:`usp.Plan` (its layout, ring_impl and backend are the
-    defaults) or a :class:`usp.Topology` (defaults: zigzag, p2p, auto); the keyword
+    defaults) or a :class:`usp.process_groups.Topology` (defaults: zigzag, p2p, auto); the keyword
     arguments override them for this call. ``causal`` is False by default, as in
     ``torch.nn.functional.scaled_dot_product_attention`` and flash-attn.
     ``cu_seqlens``: int32 document boundaries of the *global* packed sequence (B = 1,
     identical on every SP rank; shard with the same ``cu_seqlens``), or the
-    :class:`usp.PackedSequence` built once per batch by ``plan.pack`` (no host syncs).
+    :class:`usp.plan.PackedSequence` built once per batch by ``plan.pack`` (no host syncs).
     Attention is then block-diagonal by document, causal inside each document when
     ``causal``. ``verify``: agree on the call across the SP ranks before anything is sent
     (default: on for gloo, off for NCCL; see :mod:`usp.call_check`).

@@ -82,7 +82,8 @@ class Plan:
         topology = as_topology(topology)
         if not isinstance(topology, (Topology, SingleProcess)):
             raise PlanError(
-                f"Plan needs a usp.Topology (or None for one process), got {type(topology).__name__}"
+                f"Plan needs a usp.process_groups.Topology (or None for one process), got "
+                f"{type(topology).__name__}"
             )
         #: a Topology, or :data:`~usp.process_groups.SINGLE_PROCESS` (``Plan(None)``)
         self.topology = topology
@@ -138,7 +139,7 @@ class Plan:
         if isinstance(topology, str):
             if topology != "build":
                 raise PlanError(
-                    f'topology must be "build", a usp.Topology or None, got {topology!r}'
+                    f'topology must be "build", a usp.process_groups.Topology or None, got {topology!r}'
                 )
             topology = build_topology_from_config(config, device_type=device_type)
         elif isinstance(topology, Topology):
@@ -457,7 +458,7 @@ def as_plan(topology_or_plan, **attention_options) -> Plan:
     if topology_or_plan is None or isinstance(topology_or_plan, (Topology, SingleProcess)):
         return Plan(topology_or_plan).with_options(**attention_options)
     raise TypeError(
-        "expected a usp.Topology, a usp.Plan or None (single process), "
+        "expected a usp.process_groups.Topology, a usp.Plan or None (single process), "
         f"got {type(topology_or_plan).__name__}"
     )
 

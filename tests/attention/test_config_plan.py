@@ -68,7 +68,9 @@ def test_plan_from_config_for_one_process(tmp_path):
     assert plan.topology is SINGLE_PROCESS and plan.sp_degree == 1
     # one process keeps tokens in order whatever the config says
     assert _choices(plan) == ("contiguous", "p2p", "math", None)
-    with pytest.raises(usp.PlanError, match='topology must be "build", a usp.Topology or None'):
+    with pytest.raises(
+        usp.PlanError, match='topology must be "build", a usp.process_groups.Topology or None'
+    ):
         usp.Plan.from_config(_write(tmp_path), topology="auto")
 
 

@@ -34,14 +34,31 @@ def test_the_front_door_holds_what_it_says():
         assert issubclass(getattr(usp, name), usp.UspError)
 
 
-def test_moved_names_say_where_they_live():
-    for name, module in usp._MOVED.items():
-        with pytest.warns(DeprecationWarning, match=f"use {module}.{name}"):
-            value = getattr(usp, name)
-        assert value is getattr(importlib.import_module(module), name)
+# Names the front door held before 0.1.0 was cut (never released: no tag, no package),
+# public in their modules only
+IN_THEIR_MODULES = {
+    "CommStats": "usp.comm.stats",
+    "DocumentPadding": "usp.sharding",
+    "PackedSequence": "usp.plan",
+    "RankMap": "usp.process_groups",
+    "Topology": "usp.process_groups",
+    "UspConfig": "usp.config",
+    "attention_backward": "usp.kernels",
+    "attention_forward": "usp.kernels",
+    "ring_attention": "usp.ring",
+    "suggest_degrees": "usp.process_groups",
+    "valid_degree_pairs": "usp.process_groups",
+}
+
+
+def test_lower_layers_live_in_their_modules_not_the_front_door():
+    for name, module in IN_THEIR_MODULES.items():
+        assert getattr(importlib.import_module(module), name) is not None
         assert name not in usp.__all__
+        with pytest.raises(AttributeError, match=f"module 'usp' has no attribute '{name}'"):
+            getattr(usp, name)
     with pytest.raises(AttributeError, match="no attribute 'local_positions'"):
-        usp.local_positions  # noqa: B018 - the deprecated alias of 0.1.0 is gone
+        usp.local_positions  # noqa: B018
 
 
 def run_functional_layout():

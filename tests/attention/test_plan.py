@@ -197,14 +197,16 @@ def test_plan_rejects_unknown_choices_with_the_valid_ones():
         usp.Plan(None, ring_impl="tree")
     with pytest.raises(usp.PlanError, match="valid: auto, cudnn, flash_attn"):
         usp.Plan(None, backend="fast")
-    with pytest.raises(usp.PlanError, match="needs a usp.Topology"):
+    with pytest.raises(usp.PlanError, match="needs a usp.process_groups.Topology"):
         usp.Plan("examples/configs/cpu_demo.toml")
     q, k, v, _ = _inputs(4)
     for call in (
         lambda: usp.usp_attention(q, k, v, "cpu_demo.toml"),
         lambda: usp.models.Llama.from_config("tiny", "x"),
     ):
-        with pytest.raises(TypeError, match="expected a usp.Topology, a usp.Plan or None"):
+        with pytest.raises(
+            TypeError, match="expected a usp.process_groups.Topology, a usp.Plan or None"
+        ):
             call()
 
 

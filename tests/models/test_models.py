@@ -381,7 +381,7 @@ def test_forward_input_errors(checkpoints):
         with pytest.raises(ValueError) as err:
             model(kwargs.pop("input_ids"), **kwargs)
         assert message in str(err.value), (message, str(err.value))
-    with pytest.raises(TypeError, match="usp.Topology, a usp.Plan or None"):
+    with pytest.raises(TypeError, match="usp.process_groups.Topology, a usp.Plan or None"):
         Llama(model.config, "4x2")
     with pytest.raises(TypeError, match="usp.models.LlamaConfig"):
         Llama(TINY)

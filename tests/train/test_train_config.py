@@ -262,6 +262,17 @@ def test_memory_levers_reach_the_model(tmp_path):
     assert plain.train.levers == Levers()
 
 
+def test_the_start_up_header_shows_the_levers_the_model_was_built_with(tmp_path):
+    from usp.train.trainer import train
+
+    levers = '[train]\nactivation_checkpointing = "offload"\nmlp_tile_tokens = 96\n'
+    job = load_train_config(write(tmp_path, MINIMAL.replace("[train]\n", levers)))
+    stream = io.StringIO()
+    train(job, None, output_dir=tmp_path / "out", stop_after=1, stream=stream)
+    header = stream.getvalue()
+    assert "\n  levers: checkpointing offload, MLP tiles 96, loss chunks 1024\n" in header, header
+
+
 def test_model_section_errors(tmp_path):
     unknown = load_train_config(write(tmp_path, MINIMAL.replace('"tiny"', '"huge"')))
     with pytest.raises(

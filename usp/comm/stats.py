@@ -2,7 +2,7 @@
 
 Counting is a few integer additions per collective call (never per element), so the
 counters are cheap enough to leave on. A :class:`CommStats` belongs to whoever owns the
-process groups (a :class:`usp.Topology` carries one); nothing here is global.
+process groups (a :class:`usp.process_groups.Topology` carries one); nothing here is global.
 
 Conventions: ``sent`` counts bytes this rank puts on the wire for other ranks, and
 ``received`` bytes it gets from other ranks; the part of an all-to-all or all-gather a

@@ -76,7 +76,7 @@ def shard_batch(
     ``cu_seqlens``) and then sharded like the tokens; ``shift=False``: ``labels`` are
     already the globally shifted targets (a packer's output), sharded as they are.
     ``cu_seqlens``: int32 boundaries of a packed sequence (B = 1; collective: every SP
-    rank calls this with the same ones), or the :class:`usp.PackedSequence` ``plan.pack``
+    rank calls this with the same ones), or the :class:`usp.plan.PackedSequence` ``plan.pack``
     made of them (its tensors stay where it placed them; what a caller that packed
     outside a fake-tensor mode passes in). ``device``: where the shards, the positions and
     the packed sequence's tensors go (default: ``input_ids``' device); the global batch

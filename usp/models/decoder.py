@@ -185,7 +185,7 @@ class DecoderStack(nn.Module):
 class CausalLM(nn.Module):
     """A decoder-only causal LM whose sequence is sharded over a :class:`usp.Plan`.
 
-    ``plan``: a :class:`usp.Plan`, a :class:`usp.Topology` (wrapped in ``usp.Plan(topology,
+    ``plan``: a :class:`usp.Plan`, a :class:`usp.process_groups.Topology` (wrapped in ``usp.Plan(topology,
     **attention_options)``) or ``None`` (single process). Weights are initialised as HF
     does (normal(0, ``initializer_range``), biases 0, norms 1) unless built on the meta
     device. Memory levers: :class:`usp.models.Levers` (``Levers(...).apply(model)``).
@@ -197,7 +197,7 @@ class CausalLM(nn.Module):
     * ``position_ids``: RoPE positions ([S/P] or [B, S/P]); by default the tokens' global
       positions, restarting at 0 in every document of a packed sequence;
     * ``cu_seqlens``: int32 document boundaries of the *global* packed sequence (B = 1),
-      or a ``usp.PackedSequence`` from ``plan.pack``; validated once per forward;
+      or a ``usp.plan.PackedSequence`` from ``plan.pack``; validated once per forward;
     * without ``labels``: logits [B, S/P, V];
     * with ``labels`` ([B, S/P]: this rank's shard of the globally shifted labels, see
       :func:`usp.models.shift_labels`): the loss, a scalar equal to the mean over every
