@@ -128,12 +128,14 @@ class FlaGdnKernel(GdnKernel):
         self.dtypes = dtypes
         self.max_key_dim = max_key_dim
         self._import_error: str | None = None
+        self._installed: bool | None = None  # looked up once: auto asks on every call
         self._verdicts: dict[tuple, str | None] = {}
 
     def installed(self) -> bool:
-        if self._function is not None:
-            return True
-        return importlib.util.find_spec(self.module.split(".")[0]) is not None
+        if self._installed is None:
+            found = importlib.util.find_spec(self.module.split(".")[0]) is not None
+            self._installed = self._function is not None or found
+        return self._installed
 
     def function(self):
         """fla's function (imported on first use); raises GdnKernelError if it fails."""
@@ -232,7 +234,9 @@ _CHECK_HEADS = 2
 @torch._dynamo.disable
 def _self_check(kernel: GdnKernel, device, dtype, dk, dv) -> str | None:
     try:
-        with torch.autocast(device.type, enabled=False):
+        # the check differentiates: also when the first call comes under no_grad (eval)
+        no_autocast = torch.autocast(device.type, enabled=False)
+        with torch.inference_mode(False), torch.enable_grad(), no_autocast:
             problem = _compare_with_torch(kernel, device, dtype, dk, dv)
     except Exception as err:  # any failure means: do not use this kernel here
         problem = f"{type(err).__name__}: {str(err)[:300]}"
