@@ -130,6 +130,11 @@ def test_the_mapping_onto_fla_arguments_against_the_torch_kernel():
     assert call["scale"] == 1.0 and call["chunk_size"] == 64  # q comes scaled; 5 -> 64
     assert call["output_final_state"] is True
     assert torch.equal(call["k"][0, 9:23], inputs[1][2, :14])  # row 2's tokens, in order
+    empty = [t[:, :0] for t in inputs]  # no token in any row: fla is not called
+    o, final = fla.run(
+        *empty, lengths=[0] * 4, initial_state=state, chunk_size=64, io_dtype=torch.float64
+    )
+    assert o.shape == (4, 0, 2, 6) and torch.equal(final, state) and len(fla._function.calls) == 1
 
 
 def test_bfloat16_activations_reach_fla_as_bfloat16_with_a_float32_decay():

@@ -185,6 +185,13 @@ class FlaGdnKernel(GdnKernel):
 
         # fla wants every sequence non-empty; an empty row's final state is its initial one
         full = [i for i, count in enumerate(lengths) if count > 0]
+        if not full:  # no token at all: nothing to run
+            state = (
+                initial_state
+                if initial_state is not None
+                else q.new_zeros(n, heads, *q.shape[3:], v.shape[3])
+            )
+            return v.new_zeros(v.shape), state
         bounds = [0]
         for i in full:
             bounds.append(bounds[-1] + lengths[i])
@@ -206,7 +213,7 @@ class FlaGdnKernel(GdnKernel):
             cu_seqlens=torch.tensor(bounds, dtype=torch.int64, device=q.device),
             chunk_size=chunk_size if chunk_size in (16, 32, 64) else 64,
             **extra,
-        )  # fmt: skip  o [1, T, H, dv], final [len(full), H, dk, dv]
+        )  # o [1, T, H, dv], final [len(full), H, dk, dv]
         o = o[0].to(compute)
         if rows is not None:
             o = o.new_zeros(n * length, *o.shape[1:]).index_copy(0, rows, o)
