@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from fla_standin import standin_kernel
+from fla_standin import standin_conv_kernel, standin_kernel
 from gdn_cases import gdn_inputs, reference_gdn
 from reference import relative_error
 from usp_cases import topology
@@ -20,6 +20,7 @@ from usp_cases import topology
 import usp
 from usp.linear import gated_deltanet_usp
 from usp.linear.backends import GdnKernels, TorchGdnKernel
+from usp.linear.conv import TorchConvKernel
 from usp.linear.kernel import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 TIMEOUT = 90
@@ -109,10 +110,12 @@ def _cu(lengths):
 def run_gdn_case(
     ulysses, ring, layout, kind, conv, seed, placement="ulysses-in-node", kernel="auto"
 ):
-    """``kernel="fla"``: the fla path's argument mapping, on a CPU stand-in of fla's
-    function (tests/helpers/fla_standin.py)."""
+    """``kernel="fla"``: the usp[fla] paths' argument mappings, on CPU stand-ins of fla's
+    and causal-conv1d's functions (tests/helpers/fla_standin.py)."""
     fla = standin_kernel() if kernel == "fla" else None
     kernels = None if fla is None else GdnKernels(TorchGdnKernel(), fla)
+    conv = standin_conv_kernel(channel_multiple=1) if kernel == "fla" else None
+    conv_kernels = None if conv is None else {"torch": TorchConvKernel(), "causal_conv1d": conv}
     topo = topology(ulysses, ring, placement)
     plan = usp.Plan(topo, layout=layout)
     hk, heads = (1, 4) if ulysses == 4 else (2, 4)  # u4: key heads repeated for the split
@@ -137,7 +140,8 @@ def run_gdn_case(
     topo.comm_stats.reset()
     out = gated_deltanet_usp(
         *local, plan, conv_weights=my_ws, packed=cu, activation=activation, chunk_size=3,
-        kernel=kernel, kernels=kernels,
+        kernel=kernel, kernels=kernels, conv_kernel="causal_conv1d" if conv else "auto",
+        conv_kernels=conv_kernels,
     )  # fmt: skip
     forward_bytes = topo.comm_stats.snapshot()
     out.backward(plan.shard(dout, packed=cu))
@@ -158,6 +162,7 @@ def run_gdn_case(
     if fla is not None:  # what reached fla's function: the ring's [0 | I] start states
         call = fla._function.calls[-1]
         shape["fla_state"] = tuple(call["initial_state"].shape)
+        shape["conv_context"] = tuple(conv._function.calls[-1]["initial_states"].shape)
     return errors, forward_bytes, backward_bytes, shape
 
 
@@ -223,6 +228,8 @@ def test_gdn_usp_with_the_ring_inside_a_node(distributed):
             assert all(err < 1e-10 for err in errors.values()), errors
         shape = fla_case[3]  # 5 documents x 2 zigzag pieces; 2 of 4 heads; dv 6 + dk 8
         assert shape["fla_state"] == (2 * shape["docs"], 2, 8, 14), shape
+        # the ring's conv tails: (2*2*8 + 4*6) / u2 channels, K - 1 = 3
+        assert shape["conv_context"] == (2 * shape["docs"], 28, 3), shape
 
 
 # ------------------------------------------------------------------ refusals
@@ -246,6 +253,9 @@ def run_refusals():
         "chunk_size": lambda: gated_deltanet_usp(*local, plan, chunk_size=0),
         "conv_weights": lambda: gated_deltanet_usp(*local, plan, conv_weights=ws[:2]),
         "kernel": lambda: gated_deltanet_usp(*local, plan, kernel="fla"),  # no fla on a CPU
+        "conv_kernel": lambda: gated_deltanet_usp(
+            *local, plan, conv_weights=ws, conv_kernel="causal_conv1d"
+        ),
         "kernel_on_one_rank": lambda: gated_deltanet_usp(
             *local, plan, kernel="torch" if rank == 1 else "auto"
         ),
@@ -273,6 +283,7 @@ EXPECTED = {
     "chunk_size": ("LinearAttentionError", "chunk_size must be a positive int"),
     "conv_weights": ("LinearAttentionError", "conv_weights must be (wq, wk, wv)"),
     "kernel": ("GdnKernelError", "GDN kernel 'fla' cannot run this call (cpu"),
+    "conv_kernel": ("ConvKernelError", "conv kernel 'causal_conv1d' cannot run this call (cpu"),
     "kernel_on_one_rank": ("RankDisagreementError", "disagree on GDN kernel", "rank 1: torch"),
 }
 

@@ -1,4 +1,5 @@
-"""A CPU stand-in for fla's ``chunk_gated_delta_rule`` (fla-core 0.6): its documented
+"""CPU stand-ins for the usp[fla] kernels, ``causal_conv1d_fn`` (causal-conv1d 1.7; at the
+end) and fla's ``chunk_gated_delta_rule`` (fla-core 0.6): its documented
 signature and argument rules, computed by usp's torch kernel, so that the mapping of
 ``usp.linear.backends.FlaGdnKernel`` onto fla's arguments is tested without a GPU.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from usp.linear.backends import FlaGdnKernel
+from usp.linear.conv import CausalConv1dKernel
 from usp.linear.kernel import chunk_gated_delta_rule as torch_kernel
 
 DEFECTS = ("drops initial_state", "ignores scale", "detaches the final state", "one sequence")
@@ -84,3 +86,55 @@ def standin_kernel(defect=None, *, float64=True) -> FlaGdnKernel:
     itself does not run, so that distributed tests keep their float64 tolerances)."""
     dtypes = (torch.float32, torch.bfloat16, torch.float16) + ((torch.float64,) if float64 else ())
     return FlaGdnKernel(FlaStandIn(defect), device_types=("cpu",), dtypes=dtypes)
+
+
+CONV_DEFECTS = ("drops initial_states", "ignores activation")
+
+
+class CausalConv1dStandIn:
+    """Callable as ``causal_conv1d.causal_conv1d_fn``; enforces its checks on the path usp
+    takes (initial states need the channel-last layout: x and initial_states with
+    stride(1) == 1, channels a multiple of 8; initial_states in x's dtype; width 2 to 4)
+    and computes with F.conv1d. Records calls in ``calls``."""
+
+    def __init__(self, defect: str | None = None, channel_multiple: int = 8):
+        assert defect is None or defect in CONV_DEFECTS, defect
+        self.defect = defect
+        self.channel_multiple = channel_multiple
+        self.calls: list[dict] = []
+
+    def __call__(self, x, weight, bias=None, seq_idx=None, initial_states=None,
+                 return_final_states=False, final_states_out=None, activation=None):  # fmt: skip
+        self.calls.append({"x": x, "weight": weight, "initial_states": initial_states,
+                           "activation": activation, "bias": bias, "seq_idx": seq_idx})  # fmt: skip
+        batch, dim, _ = x.shape
+        width = weight.shape[1]
+        if weight.shape != (dim, width) or not 2 <= width <= 4:
+            raise RuntimeError("weight must be (dim, width) with width between 2 and 4")
+        if activation not in (None, "silu", "swish"):
+            raise NotImplementedError("activation must be None, silu, or swish")
+        if initial_states is not None:
+            if x.stride(1) != 1 or initial_states.stride(1) != 1 or dim % self.channel_multiple:
+                raise RuntimeError("initial_states is only supported for channel last layout")
+            if initial_states.dtype != x.dtype or initial_states.shape != (batch, dim, width - 1):
+                raise RuntimeError("initial_states must be (batch, dim, width - 1) in x's dtype")
+        if self.defect == "drops initial_states":
+            initial_states = None
+        if initial_states is None:
+            initial_states = x.new_zeros(batch, dim, width - 1)
+        full = torch.cat([initial_states, x], dim=-1)
+        out = torch.nn.functional.conv1d(full, weight.to(x.dtype)[:, None], groups=dim)
+        if activation in ("silu", "swish") and self.defect != "ignores activation":
+            out = torch.nn.functional.silu(out)
+        return out.to(x.dtype)
+
+
+def standin_conv_kernel(defect=None, channel_multiple=8) -> CausalConv1dKernel:
+    """usp's causal-conv1d kernel calling a stand-in, allowed on the CPU and in float64
+    (``channel_multiple`` below 8 lets tiny distributed cases through; the real rule is
+    tested on its own)."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    function = CausalConv1dStandIn(defect, channel_multiple)
+    return CausalConv1dKernel(
+        function, device_types=("cpu",), dtypes=dtypes, channel_multiple=channel_multiple
+    )

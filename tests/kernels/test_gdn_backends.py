@@ -1,14 +1,22 @@
-"""The gated delta rule's kernels (usp.linear.backends) on the CPU: which kernel a call
+"""The Gated DeltaNet kernels (usp.linear.backends, usp.linear.conv) on the CPU: which kernel a call
 gets (fla absent, fla present off CUDA, a forced one that cannot run), the self-check
 refusing a kernel that is wrong in one way, and the mapping of usp's padded rows onto
-fla's documented arguments, against a stand-in with fla's signature (fla_standin.py).
-fla itself runs only in the GPU check (test_new_paths_device.py)."""
+fla's (and causal-conv1d's) documented arguments, against stand-ins with their
+signatures (fla_standin.py). The packages themselves run only in the GPU check
+(test_new_paths_device.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from fla_standin import DEFECTS, FlaStandIn, standin_kernel
+from fla_standin import (
+    CONV_DEFECTS,
+    DEFECTS,
+    CausalConv1dStandIn,
+    FlaStandIn,
+    standin_conv_kernel,
+    standin_kernel,
+)
 from gdn_cases import gdn_inputs, reference_gdn
 from reference import relative_error
 
@@ -19,6 +27,12 @@ from usp.linear.backends import (
     GdnKernels,
     TorchGdnKernel,
     select_gdn_kernel,
+)
+from usp.linear.conv import (
+    CausalConv1dKernel,
+    ConvKernelError,
+    TorchConvKernel,
+    select_conv_kernel,
 )
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -177,3 +191,69 @@ def test_the_module_passes_its_kernel_choice_on():
         layer(torch.randn(1, 12, 16, dtype=torch.float64))
     layer.kernel = "torch"
     assert layer(torch.randn(1, 12, 16, dtype=torch.float64)).shape == (1, 12, 16)
+
+
+# ------------------------------------------------------------------ the short conv
+def _convs(fast):
+    return {"torch": TorchConvKernel(), "causal_conv1d": fast}
+
+
+def test_conv_choice_absent_off_cuda_and_out_of_limits():
+    absent = _convs(CausalConv1dKernel(module="usp_test_no_such_package"))
+    assert select_conv_kernel("auto", CUDA, torch.bfloat16, 64, 4, absent).name == "torch"
+    with pytest.raises(ConvKernelError, match=r"pip install 'usp\[fla\]'"):
+        select_conv_kernel("causal_conv1d", CUDA, torch.bfloat16, 64, 4, absent)
+    present = CausalConv1dKernel(CausalConv1dStandIn())  # CUDA only, as the package
+    kernels = _convs(present)
+    assert select_conv_kernel("auto", CPU, torch.float32, 64, 4, kernels).name == "torch"
+    with pytest.raises(ConvKernelError, match="runs on cuda, not cpu"):
+        select_conv_kernel("causal_conv1d", CPU, torch.float32, 64, 4, kernels)
+    for channels, width, why in [(64, 5, "sizes 2 to 4, not 5"), (60, 4, "multiples of 8")]:
+        assert (
+            select_conv_kernel("auto", CUDA, torch.bfloat16, channels, width, kernels).name
+            == "torch"
+        )
+        with pytest.raises(ConvKernelError, match=why):
+            select_conv_kernel("causal_conv1d", CUDA, torch.bfloat16, channels, width, kernels)
+    assert present._function.calls == []
+    with pytest.raises(ConvKernelError, match="unknown conv kernel 'cudnn'"):
+        select_conv_kernel("cudnn", CPU, torch.float32, 64, 4, kernels)
+
+
+def test_conv_self_check_passes_a_correct_stand_in_and_refuses_wrong_ones():
+    good = standin_conv_kernel()
+    for dtype in (torch.float32, torch.bfloat16):
+        assert select_conv_kernel("auto", CPU, dtype, 64, 4, _convs(good)) is good
+    calls = len(good._function.calls)
+    assert calls == 4  # per dtype: activation silu and None
+    assert select_conv_kernel("causal_conv1d", CPU, torch.float32, 64, 4, _convs(good)) is good
+    assert len(good._function.calls) == calls  # cached per (device, dtype, K)
+    for defect in CONV_DEFECTS:
+        kernels = _convs(standin_conv_kernel(defect))
+        with pytest.raises(ConvKernelError, match="failed its self-check on cpu"):
+            select_conv_kernel("causal_conv1d", CPU, torch.float32, 64, 3, kernels)
+        with pytest.warns(RuntimeWarning, match="'causal_conv1d' skipped by auto"):
+            assert select_conv_kernel("auto", CPU, torch.float16, 64, 3, kernels).name == "torch"
+
+
+def test_gated_deltanet_usp_runs_the_conv_through_causal_conv1d():
+    inputs, ws, dout = gdn_inputs(1, 23, 2, 4, 8, 6, 4, seed=6)  # 2*2*8 + 4*6 = 56 channels
+    cu = torch.tensor([0, 5, 23], dtype=torch.int32)
+    conv = standin_conv_kernel()
+    leaves = [t.clone().requires_grad_() for t in (*inputs, *ws)]
+    out = gated_deltanet_usp(
+        *leaves[:5], None, conv_weights=leaves[5:], packed=cu, conv_kernel="causal_conv1d",
+        conv_kernels=_convs(conv),
+    )  # fmt: skip
+    ref_leaves = [t.clone().requires_grad_() for t in (*inputs, *ws)]
+    ref = reference_gdn(*ref_leaves[:5], ref_leaves[5:], cu)
+    assert relative_error(out, ref) < 1e-12
+    grads = torch.autograd.grad(out, leaves, dout)
+    for grad, want in zip(grads, torch.autograd.grad(ref, ref_leaves, dout)):
+        assert relative_error(grad, want) < 1e-11
+    call = conv._function.calls[-1]
+    assert call["x"].shape == (2, 56, 18) and call["x"].stride(1) == 1  # 2 documents, channel-last
+    assert call["initial_states"].shape == (2, 56, 3) and call["activation"] == "silu"
+    layer = GatedDeltaNet(16, 2, 4, 8, 6, conv_kernel="causal_conv1d").double()
+    with pytest.raises(ConvKernelError, match="conv kernel 'causal_conv1d' cannot run this call"):
+        layer(torch.randn(1, 12, 16, dtype=torch.float64))

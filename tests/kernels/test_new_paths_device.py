@@ -2,7 +2,7 @@
 value head size of its own through ``usp_attention`` on every backend; the MoE experts'
 grouped GEMM against the loop; the gated delta rule's kernel against its recurrence;
 fla's gated delta rule (``usp[fla]``, CUDA only) against usp's torch kernel, alone and
-under ``gated_deltanet_usp``.
+under ``gated_deltanet_usp``, and causal-conv1d's short conv against torch's conv1d.
 
 On CPU these run in the suite (they check the cases themselves); the CUDA cases are
 marked ``cuda`` and run in ``benchmarks/gpu_check.sh`` (``kernel_tests``), where they are
@@ -23,6 +23,7 @@ import usp
 from usp.kernels import AttentionSpec
 from usp.linear import gated_deltanet_usp
 from usp.linear.backends import TorchGdnKernel, select_gdn_kernel
+from usp.linear.conv import TorchConvKernel, select_conv_kernel
 from usp.linear.kernel import chunk_gated_delta_rule, compute_dtype, recurrent_gated_delta_rule
 from usp.models.moe import Experts, experts_loop, grouped_gemm_available
 
@@ -264,3 +265,47 @@ def test_gated_deltanet_on_fla_against_the_torch_kernel(dtype):
     for name, actual, expected in zip(names, *results[::-1]):
         tol = out_tol if name == "out" else grad_tol
         assert relative_error(actual.double().cpu(), expected.double().cpu()) <= tol, name
+
+
+def _conv_dtypes():
+    needs = [
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        pytest.mark.skipif(
+            importlib.util.find_spec("causal_conv1d") is None,
+            reason="needs causal-conv1d (pip install 'usp[fla]')",
+        ),
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        yield pytest.param(dtype, marks=needs, id=str(dtype).removeprefix("torch."))
+
+
+@pytest.mark.parametrize("dtype", list(_conv_dtypes()))
+def test_causal_conv1d_against_the_torch_conv(dtype):
+    """causal-conv1d's kernel through usp's mapping (channel-last segments after their
+    ring contexts) against torch's conv1d in float64, both activations, forward and the
+    gradients of x, the weight and the contexts. A self-check failure fails."""
+    device = torch.device("cuda")
+    channels, width = 256, 4
+    fast = select_conv_kernel("causal_conv1d", device, dtype, channels, width)
+    generator = torch.Generator().manual_seed(5)
+    x, dout = (
+        torch.randn(3, 300, channels, generator=generator, dtype=torch.float64) for _ in "xd"
+    )
+    context = torch.randn(3, width - 1, channels, generator=generator, dtype=torch.float64)
+    weight = torch.randn(channels, width, generator=generator, dtype=torch.float64) * 0.5
+    out_tol, grad_tol = FLA_TOLERANCE[dtype]
+    for activation in ("silu", None):
+        results = []
+        for kernel, run_dtype in ((TorchConvKernel(), torch.float64), (fast, dtype)):
+            leaves = [
+                t.to(device, compute_dtype(run_dtype)).requires_grad_()
+                for t in (x, weight, context)
+            ]
+            out = kernel.run(*leaves, activation, io_dtype=run_dtype)
+            grads = torch.autograd.grad(out, leaves, dout.to(device, out.dtype))
+            results.append([out, *grads])
+        for name, actual, expected in zip(["out", "dx", "dweight", "dcontext"], *results[::-1]):
+            tol = out_tol if name == "out" else grad_tol
+            err = relative_error(actual.double().cpu(), expected.double().cpu())
+            assert err <= tol, (name, activation)

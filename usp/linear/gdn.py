@@ -36,11 +36,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from usp.comm.agreement import Field, agree, can_agree, float_bits, stable_hash
 from usp.errors import InputError, ShardingError
 from usp.linear.backends import GDN_KERNELS, GdnKernel, GdnKernelError, select_gdn_kernel
+from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError, select_conv_kernel
 from usp.linear.kernel import compute_dtype, from_padded, l2norm, segment_rows, to_padded
 from usp.linear.ring import Segments, conv_contexts, ring_all_gather, segment_tails, start_states
 from usp.packing import PackedSequence
@@ -113,7 +113,7 @@ def _documents(plan, seq_len: int, packed) -> Documents:
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
-def _fields(q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents, choice):
+def _fields(q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents, choices):
     """What the SP ranks must agree on before the first collective."""
     kernel = -1 if conv_weights is None else conv_weights[0].shape[1]
     dtype = _DTYPES.index(v.dtype) if v.dtype in _DTYPES else len(_DTYPES)
@@ -130,8 +130,13 @@ def _fields(q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, do
         Field("documents", docs, _hashed),
         Field(
             "GDN kernel (auto, torch or fla)",
-            GDN_KERNELS.index(choice) if choice in GDN_KERNELS else -1,
+            GDN_KERNELS.index(choices[0]) if choices[0] in GDN_KERNELS else -1,
             lambda i: GDN_KERNELS[i] if i >= 0 else "unknown",
+        ),
+        Field(
+            "conv kernel (auto, torch or causal_conv1d)",
+            CONV_KERNELS.index(choices[1]) if choices[1] in CONV_KERNELS else -1,
+            lambda i: CONV_KERNELS[i] if i >= 0 else "unknown",
         ),
     ]
 
@@ -156,6 +161,8 @@ def gated_deltanet_usp(
     chunk_size: int = 64,
     kernel: str = "auto",
     kernels=None,
+    conv_kernel: str = "auto",
+    conv_kernels=None,
 ) -> torch.Tensor:
     """The Gated DeltaNet token mixer on this rank's sequence shard (exact under SP).
 
@@ -172,14 +179,16 @@ def gated_deltanet_usp(
     32 or 64 and runs 64 for any other). ``kernel``: ``"auto"`` (fla on CUDA when
     installed and self-checked, else usp's torch kernel), ``"torch"`` or ``"fla"`` (see
     :mod:`usp.linear.backends`; ``kernels``: a :class:`GdnKernels` to look them up in,
-    default usp's).
+    default usp's). ``conv_kernel``: the short conv's, ``"auto"`` (causal-conv1d on CUDA
+    when installed and self-checked, else torch's conv1d), ``"torch"`` or
+    ``"causal_conv1d"`` (see :mod:`usp.linear.conv`; ``conv_kernels``: a dict of them).
 
     Raises :class:`LinearAttentionError` / ``UlyssesHeadError`` / ``ShardingError`` on
     every SP rank, before any data moves, for what it cannot compute.
     """
     u = 1 if plan is None else plan.ulysses_degree
     r = 1 if plan is None else plan.ring_degree
-    error, documents, times, impl = None, None, 1, None
+    error, documents, times, impl, conv_impl = None, None, 1, None, None
     try:
         _check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale)
         times = degrees.kv_replication_for(
@@ -192,6 +201,12 @@ def gated_deltanet_usp(
         if documents.chunks_per_doc > 1:  # the ring's state pass adds d_k value columns
             dv += dk
         impl = select_gdn_kernel(kernel, v.device, v.dtype, dk, dv, kernels)
+        if conv_weights is not None:  # this rank's channels: its heads after the all-to-all
+            channels = (2 * q.shape[2] * times * q.shape[3] + v.shape[2] * v.shape[3]) // u
+            width = conv_weights[0].shape[1]
+            conv_impl = select_conv_kernel(
+                conv_kernel, v.device, v.dtype, channels, width, conv_kernels
+            )
         if r > 1 and dist.get_rank(plan.ring_group) != plan.ring_rank:
             raise LinearAttentionError(
                 f"the ring group orders its ranks differently from the ring rank "
@@ -202,7 +217,15 @@ def gated_deltanet_usp(
         error = err
     if plan is not None and plan.sp_degree > 1 and can_agree(plan.sp_group):
         fields = _fields(
-            q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents, kernel
+            q,
+            v,
+            conv_weights,
+            activation,
+            chunk_size,
+            scale,
+            use_qk_l2norm,
+            documents,
+            (kernel, conv_kernel),
         )
         agree(
             plan.sp_group,
@@ -212,6 +235,7 @@ def gated_deltanet_usp(
             (
                 LinearAttentionError,
                 GdnKernelError,
+                ConvKernelError,
                 UlyssesHeadError,
                 HeadLayoutError,
                 ShardingError,
@@ -235,7 +259,7 @@ def gated_deltanet_usp(
         None if plan is None else plan.comm_stats,
         0 if plan is None else plan.ring_rank,
     )
-    options = _Options(activation, scale, use_qk_l2norm, chunk_size, impl)
+    options = _Options(activation, scale, use_qk_l2norm, chunk_size, impl, conv_impl)
     out = _ring_block([q, k, v_local, g[..., 0], beta[..., 0]], documents, ring, ws, options)
     if u > 1:  # [B, S/r, H/u, dv] -> [B, S/P, H, dv]
         out = to_sequence_sharded(out, plan.ulysses_group, plan.comm_stats)
@@ -273,14 +297,6 @@ def _rank_weights(ws, u, rank):
     return [w[rank * (w.shape[0] // u) : (rank + 1) * (w.shape[0] // u)] for w in ws]
 
 
-def _conv(x_pad, weight, context, activation):
-    """Depthwise causal conv of segments [N, L, C] after their contexts [N, K-1, C]."""
-    full = torch.cat([context, x_pad], dim=1).transpose(1, 2)  # [N, C, K-1+L]
-    out = F.conv1d(full, weight.to(full.dtype)[:, None, :], groups=full.shape[1])
-    out = out.transpose(1, 2)  # [N, L, C]
-    return F.silu(out) if activation == "silu" else out
-
-
 @dataclass(frozen=True)
 class _Ring:
     group: object  # the ring's process group (None: a ring of one)
@@ -295,6 +311,7 @@ class _Options:
     use_qk_l2norm: bool
     chunk_size: int
     kernel: GdnKernel  # the recurrence's (usp.linear.backends)
+    conv: ConvKernel | None  # the short conv's (usp.linear.conv), None without one
 
 
 def _ring_block(tensors, documents: Documents, ring: _Ring, ws, options: _Options):
@@ -323,7 +340,8 @@ def _ring_block(tensors, documents: Documents, ring: _Ring, ws, options: _Option
             tails = segment_tails(x_pad, segments, batch, width)  # [B, N, K-1, C]
             every = gather(tails)  # [r, B, N, K-1, C]
             context = conv_contexts(every, segments, width).flatten(0, 1)
-        y = _conv(x_pad, torch.cat(ws, 0), context, options.activation)
+        weight = torch.cat(ws, 0)  # [C, K]
+        y = options.conv.run(x_pad, weight, context, options.activation, io_dtype=v.dtype)
         qp, kp, vp = y.split([hk * dk, hk * dk, heads * dv], dim=-1)
         qp, kp = (t.unflatten(-1, (hk, dk)) for t in (qp, kp))
         vp = vp.unflatten(-1, (heads, dv))

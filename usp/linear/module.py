@@ -43,7 +43,9 @@ class GatedDeltaNet(nn.Module):
 
     ``plan``: the :class:`usp.Plan` used when ``forward`` gets none (None: one process).
     ``chunk_size``: the kernel's chunk length (work, not results). ``kernel``: the
-    recurrence's kernel, ``"auto"``, ``"torch"`` or ``"fla"`` (:mod:`usp.linear.backends`).
+    recurrence's kernel, ``"auto"``, ``"torch"`` or ``"fla"`` (:mod:`usp.linear.backends`);
+    ``conv_kernel``: the short conv's, ``"auto"``, ``"torch"`` or ``"causal_conv1d"``
+    (:mod:`usp.linear.conv`).
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class GatedDeltaNet(nn.Module):
         plan=None,
         chunk_size: int = 64,
         kernel: str = "auto",
+        conv_kernel: str = "auto",
     ):
         super().__init__()
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
@@ -70,6 +73,7 @@ class GatedDeltaNet(nn.Module):
         self.plan = plan
         self.chunk_size = chunk_size
         self.kernel = kernel
+        self.conv_kernel = conv_kernel
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim, bias=False,
             padding=conv_kernel_size - 1,
@@ -131,6 +135,7 @@ class GatedDeltaNet(nn.Module):
             packed=packed,
             chunk_size=self.chunk_size,
             kernel=self.kernel,
+            conv_kernel=self.conv_kernel,
         )  # fmt: skip  [B, S/P, H, dv]
         core = self.norm(core, z)
         return self.out_proj(core.reshape(batch, seq_len, self.value_dim))
