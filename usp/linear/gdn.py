@@ -20,6 +20,10 @@ backward) against one process:
      start states S0, and adds ``q~ S0`` to the outputs.
 3. The inverse all-to-all returns [B, S/P, H, dv].
 
+The conv and the recurrence run on the kernels chosen per call (``kernel=``,
+``conv_kernel=``): usp's torch code, or on CUDA the ``usp[fla]`` packages
+(:mod:`usp.linear.backends`, :mod:`usp.linear.conv`), self-checked before first use.
+
 No rank waits for another's recurrence: the ring costs two all-gathers whose size does
 not depend on S (per rank and direction, (r - 1) x segments x B x (the conv tails
 (kernel - 1) x channels/u + the maps H/u x dk x (dk + dv))), and d_k extra value columns
@@ -183,8 +187,9 @@ def gated_deltanet_usp(
     when installed and self-checked, else torch's conv1d), ``"torch"`` or
     ``"causal_conv1d"`` (see :mod:`usp.linear.conv`; ``conv_kernels``: a dict of them).
 
-    Raises :class:`LinearAttentionError` / ``UlyssesHeadError`` / ``ShardingError`` on
-    every SP rank, before any data moves, for what it cannot compute.
+    Raises :class:`LinearAttentionError` / ``UlyssesHeadError`` / ``ShardingError`` (and
+    ``GdnKernelError`` / ``ConvKernelError`` for a kernel that cannot run) on every SP
+    rank, before any data moves, for what it cannot compute.
     """
     u = 1 if plan is None else plan.ulysses_degree
     r = 1 if plan is None else plan.ring_degree
