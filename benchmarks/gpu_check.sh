@@ -8,7 +8,9 @@
 #                  paths (test_new_paths_device.py): sliding windows, attention sinks and
 #                  a value head size of its own through usp_attention on each backend, the
 #                  MoE experts' grouped GEMM against the loop, the gated delta rule kernel
-#                  against its recurrence
+#                  against its recurrence; with usp[fla] installed, fla's gated delta rule
+#                  and causal-conv1d's short conv against usp's torch path (a self-check
+#                  failure fails; skipped without the packages)
 #   cuda_tests     every other test marked @pytest.mark.cuda (none yet is fine)
 #   plan_check     benchmarks/plan_check.py: usp plan's fake-tensor memory estimate of 4
 #                  layers of Llama-3.1-8B at 64k tokens (one of 8 ranks) against

@@ -12,12 +12,15 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from fla_standin import standin_conv_kernel, standin_kernel
 from gdn_cases import gdn_inputs, reference_gdn
 from reference import relative_error
 from usp_cases import topology
 
 import usp
 from usp.linear import gated_deltanet_usp
+from usp.linear.backends import GdnKernels, TorchGdnKernel
+from usp.linear.conv import TorchConvKernel
 from usp.linear.kernel import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 TIMEOUT = 90
@@ -104,7 +107,15 @@ def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def run_gdn_case(ulysses, ring, layout, kind, conv, seed, placement="ulysses-in-node"):
+def run_gdn_case(
+    ulysses, ring, layout, kind, conv, seed, placement="ulysses-in-node", kernel="auto"
+):
+    """``kernel="fla"``: the usp[fla] paths' argument mappings, on CPU stand-ins of fla's
+    and causal-conv1d's functions (tests/helpers/fla_standin.py)."""
+    fla = standin_kernel() if kernel == "fla" else None
+    kernels = None if fla is None else GdnKernels(TorchGdnKernel(), fla)
+    conv = standin_conv_kernel(channel_multiple=1) if kernel == "fla" else None
+    conv_kernels = None if conv is None else {"torch": TorchConvKernel(), "causal_conv1d": conv}
     topo = topology(ulysses, ring, placement)
     plan = usp.Plan(topo, layout=layout)
     hk, heads = (1, 4) if ulysses == 4 else (2, 4)  # u4: key heads repeated for the split
@@ -128,8 +139,10 @@ def run_gdn_case(ulysses, ring, layout, kind, conv, seed, placement="ulysses-in-
     my_ws = None if ws is None else [w.clone().requires_grad_() for w in ws]
     topo.comm_stats.reset()
     out = gated_deltanet_usp(
-        *local, plan, conv_weights=my_ws, packed=cu, activation=activation, chunk_size=3
-    )
+        *local, plan, conv_weights=my_ws, packed=cu, activation=activation, chunk_size=3,
+        kernel=kernel, kernels=kernels, conv_kernel="causal_conv1d" if conv else "auto",
+        conv_kernels=conv_kernels,
+    )  # fmt: skip
     forward_bytes = topo.comm_stats.snapshot()
     out.backward(plan.shard(dout, packed=cu))
     backward_bytes = {
@@ -146,6 +159,10 @@ def run_gdn_case(ulysses, ring, layout, kind, conv, seed, placement="ulysses-in-
     docs = 1 if cu is None else len(plan.pack(cu, agree_ranks=False).documents.lengths)
     shape = {"batch": batch, "seq_len": seq_len, "hk": hk, "heads": heads, "docs": docs}
     shape["kernel"] = 4 if conv else 1
+    if fla is not None:  # what reached fla's function: the ring's [0 | I] start states
+        call = fla._function.calls[-1]
+        shape["fla_state"] = tuple(call["initial_state"].shape)
+        shape["conv_context"] = tuple(conv._function.calls[-1]["initial_states"].shape)
     return errors, forward_bytes, backward_bytes, shape
 
 
@@ -196,14 +213,23 @@ def test_gdn_usp_matches_one_process(distributed, grid):
     assert not failures, "\n".join(failures)
 
 
+def run_ring_in_node_cases():
+    """u2 x r2, zigzag, packed: usp's torch kernel, then fla's path on its stand-in."""
+    case = (2, 2, "zigzag", "packed", True, 1, "ring-in-node")
+    return run_gdn_case(*case), run_gdn_case(*case, kernel="fla")
+
+
 def test_gdn_usp_with_the_ring_inside_a_node(distributed):
-    """ "ring-in-node": the ring's ranks are adjacent, Ulysses strides across them."""
-    results = distributed.run(
-        run_gdn_case, 2, 2, "zigzag", "packed", True, 1, "ring-in-node", world_size=4,
-        timeout=TIMEOUT,
-    )  # fmt: skip
-    for errors, *_ in results:
-        assert all(err < 1e-10 for err in errors.values()), errors
+    """ "ring-in-node": the ring's ranks are adjacent, Ulysses strides across them; the
+    second case runs the recurrence through the fla kernel's mapping (a CPU stand-in)."""
+    results = distributed.run(run_ring_in_node_cases, world_size=4, timeout=TIMEOUT)
+    for torch_case, fla_case in results:
+        for errors, *_ in (torch_case, fla_case):
+            assert all(err < 1e-10 for err in errors.values()), errors
+        shape = fla_case[3]  # 5 documents x 2 zigzag pieces; 2 of 4 heads; dv 6 + dk 8
+        assert shape["fla_state"] == (2 * shape["docs"], 2, 8, 14), shape
+        # the ring's conv tails: (2*2*8 + 4*6) / u2 channels, K - 1 = 3
+        assert shape["conv_context"] == (2 * shape["docs"], 28, 3), shape
 
 
 # ------------------------------------------------------------------ refusals
@@ -226,6 +252,13 @@ def run_refusals():
         ),
         "chunk_size": lambda: gated_deltanet_usp(*local, plan, chunk_size=0),
         "conv_weights": lambda: gated_deltanet_usp(*local, plan, conv_weights=ws[:2]),
+        "kernel": lambda: gated_deltanet_usp(*local, plan, kernel="fla"),  # no fla on a CPU
+        "conv_kernel": lambda: gated_deltanet_usp(
+            *local, plan, conv_weights=ws, conv_kernel="causal_conv1d"
+        ),
+        "kernel_on_one_rank": lambda: gated_deltanet_usp(
+            *local, plan, kernel="torch" if rank == 1 else "auto"
+        ),
     }
     messages = {}
     for name, call in calls.items():
@@ -249,6 +282,9 @@ EXPECTED = {
     "shape_on_one_rank": ("RankDisagreementError", "disagree on q shape"),
     "chunk_size": ("LinearAttentionError", "chunk_size must be a positive int"),
     "conv_weights": ("LinearAttentionError", "conv_weights must be (wq, wk, wv)"),
+    "kernel": ("GdnKernelError", "GDN kernel 'fla' cannot run this call (cpu"),
+    "conv_kernel": ("ConvKernelError", "conv kernel 'causal_conv1d' cannot run this call (cpu"),
+    "kernel_on_one_rank": ("RankDisagreementError", "disagree on GDN kernel", "rank 1: torch"),
 }
 
 

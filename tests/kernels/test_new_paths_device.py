@@ -1,6 +1,8 @@
 """The 2026 paths on each device the build has: sliding windows, attention sinks and a
 value head size of its own through ``usp_attention`` on every backend; the MoE experts'
-grouped GEMM against the loop; the gated delta rule's kernel against its recurrence.
+grouped GEMM against the loop; the gated delta rule's kernel against its recurrence;
+fla's gated delta rule (``usp[fla]``, CUDA only) against usp's torch kernel, alone and
+under ``gated_deltanet_usp``, and causal-conv1d's short conv against torch's conv1d.
 
 On CPU these run in the suite (they check the cases themselves); the CUDA cases are
 marked ``cuda`` and run in ``benchmarks/gpu_check.sh`` (``kernel_tests``), where they are
@@ -10,6 +12,8 @@ magnitude, as in ``test_kernels.py``; the CUDA ones are not yet measured on a GP
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from kernel_cases import BACKENDS, require, work_dtype
@@ -17,7 +21,10 @@ from reference import reference_sink_attention, relative_error, window_document_
 
 import usp
 from usp.kernels import AttentionSpec
-from usp.linear.kernel import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from usp.linear import gated_deltanet_usp
+from usp.linear.backends import TorchGdnKernel, select_gdn_kernel
+from usp.linear.conv import TorchConvKernel, select_conv_kernel
+from usp.linear.kernel import chunk_gated_delta_rule, compute_dtype, recurrent_gated_delta_rule
 from usp.models.moe import Experts, experts_loop, grouped_gemm_available
 
 TOLERANCE = {  # (device type, dtype): (out, grads)
@@ -163,3 +170,142 @@ def test_gated_delta_rule_kernel_against_its_recurrence(device):
     assert relative_error(state.double().cpu(), ref_state) <= tol
     for name, grad, want in zip(["q", "k", "v", "g", "beta"], grads, ref_grads):
         assert relative_error(grad.double().cpu(), want) <= 10 * tol, name
+
+
+# ------------------------------------------------- fla's kernel (usp[fla]) on CUDA
+def _fla_dtypes():
+    needs = [
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        pytest.mark.skipif(
+            importlib.util.find_spec("fla") is None, reason="needs fla (pip install 'usp[fla]')"
+        ),
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        yield pytest.param(dtype, marks=needs, id=str(dtype).removeprefix("torch."))
+
+
+# (out, grads) relative to the float64 torch kernel; not yet measured on a GPU (fla's
+# float32 matmuls may run in tf32)
+FLA_TOLERANCE = {torch.float32: (5e-3, 1e-2), torch.bfloat16: (3e-2, 6e-2)}
+
+
+@pytest.mark.parametrize("dtype", list(_fla_dtypes()))
+@pytest.mark.parametrize(("dk", "dv"), [(64, 64), (128, 256)])  # 256: dv 128 + the ring's dk
+def test_fla_kernel_against_the_torch_kernel(dtype, dk, dv):
+    """usp's fla path (rows packed into cu_seqlens, one of them empty, initial states)
+    against usp's torch kernel in float64 on the same GPU: output, final states and the
+    gradients of q, k, v, g, beta and the initial state. A self-check failure fails."""
+    device = torch.device("cuda")
+    fla = select_gdn_kernel("fla", device, dtype, dk, dv)  # raises if it fails its self-check
+    generator = torch.Generator().manual_seed(3)
+    lengths, heads = [300, 0, 77, 128], 4
+    n, length = len(lengths), max(lengths)
+    valid = torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]
+    mask = valid[..., None].double()
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    q, k = (torch.nn.functional.normalize(randn(n, length, heads, dk), dim=-1) for _ in "qk")
+    q = q * dk**-0.5
+    v = randn(n, length, heads, dv)
+    g = -torch.rand(n, length, heads, generator=generator, dtype=torch.float64) * 0.3
+    beta = torch.rand(n, length, heads, generator=generator, dtype=torch.float64)
+    inputs = [t * mask[..., None] for t in (q, k, v)] + [t * mask for t in (g, beta)]
+    state = randn(n, heads, dk, dv) * 0.2
+    dout, dstate = randn(n, length, heads, dv) * mask[..., None], randn(n, heads, dk, dv)
+
+    results = []
+    for kernel, run_dtype in ((TorchGdnKernel(), torch.float64), (fla, dtype)):
+        leaves = [t.to(device, compute_dtype(run_dtype)).requires_grad_() for t in (*inputs, state)]
+        o, final = kernel.run(
+            *leaves[:5], lengths=lengths, initial_state=leaves[5], chunk_size=64,
+            io_dtype=run_dtype,
+        )  # fmt: skip
+        grads = torch.autograd.grad(
+            (o, final), leaves, (dout.to(device, o.dtype), dstate.to(device, final.dtype))
+        )
+        keep = valid.to(device)
+        results.append([o[keep], final, *(t[keep] for t in grads[:5]), grads[5]])
+    out_tol, grad_tol = FLA_TOLERANCE[dtype]
+    names = ["o", "final", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
+    for name, actual, expected in zip(names, *results[::-1]):
+        tol = out_tol if name in ("o", "final") else grad_tol
+        assert relative_error(actual.double().cpu(), expected.double().cpu()) <= tol, name
+
+
+@pytest.mark.parametrize("dtype", list(_fla_dtypes()))
+def test_gated_deltanet_on_fla_against_the_torch_kernel(dtype):
+    """The whole one-process path (conv, l2-norm, packed documents) with kernel="fla"
+    against kernel="torch" in float64, output and every gradient."""
+    device = torch.device("cuda")
+    generator = torch.Generator().manual_seed(4)
+    seq, hk, heads, dk, dv = 384, 2, 4, 64, 64
+    cu = torch.tensor([0, 100, 101, 384], dtype=torch.int32)
+    shapes = [(1, seq, hk, dk), (1, seq, hk, dk), (1, seq, heads, dv)]
+    q, k, v = (torch.randn(*s, generator=generator, dtype=torch.float64) for s in shapes)
+    g = -torch.rand(1, seq, heads, generator=generator, dtype=torch.float64) * 0.3
+    beta = torch.rand(1, seq, heads, generator=generator, dtype=torch.float64)
+    ws = [torch.randn(c, 4, generator=generator, dtype=torch.float64) * 0.5
+          for c in (hk * dk, hk * dk, heads * dv)]  # fmt: skip
+    dout = torch.randn(1, seq, heads, dv, generator=generator, dtype=torch.float64)
+    results = []
+    for kernel, run_dtype in (("torch", torch.float64), ("fla", dtype)):
+        leaves = [t.to(device, run_dtype).requires_grad_() for t in (q, k, v)]
+        leaves += [t.to(device, compute_dtype(run_dtype)).requires_grad_() for t in (g, beta)]
+        weights = [w.to(device, run_dtype).requires_grad_() for w in ws]
+        out = gated_deltanet_usp(
+            *leaves, None, conv_weights=weights, packed=cu.to(device), kernel=kernel
+        )
+        grads = torch.autograd.grad(out, leaves + weights, dout.to(device, run_dtype))
+        results.append([out, *grads])
+    out_tol, grad_tol = FLA_TOLERANCE[dtype]
+    names = ["out", "dq", "dk", "dv", "dg", "dbeta", "dwq", "dwk", "dwv"]
+    for name, actual, expected in zip(names, *results[::-1]):
+        tol = out_tol if name == "out" else grad_tol
+        assert relative_error(actual.double().cpu(), expected.double().cpu()) <= tol, name
+
+
+def _conv_dtypes():
+    needs = [
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        pytest.mark.skipif(
+            importlib.util.find_spec("causal_conv1d") is None,
+            reason="needs causal-conv1d (pip install 'usp[fla]')",
+        ),
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        yield pytest.param(dtype, marks=needs, id=str(dtype).removeprefix("torch."))
+
+
+@pytest.mark.parametrize("dtype", list(_conv_dtypes()))
+def test_causal_conv1d_against_the_torch_conv(dtype):
+    """causal-conv1d's kernel through usp's mapping (channel-last segments after their
+    ring contexts) against torch's conv1d in float64, both activations, forward and the
+    gradients of x, the weight and the contexts. A self-check failure fails."""
+    device = torch.device("cuda")
+    channels, width = 256, 4
+    fast = select_conv_kernel("causal_conv1d", device, dtype, channels, width)
+    generator = torch.Generator().manual_seed(5)
+    x, dout = (
+        torch.randn(3, 300, channels, generator=generator, dtype=torch.float64) for _ in "xd"
+    )
+    context = torch.randn(3, width - 1, channels, generator=generator, dtype=torch.float64)
+    weight = torch.randn(channels, width, generator=generator, dtype=torch.float64) * 0.5
+    out_tol, grad_tol = FLA_TOLERANCE[dtype]
+    for activation in ("silu", None):
+        results = []
+        for kernel, run_dtype in ((TorchConvKernel(), torch.float64), (fast, dtype)):
+            leaves = [
+                t.to(device, compute_dtype(run_dtype)).requires_grad_()
+                for t in (x, weight, context)
+            ]
+            out = kernel.run(*leaves, activation, io_dtype=run_dtype)
+            grads = torch.autograd.grad(out, leaves, dout.to(device, out.dtype))
+            results.append([out, *grads])
+        for name, actual, expected in zip(["out", "dx", "dweight", "dcontext"], *results[::-1]):
+            tol = out_tol if name == "out" else grad_tol
+            err = relative_error(actual.double().cpu(), expected.double().cpu())
+            assert err <= tol, (name, activation)

@@ -2,7 +2,10 @@
 
 - :mod:`usp.linear.kernel`: the gated delta rule in torch (chunked, any dtype) and its
   step-by-step reference;
-- :mod:`usp.linear.conv`: the causal depthwise short convolution on segments;
+- :mod:`usp.linear.backends`: the recurrence's kernels behind one seam (torch; fla's
+  Triton kernel on CUDA, ``usp[fla]``), their choice and fla's self-check;
+- :mod:`usp.linear.conv`: the short conv's kernels (torch's conv1d; causal-conv1d on
+  CUDA, ``usp[fla]``), their choice and self-check;
 - :mod:`usp.linear.ring`: segments of a rank's ring block and the ring scan of states;
 - :mod:`usp.linear.gdn`: :func:`gated_deltanet_usp`, the conv + recurrence under a Plan;
 - :mod:`usp.linear.module`: :class:`GatedDeltaNet`, transformers' Qwen3.5 GDN layer.

@@ -20,6 +20,10 @@ backward) against one process:
      start states S0, and adds ``q~ S0`` to the outputs.
 3. The inverse all-to-all returns [B, S/P, H, dv].
 
+The conv and the recurrence run on the kernels chosen per call (``kernel=``,
+``conv_kernel=``): usp's torch code, or on CUDA the ``usp[fla]`` packages
+(:mod:`usp.linear.backends`, :mod:`usp.linear.conv`), self-checked before first use.
+
 No rank waits for another's recurrence: the ring costs two all-gathers whose size does
 not depend on S (per rank and direction, (r - 1) x segments x B x (the conv tails
 (kernel - 1) x channels/u + the maps H/u x dk x (dk + dv))), and d_k extra value columns
@@ -36,18 +40,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from usp.comm.agreement import Field, agree, can_agree, float_bits, stable_hash
 from usp.errors import InputError, ShardingError
-from usp.linear.kernel import (
-    compute_dtype,
-    from_padded,
-    gated_delta_rule_padded,
-    l2norm,
-    segment_rows,
-    to_padded,
-)
+from usp.linear.backends import GDN_KERNELS, GdnKernel, GdnKernelError, select_gdn_kernel
+from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError, select_conv_kernel
+from usp.linear.kernel import compute_dtype, from_padded, l2norm, segment_rows, to_padded
 from usp.linear.ring import Segments, conv_contexts, ring_all_gather, segment_tails, start_states
 from usp.packing import PackedSequence
 from usp.process_groups import HeadLayoutError, degrees
@@ -119,7 +117,7 @@ def _documents(plan, seq_len: int, packed) -> Documents:
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
-def _fields(q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents):
+def _fields(q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents, choices):
     """What the SP ranks must agree on before the first collective."""
     kernel = -1 if conv_weights is None else conv_weights[0].shape[1]
     dtype = _DTYPES.index(v.dtype) if v.dtype in _DTYPES else len(_DTYPES)
@@ -134,6 +132,16 @@ def _fields(q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, do
         Field("chunk_size", chunk_size if isinstance(chunk_size, int) else -1),
         Field("activation, scale, use_qk_l2norm", stable_hash(options), _hashed),
         Field("documents", docs, _hashed),
+        Field(
+            "GDN kernel (auto, torch or fla)",
+            GDN_KERNELS.index(choices[0]) if choices[0] in GDN_KERNELS else -1,
+            lambda i: GDN_KERNELS[i] if i >= 0 else "unknown",
+        ),
+        Field(
+            "conv kernel (auto, torch or causal_conv1d)",
+            CONV_KERNELS.index(choices[1]) if choices[1] in CONV_KERNELS else -1,
+            lambda i: CONV_KERNELS[i] if i >= 0 else "unknown",
+        ),
     ]
 
 
@@ -155,6 +163,10 @@ def gated_deltanet_usp(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
+    kernel: str = "auto",
+    kernels=None,
+    conv_kernel: str = "auto",
+    conv_kernels=None,
 ) -> torch.Tensor:
     """The Gated DeltaNet token mixer on this rank's sequence shard (exact under SP).
 
@@ -167,14 +179,21 @@ def gated_deltanet_usp(
     rule run per value head (value head e reads key head e // (H / Hk)); its state
     restarts at every document of ``packed`` (cu_seqlens or a PackedSequence of ``plan``).
     Returns [B, S/P, H, dv] in v's dtype. ``plan``: a :class:`usp.Plan`, or None for one
-    process. ``chunk_size``: the kernel's chunk length (work, not results).
+    process. ``chunk_size``: the kernel's chunk length (work, not results; fla takes 16,
+    32 or 64 and runs 64 for any other). ``kernel``: ``"auto"`` (fla on CUDA when
+    installed and self-checked, else usp's torch kernel), ``"torch"`` or ``"fla"`` (see
+    :mod:`usp.linear.backends`; ``kernels``: a :class:`GdnKernels` to look them up in,
+    default usp's). ``conv_kernel``: the short conv's, ``"auto"`` (causal-conv1d on CUDA
+    when installed and self-checked, else torch's conv1d), ``"torch"`` or
+    ``"causal_conv1d"`` (see :mod:`usp.linear.conv`; ``conv_kernels``: a dict of them).
 
-    Raises :class:`LinearAttentionError` / ``UlyssesHeadError`` / ``ShardingError`` on
-    every SP rank, before any data moves, for what it cannot compute.
+    Raises :class:`LinearAttentionError` / ``UlyssesHeadError`` / ``ShardingError`` (and
+    ``GdnKernelError`` / ``ConvKernelError`` for a kernel that cannot run) on every SP
+    rank, before any data moves, for what it cannot compute.
     """
     u = 1 if plan is None else plan.ulysses_degree
     r = 1 if plan is None else plan.ring_degree
-    error, documents, times = None, None, 1
+    error, documents, times, impl, conv_impl = None, None, 1, None, None
     try:
         _check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale)
         times = degrees.kv_replication_for(
@@ -183,6 +202,16 @@ def gated_deltanet_usp(
             f"over ulysses={u}",
         )  # fmt: skip
         documents = _documents(plan, v.shape[1] * u * r, packed)
+        dk, dv = q.shape[3], v.shape[3]
+        if documents.chunks_per_doc > 1:  # the ring's state pass adds d_k value columns
+            dv += dk
+        impl = select_gdn_kernel(kernel, v.device, v.dtype, dk, dv, kernels)
+        if conv_weights is not None:  # this rank's channels: its heads after the all-to-all
+            channels = (2 * q.shape[2] * times * q.shape[3] + v.shape[2] * v.shape[3]) // u
+            width = conv_weights[0].shape[1]
+            conv_impl = select_conv_kernel(
+                conv_kernel, v.device, v.dtype, channels, width, conv_kernels
+            )
         if r > 1 and dist.get_rank(plan.ring_group) != plan.ring_rank:
             raise LinearAttentionError(
                 f"the ring group orders its ranks differently from the ring rank "
@@ -193,14 +222,30 @@ def gated_deltanet_usp(
         error = err
     if plan is not None and plan.sp_degree > 1 and can_agree(plan.sp_group):
         fields = _fields(
-            q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents
+            q,
+            v,
+            conv_weights,
+            activation,
+            chunk_size,
+            scale,
+            use_qk_l2norm,
+            documents,
+            (kernel, conv_kernel),
         )
         agree(
             plan.sp_group,
             "gated_deltanet_usp",
             fields,
             error,
-            (LinearAttentionError, UlyssesHeadError, HeadLayoutError, ShardingError, InputError),
+            (
+                LinearAttentionError,
+                GdnKernelError,
+                ConvKernelError,
+                UlyssesHeadError,
+                HeadLayoutError,
+                ShardingError,
+                InputError,
+            ),
         )
     if error is not None:
         raise error
@@ -219,7 +264,7 @@ def gated_deltanet_usp(
         None if plan is None else plan.comm_stats,
         0 if plan is None else plan.ring_rank,
     )
-    options = _Options(activation, scale, use_qk_l2norm, chunk_size)
+    options = _Options(activation, scale, use_qk_l2norm, chunk_size, impl, conv_impl)
     out = _ring_block([q, k, v_local, g[..., 0], beta[..., 0]], documents, ring, ws, options)
     if u > 1:  # [B, S/r, H/u, dv] -> [B, S/P, H, dv]
         out = to_sequence_sharded(out, plan.ulysses_group, plan.comm_stats)
@@ -257,14 +302,6 @@ def _rank_weights(ws, u, rank):
     return [w[rank * (w.shape[0] // u) : (rank + 1) * (w.shape[0] // u)] for w in ws]
 
 
-def _conv(x_pad, weight, context, activation):
-    """Depthwise causal conv of segments [N, L, C] after their contexts [N, K-1, C]."""
-    full = torch.cat([context, x_pad], dim=1).transpose(1, 2)  # [N, C, K-1+L]
-    out = F.conv1d(full, weight.to(full.dtype)[:, None, :], groups=full.shape[1])
-    out = out.transpose(1, 2)  # [N, L, C]
-    return F.silu(out) if activation == "silu" else out
-
-
 @dataclass(frozen=True)
 class _Ring:
     group: object  # the ring's process group (None: a ring of one)
@@ -278,6 +315,8 @@ class _Options:
     scale: float | None
     use_qk_l2norm: bool
     chunk_size: int
+    kernel: GdnKernel  # the recurrence's (usp.linear.backends)
+    conv: ConvKernel | None  # the short conv's (usp.linear.conv), None without one
 
 
 def _ring_block(tensors, documents: Documents, ring: _Ring, ws, options: _Options):
@@ -306,7 +345,8 @@ def _ring_block(tensors, documents: Documents, ring: _Ring, ws, options: _Option
             tails = segment_tails(x_pad, segments, batch, width)  # [B, N, K-1, C]
             every = gather(tails)  # [r, B, N, K-1, C]
             context = conv_contexts(every, segments, width).flatten(0, 1)
-        y = _conv(x_pad, torch.cat(ws, 0), context, options.activation)
+        weight = torch.cat(ws, 0)  # [C, K]
+        y = options.conv.run(x_pad, weight, context, options.activation, io_dtype=v.dtype)
         qp, kp, vp = y.split([hk * dk, hk * dk, heads * dv], dim=-1)
         qp, kp = (t.unflatten(-1, (hk, dk)) for t in (qp, kp))
         vp = vp.unflatten(-1, (heads, dv))
@@ -319,14 +359,22 @@ def _ring_block(tensors, documents: Documents, ring: _Ring, ws, options: _Option
     qp = qp * (dk**-0.5 if options.scale is None else options.scale)
     qp, kp, vp = (t * mask for t in (qp, kp, vp))  # the conv wrote past the segments' ends
 
+    lengths = [b - a for a, b in zip(segments.bounds, segments.bounds[1:])] * batch
+
+    def recurrence(vp, initial_state):  # the kernel's rows: [B*N, L, h, ..]
+        return options.kernel.run(
+            qp, kp, vp, gp, bp, lengths=lengths, initial_state=initial_state,
+            chunk_size=chunk, io_dtype=v.dtype,
+        )  # fmt: skip
+
     if not chained:
-        o, _ = gated_delta_rule_padded(qp, kp, vp, gp, bp, chunk_size=chunk)
+        o, _ = recurrence(vp, None)
     else:
         n = qp.shape[0]
         eye = torch.eye(dk, dtype=dtype, device=v.device).expand(n, heads, dk, dk)
         start = torch.cat([eye.new_zeros(n, heads, dk, dv), eye], dim=-1)  # [0 | I]
         vp = torch.cat([vp, vp.new_zeros(*vp.shape[:3], dk)], dim=-1)
-        o, maps = gated_delta_rule_padded(qp, kp, vp, gp, bp, initial_state=start, chunk_size=chunk)
+        o, maps = recurrence(vp, start)
         maps = maps.reshape(batch, segments.count, *maps.shape[1:])
         every = gather(maps)  # [r, B, N, h, dk, dv + dk]
         s0 = start_states(every, segments, dv).flatten(0, 1)  # [B*N, h, dk, dv]

@@ -42,7 +42,10 @@ class GatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer: [B, S/P, hidden] -> [B, S/P, hidden] on a rank's shard.
 
     ``plan``: the :class:`usp.Plan` used when ``forward`` gets none (None: one process).
-    ``chunk_size``: the kernel's chunk length (work, not results).
+    ``chunk_size``: the kernel's chunk length (work, not results). ``kernel``: the
+    recurrence's kernel, ``"auto"``, ``"torch"`` or ``"fla"`` (:mod:`usp.linear.backends`);
+    ``conv_kernel``: the short conv's, ``"auto"``, ``"torch"`` or ``"causal_conv1d"``
+    (:mod:`usp.linear.conv`).
     """
 
     def __init__(
@@ -58,6 +61,8 @@ class GatedDeltaNet(nn.Module):
         *,
         plan=None,
         chunk_size: int = 64,
+        kernel: str = "auto",
+        conv_kernel: str = "auto",
     ):
         super().__init__()
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
@@ -67,6 +72,8 @@ class GatedDeltaNet(nn.Module):
         self.activation = activation
         self.plan = plan
         self.chunk_size = chunk_size
+        self.kernel = kernel
+        self.conv_kernel = conv_kernel
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim, bias=False,
             padding=conv_kernel_size - 1,
@@ -127,6 +134,8 @@ class GatedDeltaNet(nn.Module):
             activation=self.activation,
             packed=packed,
             chunk_size=self.chunk_size,
+            kernel=self.kernel,
+            conv_kernel=self.conv_kernel,
         )  # fmt: skip  [B, S/P, H, dv]
         core = self.norm(core, z)
         return self.out_proj(core.reshape(batch, seq_len, self.value_dim))

@@ -1,0 +1,374 @@
+"""The kernels of the gated delta rule behind one seam: usp's torch kernel, and fla's
+Triton kernel (``fla-core``: ``pip install 'usp[fla]'``) on CUDA.
+
+The seam (:meth:`GdnKernel.run`) is what :mod:`usp.linear.gdn` calls on a rank's
+segments: independent rows in the padded layout of
+:func:`usp.linear.kernel.gated_delta_rule_padded` -- q, k [N, L, H, dk] (key heads already
+expanded to value heads, l2-normalised and scaled), v [N, L, H, dv], g (log decay) and
+beta [N, L, H], all in the compute dtype; row i holds ``lengths[i]`` tokens, zeros after
+them -- and an optional initial state [N, H, dk, dv]. It returns (o [N, L, H, dv], the
+final states [N, H, dk, dv]) in the compute dtype, differentiable in every input and in
+the initial state (the ring's state pass needs both directions).
+
+Choice (``kernel=`` of :func:`usp.linear.gated_deltanet_usp` and
+:class:`usp.linear.GatedDeltaNet`): ``"auto"`` takes ``fla`` where it can run the call
+(CUDA, float32/bfloat16/float16 activations, dk <= 256, fla importable) and passed its
+self-check there, else ``torch``; ``"torch"`` or ``"fla"`` forces one, and a forced
+kernel that cannot run is refused (:class:`GdnKernelError`) with the reason.
+
+fla runs q, k, v and beta in the activations' dtype when that is bfloat16/float16 (the
+dtypes transformers hands it), the decay and the states in float32, with ``scale=1``
+(q comes scaled) and the rows packed into one ``cu_seqlens`` call (no work on padding).
+
+Self-check: before fla serves its first call for a (device, dtype, dk, dv), a small call
+through the same mapping -- rows of unequal lengths and an empty one, a non-zero initial
+state, chunk size 16, forward and the backward of both outputs -- is compared with the
+torch kernel in float64 on the same device. A kernel that raises or disagrees is refused
+(a :class:`BackendFailure`): ``auto`` warns once and takes torch, a forced one raises.
+None of this has run on a GPU yet (the GPU check's cases are in
+tests/kernels/test_new_paths_device.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import logging
+import warnings
+
+import torch
+
+from usp.errors import InputError
+from usp.kernels.backends.base import BackendFailure
+from usp.linear.kernel import compute_dtype, gated_delta_rule_padded
+
+__all__ = [
+    "DEFAULT",
+    "GDN_KERNELS",
+    "FlaGdnKernel",
+    "GdnKernel",
+    "GdnKernelError",
+    "GdnKernels",
+    "TorchGdnKernel",
+    "select_gdn_kernel",
+]
+
+logger = logging.getLogger("usp.linear")
+
+#: the names ``kernel=`` takes (``auto`` picks one per call)
+GDN_KERNELS: tuple[str, ...] = ("auto", "torch", "fla")
+
+# generous: catches wrong layouts, scales, states and gradients, not rounding (fla's
+# float32 matmuls may run in tf32)
+_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-2, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+class GdnKernelError(InputError):
+    """A gated delta rule kernel that is unknown or cannot run the call here."""
+
+
+class GdnKernel:
+    """One implementation of the seam (see the module's docstring)."""
+
+    name: str = ""
+
+    def limits_reason(self, device: torch.device, dtype: torch.dtype, dk: int) -> str | None:
+        """None if this kernel can run calls of this device, activation dtype and key head
+        dim (before any self-check), else why not."""
+        return None
+
+    def verdict(self, device, dtype, dk: int, dv: int) -> str | None:
+        """None if the kernel passed its self-check for these (cached), else why not."""
+        return None
+
+    def run(self, q, k, v, g, beta, *, lengths, initial_state, chunk_size, io_dtype):
+        raise NotImplementedError
+
+
+class TorchGdnKernel(GdnKernel):
+    """usp's chunked kernel in torch (any device and dtype; padding is exact for it)."""
+
+    name = "torch"
+
+    def run(self, q, k, v, g, beta, *, lengths, initial_state, chunk_size, io_dtype):
+        return gated_delta_rule_padded(
+            q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size
+        )
+
+
+def _packed_rows(lengths: list[int], length: int, device) -> torch.Tensor | None:
+    """The flat row indices ([N * L] layout) of the valid tokens; None when every row
+    is full (the padded tensor is then the packed one)."""
+    if all(n == length for n in lengths):
+        return None
+    offsets = torch.arange(length)
+    valid = offsets[None, :] < torch.tensor(lengths, dtype=torch.int64)[:, None]  # [N, L]
+    return valid.reshape(-1).nonzero().squeeze(1).to(device)
+
+
+class FlaGdnKernel(GdnKernel):
+    """fla's ``chunk_gated_delta_rule``, imported lazily from ``module`` (or the given
+    ``function``, which takes fla's signature: tests hand in a stand-in)."""
+
+    name = "fla"
+
+    def __init__(
+        self,
+        function=None,
+        *,
+        module: str = "fla.ops.gated_delta_rule",
+        device_types: tuple[str, ...] = ("cuda",),
+        dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16),
+        max_key_dim: int = 256,  # fla's chunk kernels assert K <= 256
+    ):
+        self._function = function
+        self.module = module
+        self.device_types = device_types
+        self.dtypes = dtypes
+        self.max_key_dim = max_key_dim
+        self._import_error: str | None = None
+        self._installed: bool | None = None  # looked up once: auto asks on every call
+        self._verdicts: dict[tuple, str | None] = {}
+
+    def installed(self) -> bool:
+        if self._installed is None:
+            found = importlib.util.find_spec(self.module.split(".")[0]) is not None
+            self._installed = self._function is not None or found
+        return self._installed
+
+    def function(self):
+        """fla's function (imported on first use); raises GdnKernelError if it fails."""
+        if self._function is None and self._import_error is None:
+            try:
+                self._function = importlib.import_module(self.module).chunk_gated_delta_rule
+            except Exception as err:  # a broken install fails at import in many ways
+                self._import_error = f"{type(err).__name__}: {str(err)[:300]}"
+        if self._function is None:
+            raise GdnKernelError(f"{self.module} does not import ({self._import_error})")
+        return self._function
+
+    def limits_reason(self, device, dtype, dk):
+        if not self.installed():
+            where = "" if device.type in self.device_types else " and a CUDA device"
+            return f"needs fla (pip install 'usp[fla]'){where}, which is not installed"
+        if device.type not in self.device_types:
+            return f"runs on {'/'.join(self.device_types)}, not {device.type}"
+        if dtype not in self.dtypes:
+            return f"runs {', '.join(str(d) for d in self.dtypes)}, not {dtype}"
+        if dk > self.max_key_dim:
+            return f"takes key head dims up to {self.max_key_dim}, not {dk}"
+        try:
+            self.function()
+        except GdnKernelError as err:
+            return BackendFailure(f"is installed but {err}")
+        return None
+
+    def verdict(self, device, dtype, dk, dv):
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (device, dtype, dk, dv)
+        if key not in self._verdicts:
+            self._verdicts[key] = _self_check(self, device, dtype, dk, dv)
+        return self._verdicts[key]
+
+    def run(self, q, k, v, g, beta, *, lengths, initial_state, chunk_size, io_dtype):
+        fn = self.function()
+        n, length, heads, _ = q.shape
+        compute = v.dtype
+        low = io_dtype if io_dtype in (torch.bfloat16, torch.float16) else compute
+        rows = _packed_rows(lengths, length, q.device)
+
+        def packed(t, dtype):  # [N, L, ...] -> [1, T, ...]: the valid tokens, row after row
+            flat = t.reshape(n * length, *t.shape[2:])
+            return (flat if rows is None else flat.index_select(0, rows))[None].to(dtype)
+
+        # fla wants every sequence non-empty; an empty row's final state is its initial one
+        full = [i for i, count in enumerate(lengths) if count > 0]
+        if not full:  # no token at all: nothing to run
+            state = (
+                initial_state
+                if initial_state is not None
+                else q.new_zeros(n, heads, *q.shape[3:], v.shape[3])
+            )
+            return v.new_zeros(v.shape), state
+        bounds = [0]
+        for i in full:
+            bounds.append(bounds[-1] + lengths[i])
+        h0 = initial_state
+        if h0 is not None and len(full) < n:
+            h0 = h0.index_select(0, torch.tensor(full, device=h0.device))
+        extra = {}
+        if _takes(fn, "cu_seqlens_cpu"):  # fla 0.6: the chunk indices without a host sync
+            extra["cu_seqlens_cpu"] = torch.tensor(bounds, dtype=torch.int64)
+        o, final = fn(
+            packed(q, low),
+            packed(k, low),
+            packed(v, low),
+            packed(g, compute),  # float32 (float64 only off fla: stand-ins)
+            packed(beta, low),
+            scale=1.0,
+            initial_state=h0,
+            output_final_state=True,
+            cu_seqlens=torch.tensor(bounds, dtype=torch.int64, device=q.device),
+            chunk_size=chunk_size if chunk_size in (16, 32, 64) else 64,
+            **extra,
+        )  # o [1, T, H, dv], final [len(full), H, dk, dv]
+        o = o[0].to(compute)
+        if rows is not None:
+            o = o.new_zeros(n * length, *o.shape[1:]).index_copy(0, rows, o)
+        final = final.to(compute)
+        if len(full) < n:
+            base = (
+                initial_state if initial_state is not None else final.new_zeros(n, *final.shape[1:])
+            )
+            final = base.index_copy(0, torch.tensor(full, device=final.device), final)
+        return o.reshape(n, length, heads, -1), final
+
+
+def _takes(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: pass only what every release takes
+        return False
+
+
+# ------------------------------------------------------------------ self-check
+_CHECK_LENGTHS = (40, 23, 0, 17)  # unequal rows, one empty, none a multiple of 16
+_CHECK_HEADS = 2
+
+
+@torch._dynamo.disable
+def _self_check(kernel: GdnKernel, device, dtype, dk, dv) -> str | None:
+    try:
+        # the check differentiates: also when the first call comes under no_grad (eval)
+        no_autocast = torch.autocast(device.type, enabled=False)
+        with torch.inference_mode(False), torch.enable_grad(), no_autocast:
+            problem = _compare_with_torch(kernel, device, dtype, dk, dv)
+    except Exception as err:  # any failure means: do not use this kernel here
+        problem = f"{type(err).__name__}: {str(err)[:300]}"
+    if problem is None:
+        return None
+    return BackendFailure(
+        f"failed its self-check on {device}, {dtype}, dk={dk}, dv={dv} ({problem})"
+    )
+
+
+def _check_inputs(device, dk, dv):
+    """Random padded rows in float64 (zeros past each row's length) and gradients."""
+    gen = torch.Generator().manual_seed(2024)
+    n, length, heads = len(_CHECK_LENGTHS), max(_CHECK_LENGTHS), _CHECK_HEADS
+    valid = torch.arange(length)[None, :] < torch.tensor(_CHECK_LENGTHS)[:, None]
+    mask = valid[..., None].double()  # [N, L, 1]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k = (randn(n, length, heads, dk) for _ in "qk")
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True)) * 0.6 * dk**-0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True))
+    v = randn(n, length, heads, dv)
+    g = -torch.rand(n, length, heads, generator=gen, dtype=torch.float64) * 0.5
+    beta = torch.rand(n, length, heads, generator=gen, dtype=torch.float64)
+    q, k, v = (t * mask[..., None] for t in (q, k, v))
+    g, beta = g * mask, beta * mask
+    state = randn(n, heads, dk, dv) * 0.3
+    dout = randn(n, length, heads, dv) * mask[..., None]
+    dstate = randn(n, heads, dk, dv)
+    return [t.to(device) for t in (q, k, v, g, beta, state, dout, dstate, valid)]
+
+
+def _outputs_and_grads(kernel, tensors, dtype):
+    """o, the final states and the gradients of every input; the per-token ones only at
+    valid tokens (the decay's gradient past a row's end is not defined by the seam: the
+    caller's padding discards it)."""
+    *inputs, dout, dstate, valid = tensors
+    leaves = [t.to(compute_dtype(dtype)).requires_grad_() for t in inputs]
+    o, final = kernel.run(
+        *leaves[:5], lengths=list(_CHECK_LENGTHS), initial_state=leaves[5], chunk_size=16,
+        io_dtype=dtype,
+    )  # fmt: skip
+    grads = torch.autograd.grad((o, final), leaves, (dout.to(o.dtype), dstate.to(final.dtype)))
+    keep = valid.nonzero(as_tuple=True)
+    return [o[keep], final, *(grad[keep] for grad in grads[:5]), grads[5]]
+
+
+def _relative_error(actual, expected) -> float:
+    actual, expected = actual.double(), expected.double()
+    if not bool(torch.isfinite(actual).all()):
+        return float("inf")
+    scale = max(expected.abs().max().item(), 1e-6)
+    return (actual - expected).abs().max().item() / scale
+
+
+def _compare_with_torch(kernel, device, dtype, dk, dv) -> str | None:
+    tensors = _check_inputs(device, dk, dv)
+    expected = _outputs_and_grads(TorchGdnKernel(), tensors, torch.float64)
+    actual = _outputs_and_grads(kernel, tensors, dtype)
+    names = ("o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
+    for name, a, e in zip(names, actual, expected):
+        if a.shape != e.shape:
+            return f"{name} has shape {tuple(a.shape)}, expected {tuple(e.shape)}"
+        err = _relative_error(a, e)
+        if not err <= _TOLERANCE[dtype]:
+            return (
+                f"{name} off by {err:.2g} relative (bound {_TOLERANCE[dtype]:g}); rows of "
+                f"lengths {_CHECK_LENGTHS}, an initial state, chunk size 16"
+            )
+    return None
+
+
+# ------------------------------------------------------------------ choice
+class GdnKernels:
+    """Kernel instances by name (``torch`` and ``fla``); tests hand in their own."""
+
+    def __init__(self, torch_kernel: GdnKernel, fla_kernel: GdnKernel):
+        self._kernels = {"torch": torch_kernel, "fla": fla_kernel}
+
+    def get(self, name: str) -> GdnKernel:
+        return self._kernels[name]
+
+
+#: usp's kernels
+DEFAULT = GdnKernels(TorchGdnKernel(), FlaGdnKernel())
+
+# (kernel, reason) pairs ``auto`` reported already (once per process, not per layer)
+_reported: set[tuple[str, str]] = set()
+
+
+def _reason(kernel: GdnKernel, device, dtype, dk, dv) -> str | None:
+    return kernel.limits_reason(device, dtype, dk) or kernel.verdict(device, dtype, dk, dv)
+
+
+def select_gdn_kernel(
+    name: str, device: torch.device, dtype: torch.dtype, dk: int, dv: int, kernels=None
+) -> GdnKernel:
+    """The kernel that runs a call with activations of ``dtype`` on ``device`` and state
+    [dk, dv] per head (dv includes the ring's d_k extra columns): the named one, or for
+    ``auto`` fla where it can, else torch. Runs no kernel but fla's one-time self-check.
+    Raises :class:`GdnKernelError` for an unknown name or a forced kernel that cannot run."""
+    kernels = DEFAULT if kernels is None else kernels
+    if name not in GDN_KERNELS:
+        raise GdnKernelError(f"unknown GDN kernel {name!r}; valid: {', '.join(GDN_KERNELS)}")
+    if name != "auto":
+        kernel = kernels.get(name)
+        reason = _reason(kernel, device, dtype, dk, dv)
+        if reason is not None:
+            raise GdnKernelError(
+                f"GDN kernel {name!r} cannot run this call ({device.type}, {dtype}, dk={dk}, "
+                f"dv={dv}): it {reason}. kernel='auto' or 'torch' runs it with usp's torch kernel"
+            )
+        return kernel
+    fla = kernels.get("fla")
+    reason = _reason(fla, device, dtype, dk, dv)
+    if reason is None:
+        return fla
+    if (fla.name, str(reason)) not in _reported:
+        _reported.add((fla.name, str(reason)))
+        message = f"GDN kernel 'fla' skipped by auto: it {reason}; using 'torch'"
+        if isinstance(reason, BackendFailure):
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        else:
+            logger.info(message)
+    return kernels.get("torch")
