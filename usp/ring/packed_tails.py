@@ -71,7 +71,11 @@ def packed_tails(cfg: PreparedRing, local_len: int) -> PackedTails | None:
 
 
 def _send_tails(ring, k, v, plan: PackedTails, cfg: PreparedRing):
-    rows = torch.tensor(plan.rows, dtype=torch.long, device=k.device)
+    # the rows as a device tensor, made once per batch (kept with the placement)
+    key = ("packed_tails", cfg.window)
+    rows = cfg.placement.windows.get(key)
+    if rows is None:
+        rows = cfg.placement.windows[key] = torch.tensor(plan.rows, device=k.device)
     tails = torch.stack([k, v]).index_select(2, rows)  # [2, B, N * w, Hkv, D]
     return rows, start_pair(ring, tails, cfg.kv_dims)
 
