@@ -101,6 +101,15 @@ def run_windows(ulysses, ring):
     results.append((case, torch.bfloat16, errors))
     # a value head size of its own (MLA): smaller and larger than q/k's 8; the ring sends
     # K and V at their own sizes (whole blocks, contiguous and zigzag tails, all-gather)
+    # packed contiguous p2p with windows shorter than every document's chunk (DOCS'
+    # chunks: 8, 4, 20 on u2r2; 4, 2, 10 on u1r4): each document's tail
+    for window in (2, 4):
+        case = dict(layout="contiguous", ring_impl="p2p", packed=DOCS, window=window)
+        errors = usp_case(
+            topo, inputs, with_sinks=window == 2, dtype=torch.float64,
+            sinks_dtype=torch.float64, **case,
+        )  # fmt: skip
+        results.append((case, torch.float64, errors))
     mla_cases = (
         (4, "p2p", DOCS, "contiguous", 20),
         (12, "allgather", None, "contiguous", 20),
@@ -249,50 +258,63 @@ def run_window_traffic():
             # tail (16), more than a zigzag chunk of u2r2 (100), everything (1000)
             *itertools.product(("contiguous", "zigzag"), ["allgather"], (1, 16, 100, 1000)),
         ]
-        cases = [(*case, 8) for case in cases] + [
-            ("zigzag", "p2p", 16, 12),  # MLA: K and V each at its own head size
-            ("contiguous", "p2p", None, 4),
-            ("contiguous", "p2p", 40, 12),
-            ("zigzag", "allgather", 16, 4),
-            ("contiguous", "allgather", None, 12),
-        ]
-        for layout, ring_impl, window, value_dim in cases:
+        cases = [(*case, 8, None) for case in cases] + [
+            ("zigzag", "p2p", 16, 12, None),  # MLA: K and V each at its own head size
+            ("contiguous", "p2p", None, 4, None),
+            ("contiguous", "p2p", 40, 12, None),
+            ("zigzag", "allgather", 16, 4, None),
+            ("contiguous", "allgather", None, 12, None),
+            # packed documents: every document's tail (4; 16 on u2r2, whose shortest
+            # chunk is 16), or whole blocks for the steps the documents need
+            *((layout, "p2p", w, 8, TRAFFIC_DOCS) for layout in ("contiguous", "zigzag")
+              for w in (4, 16, 40)),
+        ]  # fmt: skip
+        for layout, ring_impl, window, value_dim, docs in cases:
             q, k, v, dout, _ = case_inputs(256, 4, 2, seed=4, value_dim=value_dim)
+            cu = None if docs is None else torch.tensor(docs, dtype=torch.int32)
+            shard = dict(layout=layout, cu_seqlens=cu)
             local = [
-                usp.shard_sequence(t, topo, layout=layout).to(torch.bfloat16).requires_grad_()
+                usp.shard_sequence(t, topo, **shard).to(torch.bfloat16).requires_grad_()
                 for t in (q, k, v)
             ]
             topo.comm_stats.reset()
             out = usp.usp_attention(
-                *local, topo, causal=True, layout=layout, ring_impl=ring_impl, window=window
+                *local, topo, causal=True, ring_impl=ring_impl, window=window, **shard
             )
             forward = topo.comm_stats.snapshot()
             topo.comm_stats.reset()
-            out.backward(usp.shard_sequence(dout, topo, layout=layout).to(torch.bfloat16))
+            out.backward(usp.shard_sequence(dout, topo, **shard).to(torch.bfloat16))
             backward = topo.comm_stats.snapshot()
-            results[grid, layout, ring_impl, window, value_dim] = {
+            docs = None if docs is None else tuple(docs)
+            results[grid, layout, ring_impl, window, value_dim, docs] = {
                 "forward": forward,
                 "backward": backward,
             }
     return results
 
 
-def _formula(grid, layout, ring_impl, window, seqlen=256, value_dim=8):
+#: packed documents of 64, 32 and 160 tokens (chunks of 16, 8, 40 on u1r4's ring of 4;
+#: 32, 16, 80 on u2r2's ring of 2; zigzag: half those)
+TRAFFIC_DOCS = [0, 64, 96, 256]
+
+
+def _formula(grid, layout, ring_impl, window, seqlen=256, value_dim=8, docs=None):
+    lengths = None if docs is None else tuple(b - a for a, b in zip(docs, docs[1:]))
     return traffic_formula(
         types.SimpleNamespace(heads=4, kv_heads=2, head_dim=8), batch=1, seqlen=seqlen,
         ulysses=grid[0], ring=grid[1], ring_impl=ring_impl, item_bytes=2, acc_bytes=4,
-        window=window, layout=layout, value_dim=value_dim,
+        window=window, layout=layout, value_dim=value_dim, doc_lengths=lengths,
     )  # fmt: skip
 
 
 def test_a_windowed_layer_moves_the_stated_bytes(distributed):
     failures = []
     for rank, results in enumerate(distributed.run(run_window_traffic, world_size=4)):
-        for (grid, layout, impl, window, value_dim), traffic in results.items():
-            want = _formula(grid, layout, impl, window, value_dim=value_dim)
+        for (grid, layout, impl, window, value_dim, docs), traffic in results.items():
+            want = _formula(grid, layout, impl, window, value_dim=value_dim, docs=docs)
             if traffic != want:
                 failures.append(
-                    f"rank {rank} {grid} {layout} {impl} W={window} Dv={value_dim}: "
+                    f"rank {rank} {grid} {layout} {impl} W={window} Dv={value_dim} {docs}: "
                     f"{traffic} != {want}"
                 )
     assert not failures, "\n".join(failures[:8])
@@ -332,6 +354,12 @@ def test_a_windowed_layer_moves_the_stated_bytes(distributed):
     for phase in ("forward", "backward"):
         assert 16 * mla[phase]["p2p"]["sent"] == 12 * same[phase]["p2p"]["sent"]
         assert mla[phase]["all_to_all"] == same[phase]["all_to_all"]
+    # packed, contiguous u1r4: window 4 sends the last 3 rows of each of the 3 documents
+    # against the 64 rows of a whole block (window 16 reaches past the 8-row chunk)
+    packed = {w: _formula((1, 4), "contiguous", "p2p", w, docs=TRAFFIC_DOCS) for w in (4, 16)}
+    whole = _formula((1, 4), "contiguous", "p2p", None)
+    assert 64 * packed[4]["forward"]["p2p"]["sent"] == 9 * whole["forward"]["p2p"]["sent"] // 3
+    assert packed[16]["forward"]["p2p"]["sent"] == 2 * whole["forward"]["p2p"]["sent"] // 3
 
 
 def test_a_window_of_16_at_u1r8_moves_a_small_fraction_of_the_full_rings_bytes():

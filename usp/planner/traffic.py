@@ -40,6 +40,7 @@ def traffic_formula(
     window: int | None = None,
     layout: str = "zigzag",
     value_dim: int | None = None,
+    doc_lengths: tuple[int, ...] | None = None,
 ) -> dict[str, dict[str, dict[str, int]]]:
     """Bytes one rank sends and receives per collective kind, ``{"forward": {kind:
     {"sent", "received", "calls"}}, "backward": {...}}``, as ``CommStats.snapshot()``.
@@ -63,6 +64,11 @@ def traffic_formula(
     shorter than a chunk (1 <= W-1 < S/2r) sends its two neighbours the last W-1 rows of
     a chunk each (forward; backward again, and the dK/dV of as many rows back:
     :mod:`usp.ring.zigzag_tails`), a longer one k = r whole blocks, W = 1 nothing.
+    ``doc_lengths`` (p2p only): packed documents' lengths in the replica's sequence (each
+    a multiple of the layout's chunks): with a window the ring runs the steps the
+    documents' chunks need with whole blocks, except under ``contiguous`` when the
+    window is shorter than every document's chunk (W-1 < min n_d): one hop carrying the
+    last W-1 rows of each of the N documents (and their dK/dV back).
     ``value_dim``: v's head size when it is not q/k's ``head_dim`` (MLA): the all-to-alls
     move q, k, v and out padded to the larger of the two (as ``usp.attend`` pads them),
     the ring's K/V and dK/dV messages each tensor at its own size (``head_dim +
@@ -91,10 +97,17 @@ def traffic_formula(
         hops, block_len = r - 1, seqlen // r
         # rows of each hop's K/V message, and of the travelling dK/dV accumulator
         rows, acc_rows = [block_len] * hops, block_len
-        if window is not None and window < seqlen:  # a window holding the sequence: none
-            hops = ring_steps(layout, r, block_len, None, window - 1) - 1
+        longest = seqlen if doc_lengths is None else max(doc_lengths)
+        if window is not None and window < longest:  # a window holding every document: none
+            chunks = None
+            if doc_lengths is not None:  # each document's chunk length
+                chunks = tuple(n // (r if layout == "contiguous" else 2 * r) for n in doc_lengths)
+            hops = ring_steps(layout, r, block_len, chunks, window - 1) - 1
             rows = [block_len] * hops
-            if layout == "contiguous":  # only the keys the window needs (p2p.tail_starts)
+            if chunks is not None:  # packed: whole blocks, or every document's tail
+                if layout == "contiguous" and 0 < window - 1 < min(chunks):  # (packed_tails)
+                    hops, rows = 1, [len(chunks) * (window - 1)]
+            elif layout == "contiguous":  # only the keys the window needs (p2p.tail_starts)
                 rows = [min(block_len, window - 1 - s * block_len) for s in range(hops)]
             elif 0 < window - 1 < block_len // 2:  # zigzag: tails both ways (zigzag_tails)
                 hops, rows = 2, [window - 1] * 2

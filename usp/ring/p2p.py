@@ -15,7 +15,9 @@ straight to their owners). Under ``contiguous`` (dense) each hop sends only the 
 window needs, the suffix of the block that later steps read (:func:`tail_starts`):
 O(W) bytes, not O(S/r). Under ``zigzag`` (dense, eager) a window shorter than a chunk
 exchanges chunk tails with both neighbours instead (:mod:`usp.ring.zigzag_tails`);
-longer zigzag windows and packed documents send whole blocks.
+packed documents under ``contiguous`` whose window is shorter than every document's
+chunk exchange each document's tail (:mod:`usp.ring.packed_tails`); longer zigzag
+windows and other packed documents send whole blocks.
 
 Compiled, a rank's graph must post the same shifts in the same passes as its
 neighbours', also when it never reads a block (rank 0 of a causal contiguous ring gets
@@ -39,6 +41,7 @@ from usp.ring.calls import calls_for
 from usp.ring.config import PreparedRing
 from usp.ring.kv_message import KVDims, start_pair
 from usp.ring.layout import ALL, packed_step_blocks, step_blocks
+from usp.ring.packed_tails import packed_tails, packed_tails_backward, packed_tails_forward
 from usp.ring.window import (
     dense_window_blocks,
     packed_window_blocks,
@@ -232,6 +235,9 @@ def p2p_forward(q, k, v, cfg: PreparedRing, documents=None) -> tuple[torch.Tenso
     tails = tail_plan(cfg, q.shape[1])
     if tails is not None:  # zigzag, a window shorter than a chunk: neighbours' tails
         return tails_forward(q, k, v, cfg, tails)
+    doc_tails = packed_tails(cfg, q.shape[1])
+    if doc_tails is not None:  # packed, contiguous: the previous rank's documents' tails
+        return packed_tails_forward(q, k, v, cfg, doc_tails)
     ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
     n_steps = steps(cfg, q.shape[1])
@@ -293,6 +299,9 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=None):
     zigzag_tails = tail_plan(cfg, q.shape[1])
     if zigzag_tails is not None:
         return tails_backward(dout, q, k, v, out, lse, cfg, zigzag_tails)
+    doc_tails = packed_tails(cfg, q.shape[1])
+    if doc_tails is not None:
+        return packed_tails_backward(dout, q, k, v, out, lse, cfg, doc_tails)
     ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
     dq_rows = _Rows(torch.zeros(q.shape, dtype=acc, device=q.device))

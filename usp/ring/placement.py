@@ -47,9 +47,10 @@ class RankPlacement:
     longest: torch.Tensor | None = None
     #: tokens per piece (``documents.piece_len``; a field: traced code reads fields only)
     piece_len: int = field(init=False)
-    #: all-gather, sliding windows: a :class:`WindowGather` per window, built once
-    #: (:meth:`window_gather`) when a call is prepared; a compiled graph reads it here
-    #: (Dynamo cannot trace the method)
+    #: sliding windows: the all-gather's :class:`WindowGather` per window, built once
+    #: (:meth:`window_gather`) when a call is prepared (a compiled graph reads it here:
+    #: Dynamo cannot trace the method); the p2p ring's packed tails' rows
+    #: (``("packed_tails", w)``, :mod:`usp.ring.packed_tails`)
     windows: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self):
