@@ -9,8 +9,8 @@ import pytest
 from planner_cases import write_config
 
 from usp.models import PRESETS, Levers
-from usp.planner.footprint import Choice, Target
-from usp.planner.measure import measure
+from usp.planner.footprint import SCALING_DEPTHS, Choice, Target, scaling_runs
+from usp.planner.measure import measure, measure_scaled
 from usp.planner.timing import comm_bytes
 from usp.planner.traffic import gdn_traffic
 from usp.train.config import load_train_config
@@ -65,3 +65,27 @@ def test_the_step_time_counts_gdn_state_traffic_and_full_layers_attention(tmp_pa
     assert longer["attention_p2p"] == 2 * sent["attention_p2p"]
     llama = comm_bytes(Target(job, PRESETS["tiny"], 4, 4, "cpu"), choice)
     assert not any(kind.startswith("linear_") for kind in llama)
+
+
+def test_a_line_per_layer_kind_against_the_full_depth(tmp_path):
+    """qwen3.5-tiny at 8 layers (linear x2, full, linear x3, full, linear): the runs are
+    the first 2 layers and the last, then with one linear or one full layer before the
+    last; every phase within 1% of the full-depth step (measured 1.0018, 0.9976, 1.0014,
+    1.0013; the single line through 3 and 4 layers, which counted every deeper layer as
+    the 4th's kind: 1.047, 0.988, 1.003, 1.003). A model of one kind keeps 3 and 4."""
+    job = load_train_config(write_config(tmp_path, seq_len=1024))
+    model = PRESETS["qwen3.5-tiny"].replace(num_hidden_layers=8)
+    linear, full = "linear_attention", "full_attention"
+    assert scaling_runs(model) == (
+        (linear, linear, linear),
+        (linear, linear, linear, linear),
+        (linear, linear, full, linear),
+    )
+    assert scaling_runs(PRESETS["tiny"].replace(num_hidden_layers=8)) == SCALING_DEPTHS
+    target = Target(job, model, 4, 4, "cpu")
+    choice = Choice(2, 2, 1, Levers(True))
+    exact = measure(target, choice)
+    scaled = measure_scaled(target, choice)
+    assert exact.layers == scaled.layers == 8
+    for line, step in zip(scaled.phases, exact.phases):
+        assert abs(line.device / step.device - 1) < 0.01, (line.device, step.device)
