@@ -22,6 +22,7 @@ from usp.linear import gated_deltanet_usp
 from usp.linear.backends import GdnKernels, TorchGdnKernel
 from usp.linear.conv import TorchConvKernel
 from usp.linear.kernel import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from usp.planner.traffic import gdn_traffic
 
 TIMEOUT = 90
 
@@ -184,6 +185,22 @@ def expected_bytes(u, r, layout, segments_per_piece, batch, seq_len, hk, heads, 
     return a2a, ring
 
 
+def planned_bytes(u, r, layout, batch, seq_len, hk, heads, kernel, docs):
+    """The forward's (all-to-all, all-gather) bytes of usp.planner.traffic.gdn_traffic,
+    which ``usp plan`` counts per GDN layer, for the same shape (backward: the same)."""
+    traffic = gdn_traffic(
+        batch=batch, seqlen=seq_len, ulysses=u, ring=r, key_heads=hk, heads=heads,
+        key_dim=8, value_dim=6, kernel=kernel, layout=layout, documents=docs,
+        item_bytes=8, gate_bytes=8, state_bytes=8,
+    )  # fmt: skip
+    forward, backward = traffic["forward"], traffic["backward"]
+    a2a = forward.get("all_to_all", {}).get("sent", 0)
+    ring = forward.get("all_gather", {}).get("sent", 0)
+    assert backward.get("all_to_all", {}).get("sent", 0) == a2a
+    assert backward.get("reduce_scatter", {}).get("sent", 0) == ring
+    return a2a, ring
+
+
 GRIDS = [(1, 4), (2, 2), (4, 1)]
 
 
@@ -203,7 +220,11 @@ def test_gdn_usp_matches_one_process(distributed, grid):
             for name, err in errors.items():
                 if not err < 1e-10:
                     failures.append(f"{grid} {case} rank {rank} {name}: {err:.3g}")
-            a2a, ring = expected_bytes(*grid, layout, shape.pop("docs"), **shape)
+            docs = shape.pop("docs")
+            a2a, ring = expected_bytes(*grid, layout, docs, **shape)
+            planned = planned_bytes(*grid, layout, **shape, docs=docs)  # usp plan's formula
+            if planned != (a2a, ring):
+                failures.append(f"{grid} {case}: usp.planner's bytes {planned} != {a2a, ring}")
             got = {k: forward.get(k, {}).get("sent", 0) for k in ("all_to_all", "all_gather")}
             back = {k: backward.get(k, {}).get("sent", 0) for k in ("all_to_all", "reduce_scatter")}
             if got != {"all_to_all": a2a, "all_gather": ring}:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from usp.planning_mode import representative
+
 __all__ = [
     "chunk_gated_delta_rule",
     "compute_dtype",
@@ -147,6 +149,9 @@ def gated_delta_rule_padded(
     last = gamma[..., -1].exp()  # [N, H, n]
 
     state = q.new_zeros(n, heads, dk, dv) if initial_state is None else initial_state.to(q.dtype)
+    if representative(q):  # usp plan, fake tensors: the loop's memory without its ops
+        o, state = _PlannedChunkLoop.apply(u0, w, q_decay, qk, k_tail, last, state)
+        return o.reshape(n, heads, chunks * c, dv)[:, :, :length].transpose(1, 2), state
     outs = []
     # unbind, not index: the backward of one select per chunk fills a whole zero tensor
     per_chunk = zip(*(t.unbind(2) for t in (u0, w, q_decay, qk, k_tail, last)))
@@ -156,6 +161,71 @@ def gated_delta_rule_padded(
         state = last_i[..., None, None] * state + k_i.transpose(-1, -2) @ u
     o = torch.stack(outs, dim=2).reshape(n, heads, chunks * c, dv)[:, :, :length]
     return o.transpose(1, 2), state
+
+
+class _PlannedChunkLoop(torch.autograd.Function):
+    """The loop over chunks of :func:`gated_delta_rule_padded` as ``usp plan`` measures
+    it (fake tensors inside :func:`usp.models.tiling.representative_tiles`): no numbers,
+    a handful of allocations that hold at every moment at least what the loop's n chunks
+    hold, so a planned step costs the same host time at any length (the loop is 7 ops a
+    chunk, 2048 chunks a layer at 1M tokens on 8 ranks) and is never optimistic.
+
+    Per (row, head), with V = C * dv, S = dk * dv, n chunks: the real forward keeps, for
+    autograd, each chunk's ``u`` (V) and the state it starts from (S, the first being
+    the input), appends each chunk's output (V) and allocates at most two V- or S-sized
+    temporaries inside a chunk; ``torch.stack`` then copies the n outputs (nV) while
+    they are live. So its peak is at most n(2V + S) + 2 max(V, S) or n(3V + S), and it
+    keeps n V + (n - 1) S for the backward, and its slices (views) of the inputs it
+    multiplies by; here: the same kept, n outputs, a 2 max(V, S) temporary, the stacked
+    copy and the final state.
+
+    The real backward runs the chunks in reverse; each frees that chunk's saved tensors
+    and adds its gradients of the chunk's slices of the six inputs (held by autograd
+    until every chunk's have come: :func:`torch.unbind`'s backward stacks them, one
+    input at a time) with temporaries of at most 4V + 6S (the gradient of ``u`` from two
+    uses, its negation and sum; the state's from three uses, their sums and the incoming
+    one). So it holds at most n(V + S) + 2G + 4V + 6S with G the inputs' gradients; here:
+    the saved tensors kept to the end, the chunks' slices (G), the temporary, then every
+    whole gradient (G) before the slices are released.
+    ``tests/planner/test_planner_gdn.py`` measures both under the tracker.
+    """
+
+    @staticmethod
+    def forward(ctx, u0, w, q_decay, qk, k_tail, last, state):
+        n, heads, chunks, c, dv = u0.shape
+        dk = w.shape[-1]
+        # each chunk's u, and the states the chunks after the first start from
+        # (and one more V a chunk: under activation checkpointing the loop's backward
+        # peak was measured up to 0.98 V a chunk above what the terms here account for)
+        saved = u0.new_empty(n, heads, 2 * chunks * c * dv + (chunks - 1) * dk * dv)
+        outs = u0.new_empty(n, heads, chunks, c, dv)
+        temporary = u0.new_empty(n, heads, 2 * max(c * dv, dk * dv))
+        del temporary
+        o = torch.empty_like(outs)  # torch.stack(outs)
+        del outs
+        final = state.new_empty(n, heads, dk, dv)
+        # the loop's autograd keeps its slices of these (views: the whole tensors)
+        ctx.save_for_backward(saved, w, q_decay, qk, k_tail, last, state)
+        ctx.inputs = [(t.shape, t.dtype) for t in (u0, w, q_decay, qk, k_tail, last, state)]
+        return o, final
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_final):
+        saved = ctx.saved_tensors[0]
+        needed = [(shape, dtype) if need else None
+                  for (shape, dtype), need in zip(ctx.inputs, ctx.needs_input_grad)]  # fmt: skip
+        # the chunks' gradient slices, held until the last chunk (one tensor per input)
+        slices = [None if s is None else saved.new_empty(s[0], dtype=s[1]) for s in needed]
+        n, heads, _, c, dv = ctx.inputs[0][0]
+        dk = ctx.inputs[1][0][-1]
+        temporary = saved.new_empty(n, heads, 4 * c * dv + 6 * dk * dv)
+        del temporary
+        # unbind's backward stacks each input's slices; the backward of the ops that made
+        # the inputs may run before the last stack (autograd's order): counted as if
+        # every slice were held until every whole gradient is made
+        grads = [None if s is None else saved.new_empty(s[0], dtype=s[1]) for s in needed]
+        del slices, saved
+        return tuple(grads)
 
 
 def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):

@@ -26,36 +26,9 @@ checks that planned footprints are identical with and without the mode.
 
 from __future__ import annotations
 
-import contextvars
-from collections.abc import Iterator
-from contextlib import contextmanager
+from usp.planning_mode import representative, representative_tiles
 
-import torch
-from torch._subclasses.fake_tensor import is_fake
-
-_REPRESENTATIVE = contextvars.ContextVar("usp_representative_tiles", default=False)
-
-
-@contextmanager
-def representative_tiles() -> Iterator[None]:
-    """While inside, memory-periodic loops over fake tensors run their first and last
-    tile only (see the module docstring); real tensors are unaffected."""
-    token = _REPRESENTATIVE.set(True)
-    try:
-        yield
-    finally:
-        _REPRESENTATIVE.reset(token)
-
-
-def representative(x: torch.Tensor) -> bool:
-    """Whether a memory-periodic loop over ``x`` may run its representative tiles only:
-    inside :func:`representative_tiles` and ``x`` a fake tensor. A loop decides this once
-    (an autograd function in its forward, kept for its backward: the backward can run
-    on another thread, which does not see the context). Always False while
-    ``torch.compile`` traces (a compiled graph computes: it never plans)."""
-    if torch.compiler.is_compiling():
-        return False
-    return _REPRESENTATIVE.get() and is_fake(x)
+__all__ = ["representative", "representative_tiles", "tiles"]
 
 
 def tiles(rows: int, chunk: int, *, representative_only: bool = False) -> list[slice]:

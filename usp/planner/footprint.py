@@ -171,18 +171,78 @@ def scale_depth(low: Footprint, high: Footprint, layers: int) -> Footprint:
 SCALING_DEPTHS = (3, 4)
 
 
-def scaling_runs(model) -> tuple[int | None, ...]:
+def scaling_runs(model) -> tuple[int | tuple[str, ...] | None, ...]:
     """The depths :func:`measure_scaled` runs for ``model``: :data:`SCALING_DEPTHS`, or
-    the full depth (``None``) for a model no deeper than the second."""
-    return (None,) if model.num_hidden_layers <= SCALING_DEPTHS[1] else SCALING_DEPTHS
+    the full depth (``None``) for a model no deeper than the second. A model whose
+    layers are of several kinds (``layer_types``: Qwen3.5's linear and full attention,
+    Gemma 3's and gpt-oss's sliding and full) runs its first 2 layers and its last
+    (the backward's peak sits in the second; the last is kept gathered), then the same
+    with one layer of each kind before the last (as ``layer_types`` tuples): a line per
+    kind (:func:`scale_kinds`), so no kind is extrapolated as another. (A kind whose
+    layer moves the peak into itself has that move counted once per layer of the kind:
+    more, never less.)"""
+    if model.num_hidden_layers <= SCALING_DEPTHS[1]:
+        return (None,)
+    kinds = layer_kinds(model)
+    if len(set(kinds)) < 2:
+        return SCALING_DEPTHS
+    head, last = kinds[: SCALING_DEPTHS[0] - 1], kinds[-1:]
+    return (head + last, *(head + (kind,) + last for kind in dict.fromkeys(kinds)))
+
+
+def layer_kinds(model) -> tuple[str, ...]:
+    """Each decoder layer's kind (the config's ``layer_types``; empty for a model
+    without: every layer alike)."""
+    return tuple(getattr(model, "layer_types", None) or ())
 
 
 def from_runs(model, runs: list[Footprint]) -> Footprint:
     """The full-depth footprint from the runs of :func:`scaling_runs`, in that order."""
     if len(runs) == 1:
         return runs[0]
-    low, high = runs
-    return scale_depth(low, high, model.num_hidden_layers)
+    depths = scaling_runs(model)
+    if depths == SCALING_DEPTHS:
+        low, high = runs
+        return scale_depth(low, high, model.num_hidden_layers)
+    kinds, base = layer_kinds(model), depths[0]
+    added = [kinds.count(d[-2]) - base.count(d[-2]) for d in depths[1:]]
+    return scale_kinds(runs[0], list(zip(runs[1:], added)), model.num_hidden_layers)
+
+
+def scale_kinds(base: Footprint, kinds: list[tuple[Footprint, int]], layers: int) -> Footprint:
+    """Extrapolate a model of several layer kinds: ``base`` measured at a few layers,
+    each ``(run, count)`` the same with one more layer of a kind and how many more layers
+    of that kind the model has; every phase's peak (and each part of its breakdown) adds
+    ``count`` times what that kind's layer added (:func:`scale_depth`'s line, one per
+    kind)."""
+
+    def line(a: int, bs: list[int]) -> int:
+        return a + sum((b - a) * count for b, (_, count) in zip(bs, kinds))
+
+    runs = [run for run, _ in kinds]
+    phases = []
+    for i, phase in enumerate(base.phases):
+        others = [run.phases[i] for run in runs]
+        names = dict.fromkeys(k for p in (phase, *others) for k in p.breakdown)
+        phases.append(
+            Phase(
+                line(phase.device, [p.device for p in others]),
+                line(phase.host, [p.host for p in others]),
+                {
+                    k: line(phase.breakdown.get(k, 0), [p.breakdown.get(k, 0) for p in others])
+                    for k in names
+                },  # fmt: skip
+            )
+        )
+    # the largest call is one layer's (the kind with the largest); pinned rounding grows
+    # by one layer's blocks per layer
+    widest = max(runs, key=lambda r: r.extras.workspace)
+    extras = replace(
+        widest.extras,
+        pinned=line(base.extras.pinned, [r.extras.pinned for r in runs]),
+        offload_copies=max(r.extras.offload_copies for r in runs),
+    )
+    return Footprint(tuple(phases), layers, host_separated=base.host_separated, extras=extras)
 
 
 #: the categories that live in host memory with FSDP2's parameter offload: on the CPU

@@ -95,7 +95,7 @@ def measure(
     target: Target,
     choice: Choice,
     *,
-    layers: int | None = None,
+    layers: int | tuple[str, ...] | None = None,
     tracker: type | None = None,
     representative: bool = True,
 ) -> Footprint:
@@ -194,7 +194,7 @@ def built_step(
     target: Target,
     choice: Choice,
     *,
-    layers: int | None = None,
+    layers: int | tuple[str, ...] | None = None,
     fake: bool = True,
     representative: bool = True,
 ):
@@ -208,7 +208,9 @@ def built_step(
     the real backends."""
     job = target.job
     config = target.model
-    if layers is not None:
+    if isinstance(layers, tuple):  # the first layers of a model with several kinds
+        config = config.replace(num_hidden_layers=len(layers), layer_types=layers)
+    elif layers is not None:
         config = config.replace(num_hidden_layers=layers)
     device = stand_in_device(target.device)
     parallel = job.topology.parallel

@@ -16,10 +16,12 @@ from usp.planner.hardware import (
     PCIE_GBPS,
 )
 from usp.planner.kernels import planning_backend
-from usp.planner.traffic import fsdp_traffic, step_traffic, traffic_formula
+from usp.planner.traffic import fsdp_traffic, gdn_traffic, step_traffic, traffic_formula
 from usp.process_groups.rank_math import RankMap
 
 GB = 1e9
+#: transformers' ``layer_types`` name of a Gated DeltaNet layer
+LINEAR_ATTENTION = "linear_attention"
 
 
 def _spans_nodes(members, ranks_per_node: int) -> bool:
@@ -42,13 +44,40 @@ def comm_bytes(target: Target, choice: Choice) -> dict[str, int]:
         per_layer, other, model.num_hidden_layers, world=target.world_size,
         compute_bytes=compute, reduce_bytes=4,
     )  # fmt: skip
+    linear_layers = linear_layer_count(model)
+    linear = None
+    if linear_layers:
+        linear = gdn_traffic(
+            batch=1,
+            seqlen=row,
+            ulysses=choice.ulysses,
+            ring=choice.ring,
+            key_heads=model.linear_num_key_heads,
+            heads=model.linear_num_value_heads,
+            key_dim=model.linear_key_head_dim,
+            value_dim=model.linear_value_head_dim,
+            kernel=model.linear_conv_kernel_dim,
+            layout=job.topology.attention.layout,
+            documents=1,
+            item_bytes=compute,
+            gate_bytes=4,
+            state_bytes=4,
+        )  # fmt: skip  (the planned row is one document; g, beta and the kernel in float32)
     return step_traffic(
         attention,
         fsdp,
-        layers=model.num_hidden_layers,
+        layers=model.num_hidden_layers - linear_layers,
         micro_batches=job.gradient_accumulation(choice.dp),
         recompute=bool(choice.levers.activation_checkpointing),
+        linear=linear,
+        linear_layers=linear_layers,
     )
+
+
+def linear_layer_count(model) -> int:
+    """The model's Gated DeltaNet layers (``layer_types`` ``"linear_attention"``: Qwen3.5);
+    0 for a model without."""
+    return list(getattr(model, "layer_types", None) or ()).count(LINEAR_ATTENTION)
 
 
 @dataclass(frozen=True)
@@ -86,6 +115,8 @@ def step_time(target: Target, choice: Choice, cluster, sent: dict[str, int]) -> 
     seconds = {kind: sent.get(kind, 0) / (links[kind] * GB) for kind in links}
     exposed = seconds["attention_all_to_all"] + seconds["attention_all_gather"]
     exposed += seconds["attention_reduce_scatter"]
+    exposed += seconds["linear_all_to_all"] + seconds["linear_all_gather"]
+    exposed += seconds["linear_reduce_scatter"]  # (Gated DeltaNet: serial with its kernel)
     return (
         max(gemm_s, seconds["fsdp_all_gather"] + seconds["fsdp_reduce_scatter"])
         + max(attention_s, seconds["attention_p2p"])
@@ -130,6 +161,9 @@ def _links(choice: Choice, cluster, job) -> dict[str, float]:
         "attention_p2p": ring,
         "attention_all_gather": ring,
         "attention_reduce_scatter": ring,
+        "linear_all_to_all": speed(rank_map.ulysses_group_of(0)),
+        "linear_all_gather": ring,
+        "linear_reduce_scatter": ring,
         "fsdp_all_gather": fsdp,
         "fsdp_reduce_scatter": fsdp,
     }

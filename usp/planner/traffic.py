@@ -2,12 +2,14 @@
 
 :func:`traffic_formula` is the attention's traffic (Ulysses all-to-alls, the ring's K/V
 and dK/dV), the formula ``benchmarks/emulate.py`` checks against ``CommStats`` byte
-counters; :func:`fsdp_traffic` is FSDP2's (parameter all-gathers, gradient
+counters; :func:`gdn_traffic` a Gated DeltaNet layer's (docs/models.md's formula, which
+``tests/attention/test_gdn_usp.py`` checks against ``CommStats``); :func:`fsdp_traffic` is FSDP2's (parameter all-gathers, gradient
 reduce-scatters); :func:`step_traffic` adds them up for one training step.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 from usp.process_groups import kv_replication
@@ -152,6 +154,59 @@ def window_gather_rows(layout: str, ring: int, block_len: int, w: int) -> int:
     return 2 * t if ring >= 3 else t + min(n, max(0, w - n))
 
 
+def gdn_traffic(
+    *,
+    batch: int,
+    seqlen: int,
+    ulysses: int,
+    ring: int,
+    key_heads: int,
+    heads: int,
+    key_dim: int,
+    value_dim: int,
+    kernel: int,
+    layout: str,
+    documents: int,
+    item_bytes: int,
+    gate_bytes: int,
+    state_bytes: int,
+) -> dict[str, dict[str, dict[str, int]]]:
+    """Bytes one rank sends and receives in one Gated DeltaNet layer
+    (:func:`usp.linear.gated_deltanet_usp`), as :func:`traffic_formula` gives them for an
+    attention layer; docs/models.md's formula, T = batch * seqlen / (u * r) tokens:
+
+      all-to-all (u > 1): (u-1)/u * T * [(2 Hk' dk + H dv) e + 2 H e_g + H dv e]
+      all-gather (r > 1): (r-1) * B * N * [(K-1)(2 Hk' dk + H dv)/u + (H/u) dk (dk + dv)] e_c
+
+    Hk' = lcm(Hk, u) (key heads repeated for the split), N = pieces (2 zigzag, 1
+    contiguous) x ``documents``; ``item_bytes`` e (q, k, v, the output), ``gate_bytes``
+    e_g (g and beta), ``state_bytes`` e_c (the kernel's compute dtype: the conv tails and
+    the chunk maps). The backward moves the same: the all-to-alls inverted, a
+    reduce-scatter in place of each all-gather. The ring's part does not grow with S.
+    """
+    u, r = ulysses, ring
+    tokens = batch * seqlen // (u * r)
+    key_channels = math.lcm(key_heads, u) * key_dim  # Hk' dk
+    forward: dict[str, dict[str, int]] = {}
+    backward: dict[str, dict[str, int]] = {}
+    if u > 1:
+        inputs = tokens * (
+            (2 * key_channels + heads * value_dim) * item_bytes + 2 * heads * gate_bytes
+        )
+        output = tokens * heads * value_dim * item_bytes
+        moved = (inputs + output) * (u - 1) // u
+        forward["all_to_all"] = _counts(moved, 2)
+        backward["all_to_all"] = _counts(moved, 2)
+    if r > 1:
+        pieces = (2 if layout == "zigzag" else 1) * documents
+        tails = (kernel - 1) * (2 * key_channels + heads * value_dim) // u
+        maps = heads // u * key_dim * (key_dim + value_dim)
+        moved = (r - 1) * batch * pieces * (tails + maps) * state_bytes
+        forward["all_gather"] = _counts(moved, 2)
+        backward["reduce_scatter"] = _counts(moved, 2)
+    return {"forward": forward, "backward": backward}
+
+
 def fsdp_traffic(
     params_per_layer: int,
     other_params: int,
@@ -189,16 +244,24 @@ def step_traffic(
     layers: int,
     micro_batches: int,
     recompute: bool,
+    linear: dict[str, dict[str, dict[str, int]]] | None = None,
+    linear_layers: int = 0,
 ) -> dict[str, int]:
     """Bytes sent per step by kind: the attention's forward (twice with activation
     checkpointing, whose recompute runs it again) and backward per layer and
-    micro-batch, plus FSDP's per step."""
+    micro-batch (``layers`` attention layers; ``linear_layers`` Gated DeltaNet layers
+    moving ``linear`` each, counted the same way under ``linear_*`` kinds), plus FSDP's
+    per step."""
     sent: dict[str, int] = {}
     passes = {"forward": 2 if recompute else 1, "backward": 1}
-    for name, kinds in attention.items():
-        for kind, counts in kinds.items():
-            key = f"attention_{kind}"
-            sent[key] = sent.get(key, 0) + counts["sent"] * passes[name] * layers * micro_batches
+    for prefix, traffic, count in (
+        ("attention", attention, layers),
+        ("linear", linear, linear_layers),
+    ):
+        for name, kinds in (traffic or {}).items():
+            for kind, counts in kinds.items():
+                key = f"{prefix}_{kind}"
+                sent[key] = sent.get(key, 0) + counts["sent"] * passes[name] * count * micro_batches
     for kind, counts in fsdp.items():
         sent[kind] = sent.get(kind, 0) + counts["sent"]
     return sent

@@ -1,0 +1,41 @@
+"""Whether a step is being planned: the context ``usp plan`` measures a fake-tensor step
+in, read by the loops that run differently there (:mod:`usp.models.tiling`'s
+representative tiles, the gated delta rule's chunk loop in :mod:`usp.linear.kernel`).
+
+A leaf module (torch only), so that any part of usp can ask without importing
+:mod:`usp.models`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+_REPRESENTATIVE = contextvars.ContextVar("usp_representative_tiles", default=False)
+
+
+@contextmanager
+def representative_tiles() -> Iterator[None]:
+    """While inside, memory-periodic loops over fake tensors run their first and last
+    tile only (:mod:`usp.models.tiling`), and the gated delta rule's chunk loop is planned
+    (:mod:`usp.linear.kernel`); real tensors are unaffected."""
+    token = _REPRESENTATIVE.set(True)
+    try:
+        yield
+    finally:
+        _REPRESENTATIVE.reset(token)
+
+
+def representative(x: torch.Tensor) -> bool:
+    """Whether a memory-periodic loop over ``x`` may run its representative tiles only:
+    inside :func:`representative_tiles` and ``x`` a fake tensor. A loop decides this once
+    (an autograd function in its forward, kept for its backward: the backward can run
+    on another thread, which does not see the context). Always False while
+    ``torch.compile`` traces (a compiled graph computes: it never plans)."""
+    if torch.compiler.is_compiling():
+        return False
+    return _REPRESENTATIVE.get() and is_fake(x)
