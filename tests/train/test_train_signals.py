@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -85,6 +86,20 @@ def _wait_for_steps(out: Path, steps: int, agent: subprocess.Popen, log: Path) -
     pytest.fail(f"no {steps} steps within {LAUNCH_TIMEOUT_S} s:\n{log.read_text()}")
 
 
+def _wait_for_lock(out: Path, agent: subprocess.Popen, log: Path) -> None:
+    """Until rank 0 holds ``out``'s lock (the file names the holder)."""
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    path = out / ".usp.lock"
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return
+        if agent.poll() is not None:
+            pytest.fail(f"the job ended early:\n{log.read_text()}")
+        time.sleep(0.2)
+    os.killpg(agent.pid, signal.SIGKILL)
+    pytest.fail(f"no lock within {LAUNCH_TIMEOUT_S} s:\n{log.read_text()}")
+
+
 def _finish(agent: subprocess.Popen, log: Path, timeout: float = LAUNCH_TIMEOUT_S) -> str:
     try:
         agent.wait(timeout=timeout)
@@ -134,10 +149,12 @@ def test_sigterm_saves_the_step_a_second_job_is_refused_and_resume_continues(tmp
     out = tmp_path / "run"
     log = tmp_path / "first.log"
     first = _start(_command(config, out), log)
-    _wait_for_steps(out, 2, first, log)
+    _wait_for_lock(out, first, log)
 
     # a second job on the same output directory (also with --resume) is refused: here
-    # one process without torchrun (a world of 1), which starts faster
+    # one process without torchrun (a world of 1), which starts faster. It starts as soon
+    # as the first job holds the lock: its start-up then overlaps the first job's, not
+    # steps of it that nothing checks
     single = tmp_path / "single.toml"
     single.write_text(CONFIG.replace("gpus_per_node = 2", 'gpus_per_node = "auto"'))
     second = subprocess.run(
@@ -150,6 +167,9 @@ def test_sigterm_saves_the_step_a_second_job_is_refused_and_resume_continues(tmp
     assert "is in use by another usp train job" in second.stderr, second.stderr
     assert f"pid {_workers_of(first.pid)[0]}" in second.stderr, second.stderr
 
+    _wait_for_steps(out, 2, first, log)
+    with open(out / ".usp.lock") as held, pytest.raises(BlockingIOError):
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # still held while it trains
     first.send_signal(signal.SIGTERM)  # to the agent, as scancel/SLURM do
     text = _finish(first, log)
     rows = _metrics(out)
@@ -186,17 +206,21 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path):
     os.kill(workers[1], signal.SIGSTOP)
     stopped_at = time.monotonic()
     noticed = rank0_exited = None
-    while agent.poll() is None and time.monotonic() - stopped_at < 120:
-        if noticed is None and "a collective did not complete" in log.read_text():
-            noticed = time.monotonic() - stopped_at
-        if rank0_exited is None and _exited(workers[0]):
-            rank0_exited = time.monotonic() - stopped_at
-            # what torchrun does once rank 0 failed: SIGTERM to the stopped rank (held
-            # while it is stopped), then SIGKILL 30 s later on torch 2.13 (its failure
-            # path ignores --shutdown-timeout); the test does the SIGKILL at once
+    try:
+        while agent.poll() is None and time.monotonic() - stopped_at < 120:
+            if noticed is None and "a collective did not complete" in log.read_text():
+                noticed = time.monotonic() - stopped_at
+            if rank0_exited is None and _exited(workers[0]):
+                rank0_exited = time.monotonic() - stopped_at
+                # what torchrun does once rank 0 failed: SIGTERM to the stopped rank (held
+                # while it is stopped), then SIGKILL 30 s later on torch 2.13 (its failure
+                # path ignores --shutdown-timeout); the test does the SIGKILL at once
+                os.kill(workers[1], signal.SIGKILL)
+            time.sleep(0.2)
+        text = _finish(agent, log, timeout=10)
+    finally:
+        if not _exited(workers[1]):  # a failed run: the stopped worker has its own session
             os.kill(workers[1], signal.SIGKILL)
-        time.sleep(0.2)
-    text = _finish(agent, log, timeout=10)
     ended = time.monotonic() - stopped_at
     print(
         f"SIGSTOP of rank 1: error printed after {noticed} s, rank 0 exited after "
