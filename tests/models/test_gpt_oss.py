@@ -53,7 +53,7 @@ from usp.models import (  # noqa: E402
     training_flops,
 )
 from usp.models.gpt_oss import GptOssExperts, GptOssRouter  # noqa: E402
-from usp.models.moe import collect_router_stats, sp_router_aux_loss  # noqa: E402
+from usp.models.moe import router_stat_rows, sp_router_aux_loss  # noqa: E402
 
 COEF = 0.5  # large, so that the aux term moves the gradients visibly
 OSS = {**TINY, **FAMILY_CASES["gpt_oss"][1]}
@@ -230,10 +230,12 @@ def test_aux_loss_one_process_matches_transformers(checkpoint):
     ):
         expected = _reference(checkpoint, ids, labels, cu_seqlens)
         model.zero_grad()
-        with collect_router_stats() as stats:
-            model.hidden_states(ids, cu_seqlens=cu_seqlens)
-        aux = sp_router_aux_loss(stats, OSS["num_local_experts"])
-        assert stats.rows == 3 * ids.numel()  # every layer has experts
+        stats = []
+        model.hidden_states(ids, cu_seqlens=cu_seqlens, router_stats=stats)
+        aux = sp_router_aux_loss(stats[0], OSS["num_local_experts"])
+        assert (
+            len(stats) == 1 and router_stat_rows(stats[0]) == 3 * ids.numel()
+        )  # every layer has experts
         assert abs(aux.item() - expected["aux"]) <= 1e-12 * expected["aux"]
         if expected["hf_aux"] is not None:
             assert abs(aux.item() - expected["hf_aux"]) <= 1e-6 * expected["hf_aux"]

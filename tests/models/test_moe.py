@@ -61,9 +61,9 @@ from usp.models.moe import (  # noqa: E402
     Experts,
     Router,
     SparseMoE,
-    collect_router_stats,
     experts_loop,
     grouped_gemm_available,
+    router_stat_rows,
     sp_router_aux_loss,
 )
 
@@ -180,7 +180,9 @@ def test_shared_expert_equals_transformers_qwen2_moe_block():
     ours.load_state_dict(reference.state_dict())  # strict: the same names and shapes
     x = torch.randn(2, 7, 12, dtype=torch.float64, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
-    out, expected = ours(x), reference(x_ref)
+    (out, stats), expected = ours(x), reference(x_ref)
+    assert stats.shape == (2 * 5 + 1,) and stats[-1].item() == 14  # [2E + 1]: 14 token rows
+    assert stats[:5].sum().item() == 14 * 2  # top-2 assignments of every token
     probe = torch.randn_like(expected)
     (out * probe).sum().backward()
     (expected * probe).sum().backward()
@@ -233,10 +235,12 @@ def test_aux_loss_one_process_matches_transformers(checkpoint):
     ):
         expected = _reference(checkpoint, ids, labels, cu_seqlens)
         model.zero_grad()
-        with collect_router_stats() as stats:
-            model.hidden_states(ids, cu_seqlens=cu_seqlens)
-        aux = sp_router_aux_loss(stats, MOE["num_experts"])
-        assert stats.rows == 2 * ids.numel()  # two sparse layers
+        stats = []
+        model.hidden_states(ids, cu_seqlens=cu_seqlens, router_stats=stats)
+        aux = sp_router_aux_loss(stats[0], MOE["num_experts"])
+        assert (
+            len(stats) == 1 and router_stat_rows(stats[0]) == 2 * ids.numel()
+        )  # two sparse layers
         assert abs(aux.item() - expected["aux"]) <= 1e-12 * expected["aux"]
         if expected["hf_aux"] is not None:
             assert abs(aux.item() - expected["hf_aux"]) <= 1e-6 * expected["hf_aux"]
@@ -248,8 +252,7 @@ def test_aux_loss_one_process_matches_transformers(checkpoint):
     # without output_router_logits the loss is the cross-entropy alone (as transformers)
     plain = Qwen3Moe(model.config.replace(output_router_logits=False), backend="math").double()
     plain.load_state_dict(model.state_dict())
-    with collect_router_stats(enabled=False) as nothing:
-        assert nothing is None
+    assert not plain.adds_aux_loss and model.adds_aux_loss
     ce, expected_ce = (
         plain(dense, labels=sft_labels(dense, [3])).item(),
         _reference_ce(checkpoint, dense),

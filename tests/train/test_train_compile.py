@@ -5,8 +5,15 @@ collectives inside the graph), trained on 4 gloo ranks (ulysses 2 x ring 2, FSDP
 generated documents packed into sequences, a new packing at every step, which the
 compiled layers take without recompiling (``error_on_recompile``).
 
-A family whose layers do not compile whole yet (the MoE families, qwen3_5's GDN) is
-refused at set-up, with the same message on every rank of the launch.
+The same launches train the tiny Qwen3-MoE preset (a dense first layer, a sparse one,
+the load-balancing loss on) for 5 steps, compiled and eager: the experts' data-dependent
+part is one ``usp::moe_experts`` op of each layer's graph (usp.models.moe_op) and the
+router statistics leave the layer as an output, so loss, gradient norm and the metrics'
+``aux_loss`` agree to the same tolerance.
+
+A family whose layers do not compile whole yet (sliding windows over packed documents:
+gpt-oss, Gemma 3; qwen3_5's GDN) is refused at set-up, with the same message on every
+rank of the launch.
 
 Tolerance: Inductor fuses and reorders float32 arithmetic, so losses and gradient norms
 agree to float32 rounding, not bit for bit: 1e-5 relative per step (observed in one
@@ -30,11 +37,11 @@ from usp.train.trainer import train
 STEPS = 5
 TOL = 1e-5
 COMPILE_TIMEOUT = 600  # Inductor on 4 ranks sharing small CI machines
-#: families whose layers do not compile whole yet: the MoE block
-#: (usp.models.moe.MOE_COMPILE_REFUSAL), the Gated DeltaNet layers (qwen3_5's)
+#: families whose layers do not compile whole yet: sliding windows over packed
+#: documents (usp.models.decoder.WINDOW_COMPILE_REFUSAL), the Gated DeltaNet layers
+#: (qwen3_5's)
 REFUSED_PRESETS = (
-    "qwen3-moe-tiny",
-    "gpt-oss-tiny",
+    "gpt-oss-tiny",  # windows over packed documents (its experts compile)
     "gemma3-tiny",  # windows over packed documents
     "qwen3.5-tiny",
     "qwen3.5-moe-tiny",
@@ -64,17 +71,27 @@ def run_compile_case(config, out):
     with torch._dynamo.config.patch(error_on_recompile=True):
         result = train(job, plan, output_dir=out, stream=io.StringIO())
     rows = [(r["step"], r["loss"], r["grad_norm"]) for r in result.metrics]
-    breaks = sum(counters["graph_break"].values())
+    dense_packings = list(packings)  # (the MoE run below packs too)
     graphs = counters["stats"]["unique_graphs"]
+    # the MoE preset, from fresh caches (the dense model's shapes would make Dynamo mark
+    # dimensions dynamic): its dense and sparse layers are two graphs of one forward (a
+    # recompile by design), so outside error_on_recompile
+    torch._dynamo.reset()
+    moe = {**config, "model": {"preset": "qwen3-moe-tiny"}}
+    result = train(train_config_from_dict(moe), plan, output_dir=f"{out}_moe", stream=io.StringIO())
+    moe_rows = [(r["step"], r["loss"], r["grad_norm"], r["aux_loss"]) for r in result.metrics]
+    moe_graphs = counters["stats"]["unique_graphs"] - graphs
+    breaks = sum(counters["graph_break"].values())
     refused = None
     if config["train"]["compile"]:  # a family that cannot compile yet: refused at set-up
-        moe = {**config, "model": {"preset": "qwen3-moe-tiny"}}
+        oss = {**config, "model": {"preset": "gpt-oss-tiny"}}
         try:
-            train(train_config_from_dict(moe), plan, output_dir=f"{out}_moe", stream=io.StringIO())
+            train(train_config_from_dict(oss), plan, output_dir=f"{out}_oss", stream=io.StringIO())
         except ConfigError as err:
             refused = str(err)
-    return {"rows": rows, "graphs": graphs, "breaks": breaks, "packings": packings,
-            "refused": refused}  # fmt: skip
+    return {"rows": rows, "moe_rows": moe_rows, "graphs": graphs, "moe_graphs": moe_graphs,
+            "breaks": breaks,
+            "packings": dense_packings, "refused": refused}  # fmt: skip
 
 
 def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
@@ -94,6 +111,8 @@ def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
     eager, compiled = runs[False], runs[True]
     assert all(r["graphs"] == 0 for r in eager)
     assert all(r["graphs"] > 0 for r in compiled), [r["graphs"] for r in compiled]
+    assert all(r["moe_graphs"] == 0 for r in eager)
+    assert all(r["moe_graphs"] > 0 for r in compiled), [r["moe_graphs"] for r in compiled]
     assert all(r["breaks"] == 0 for r in compiled)  # each layer whole (fullgraph=True)
     # every step a new packing, with different document counts: reused without recompiling
     packings = compiled[0]["packings"]
@@ -101,7 +120,8 @@ def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
     assert packings == eager[0]["packings"]
     assert all(r["rows"] == compiled[0]["rows"] for r in compiled), "ranks log alike"
     refused = compiled[0]["refused"]
-    assert refused is not None and "set [train] compile = false for qwen3_moe" in refused
+    assert refused is not None and "set [train] compile = false for gpt_oss" in refused
+    assert "sliding-window layers" in refused
     assert all(r["refused"] == refused for r in compiled)  # every rank, the same message
     rows, reference = compiled[0]["rows"], eager[0]["rows"]
     assert [r[0] for r in rows] == list(range(1, STEPS + 1))
@@ -109,6 +129,14 @@ def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (step, loss, ref_loss)
         assert abs(norm - ref_norm) <= TOL * abs(ref_norm), (step, norm, ref_norm)
     assert rows[-1][1] < rows[0][1]  # it trains
+    # the MoE preset, compiled against eager (its aux term included)
+    moe, moe_reference = compiled[0]["moe_rows"], eager[0]["moe_rows"]
+    assert all(r["moe_rows"] == moe for r in compiled), "ranks log alike"
+    assert [r[0] for r in moe] == list(range(1, STEPS + 1))
+    for row, ref in zip(moe, moe_reference):
+        for value, expected in zip(row[1:], ref[1:]):
+            assert abs(value - expected) <= TOL * abs(expected), (row, ref)
+    assert moe[-1][1] < moe[0][1] and moe[0][3] > 0  # it trains, with its aux term
 
 
 def test_compile_must_be_a_boolean():

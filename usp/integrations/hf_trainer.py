@@ -49,7 +49,7 @@ from usp.integrations.hf_setup import (
     window_problem,
 )
 from usp.models.hf_inputs import HFInputError
-from usp.models.moe import sp_router_aux_loss, stats_from_router_logits
+from usp.models.moe import sp_router_aux_loss, stats_dtype, stats_from_router_logits
 from usp.plan import as_plan
 from usp.train.parallelize import set_gradient_sync
 
@@ -263,7 +263,8 @@ class UspTrainerMixin:
         group, dp = None, 1
         if topology.world_size > 1:
             group, dp = topology.dp_sp_group, topology.dp_degree
-        aux = sp_router_aux_loss(stats, router_logits[0].shape[-1], group)
+        dtype = stats_dtype(router_logits[0].dtype)
+        aux = sp_router_aux_loss(stats, router_logits[0].shape[-1], group, dtype=dtype)
         self._usp_last_aux = aux.detach()
         return weight * (aux - aux.detach() * (1 - 1 / dp))
 

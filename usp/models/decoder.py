@@ -26,7 +26,7 @@ from usp.models import checkpoint as hf_checkpoint
 from usp.models.config import DecoderConfig
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, sp_cross_entropy
-from usp.models.moe import collect_router_stats, note_aux_loss, sp_router_aux_loss
+from usp.models.moe import add_router_stats, has_experts, sp_router_aux_loss, split_layer_output
 from usp.models.norm import rms_norm
 from usp.models.plan_inputs import check_attention_options, check_heads, pack_once, plan_argument
 from usp.models.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
@@ -138,8 +138,17 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x, cos, sin, packed=None):
+        """x [B, S/P, dim] -> [B, S/P, dim]; with a mixture-of-experts MLP (x, its router
+        statistics [2E + 1]): see :func:`usp.models.moe.split_layer_output`."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, packed)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return with_router_stats(x, self.mlp(self.post_attention_layernorm(x)))
+
+
+def with_router_stats(x: torch.Tensor, mlp_output):
+    """A layer's output: ``x`` plus the MLP's output; a mixture-of-experts MLP's router
+    statistics ride along (``(x, stats)``), any other layer returns the tensor."""
+    out, stats = split_layer_output(mlp_output)
+    return x + out if stats is None else (x + out, stats)
 
 
 def pad_row_embedding(config) -> nn.Embedding:
@@ -168,8 +177,13 @@ class DecoderStack(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed=None):
-        """input_ids [B, S/P], position_ids [S/P] or [B, S/P] -> hidden [B, S/P, dim]."""
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed=None, router_stats=None
+    ):
+        """input_ids [B, S/P], position_ids [S/P] or [B, S/P] -> hidden [B, S/P, dim].
+        ``router_stats``: a list that receives the sum of the MoE layers' router
+        statistics ([2E + 1], :func:`usp.models.moe.router_stats`), if any layer has
+        experts."""
         x = self.embed_tokens(input_ids)
         if position_ids.dim() == 1:
             position_ids = position_ids[None]  # [1, S/P]: the same positions in every row
@@ -177,9 +191,23 @@ class DecoderStack(nn.Module):
         cos, sin = rope_cos_sin(
             position_ids, inv_freq, x.dtype, attention_factor(self.config)
         )  # [B or 1, S/P, head_dim], once for all layers
+        total = None
         for layer in self.layers:
-            x = layer(x, cos, sin, packed)
+            x, stats = split_layer_output(layer(x, cos, sin, packed))
+            total = add_router_stats(total, stats)
+        if router_stats is not None and total is not None:
+            router_stats.append(total)
         return self.norm(x)
+
+
+#: why a family with sliding-window layers refuses ``[train] compile`` (its
+#: ``compile_refusal``): usp train packs documents, and a window over packed documents
+#: does not compile (its per-document calls would specialise the graph to one packing:
+#: usp/attend.py)
+WINDOW_COMPILE_REFUSAL = (
+    "its sliding-window layers compile only on dense input, and usp train packs "
+    "documents (a windowed call over packed documents is not traced)"
+)
 
 
 class CausalLM(nn.Module):
@@ -191,7 +219,7 @@ class CausalLM(nn.Module):
     device. Memory levers: :class:`usp.models.Levers` (``Levers(...).apply(model)``).
 
     ``model(input_ids, *, labels=None, position_ids=None, cu_seqlens=None,
-    num_items_in_batch=None)``:
+    num_items_in_batch=None, return_aux_loss=False)``:
 
     * ``input_ids`` [B, S/P]: this rank's shard in the plan's layout (``plan.shard``);
     * ``position_ids``: RoPE positions ([S/P] or [B, S/P]); by default the tokens' global
@@ -207,7 +235,12 @@ class CausalLM(nn.Module):
       loss runs ``loss_chunk_tokens`` rows at a time). ``num_items_in_batch``: divide the
       global label sum by this instead of the global label count (gradient
       accumulation: give the count over all micro-batches, then the micro-batch losses
-      add up to the mean over all of them).
+      add up to the mean over all of them). A mixture-of-experts model with
+      ``output_router_logits`` (:attr:`adds_aux_loss`) adds ``router_aux_loss_coef`` x
+      the load-balancing loss of the whole batch, as transformers does;
+    * ``return_aux_loss=True`` (with ``labels``): ``(loss, aux)``, ``aux`` that
+      load-balancing loss (detached, before the coefficient; None without it): the
+      metrics' ``aux_loss`` column reads it from here.
     """
 
     config_class: ClassVar[type[DecoderConfig]] = DecoderConfig
@@ -343,18 +376,14 @@ class CausalLM(nn.Module):
         cu_seqlens=None,
         num_items_in_batch: int | float | torch.Tensor | None = None,
         ignore_index: int = IGNORE_INDEX,
-    ) -> torch.Tensor:
+        return_aux_loss: bool = False,
+    ):
         _check_tokens(input_ids, labels, position_ids)
         # MoE families with output_router_logits: the load-balancing term joins the loss
-        # (entered only then: a compiled forward of the other models never sees it)
-        stats = None
-        if labels is not None and getattr(self.config, "output_router_logits", False):
-            with collect_router_stats() as stats:
-                hidden = self.hidden_states(
-                    input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens
-                )
-        else:
-            hidden = self.hidden_states(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens)
+        stats = [] if labels is not None and self.adds_aux_loss else None
+        hidden = self.hidden_states(
+            input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, router_stats=stats
+        )
         if labels is None:
             return self.logits(hidden)  # [B, S/P, V]
         loss = sp_cross_entropy(
@@ -366,17 +395,35 @@ class CausalLM(nn.Module):
             chunk_tokens=self.loss_chunk_tokens,
             num_items_in_batch=num_items_in_batch,
         )
-        if stats is not None and stats.probabilities:  # as transformers: CE + coef * aux
-            aux = sp_router_aux_loss(stats, self.config.num_experts, self.plan.sp_group)
-            note_aux_loss(aux)  # the metrics' aux_loss column
-            loss = loss + self.config.router_aux_loss_coef * aux.to(loss.dtype)
+        aux = None
+        if stats:  # as transformers: CE + coef * aux
+            aux = sp_router_aux_loss(
+                stats[0], self.config.num_experts, self.plan.sp_group, dtype=loss.dtype
+            )
+            loss = loss + self.config.router_aux_loss_coef * aux
+        if return_aux_loss:
+            return loss, (None if aux is None else aux.detach())
         return loss
 
+    @property
+    def adds_aux_loss(self) -> bool:
+        """Whether the training loss includes the router's load-balancing term (a
+        mixture-of-experts config with ``output_router_logits``)."""
+        return bool(getattr(self.config, "output_router_logits", False)) and has_experts(self)
+
     def hidden_states(
-        self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None, cu_seqlens=None
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens=None,
+        router_stats: list | None = None,
     ) -> torch.Tensor:
         """The final norm's output [B, S/P, dim] for this rank's tokens (what the output
-        projection, :attr:`output_weight`, turns into logits); arguments as ``forward``."""
+        projection, :attr:`output_weight`, turns into logits); arguments as ``forward``.
+        ``router_stats``: a list that receives this rank's router statistics summed over
+        the MoE layers ([2E + 1], :func:`usp.models.moe.router_stats`; nothing without
+        experts)."""
         packed = pack_once(self.plan, cu_seqlens, input_ids)
         global_len = input_ids.shape[1] * self.plan.sp_degree
         if self.config.attention_window is not None:
@@ -385,7 +432,9 @@ class CausalLM(nn.Module):
             position_ids = self.plan.position_ids(
                 global_len, packed=packed, device=input_ids.device
             )
-        return self.model(input_ids, position_ids, packed)  # [B, S/P, dim]
+        if router_stats is None:
+            return self.model(input_ids, position_ids, packed)  # [B, S/P, dim]
+        return self.model(input_ids, position_ids, packed, router_stats=router_stats)
 
     def _check_window(self, global_len: int, packed) -> None:
         """A sliding-window model is exact here only on documents within its window."""

@@ -37,7 +37,13 @@ from torch import nn
 
 from usp.errors import ModelConfigError
 from usp.models.config import DecoderConfig
-from usp.models.decoder import Attention, CausalLM, _check_tokens, pad_row_embedding
+from usp.models.decoder import (
+    WINDOW_COMPILE_REFUSAL,
+    Attention,
+    CausalLM,
+    _check_tokens,
+    pad_row_embedding,
+)
 from usp.models.hf_keys import transformers_key_form
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import loss_dtype, sp_normalise
@@ -432,12 +438,7 @@ class Gemma3(CausalLM):
     presets = PRESETS
     attention_class = Gemma3Attention
     stack_class = Gemma3Stack
-    #: usp train packs documents, and a window over packed documents does not compile
-    #: (its per-document calls would specialise the graph to one packing: usp/attend.py)
-    compile_refusal = (
-        "its sliding-window layers compile only on dense input, and usp train packs "
-        "documents (a windowed call over packed documents is not traced)"
-    )
+    compile_refusal = WINDOW_COMPILE_REFUSAL
 
     @staticmethod
     def make_mlp(config: Gemma3Config, index: int) -> nn.Module:

@@ -38,8 +38,9 @@ from torch import nn
 
 from usp.errors import ModelConfigError
 from usp.models.config import DecoderConfig, merge_alias
-from usp.models.decoder import Attention, CausalLM
-from usp.models.moe import MOE_COMPILE_REFUSAL, Experts, SparseMoE, segment_sizes, stats_dtype
+from usp.models.decoder import WINDOW_COMPILE_REFUSAL, Attention, CausalLM
+from usp.models.moe import Experts, SparseMoE, segment_sizes, stats_dtype
+from usp.models.moe_op import register_experts_kind
 
 #: transformers' gpt-oss RoPE for a config.json that names none (the published one)
 GPT_OSS_ROPE: dict[str, Any] = {
@@ -301,34 +302,42 @@ class GptOssExperts(Experts):
         """Parameters of the ``top_k`` experts one token uses (biases included)."""
         return sum(p[0].numel() for p in self.parameters()) * self.top_k
 
-    def run_sorted(self, rows: torch.Tensor, counts: torch.Tensor, row_experts: torch.Tensor):
-        """rows [M, H] sorted by expert, counts [E], row_experts [M] -> [M, H]."""
-        if self._use_grouped_gemm(rows):
-            offsets = counts.cumsum(0).to(torch.int32)  # [E] segment ends (no host sync)
-            gate_up = torch._grouped_mm(rows, self.gate_up_proj, offs=offsets)  # [M, 2I]
-            gate_up = gate_up + self.gate_up_proj_bias.index_select(0, row_experts)
-            hidden = clamped_swiglu(gate_up, self.alpha, self.limit)  # [M, I]
-            out = torch._grouped_mm(hidden, self.down_proj, offs=offsets)  # [M, H]
-            return out + self.down_proj_bias.index_select(0, row_experts)
-        # unbind once (as usp.models.moe's segments do): one backward writes every expert's
-        # gradient into one [E, ...] tensor, where indexing per expert would give each
-        # expert a full-size zero gradient
-        gate_ups, gate_up_biases, downs, down_biases = (
-            p.unbind(0)
-            for p in (
-                self.gate_up_proj,
-                self.gate_up_proj_bias,
-                self.down_proj,
-                self.down_proj_bias,
-            )
-        )
-        outputs = []
-        for expert, segment in enumerate(rows.split(segment_sizes(rows, counts))):
-            if segment.shape[0]:
-                gate_up = torch.addmm(gate_up_biases[expert], segment, gate_ups[expert])  # [n, 2I]
-                hidden = clamped_swiglu(gate_up, self.alpha, self.limit)  # [n, I]
-                outputs.append(torch.addmm(down_biases[expert], hidden, downs[expert]))  # [n, H]
-        return torch.cat(outputs) if outputs else rows.new_zeros(rows.shape)
+    kind = "gpt_oss"
+
+    def op_params(self) -> list[torch.Tensor]:
+        return [self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias]
+
+    def op_options(self) -> list[float]:
+        return [float(self.alpha), float(self.limit)]
+
+
+def _run_gpt_oss(rows, counts, row_experts, params, options, grouped) -> torch.Tensor:
+    """rows [M, H] sorted by expert, counts [E], row_experts [M] -> [M, H]: gpt-oss's
+    experts (``params`` as :meth:`GptOssExperts.op_params`, ``options`` alpha and limit)
+    on their segments."""
+    gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias = params
+    alpha, limit = options
+    if grouped:
+        offsets = counts.cumsum(0).to(torch.int32)  # [E] segment ends (no host sync)
+        gate_up = torch._grouped_mm(rows, gate_up_proj, offs=offsets)  # [M, 2I]
+        gate_up = gate_up + gate_up_proj_bias.index_select(0, row_experts)
+        hidden = clamped_swiglu(gate_up, alpha, limit)  # [M, I]
+        out = torch._grouped_mm(hidden, down_proj, offs=offsets)  # [M, H]
+        return out + down_proj_bias.index_select(0, row_experts)
+    # unbind once (as usp.models.moe's segments do): one backward writes every expert's
+    # gradient into one [E, ...] tensor, where indexing per expert would give each
+    # expert a full-size zero gradient
+    gate_ups, gate_up_biases, downs, down_biases = (p.unbind(0) for p in params)
+    outputs = []
+    for expert, segment in enumerate(rows.split(segment_sizes(rows, counts))):
+        if segment.shape[0]:
+            gate_up = torch.addmm(gate_up_biases[expert], segment, gate_ups[expert])  # [n, 2I]
+            hidden = clamped_swiglu(gate_up, alpha, limit)  # [n, I]
+            outputs.append(torch.addmm(down_biases[expert], hidden, downs[expert]))  # [n, H]
+    return torch.cat(outputs) if outputs else rows.new_zeros(rows.shape)
+
+
+register_experts_kind("gpt_oss", _run_gpt_oss)
 
 
 class GptOssMoE(SparseMoE):
@@ -397,7 +406,8 @@ class GptOss(CausalLM):
 
     config_class = GptOssConfig
     presets = PRESETS
-    compile_refusal = MOE_COMPILE_REFUSAL
+    #: its experts compile (usp.models.moe_op), its windows over packed documents do not
+    compile_refusal = WINDOW_COMPILE_REFUSAL
     attention_class = GptOssAttention
 
     def __init__(self, config: GptOssConfig, /, plan=None, **attention_options):

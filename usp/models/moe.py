@@ -12,7 +12,9 @@ and the load-balancing loss, exact under sequence parallelism.
   contiguous segment: one ``torch._grouped_mm`` per projection where torch offers it for
   the dtype and device (no host sync), else one matmul per expert over its segment (one
   host sync for the segment sizes). The weighted rows are added back per token with one
-  ``index_add``. :func:`experts_loop` is the per-expert reference (transformers' scheme).
+  ``index_add`` (:func:`usp.models.moe_op.routed_experts`; under ``torch.compile`` that
+  data-dependent part is one op, ``usp::moe_experts``, with fixed shapes).
+  :func:`experts_loop` is the per-expert reference (transformers' scheme).
 * :class:`SparseMoE` (HF's ``Qwen3MoeSparseMoeBlock``): router + experts, the decoder
   layer's ``mlp``; with ``shared_expert=`` (HF's ``Qwen2MoeSparseMoeBlock`` and
   ``Qwen3_5MoeSparseMoeBlock``) a dense MLP every token also runs, scaled per token by
@@ -23,31 +25,32 @@ and the load-balancing loss, exact under sequence parallelism.
 * A family whose router or experts differ (:mod:`usp.models.gpt_oss`: a router with bias,
   experts with biases and another activation, kept in transformers' layout) subclasses
   :class:`SparseMoE` (:meth:`SparseMoE.route`) and :class:`Experts`
-  (:meth:`Experts.run_sorted`; :attr:`Experts.per_expert_checkpoint` False when its
+  (its :attr:`Experts.kind`, an expert function registered with
+  :func:`usp.models.moe_op.register_experts_kind`, :meth:`Experts.op_params` and
+  :meth:`Experts.op_options`; :attr:`Experts.per_expert_checkpoint` False when its
   checkpoints hold the grouped tensors): the sorting, statistics and aux loss are shared.
 
 The load-balancing loss (Switch Transformer, as transformers' ``load_balancing_loss_func``
 computes it without an attention mask) is ``E * sum_e f_e * p_e`` with ``f_e`` the share
 of top-k assignments to expert ``e`` and ``p_e`` its mean router probability, both over
 every token of the batch and every MoE layer. Both are sums over tokens: each rank sums
-its own tokens' (:class:`RouterStats`, collected while a forward runs inside
-:func:`collect_router_stats`) and :func:`sp_router_aux_loss` sums them over the SP group
-in one ``all_reduce`` before dividing. Its value is then the same on every rank and its
+its own tokens' (:func:`router_stats`: each :class:`SparseMoE` returns its layer's
+as a tensor beside its output, the decoder stack adds them up and the causal LM turns
+them into the aux term it returns with the loss) and :func:`sp_router_aux_loss` sums
+them over the SP group in one ``all_reduce`` before dividing. Its value is then the same on every rank and its
 gradient is this rank's share (the SUM over the SP group of the gradients is one
 process's), as :func:`usp.models.loss.sp_normalise` does for the cross-entropy.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+
+from usp.models.moe_op import moe_experts, register_experts_kind, routed_experts
 
 #: the checkpoint's per-expert projection names (``mlp.experts.{e}.{name}.weight``)
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -114,29 +117,37 @@ class Experts(nn.Module):
         """Parameters one token multiplies by (its ``top_k`` experts'), for FLOP counts."""
         return self.top_k * (self.gate_up_proj[0].numel() + self.down_proj[0].numel())
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
-        k = experts.shape[-1]
-        flat = experts.reshape(-1)  # [N*k], token t's j-th expert at t*k + j
-        order = flat.argsort(stable=True)  # the (token, expert) pairs sorted by expert
-        tokens = order // k  # [N*k]: the token of each sorted row
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E] rows per expert
-        rows = x.index_select(0, tokens)  # [N*k, H], grouped by expert
-        hidden = self.run_sorted(rows, counts, flat.index_select(0, order))  # [N*k, H]
-        hidden = hidden * weights.reshape(-1).index_select(0, order).unsqueeze(1)  # [N*k, H]
-        return torch.zeros_like(x).index_add_(0, tokens, hidden)  # [N, H]
+    #: the expert function the routed rows run (:func:`usp.models.moe_op.register_experts_kind`)
+    kind = "swiglu"
 
-    def run_sorted(self, rows: torch.Tensor, counts: torch.Tensor, row_experts: torch.Tensor):
-        """rows [M, H] sorted by expert, counts [E], each row's expert [M] -> [M, H]: every
-        expert on its segment (a family whose experts differ overrides this)."""
-        if self._use_grouped_gemm(rows):
-            return _grouped_swiglu(rows, self.gate_up_proj, self.down_proj, counts)
-        return _segment_swiglu(rows, self.gate_up_proj, self.down_proj, counts)
+    def op_params(self) -> list[torch.Tensor]:
+        """The grouped weights the expert function takes, in its order."""
+        return [self.gate_up_proj, self.down_proj]
+
+    def op_options(self) -> list[float]:
+        """The expert function's float settings (none for SwiGLU)."""
+        return []
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+        """x [N, H], experts [N, k], weights [N, k] -> [N, H] (:func:`routed_experts`);
+        compiled, one ``usp::moe_experts`` op (:mod:`usp.models.moe_op`): the segment
+        sizes depend on the routing, which a static graph cannot hold."""
+        args = (x, experts, weights, self.op_params(), self.kind, self.op_options())
+        if torch.compiler.is_compiling():
+            return moe_experts(*args, self.grouped_gemm is not False and _grouped_on(x))
+        return routed_experts(*args, self._use_grouped_gemm(x))
 
     def _use_grouped_gemm(self, x: torch.Tensor) -> bool:
         if self.grouped_gemm is False or is_fake(x):
             return False
         return grouped_gemm_available(x.dtype, x.device)
+
+
+@torch.compiler.assume_constant_result
+def _grouped_on(x: torch.Tensor) -> bool:
+    """:func:`grouped_gemm_available` for ``x`` while a graph is traced (a constant of
+    the graph: the device's capability is read once, eagerly)."""
+    return grouped_gemm_available(x.dtype, x.device)
 
 
 def grouped_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -152,6 +163,15 @@ def grouped_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
 def _swiglu_halves(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _run_swiglu(rows, counts, row_experts, params, options, grouped) -> torch.Tensor:
+    """rows [M, H] sorted by expert, counts [E] -> [M, H]: the SwiGLU experts
+    (``params``: gate_up_proj [E, 2I, H], down_proj [E, H, I]) on their segments."""
+    gate_up_proj, down_proj = params
+    if grouped:
+        return _grouped_swiglu(rows, gate_up_proj, down_proj, counts)
+    return _segment_swiglu(rows, gate_up_proj, down_proj, counts)
 
 
 def _grouped_swiglu(rows, gate_up_proj, down_proj, counts) -> torch.Tensor:
@@ -187,6 +207,9 @@ def _segment_swiglu(rows, gate_up_proj, down_proj, counts) -> torch.Tensor:
     return torch.cat(outputs)
 
 
+register_experts_kind("swiglu", _run_swiglu)
+
+
 def experts_loop(
     x: torch.Tensor,
     experts: torch.Tensor,
@@ -208,8 +231,8 @@ def experts_loop(
 
 # ---------------------------------------------------------------------- the block
 class SparseMoE(nn.Module):
-    """A decoder layer's MoE MLP: ``x`` [B, S/P, H] -> [B, S/P, H], token by token.
-    Inside :func:`collect_router_stats` it adds its tokens' router statistics."""
+    """A decoder layer's MoE MLP: ``x`` [B, S/P, H] -> ([B, S/P, H], router statistics
+    [2E + 1]), token by token."""
 
     def __init__(
         self,
@@ -238,128 +261,95 @@ class SparseMoE(nn.Module):
         (a family whose router has another name or rule overrides this)."""
         return self.gate(flat)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S/P, H] -> (out [B, S/P, H], this layer's router statistics [2E + 1],
+        :func:`router_stats`): the statistics leave as an output, so that a compiled
+        layer returns them like its hidden states."""
         flat = x.reshape(-1, x.shape[-1])  # [B*S/P, H]
         probs, weights, experts = self.route(flat)
-        stats = _COLLECTOR.get()
-        if stats is not None:
-            stats.add(probs, experts)
         out = self.experts(flat, experts, weights)  # [N, H]
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(flat))  # [N, 1]
             out = out + gate * self.shared_expert(flat)
-        return out.view_as(x)
+        return out.view_as(x), router_stats(probs, experts)
 
 
 # ---------------------------------------------------------------------- statistics
-@dataclass
-class RouterStats:
-    """This rank's router statistics of one forward, summed over its MoE layers: top-k
-    assignments per expert (no gradient), router probabilities per expert (with their
-    gradient) and the number of (token, layer) rows."""
-
-    assignments: list[torch.Tensor] = field(default_factory=list)
-    probabilities: list[torch.Tensor] = field(default_factory=list)
-    rows: int = 0
-
-    def add(self, probs: torch.Tensor, experts: torch.Tensor) -> None:
-        """probs [N, E], experts [N, k] of one layer."""
-        counts = torch.zeros(probs.shape[1], dtype=probs.dtype, device=probs.device)
-        flat = experts.reshape(-1)
-        self.assignments.append(
-            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=probs.dtype))
-        )
-        self.probabilities.append(probs.sum(dim=0))
-        self.rows += probs.shape[0]
+def router_stats(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """One MoE layer's router statistics of this rank's tokens as one float64 tensor
+    [2E + 1]: top-k assignments per expert (no gradient), router probabilities summed per
+    expert (with their gradient), then the number of token rows. Layers add theirs
+    (:func:`add_router_stats`); float64 keeps the counts exact at any length."""
+    flat = experts.reshape(-1)  # [N*k]
+    counts = torch.zeros(probs.shape[1], dtype=torch.float64, device=probs.device)
+    counts = counts.scatter_add(0, flat, torch.ones_like(flat, dtype=torch.float64))  # [E]
+    rows = torch.full((1,), probs.shape[0], dtype=torch.float64, device=probs.device)
+    return torch.cat([counts, probs.sum(dim=0).to(torch.float64), rows])
 
 
-#: why a family with a :class:`SparseMoE` block refuses ``[train] compile`` (its
-#: ``compile_refusal``)
-MOE_COMPILE_REFUSAL = (
-    "its mixture-of-experts block does not trace whole: the router statistics are "
-    "collected through a context variable and the experts run on segments whose sizes "
-    "depend on the routing (data-dependent shapes)"
-)
-
-_COLLECTOR: contextvars.ContextVar[RouterStats | None] = contextvars.ContextVar(
-    "usp_router_stats", default=None
-)
+def split_layer_output(output) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's (or an MLP's) output as ``(hidden, router statistics or None)``: a layer
+    with a :class:`SparseMoE` returns ``(hidden, stats [2E + 1])``, any other a tensor."""
+    if isinstance(output, tuple):
+        return output
+    return output, None
 
 
-@contextlib.contextmanager
-def collect_router_stats(enabled: bool = True):
-    """Yield a :class:`RouterStats` that every :class:`SparseMoE` run inside the block adds
-    to (``None`` when not ``enabled``). A checkpointed layer's recompute in backward
-    runs outside the block and adds nothing."""
-    stats = RouterStats() if enabled else None
-    token = _COLLECTOR.set(stats)
-    try:
-        yield stats
-    finally:
-        _COLLECTOR.reset(token)
+def add_router_stats(total: torch.Tensor | None, stats: torch.Tensor | None):
+    """The running sum of the layers' statistics (None until a layer has some)."""
+    if stats is None:
+        return total
+    return stats if total is None else total + stats
 
 
-_AUX_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("usp_aux_log", default=None)
-
-
-@contextlib.contextmanager
-def log_aux_losses():
-    """Yield a list to which every forward run inside the block that adds the router's
-    aux loss to its loss appends that load-balancing loss (a detached scalar, before the
-    coefficient: :func:`note_aux_loss`), for the metrics' own column."""
-    log: list[torch.Tensor] = []
-    token = _AUX_LOG.set(log)
-    try:
-        yield log
-    finally:
-        _AUX_LOG.reset(token)
-
-
-def note_aux_loss(aux: torch.Tensor) -> None:
-    """Add ``aux`` to the :func:`log_aux_losses` block this runs in, if any."""
-    log = _AUX_LOG.get()
-    if log is not None:
-        log.append(aux.detach())
+def router_stat_rows(stats: torch.Tensor) -> int:
+    """The (token, MoE layer) rows a statistics tensor counts."""
+    return int(stats[-1].item())
 
 
 def stats_from_router_logits(
     router_logits, top_k: int, real: torch.Tensor | None = None
-) -> RouterStats:
-    """This rank's :class:`RouterStats` from transformers' router logits (one ``[N, E]``
-    tensor per MoE layer, ``N`` this rank's ``B*S/P`` tokens, as an HF model returns them
-    with ``output_router_logits=True``), selected as transformers'
-    ``load_balancing_loss_func`` selects them: softmax over every expert, its top-k.
-    ``real`` ([B, S/P] bool, None: all): the rows that count; the others (pads added to
-    place documents) are left out, as transformers leaves out a padding mask's zeros."""
-    stats = RouterStats()
+) -> torch.Tensor:
+    """This rank's router statistics ([2E + 1], :func:`router_stats` summed over the
+    layers) from transformers' router logits (one ``[N, E]`` tensor per MoE layer, ``N``
+    this rank's ``B*S/P`` tokens, as an HF model returns them with
+    ``output_router_logits=True``), selected as transformers' ``load_balancing_loss_func``
+    selects them: softmax over every expert, its top-k. ``real`` ([B, S/P] bool, None:
+    all): the rows that count; the others (pads added to place documents) are left out,
+    as transformers leaves out a padding mask's zeros."""
+    total = None
     keep = None if real is None else real.reshape(-1)
     for logits in router_logits:
         probs = torch.softmax(logits.to(stats_dtype(logits.dtype)), dim=-1)  # [N, E]
         if keep is not None:
             probs = probs[keep.to(probs.device)]
-        stats.add(probs, torch.topk(probs, top_k, dim=-1).indices)
-    return stats
+        total = add_router_stats(
+            total, router_stats(probs, torch.topk(probs, top_k, dim=-1).indices)
+        )
+    return total
 
 
-def sp_router_aux_loss(stats: RouterStats, num_experts: int, group=None) -> torch.Tensor:
-    """The load-balancing loss of the whole (SP-sharded) batch: see the module docstring.
+def sp_router_aux_loss(
+    stats: torch.Tensor, num_experts: int, group=None, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """The load-balancing loss of the whole (SP-sharded) batch from this rank's
+    statistics ``stats`` [2E + 1] (:func:`router_stats`, summed over the layers): see the
+    module docstring. Returned in ``dtype``.
 
-    One ``all_reduce`` of ``[2E + 1]`` float64 numbers on ``group`` (``None``: single
+    One ``all_reduce`` of the ``[2E + 1]`` float64 numbers on ``group`` (``None``: single
     process). Value: from the all-reduced sums, the same bits on every rank; gradient:
     ``E * f_e / R`` per unit of this rank's probability sum, ``R`` the global row count.
     """
-    probs = torch.stack(stats.probabilities).sum(0)  # [E], with gradient
-    counts = torch.stack(stats.assignments).sum(0)  # [E]
-    rows = torch.tensor([float(stats.rows)], dtype=torch.float64, device=probs.device)
-    totals = torch.cat([counts.detach().double(), probs.detach().double(), rows])
+    probs = stats[num_experts : 2 * num_experts]  # [E], with gradient
+    totals = stats.detach().clone()
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(totals, group=group)
     global_counts, global_probs, global_rows = totals.split([num_experts, num_experts, 1])
     global_rows = global_rows.clamp(min=1)
-    share = (global_counts / global_rows).to(probs.dtype)  # f_e
-    value = num_experts * (global_counts / global_rows * global_probs / global_rows).sum()
-    own = num_experts * (share * (probs - probs.detach()) / global_rows.to(probs.dtype)).sum()
-    return value.to(probs.dtype) + own
+    share = global_counts / global_rows  # f_e
+    value = num_experts * (share * global_probs / global_rows).sum()
+    own = num_experts * (share * (probs - probs.detach()) / global_rows).sum()
+    return (value + own).to(dtype)
 
 
 # ---------------------------------------------------------------------- checkpoints

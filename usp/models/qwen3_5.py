@@ -39,9 +39,10 @@ from torch import nn
 from usp.errors import ModelConfigError
 from usp.linear.module import GatedDeltaNet
 from usp.models.config import DecoderConfig
-from usp.models.decoder import MLP, Attention, CausalLM, pad_row_embedding
+from usp.models.decoder import MLP, Attention, CausalLM, pad_row_embedding, with_router_stats
 from usp.models.gemma3 import GemmaRMSNorm as ZeroCentredRMSNorm
 from usp.models.hf_keys import transformers_key_form
+from usp.models.moe import add_router_stats, split_layer_output
 from usp.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from usp.process_groups.degrees import kv_replication_for
 
@@ -379,8 +380,8 @@ class Qwen3_5DecoderLayer(nn.Module):
         h = self.input_layernorm(x)
         mixer = getattr(self, "linear_attn", None)
         h = mixer(h, packed=packed) if mixer is not None else self.self_attn(h, cos, sin, packed)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + h  # a mixture-of-experts MLP's router statistics ride along
+        return with_router_stats(x, self.mlp(self.post_attention_layernorm(x)))
 
 
 class Qwen3_5Stack(nn.Module):
@@ -399,8 +400,11 @@ class Qwen3_5Stack(nn.Module):
         )
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed=None):
-        """input_ids [B, S/P], position_ids [S/P] or [B, S/P] -> hidden [B, S/P, dim]."""
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed=None, router_stats=None
+    ):
+        """input_ids [B, S/P], position_ids [S/P] or [B, S/P] -> hidden [B, S/P, dim];
+        ``router_stats`` as :class:`usp.models.decoder.DecoderStack`'s."""
         x = self.embed_tokens(input_ids)
         if position_ids.dim() == 1:
             position_ids = position_ids[None]  # [1, S/P]
@@ -408,8 +412,12 @@ class Qwen3_5Stack(nn.Module):
         if FULL in self.config.layer_types:
             inv_freq = inverse_frequencies(self.config.rope_config(), device=x.device)
             cos, sin = rope_cos_sin(position_ids, inv_freq, x.dtype)  # [B|1, S/P, rotary]
+        total = None
         for layer in self.layers:
-            x = layer(x, cos, sin, packed)
+            x, stats = split_layer_output(layer(x, cos, sin, packed))
+            total = add_router_stats(total, stats)
+        if router_stats is not None and total is not None:
+            router_stats.append(total)
         return self.norm(x)
 
 

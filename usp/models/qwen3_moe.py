@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from usp.errors import ModelConfigError
 from usp.models.config import DecoderConfig, merge_alias
 from usp.models.decoder import MLP, CausalLM
-from usp.models.moe import MOE_COMPILE_REFUSAL, SparseMoE
+from usp.models.moe import SparseMoE
 from usp.models.qwen2 import QWEN_HF_DEFAULTS
 from usp.models.qwen3 import Qwen3Attention
 
@@ -196,7 +196,6 @@ class Qwen3Moe(CausalLM):
 
     config_class = Qwen3MoeConfig
     presets = PRESETS
-    compile_refusal = MOE_COMPILE_REFUSAL
     attention_class = Qwen3Attention
 
     @staticmethod

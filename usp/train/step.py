@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from usp.models import ShardedBatch
-from usp.models.moe import log_aux_losses
 from usp.train.parallelize import set_gradient_sync
 
 
@@ -84,13 +83,16 @@ class TrainStep:
         """Run the step (see the module docstring), filling ``outcome``; yields each
         phase's name as it ends."""
         last = len(batches) - 1
+        # a mixture-of-experts model with the aux loss on (usp.models CausalLM.adds_aux_loss)
+        aux_on = bool(getattr(self.model, "adds_aux_loss", False))
         for i, batch in enumerate(batches):
             set_gradient_sync(self.model, i == last)
-            with log_aux_losses() as auxes:
-                loss = self.model(
-                    batch.input_ids, **batch.model_kwargs(), num_items_in_batch=num_labels
-                )
-            for aux in auxes:  # (a mixture-of-experts model with the aux loss on)
+            kwargs = batch.model_kwargs()
+            if aux_on:  # the model returns its router aux loss beside the loss
+                kwargs["return_aux_loss"] = True
+            loss = self.model(batch.input_ids, **kwargs, num_items_in_batch=num_labels)
+            if aux_on:
+                loss, aux = loss
                 aux = aux.to(torch.float64)
                 outcome.aux_loss = aux if outcome.aux_loss is None else outcome.aux_loss + aux
             yield f"forward {i}"
