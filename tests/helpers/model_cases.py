@@ -25,6 +25,20 @@ TINY = dict(
     max_position_embeddings=256,
     initializer_range=0.1,
 )
+#: the three-layer shape of the Gemma 3 and Qwen3.5 checkpoints (gemma3_cases,
+#: qwen3_5_cases): 4 query / 2 KV heads, head_dim 8 != hidden / heads
+THREE_LAYERS = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -138,6 +152,12 @@ def _rms_norm_float64(self, x):
     """HF's RMSNorm normalises in float32 even for float64 inputs; the float64 reference
     normalises in float64 (same formula)."""
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def one_plus_weight_norm_float64(self, x):
+    """transformers' Gemma 3 and Qwen3.5 RMSNorm (scaled by 1 + weight, normalised in
+    float32 whatever the dtype) in float64: the same formula."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
 def router_float64(self, hidden_states):

@@ -30,9 +30,9 @@ from family_checks import (
 from gemma3_cases import (
     CASES,
     TINY,
-    gemma_norm_float64,
     hf_text_config,
     load_reference,
+    one_plus_weight_norm_float64,
     randomise,
     write_checkpoint,
 )
@@ -309,7 +309,7 @@ def test_a_multimodal_checkpoint_loads_its_language_model(tmp_path):
     )
     for module in hf.modules():
         if type(module).__name__ == "Gemma3RMSNorm":
-            module.forward = types.MethodType(gemma_norm_float64, module)
+            module.forward = types.MethodType(one_plus_weight_norm_float64, module)
     ids = global_batch(1, 12, seed=8)
     with torch.no_grad():
         expected = hf(input_ids=ids, use_cache=False).logits
