@@ -6,18 +6,10 @@ from __future__ import annotations
 import types
 
 import torch
+from model_cases import THREE_LAYERS, one_plus_weight_norm_float64
 
 TINY = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=256,
-    initializer_range=0.1,
+    THREE_LAYERS,
     query_pre_attn_scalar=12,
     sliding_window=5,
     rope_theta=1000.0,
@@ -61,12 +53,6 @@ def write_checkpoint(directory, case: str, *, seed=0, **changes):
     return directory
 
 
-def gemma_norm_float64(self, x):
-    """transformers' Gemma RMSNorm normalises in float32 even for float64 inputs; the
-    float64 reference does it in float64 (the same formula)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
-
-
 def load_reference(directory, dtype=torch.float64):
     model = _transformers().AutoModelForCausalLM.from_pretrained(
         directory, dtype=dtype, attn_implementation="sdpa", use_kernels=False
@@ -74,7 +60,7 @@ def load_reference(directory, dtype=torch.float64):
     if dtype == torch.float64:
         for module in model.modules():
             if type(module).__name__ == "Gemma3RMSNorm":
-                module.forward = types.MethodType(gemma_norm_float64, module)
+                module.forward = types.MethodType(one_plus_weight_norm_float64, module)
     return model
 
 

@@ -25,6 +25,20 @@ TINY = dict(
     max_position_embeddings=256,
     initializer_range=0.1,
 )
+#: the three-layer shape of the Gemma 3 and Qwen3.5 checkpoints (gemma3_cases,
+#: qwen3_5_cases): 4 query / 2 KV heads, head_dim 8 != hidden / heads
+THREE_LAYERS = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -140,6 +154,12 @@ def _rms_norm_float64(self, x):
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
+def one_plus_weight_norm_float64(self, x):
+    """transformers' Gemma 3 and Qwen3.5 RMSNorm (scaled by 1 + weight, normalised in
+    float32 whatever the dtype) in float64: the same formula."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
 def router_float64(self, hidden_states):
     """HF's MoE routers take the softmax in float32 even for float64 inputs; the float64
     reference takes it in float64 (same formula as Qwen3MoeTopKRouter.forward)."""
@@ -183,17 +203,21 @@ def load_hf_reference(directory: Path, dtype=torch.float64, attn_implementation=
 
 
 def hf_reference(directory: Path, input_ids, labels, cu_seqlens=None) -> dict:
-    """Single-process float64 logits [B, S, V], mean loss over non-ignored labels, and
-    every parameter's gradient (HF names). Packed sequences run document by document."""
-    model = load_hf_reference(directory)
-    if cu_seqlens is None:
-        logits = model(input_ids, use_cache=False).logits
-    else:
-        bounds = cu_seqlens.tolist()
-        logits = torch.cat(
-            [model(input_ids[:, a:b], use_cache=False).logits for a, b in zip(bounds, bounds[1:])],
-            dim=1,
-        )
+    """:func:`transformers_reference` of transformers' float64 model in ``directory``."""
+    return transformers_reference(load_hf_reference(directory), input_ids, labels, cu_seqlens)
+
+
+def transformers_reference(model, input_ids, labels, cu_seqlens=None) -> dict:
+    """A loaded float64 transformers model's logits [B, S, V], mean loss over the
+    non-ignored labels, and every parameter's gradient (HF names). Packed sequences run
+    document by document. A model whose config sets ``output_router_logits`` adds
+    ``router_aux_loss_coef`` x the load-balancing loss over every document's tokens
+    (closed form: transformers' own sums it in float32)."""
+    moe = bool(getattr(model.config, "output_router_logits", False))
+    router = {"output_router_logits": True} if moe else {}
+    bounds = [0, input_ids.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+    outs = [model(input_ids[:, a:b], use_cache=False, **router) for a, b in zip(bounds, bounds[1:])]
+    logits = torch.cat([out.logits for out in outs], dim=1)
     count = (labels != IGNORE).sum()
     total = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]),
@@ -202,6 +226,11 @@ def hf_reference(directory: Path, input_ids, labels, cu_seqlens=None) -> dict:
         reduction="sum",
     )
     loss = total / count.clamp(min=1)
+    if moe:
+        cfg = model.config
+        logits_of_routers = [layer for out in outs for layer in out.router_logits]
+        aux = closed_form_aux(logits_of_routers, cfg.num_experts, cfg.num_experts_per_tok)
+        loss = loss + cfg.router_aux_loss_coef * aux
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return {"logits": logits.detach(), "loss": loss.item(), "grads": grads}

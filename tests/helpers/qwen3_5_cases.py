@@ -16,18 +16,10 @@ import types
 import torch
 import torch.nn.functional as F
 from gdn_cases import reference_gdn
+from model_cases import THREE_LAYERS, one_plus_weight_norm_float64
 
 TINY = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=256,
-    initializer_range=0.1,
+    THREE_LAYERS,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     linear_key_head_dim=8,
@@ -78,12 +70,6 @@ def write_checkpoint(directory, case: str, *, seed=0, **changes):
     return directory
 
 
-def zero_centred_norm_float64(self, x):
-    """transformers' Qwen3.5 RMSNorm (normalised in float32 whatever the dtype) in
-    float64: the same formula."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
-
-
 def gdn_forward_float64(self, hidden_states, cache=None, attention_mask=None, **kwargs):
     """transformers' Qwen3_5GatedDeltaNet.forward in float64 for one document: its
     projections, split and gated norm; the conv and the recurrence by
@@ -109,7 +95,7 @@ def as_float64_reference(model):
     for module in model.modules():
         name = type(module).__name__
         if name in ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm"):
-            module.forward = types.MethodType(zero_centred_norm_float64, module)
+            module.forward = types.MethodType(one_plus_weight_norm_float64, module)
         elif name in ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"):
             module.forward = types.MethodType(gdn_forward_float64, module)
         elif name == "Qwen3_5MoeTopKRouter":

@@ -89,15 +89,23 @@ def moe_job(checkpoint) -> dict:
     return config
 
 
-def transformers_first_loss(config: dict, coef: float, *, with_aux: bool = False):
+def transformers_first_loss(
+    config: dict, coef: float | None = None, *, with_aux: bool = False, load=load_hf_reference
+):
     """transformers' float64 step-1 loss: each micro-batch's documents run alone; CE sum
     over all micro-batches / the step's label count + coef * each micro-batch's aux
-    (``with_aux``: ``(loss, the micro-batches' mean aux)``)."""
+    (``with_aux``: ``(loss, the micro-batches' mean aux)``). ``coef`` None: the
+    checkpoint's ``router_aux_loss_coef`` if its config sets ``output_router_logits``,
+    else no aux; ``load``: the reference's loader (a family's float64 patches)."""
     job = train_config_from_dict(config)
     source = components.model_source(job)
     _, dataset = components.build_dataset(job, source, job.data.document_multiple)
-    model = load_hf_reference(source.directory)
+    model = load(source.directory)
     cfg = model.config
+    moe = coef is not None or bool(getattr(cfg, "output_router_logits", False))
+    if coef is None:
+        coef = cfg.router_aux_loss_coef if moe else 0.0
+    router_kwargs = {"output_router_logits": True} if moe else {}
     total, count, aux = 0.0, 0, 0.0
     per_micro = job.train.micro_batch
     with torch.no_grad():
@@ -106,13 +114,14 @@ def transformers_first_loss(config: dict, coef: float, *, with_aux: bool = False
             bounds = row.cu_seqlens.tolist()
             router = []
             for a, b in zip(bounds, bounds[1:]):
-                out = model(row.input_ids[:, a:b], use_cache=False, output_router_logits=True)
+                out = model(row.input_ids[:, a:b], use_cache=False, **router_kwargs)
                 labels = row.labels[0, a:b]
                 total += F.cross_entropy(
                     out.logits[0], labels, ignore_index=IGNORE_INDEX, reduction="sum"
                 ).item()
                 count += int((labels != IGNORE_INDEX).sum())
-                router.extend(out.router_logits)
-            aux += closed_form_aux(router, cfg.num_experts, cfg.num_experts_per_tok).item()
+                router.extend(out.router_logits if moe else ())
+            if moe:
+                aux += closed_form_aux(router, cfg.num_experts, cfg.num_experts_per_tok).item()
     loss = total / count + coef * aux
     return (loss, aux / (job.train.global_batch // per_micro)) if with_aux else loss

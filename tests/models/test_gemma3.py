@@ -21,17 +21,29 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from family_checks import (
+    assert_export_matches_transformers,
+    one_process_errors,
+    sp_failures,
+    sp_float64_run,
+)
 from gemma3_cases import (
     CASES,
     TINY,
-    gemma_norm_float64,
     hf_text_config,
     load_reference,
+    one_plus_weight_norm_float64,
     randomise,
     write_checkpoint,
 )
-from model_cases import IGNORE, cu_of, global_batch, grad_errors, relative_error, sft_labels
+from model_cases import (
+    cu_of,
+    global_batch,
+    grad_errors,
+    relative_error,
+    sft_labels,
+    transformers_reference,
+)
 from usp_cases import topology
 
 transformers = pytest.importorskip("transformers", reason="the reference is HF transformers")
@@ -53,22 +65,6 @@ from usp.models import (  # noqa: E402
     model_counts,
 )
 from usp.models.lora_export import merged_state, save_peft_adapter  # noqa: E402
-
-
-def reference(directory, ids, labels, cu=None) -> dict:
-    """transformers' float64 logits, mean loss and gradients (documents run alone)."""
-    model = load_reference(directory)
-    bounds = [0, ids.shape[1]] if cu is None else cu.tolist()
-    logits = torch.cat(
-        [model(ids[:, a:b], use_cache=False).logits for a, b in zip(bounds, bounds[1:])], dim=1
-    )
-    total = F.cross_entropy(
-        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"
-    )
-    loss = total / (labels != IGNORE).sum()
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return {"logits": logits.detach(), "loss": loss.item(), "grads": grads}
 
 
 @pytest.fixture(scope="module")
@@ -176,18 +172,14 @@ def test_float64_one_process_matches_transformers(checkpoints, case):
         (dense, None, sft_labels(dense, [4])),
         (packed, cu, sft_labels(packed, [2, 3], cu)),
     ):
-        expected = reference(checkpoints[case], rows, labels, cu_seqlens)
+        expected = transformers_reference(
+            load_reference(checkpoints[case]), rows, labels, cu_seqlens
+        )
         model = usp.models.from_pretrained(checkpoints[case], dtype=torch.float64, backend="math")
         assert isinstance(model, Gemma3)
         Levers(loss_chunk_tokens=5).apply(model)
-        with torch.no_grad():
-            logits = model(rows, cu_seqlens=cu_seqlens)
-        loss = model(rows, labels=labels, cu_seqlens=cu_seqlens)
-        loss.backward()
-        grads = {n: p.grad for n, p in model.named_parameters()}
-        assert relative_error(logits, expected["logits"]) <= 1e-12, case
-        assert abs(loss.item() - expected["loss"]) <= 1e-12 * expected["loss"], case
-        assert max(grad_errors(grads, expected["grads"]).values()) <= 1e-12, case
+        errors = one_process_errors(model, rows, labels, cu_seqlens, expected)
+        assert max(errors.values()) <= 1e-12, (case, errors)
 
 
 def test_levers_give_the_same_numbers_and_mlp_tiles_are_refused(checkpoints):
@@ -245,32 +237,15 @@ def test_lora_equals_its_merged_weights_and_its_peft_export(checkpoints, tmp_pat
 
 # ---------------------------------------------------------------------- 4 ranks
 def sp_case(ckpts, grids, ids, labels, cu):
-    """float64 on each (ulysses, ring, layout) grid and checkpoint: gathered logits, the
-    loss on every rank and the gradients summed over the SP group, dense and packed."""
+    """float64 on each (ulysses, ring, layout) grid and checkpoint:
+    :func:`family_checks.sp_float64_run` with activation checkpointing."""
     out = []
     for ulysses, ring, layout in grids:
         plan = usp.Plan(topology(ulysses, ring), backend="math", layout=layout)
         for ckpt in ckpts:
             model = usp.models.from_pretrained(ckpt, plan, dtype=torch.float64)
             Levers(activation_checkpointing=True).apply(model)
-            for cu_seqlens in (None, cu):
-                batch = usp.models.shard_batch(
-                    plan, ids, labels=labels[cu_seqlens is not None], cu_seqlens=cu_seqlens,
-                    shift=False,
-                )  # fmt: skip
-                with torch.no_grad():
-                    logits = model(batch.input_ids, cu_seqlens=batch.packed)
-                model.zero_grad()
-                loss = model(batch.input_ids, **batch.model_kwargs())
-                loss.backward()
-                losses = [None] * 4
-                dist.all_gather_object(losses, loss.item(), group=plan.sp_group)
-                grads = {}
-                for n, p in model.named_parameters():
-                    grads[n] = p.grad.detach().clone()
-                    dist.all_reduce(grads[n], group=plan.sp_group)
-                gathered = plan.gather(logits, packed=batch.packed)
-                out.append({"logits": gathered, "losses": losses, "grads": grads})
+            out += sp_float64_run(plan, model, ids, labels, cu)
     return out if dist.get_rank() == 0 else None
 
 
@@ -285,8 +260,8 @@ def test_float64_4_ranks_match_transformers(distributed, checkpoints):
     cases = list(CASES)
     expected = {
         case: [
-            reference(checkpoints[case], ids, labels[0]),
-            reference(checkpoints[case], ids, labels[1], cu),
+            transformers_reference(load_reference(checkpoints[case]), ids, labels[0]),
+            transformers_reference(load_reference(checkpoints[case]), ids, labels[1], cu),
         ]  # fmt: skip
         for case in cases
     }
@@ -294,30 +269,17 @@ def test_float64_4_ranks_match_transformers(distributed, checkpoints):
     ckpts = [str(checkpoints[case]) for case in cases]
     results = distributed.run(sp_case, ckpts, grids, ids, labels, cu, world_size=4, timeout=300)[0]
     assert len(results) == 2 * len(cases) * len(grids)
+    failures = []
     for index, result in enumerate(results):
         want = expected[cases[(index // 2) % len(cases)]][index % 2]
-        assert len(set(result["losses"])) == 1, result["losses"]
-        assert abs(result["losses"][0] - want["loss"]) <= 1e-10 * want["loss"], index
-        assert relative_error(result["logits"], want["logits"]) <= 1e-10, index
-        assert max(grad_errors(result["grads"], want["grads"]).values()) <= 1e-10, index
+        failures += sp_failures(index, result, want, 1e-10)
+    assert not failures, "\n".join(failures)
 
 
 # ---------------------------------------------------------------------- checkpoints
 def test_export_loads_in_transformers_with_equal_logits(checkpoints, tmp_path):
     for case, path in checkpoints.items():
-        model = usp.models.from_pretrained(path)
-        with torch.no_grad():
-            for p in model.parameters():  # not the checkpoint's values: the export carries them
-                p.add_(0.01 * torch.randn_like(p))
-        out = model.save_pretrained(tmp_path / case)
-        hf = load_reference(out, dtype=torch.float32)
-        ids = global_batch(2, 16, seed=23)
-        with torch.no_grad():
-            ours, theirs = model(ids), hf(ids, use_cache=False).logits
-        assert relative_error(ours, theirs) <= 1e-5, case
-        again = usp.models.from_pretrained(out)
-        assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(),
-                                                     model.state_dict().values()))  # fmt: skip
+        assert_export_matches_transformers(path, tmp_path / case, load_reference)
 
 
 def _multimodal(directory):
@@ -347,7 +309,7 @@ def test_a_multimodal_checkpoint_loads_its_language_model(tmp_path):
     )
     for module in hf.modules():
         if type(module).__name__ == "Gemma3RMSNorm":
-            module.forward = types.MethodType(gemma_norm_float64, module)
+            module.forward = types.MethodType(one_plus_weight_norm_float64, module)
     ids = global_batch(1, 12, seed=8)
     with torch.no_grad():
         expected = hf(input_ids=ids, use_cache=False).logits

@@ -22,15 +22,19 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from family_checks import (
+    assert_export_matches_transformers,
+    one_process_errors,
+    sp_failures,
+    sp_float64_run,
+)
 from model_cases import (
-    IGNORE,
-    closed_form_aux,
     cu_of,
     global_batch,
     grad_errors,
     relative_error,
     sft_labels,
+    transformers_reference,
 )
 from qwen3_5_cases import (
     CASES,
@@ -66,31 +70,6 @@ from usp.models.qwen3_5 import check_linear_heads  # noqa: E402
 from usp.process_groups import HeadLayoutError  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("one_thread")]
-
-
-def reference(directory, ids, labels, cu=None) -> dict:
-    """transformers' float64 logits, mean loss and gradients (documents run alone); the
-    MoE model's loss adds the load-balancing term over every document's tokens (closed
-    form: transformers' own sums it in float32)."""
-    model = load_reference(directory)
-    moe = bool(getattr(model.config, "output_router_logits", False))
-    bounds = [0, ids.shape[1]] if cu is None else cu.tolist()
-    outs = [
-        model(ids[:, a:b], use_cache=False, output_router_logits=moe)
-        for a, b in zip(bounds, bounds[1:])
-    ]
-    logits = torch.cat([out.logits for out in outs], dim=1)
-    total = F.cross_entropy(
-        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"
-    )
-    loss = total / (labels != IGNORE).sum()
-    if moe:
-        router = [layer for out in outs for layer in out.router_logits]
-        aux = closed_form_aux(router, model.config.num_experts, model.config.num_experts_per_tok)
-        loss = loss + model.config.router_aux_loss_coef * aux
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return {"logits": logits.detach(), "loss": loss.item(), "grads": grads}
 
 
 def small_chunks(model, chunk=5):
@@ -213,20 +192,15 @@ def test_float64_one_process_matches_transformers(checkpoints, case):
         (dense, None, sft_labels(dense, [4])),
         (packed, cu, sft_labels(packed, [2, 3], cu)),
     ):
-        expected = reference(checkpoints[case], rows, labels, cu_seqlens)
+        expected = transformers_reference(
+            load_reference(checkpoints[case]), rows, labels, cu_seqlens
+        )
         model = usp.models.from_pretrained(checkpoints[case], dtype=torch.float64, backend="math")
         assert isinstance(model, Qwen3_5Moe if case == "moe" else Qwen3_5)
         small_chunks(model)
         Levers(loss_chunk_tokens=5).apply(model)
-        with torch.no_grad():
-            logits = model(rows, cu_seqlens=cu_seqlens)
-        loss = model(rows, labels=labels, cu_seqlens=cu_seqlens)
-        loss.backward()
-        grads = {n: p.grad for n, p in model.named_parameters()}
-        assert grads.keys() == expected["grads"].keys()
-        assert relative_error(logits, expected["logits"]) <= 1e-12, case
-        assert abs(loss.item() - expected["loss"]) <= 1e-12 * expected["loss"], case
-        assert max(grad_errors(grads, expected["grads"]).values()) <= 1e-12, case
+        errors = one_process_errors(model, rows, labels, cu_seqlens, expected)
+        assert max(errors.values()) <= 1e-12, (case, errors)
 
 
 def test_levers_give_the_same_numbers(checkpoints):
@@ -252,31 +226,14 @@ def test_levers_give_the_same_numbers(checkpoints):
 
 # ---------------------------------------------------------------------- 4 ranks
 def sp_case(runs, ids, labels, cu):
-    """float64 on each (ulysses, ring, layout, checkpoint): gathered logits, the loss on
-    every rank and the gradients summed over the SP group, dense and packed."""
+    """float64 on each (ulysses, ring, layout, checkpoint): :func:`family_checks.sp_float64_run`
+    with GDN chunks of 3 and activation checkpointing."""
     out = []
     for ulysses, ring, layout, ckpt in runs:
         plan = usp.Plan(topology(ulysses, ring), backend="math", layout=layout)
         model = small_chunks(usp.models.from_pretrained(ckpt, plan, dtype=torch.float64), 3)
         Levers(activation_checkpointing=True).apply(model)
-        for cu_seqlens in (None, cu):
-            batch = usp.models.shard_batch(
-                plan, ids, labels=labels[cu_seqlens is not None], cu_seqlens=cu_seqlens,
-                shift=False,
-            )  # fmt: skip
-            with torch.no_grad():
-                logits = model(batch.input_ids, cu_seqlens=batch.packed)
-            model.zero_grad()
-            loss = model(batch.input_ids, **batch.model_kwargs())
-            loss.backward()
-            losses = [None] * 4
-            dist.all_gather_object(losses, loss.item(), group=plan.sp_group)
-            grads = {}
-            for n, p in model.named_parameters():
-                grads[n] = p.grad.detach().clone()
-                dist.all_reduce(grads[n], group=plan.sp_group)
-            gathered = plan.gather(logits, packed=batch.packed)
-            out.append({"logits": gathered, "losses": losses, "grads": grads})
+        out += sp_float64_run(plan, model, ids, labels, cu)
     return out if dist.get_rank() == 0 else None
 
 
@@ -292,8 +249,8 @@ def test_float64_4_ranks_match_transformers(distributed, checkpoints):
     cases = [*CASES, "moe"]
     expected = {
         case: [
-            reference(checkpoints[case], ids, labels[0]),
-            reference(checkpoints[case], ids, labels[1], cu),
+            transformers_reference(load_reference(checkpoints[case]), ids, labels[0]),
+            transformers_reference(load_reference(checkpoints[case]), ids, labels[1], cu),
         ]  # fmt: skip
         for case in cases
     }
@@ -305,13 +262,7 @@ def test_float64_4_ranks_match_transformers(distributed, checkpoints):
     failures = []
     for index, result in enumerate(results):
         want = expected[cases[index // 2]][index % 2]
-        assert len(set(result["losses"])) == 1, result["losses"]
-        errors = {
-            "loss": abs(result["losses"][0] - want["loss"]) / want["loss"],
-            "logits": relative_error(result["logits"], want["logits"]),
-            **grad_errors(result["grads"], want["grads"]),
-        }
-        failures += [f"{index} {n}: {e:.3g}" for n, e in errors.items() if not e <= 1e-10]
+        failures += sp_failures(index, result, want, 1e-10)
     assert not failures, "\n".join(failures)
 
 
@@ -332,19 +283,7 @@ def test_gdn_heads_the_ulysses_degree_cannot_split_are_refused():
 # ---------------------------------------------------------------------- checkpoints
 def test_export_loads_in_transformers_with_equal_logits(checkpoints, tmp_path):
     for case, path in checkpoints.items():
-        model = usp.models.from_pretrained(path)
-        with torch.no_grad():
-            for p in model.parameters():  # not the checkpoint's values: the export carries them
-                p.add_(0.01 * torch.randn_like(p))
-        out = model.save_pretrained(tmp_path / case)
-        hf = load_reference(out, dtype=torch.float32)
-        ids = global_batch(2, 16, seed=23)
-        with torch.no_grad():
-            ours, theirs = model(ids), hf(ids, use_cache=False).logits
-        assert relative_error(ours, theirs) <= 1e-5, case
-        again = usp.models.from_pretrained(out)
-        assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(),
-                                                     model.state_dict().values()))  # fmt: skip
+        assert_export_matches_transformers(path, tmp_path / case, load_reference)
 
 
 def _multimodal(directory):

@@ -11,42 +11,23 @@ import io
 
 import pytest
 import torch
-import torch.nn.functional as F
 from gemma3_cases import load_reference, write_checkpoint
 from model_cases import relative_error
-from train_cases import _train_on_ranks, assert_matches_single, base_config
+from train_cases import (
+    _train_on_ranks,
+    assert_matches_single,
+    base_config,
+    transformers_first_loss,
+)
 
 import usp
-from usp.train import components
 from usp.train.config import train_config_from_dict
-from usp.train.data import IGNORE_INDEX, micro_batch_of
 from usp.train.trainer import train
 
 pytest.importorskip("transformers", reason="the reference is HF transformers")
 pytest.importorskip("safetensors", reason="HF checkpoints are safetensors files")
 
 TIMEOUT = 300
-
-
-def transformers_first_loss(config: dict) -> float:
-    """transformers' float64 loss of the first global batch the trainer reads."""
-    job = train_config_from_dict(config)
-    source = components.model_source(job)
-    _, dataset = components.build_dataset(job, source, job.data.document_multiple)
-    model = load_reference(source.directory)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for g in range(job.train.global_batch):
-            row = micro_batch_of([dataset.sequence(g)])
-            bounds = row.cu_seqlens.tolist()
-            for a, b in zip(bounds, bounds[1:]):
-                logits = model(row.input_ids[:, a:b], use_cache=False).logits[0]
-                labels = row.labels[0, a:b]
-                total += F.cross_entropy(
-                    logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"
-                ).item()
-                count += int((labels != IGNORE_INDEX).sum())
-    return total / count
 
 
 def test_usp_train_on_gemma3(distributed, tmp_path):
@@ -58,7 +39,7 @@ def test_usp_train_on_gemma3(distributed, tmp_path):
     single = train(
         train_config_from_dict(config), None, output_dir=tmp_path / "one", stream=io.StringIO()
     )
-    expected = transformers_first_loss(config)
+    expected = transformers_first_loss(config, load=load_reference)
     first = single.metrics[0]["loss"]
     assert abs(first - expected) <= 1e-5 * expected, (first, expected)
 

@@ -12,15 +12,17 @@ import io
 
 import pytest
 import torch
-import torch.nn.functional as F
-from model_cases import closed_form_aux, relative_error
+from model_cases import relative_error
 from qwen3_5_cases import load_reference, write_checkpoint, write_moe_checkpoint
-from train_cases import _train_on_ranks, assert_matches_single, base_config
+from train_cases import (
+    _train_on_ranks,
+    assert_matches_single,
+    base_config,
+    transformers_first_loss,
+)
 
 import usp
-from usp.train import components
 from usp.train.config import train_config_from_dict
-from usp.train.data import IGNORE_INDEX, micro_batch_of
 from usp.train.trainer import train
 
 pytest.importorskip("transformers", minversion="5.24")
@@ -28,36 +30,6 @@ pytest.importorskip("safetensors", reason="HF checkpoints are safetensors files"
 pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("one_thread")]
 
 TIMEOUT = 400
-
-
-def transformers_first_loss(config: dict) -> float:
-    """transformers' float64 step-1 loss: each micro-batch's documents run alone; CE sum
-    over the step / its label count, plus (MoE) the coefficient times each micro-batch's
-    load-balancing loss."""
-    job = train_config_from_dict(config)
-    source = components.model_source(job)
-    _, dataset = components.build_dataset(job, source, job.data.document_multiple)
-    model = load_reference(source.directory)
-    cfg = model.config
-    moe = bool(getattr(cfg, "output_router_logits", False))
-    total, count, aux = 0.0, 0, 0.0
-    per_micro = job.train.micro_batch
-    with torch.no_grad():
-        for first in range(0, job.train.global_batch, per_micro):
-            row = micro_batch_of([dataset.sequence(g) for g in range(first, first + per_micro)])
-            bounds = row.cu_seqlens.tolist()
-            router = []
-            for a, b in zip(bounds, bounds[1:]):
-                out = model(row.input_ids[:, a:b], use_cache=False, output_router_logits=moe)
-                labels = row.labels[0, a:b]
-                total += F.cross_entropy(
-                    out.logits[0], labels, ignore_index=IGNORE_INDEX, reduction="sum"
-                ).item()
-                count += int((labels != IGNORE_INDEX).sum())
-                router.extend(getattr(out, "router_logits", None) or ())
-            if moe:
-                aux += closed_form_aux(router, cfg.num_experts, cfg.num_experts_per_tok).item()
-    return total / count + (cfg.router_aux_loss_coef * aux if moe else 0.0)
 
 
 def _job(checkpoint) -> dict:
@@ -85,7 +57,7 @@ def test_usp_train_on_qwen3_5_and_qwen3_5_moe(distributed, tmp_path):
             train_config_from_dict(configs[family]), None, output_dir=tmp_path / f"{family}-one",
             stream=io.StringIO(),
         )  # fmt: skip
-        expected = transformers_first_loss(configs[family])
+        expected = transformers_first_loss(configs[family], load=load_reference)
         first = singles[family].metrics[0]["loss"]
         assert abs(first - expected) <= 1e-5 * expected, (family, first, expected)
 
