@@ -124,22 +124,25 @@ def run_windows(ulysses, ring):
             topo, mla, with_sinks=True, dtype=torch.float64, sinks_dtype=torch.float64, **case
         )
         results.append(({**case, "value_dim": value_dim}, torch.float64, errors))
-    if ring == 4:  # under torch.compile(fullgraph=True), dense: the contiguous tails and
-        # the dK/dV's early return (2 steps of 4), the all-gather's window segments, and
-        # a zigzag window shorter than a chunk (eager: neighbours' tails; compiled: the
-        # whole ring)
-        compiled_cases = (
-            ("contiguous", "p2p", 5, True),
-            ("contiguous", "allgather", 20, True),
-            ("zigzag", "p2p", 5, False),
-        )
-        for layout, ring_impl, window, sinks in compiled_cases:
-            case = dict(layout=layout, ring_impl=ring_impl, packed=None, window=window)
-            errors = usp_case(
-                topo, inputs, with_sinks=sinks, dtype=torch.float64,
-                sinks_dtype=torch.float64, compiled=True, **case,
-            )  # fmt: skip
-            results.append(({**case, "compiled": True}, torch.float64, errors))
+    # under torch.compile(fullgraph=True), dense (u1r4): the contiguous tails and the
+    # dK/dV's early return (2 steps of 4), the all-gather's window segments, and a zigzag
+    # window shorter than a chunk (eager: neighbours' tails; compiled: the whole ring)
+    dense = (("contiguous", "p2p", 5, True), ("contiguous", "allgather", 20, True))
+    dense += (("zigzag", "p2p", 5, False),)
+    # packed documents with a window, compiled (the p2p ring's masked blocks, every
+    # step): DOCS' chunks are 8, 4, 20 (u2r2 zigzag) and 4, 2, 10 (u1r4 contiguous):
+    # window 1, one shorter than a chunk, one spanning chunks
+    layout = "contiguous" if ring == 4 else "zigzag"
+    packed_windows = (1, 3, 24) if ring == 4 else (1, 6, 24)
+    compiled_cases = [(*c, None) for c in dense] if ring == 4 else []
+    compiled_cases += [(layout, "p2p", w, w != 3, DOCS) for w in packed_windows]
+    for layout, ring_impl, window, sinks, packed in compiled_cases:
+        case = dict(layout=layout, ring_impl=ring_impl, packed=packed, window=window)
+        errors = usp_case(
+            topo, inputs, with_sinks=sinks, dtype=torch.float64,
+            sinks_dtype=torch.float64, compiled=True, **case,
+        )  # fmt: skip
+        results.append(({**case, "compiled": True}, torch.float64, errors))
     return results
 
 
@@ -182,9 +185,9 @@ def run_refusals():
         messages[name] = _message(lambda: attend(**options))  # noqa: B023
         out = attend(causal=True, window=4)  # still usable
         dist.barrier()
-    plan = usp.Plan(topo, backend="cpu")
-    # packed documents with a window under compile (their per-document calls would
-    # specialise the graph to one packing)
+    plan = usp.Plan(topo, backend="cpu", ring_impl="allgather")
+    # packed documents with a window under compile on the all-gather ring (its
+    # per-document gathers would specialise the graph to one packing; p2p computes it)
     docs = plan.pack(torch.tensor([0, 16, 32], dtype=torch.int32))
     compiled = torch.compile(
         lambda a, b, c: plan.attention(a, b, c, causal=True, window=4, packed=docs),
