@@ -130,8 +130,8 @@ def run_windows(ulysses, ring):
     dense = (("contiguous", "p2p", 5, True), ("contiguous", "allgather", 20, True))
     dense += (("zigzag", "p2p", 5, False),)
     # packed documents with a window, compiled (the p2p ring's masked blocks, every
-    # step): DOCS' chunks are 8, 4, 20 (u2r2 zigzag) and 4, 2, 10 (u1r4 contiguous):
-    # window 1, one shorter than a chunk, one spanning chunks
+    # step): DOCS' chunks are 4, 2, 10 on both (u2r2 zigzag, u1r4 contiguous): window 1,
+    # windows shorter than a chunk (3, 6) and one spanning chunks (24)
     layout = "contiguous" if ring == 4 else "zigzag"
     packed_windows = (1, 3, 24) if ring == 4 else (1, 6, 24)
     compiled_cases = [(*c, None) for c in dense] if ring == 4 else []
