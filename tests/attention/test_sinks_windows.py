@@ -20,6 +20,7 @@ from window_cases import case_inputs, usp_case
 import usp
 from usp.planner.traffic import traffic_formula, window_gather_rows
 from usp.ring.documents import Documents
+from usp.ring.masked_window import window_mask
 from usp.ring.placement import plan_window_gather
 from usp.ring.window import chunk_pair, dense_window_blocks, ring_steps
 from usp.ring.zigzag_tails import zigzag_tail_plans
@@ -499,3 +500,28 @@ def test_zigzag_tails_hold_every_pair_a_short_window_reads():
                 assert got == want > 0, (r, local_len, w, rank)
                 assert bool(plan.prev) == (rank > 0), (r, local_len, w, rank)
                 assert bool(plan.next) == (rank < r - 1), (r, local_len, w, rank)
+
+
+def test_the_compiled_window_mask_keeps_what_the_eager_per_document_calls_read():
+    """usp.ring.masked_window's mask (from device bounds) equals the rows and keys of
+    the eager per-document calls (chunk_pair, the kernels' bottom-right alignment) for
+    every delta and window over a piece of chunks 4, 2, 10."""
+    bounds = [0, 4, 6, 16]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    for delta, w in itertools.product(range(4), (0, 1, 2, 5, 23)):
+        expected = torch.zeros(16, 16, dtype=torch.bool)
+        for start, stop in zip(bounds, bounds[1:]):
+            pair = chunk_pair(delta, stop - start, w)
+            if pair is None:
+                continue
+            rows, keys, causal, window = pair
+            shift = (keys.stop - keys.start) - (rows.stop - rows.start)  # bottom-right
+            for i, j in itertools.product(
+                range(rows.start, rows.stop), range(keys.start, keys.stop)
+            ):
+                diagonal = i + shift  # the key of row i's own position, chunk-relative
+                seen = (not causal or j - keys.start <= diagonal) and (
+                    window is None or j - keys.start >= diagonal - window
+                )
+                expected[start + i, start + j] = seen
+        assert torch.equal(window_mask(cu, 16, delta, w), expected), (delta, w)
