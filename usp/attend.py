@@ -120,13 +120,18 @@ def check_call(
     spec = validate_inputs(q, k, v, causal=causal, window=None)
     check_sinks(sinks, spec)
     check_window(window, causal)
-    if compiled and window is not None and packed is not None:
-        # a windowed block between packed pieces runs one call per document, sized by
-        # the packing's host ints: a graph would be specialised to one packing
+    if (
+        compiled and window is not None and packed is not None
+        and plan.ring_impl != "p2p" and plan.ring_degree > 1
+    ):  # fmt: skip
+        # the all-gather ring gathers each document's windowed rows, sized by the
+        # packing's host ints: a graph would be specialised to one packing (the p2p
+        # ring masks its windowed blocks from device bounds, usp.ring.masked_window)
         raise AttentionInputError(
             f"window={window} with packed documents is not supported under torch.compile "
-            "yet: call usp attention with a window on packed input eagerly (outside the "
-            "compiled region), or compile it on dense input"
+            "yet with ring_impl='allgather': use ring_impl='p2p', call usp attention with a "
+            "window on packed input eagerly (outside the compiled region), or compile it "
+            "on dense input"
         )
     u, r = plan.ulysses_degree, plan.ring_degree
     local_len = spec.seqlen_q

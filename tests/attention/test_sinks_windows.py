@@ -20,6 +20,7 @@ from window_cases import case_inputs, usp_case
 import usp
 from usp.planner.traffic import traffic_formula, window_gather_rows
 from usp.ring.documents import Documents
+from usp.ring.masked_window import window_mask
 from usp.ring.placement import plan_window_gather
 from usp.ring.window import chunk_pair, dense_window_blocks, ring_steps
 from usp.ring.zigzag_tails import zigzag_tail_plans
@@ -124,22 +125,25 @@ def run_windows(ulysses, ring):
             topo, mla, with_sinks=True, dtype=torch.float64, sinks_dtype=torch.float64, **case
         )
         results.append(({**case, "value_dim": value_dim}, torch.float64, errors))
-    if ring == 4:  # under torch.compile(fullgraph=True), dense: the contiguous tails and
-        # the dK/dV's early return (2 steps of 4), the all-gather's window segments, and
-        # a zigzag window shorter than a chunk (eager: neighbours' tails; compiled: the
-        # whole ring)
-        compiled_cases = (
-            ("contiguous", "p2p", 5, True),
-            ("contiguous", "allgather", 20, True),
-            ("zigzag", "p2p", 5, False),
-        )
-        for layout, ring_impl, window, sinks in compiled_cases:
-            case = dict(layout=layout, ring_impl=ring_impl, packed=None, window=window)
-            errors = usp_case(
-                topo, inputs, with_sinks=sinks, dtype=torch.float64,
-                sinks_dtype=torch.float64, compiled=True, **case,
-            )  # fmt: skip
-            results.append(({**case, "compiled": True}, torch.float64, errors))
+    # under torch.compile(fullgraph=True), dense (u1r4): the contiguous tails and the
+    # dK/dV's early return (2 steps of 4), the all-gather's window segments, and a zigzag
+    # window shorter than a chunk (eager: neighbours' tails; compiled: the whole ring)
+    dense = (("contiguous", "p2p", 5, True), ("contiguous", "allgather", 20, True))
+    dense += (("zigzag", "p2p", 5, False),)
+    # packed documents with a window, compiled (the p2p ring's masked blocks, every
+    # step): DOCS' chunks are 4, 2, 10 on both (u2r2 zigzag, u1r4 contiguous): window 1,
+    # windows shorter than a chunk (3, 6) and one spanning chunks (24)
+    layout = "contiguous" if ring == 4 else "zigzag"
+    packed_windows = (1, 3, 24) if ring == 4 else (1, 6, 24)
+    compiled_cases = [(*c, None) for c in dense] if ring == 4 else []
+    compiled_cases += [(layout, "p2p", w, w != 3, DOCS) for w in packed_windows]
+    for layout, ring_impl, window, sinks, packed in compiled_cases:
+        case = dict(layout=layout, ring_impl=ring_impl, packed=packed, window=window)
+        errors = usp_case(
+            topo, inputs, with_sinks=sinks, dtype=torch.float64,
+            sinks_dtype=torch.float64, compiled=True, **case,
+        )  # fmt: skip
+        results.append(({**case, "compiled": True}, torch.float64, errors))
     return results
 
 
@@ -182,9 +186,9 @@ def run_refusals():
         messages[name] = _message(lambda: attend(**options))  # noqa: B023
         out = attend(causal=True, window=4)  # still usable
         dist.barrier()
-    plan = usp.Plan(topo, backend="cpu")
-    # packed documents with a window under compile (their per-document calls would
-    # specialise the graph to one packing)
+    plan = usp.Plan(topo, backend="cpu", ring_impl="allgather")
+    # packed documents with a window under compile on the all-gather ring (its
+    # per-document gathers would specialise the graph to one packing; p2p computes it)
     docs = plan.pack(torch.tensor([0, 16, 32], dtype=torch.int32))
     compiled = torch.compile(
         lambda a, b, c: plan.attention(a, b, c, causal=True, window=4, packed=docs),
@@ -496,3 +500,28 @@ def test_zigzag_tails_hold_every_pair_a_short_window_reads():
                 assert got == want > 0, (r, local_len, w, rank)
                 assert bool(plan.prev) == (rank > 0), (r, local_len, w, rank)
                 assert bool(plan.next) == (rank < r - 1), (r, local_len, w, rank)
+
+
+def test_the_compiled_window_mask_keeps_what_the_eager_per_document_calls_read():
+    """usp.ring.masked_window's mask (from device bounds) equals the rows and keys of
+    the eager per-document calls (chunk_pair, the kernels' bottom-right alignment) for
+    every delta and window over a piece of chunks 4, 2, 10."""
+    bounds = [0, 4, 6, 16]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    for delta, w in itertools.product(range(4), (0, 1, 2, 5, 23)):
+        expected = torch.zeros(16, 16, dtype=torch.bool)
+        for start, stop in zip(bounds, bounds[1:]):
+            pair = chunk_pair(delta, stop - start, w)
+            if pair is None:
+                continue
+            rows, keys, causal, window = pair
+            shift = (keys.stop - keys.start) - (rows.stop - rows.start)  # bottom-right
+            for i, j in itertools.product(
+                range(rows.start, rows.stop), range(keys.start, keys.stop)
+            ):
+                diagonal = i + shift  # the key of row i's own position, chunk-relative
+                seen = (not causal or j - keys.start <= diagonal) and (
+                    window is None or j - keys.start >= diagonal - window
+                )
+                expected[start + i, start + j] = seen
+        assert torch.equal(window_mask(cu, 16, delta, w), expected), (delta, w)

@@ -65,11 +65,12 @@ def usp_case(
     local = [usp.shard_sequence(t, topo, **shard).to(dtype).requires_grad_() for t in (q, k, v)]
     local_sinks = sinks.to(sinks_dtype).detach().requires_grad_() if with_sinks else None
 
+    plan = usp.Plan(topo, layout=layout, ring_impl=ring_impl)
+    # a compiled graph takes packed documents built outside it (plan.pack)
+    packing = None if cu is None else plan.pack(cu)
+
     def attend(q, k, v, sinks):
-        return usp.usp_attention(
-            q, k, v, topo, causal=True, layout=layout, ring_impl=ring_impl, cu_seqlens=cu,
-            window=window, sinks=sinks,
-        )  # fmt: skip
+        return plan.attention(q, k, v, causal=True, packed=packing, window=window, sinks=sinks)
 
     if compiled:
         torch._dynamo.reset()

@@ -29,6 +29,7 @@ from usp.kernels.dispatch import PreparedDense, docs_backward, docs_forward, doc
 from usp.kernels.docs import DeviceBounds, PackedDocs
 from usp.kernels.selection import select_backend
 from usp.kernels.spec import AttentionSpec
+from usp.ring.masked_window import masked_backward, masked_forward
 from usp.ring.window import window_documents
 
 
@@ -141,6 +142,8 @@ class PackedCalls:
         piece's chunks are ``delta`` chunks before the query piece's in every document
         (a windowed block between pieces, one call per document, :mod:`usp.ring.window`)."""
         d, scale = self.docs, self.kernels.scale
+        if window is not None and torch.compiler.is_compiling():  # masked from device bounds
+            return masked_forward(q, k, v, d.cu_q, delta, window, scale)
         if delta:
             return window_documents(self.kernels, d, delta, window).forward(q, k, v)
         if torch.compiler.is_compiling():
@@ -158,6 +161,8 @@ class PackedCalls:
 
     def backward(self, dout, q, k, v, out, lse, causal, window=None, delta=0):
         d, scale = self.docs, self.kernels.scale
+        if window is not None and torch.compiler.is_compiling():
+            return masked_backward(dout, q, k, v, out, lse, d.cu_q, delta, window, scale)
         if delta:
             return window_documents(self.kernels, d, delta, window).backward(
                 dout, q, k, v, out, lse

@@ -77,7 +77,10 @@ def _plan(cfg: PreparedRing, local_len: int, documents: DeviceBounds | None = No
             blocks = lambda i, j: step_blocks(layout, cfg.causal, i, j, local_len)  # noqa: E731
         return blocks, calls_for(cfg, None)
     piece_len = cfg.placement.piece_len
-    if w is not None:
+    if w is not None and torch.compiler.is_compiling():
+        # the graph serves every packing: every block a window could reach, masked
+        blocks = lambda i, j: packed_window_blocks(layout, size, i, j, piece_len, None, w)  # noqa: E731
+    elif w is not None:
         lengths = chunk_lengths(cfg)
         blocks = lambda i, j: packed_window_blocks(layout, size, i, j, piece_len, lengths, w)  # noqa: E731
     else:
@@ -111,6 +114,8 @@ def steps(cfg: PreparedRing, local_len: int) -> int:
     """How many steps the ring rotates: all of them, or with a window only while some
     rank still has a block inside it (:func:`usp.ring.window.ring_steps`)."""
     if cfg.window is None or cfg.size == 1:
+        return cfg.size
+    if cfg.packed and torch.compiler.is_compiling():  # the packing is not a constant
         return cfg.size
     lengths = chunk_lengths(cfg) if cfg.packed else None
     return ring_steps(cfg.layout, cfg.size, local_len, lengths, cfg.window)

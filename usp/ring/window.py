@@ -90,11 +90,12 @@ def dense_window_blocks(
 
 def packed_window_blocks(
     layout: str, ring_size: int, ring_rank: int, kv_rank: int, piece_len: int,
-    chunk_lengths: tuple[int, ...], w: int,
+    chunk_lengths: tuple[int, ...] | None, w: int,
 ) -> list[Block]:  # fmt: skip
     """Packed documents: blocks between whole pieces; a diagonal one is a varlen call
     with window w, one between different pieces (``delta`` > 0) is kept when the window
-    reaches it in some document and runs per document (:class:`WindowDocuments`)."""
+    reaches it in some document and runs per document (:class:`WindowDocuments`).
+    ``chunk_lengths`` None (a compiled graph, any packing): every block with delta > 0."""
     blocks = []
     for q_piece in range(_pieces(layout)):
         q_chunk = _chunk_of(layout, ring_size, ring_rank, q_piece)
@@ -104,7 +105,9 @@ def packed_window_blocks(
             kv_rows = slice(kv_piece * piece_len, (kv_piece + 1) * piece_len)
             if delta == 0:
                 blocks.append(Block(q_rows, kv_rows, True, w))
-            elif delta > 0 and any(chunk_pair(delta, n, w) for n in chunk_lengths):
+            elif delta > 0 and (
+                chunk_lengths is None or any(chunk_pair(delta, n, w) for n in chunk_lengths)
+            ):
                 blocks.append(Block(q_rows, kv_rows, False, w, delta))
     return blocks
 
