@@ -29,24 +29,24 @@ from usp.errors import (
 )
 
 # The rest of the front door loads on first use (PEP 562): ``import usp`` (and so
-# ``usp plan --bad-flag``) costs no torch import; ``usp.Plan`` imports usp.plan then.
+# ``usp plan --bad-flag``) costs no torch import; ``usp.Plan`` imports usp.sp.plan then.
 _LAZY = {
-    "UspAttention": "usp.attention",
-    "usp_attention": "usp.attention",
+    "UspAttention": "usp.sp.attention",
+    "usp_attention": "usp.sp.attention",
     "build_topology_from_config": "usp.config",
     "compile_options": "usp.comm.overlap",
     "load_config": "usp.config",
-    "gather_sequence": "usp.functional",
-    "local_position_ids": "usp.functional",
-    "local_token_indices": "usp.functional",
-    "sequence_multiple": "usp.functional",
-    "shard_sequence": "usp.functional",
-    "Plan": "usp.plan",
-    "PlanError": "usp.plan",
+    "gather_sequence": "usp.sp.functional",
+    "local_position_ids": "usp.sp.functional",
+    "local_token_indices": "usp.sp.functional",
+    "sequence_multiple": "usp.sp.functional",
+    "shard_sequence": "usp.sp.functional",
+    "Plan": "usp.sp.plan",
+    "PlanError": "usp.sp.plan",
     "build_topology": "usp.process_groups",
-    "document_position_ids": "usp.sharding",
-    "pad_documents": "usp.sharding",
-    "pad_to_multiple": "usp.sharding",
+    "document_position_ids": "usp.sp.sharding",
+    "pad_documents": "usp.sp.sharding",
+    "pad_to_multiple": "usp.sp.sharding",
 }
 
 __version__ = "0.1.0"

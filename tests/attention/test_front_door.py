@@ -38,8 +38,8 @@ def test_the_front_door_holds_what_it_says():
 # public in their modules only
 IN_THEIR_MODULES = {
     "CommStats": "usp.comm.stats",
-    "DocumentPadding": "usp.sharding",
-    "PackedSequence": "usp.plan",
+    "DocumentPadding": "usp.sp.sharding",
+    "PackedSequence": "usp.sp.plan",
     "RankMap": "usp.process_groups",
     "Topology": "usp.process_groups",
     "UspConfig": "usp.config",

@@ -19,7 +19,7 @@ from usp_cases import global_inputs, reference_with_grads
 
 from usp.comm.stats import CommStats
 from usp.ring import ring_attention
-from usp.sharding import sequence_positions
+from usp.sp.sharding import sequence_positions
 
 TOL = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 4e-2)}  # (out, grads)
 HEADS = {"mha": (4, 4), "gqa": (4, 2)}

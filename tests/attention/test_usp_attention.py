@@ -164,7 +164,7 @@ def test_shard_and_gather_round_trip_exactly(distributed, world, grid, placement
 
 def test_zigzag_positions_follow_the_documented_layout():
     # S = 16, r = 2, u = 2: chunks of 4; ring rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
-    pos = lambda rr, ur: usp.sharding.sequence_positions(  # noqa: E731
+    pos = lambda rr, ur: usp.sp.sharding.sequence_positions(  # noqa: E731
         16, ring_size=2, ring_rank=rr, ulysses_size=2, ulysses_rank=ur, layout="zigzag"
     ).tolist()
     assert pos(0, 0) == [0, 1, 2, 3] and pos(0, 1) == [12, 13, 14, 15]
@@ -181,7 +181,7 @@ def test_pad_to_multiple():
         usp.ShardingError,
         match="sequence length 10 must be a multiple of 4 for the zigzag layout with ring=2, ulysses=2 \\(pad to 12",
     ):
-        usp.sharding.check_sequence_length(10, 2, 2, "zigzag")
+        usp.sp.sharding.check_sequence_length(10, 2, 2, "zigzag")
 
 
 # ------------------------------------------------------------------ traffic

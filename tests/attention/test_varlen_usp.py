@@ -156,7 +156,7 @@ def test_work_count_matches_a_brute_force_count():
     cu = [0, 6, 18]
     mask = document_mask(cu, causal=True)
     for rank in range(3):
-        positions = usp.sharding.sequence_positions(
+        positions = usp.sp.sharding.sequence_positions(
             18, ring_size=3, ring_rank=rank, cu_seqlens=torch.tensor(cu, dtype=torch.int32)
         )
         assert attention_pairs(docs, causal=True, ring_rank=rank) == int(mask[positions].sum())
@@ -182,7 +182,7 @@ def test_pad_documents_keeps_every_token_and_pads_labels():
     labels = padding.apply(ids, -100)
     assert (labels == -100).sum() == 16
     # the padded sequence shards cleanly
-    usp.sharding.sequence_positions(
+    usp.sp.sharding.sequence_positions(
         36, ring_size=2, ring_rank=1, ulysses_size=3, ulysses_rank=2, cu_seqlens=padding.cu_seqlens
     )
 

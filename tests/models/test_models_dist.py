@@ -43,7 +43,7 @@ from usp.models import (  # noqa: E402
     count_labels,
     shard_batch,
 )
-from usp.plan import Plan  # noqa: E402
+from usp.sp.plan import Plan  # noqa: E402
 
 TOL_LOGITS, TOL_LOSS, TOL_GRAD = 1e-4, 1e-5, 1e-4
 #: bf16 model (bf16 weights and activations, float32 loss) against float64; measured

@@ -110,3 +110,56 @@ def test_usp_has_no_import_cycles():
     found = cycles(import_graph())
     if found:
         pytest.fail("import cycles in usp/: " + "; ".join(" <-> ".join(c) for c in found))
+
+
+# docs/architecture.md's layers, bottom up: a module imports only from its own layer or
+# the ones below (the front door ``usp`` itself may be imported by the jobs).
+LAYERS = [
+    ("usp.options", "usp.errors", "usp.planning_mode"),
+    ("usp.process_groups", "usp.comm", "usp.config"),
+    ("usp.kernels",),
+    ("usp.ring",),
+    ("usp.sp",),
+    ("usp.linear", "usp.models"),
+    ("usp.train", "usp.evaluation", "usp.planner", "usp.integrations", "usp.cli"),
+]
+
+
+def layer_of(module: str) -> int | None:
+    for index, packages in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in packages):
+            return index
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, what it imports) pairs that reach a higher layer, or a module no layer holds."""
+    found = []
+    for module, imports in graph.items():
+        if module in ("usp", "usp.__main__"):
+            continue
+        below = layer_of(module)
+        for imported in imports:
+            if imported == "usp" and below == len(LAYERS) - 1:
+                continue
+            above = layer_of(imported)
+            if below is None or above is None or above > below:
+                found.append((module, imported))
+    return sorted(found)
+
+
+def test_every_module_imports_only_its_own_layer_or_lower():
+    assert upward_imports(import_graph()) == []
+
+
+def test_every_module_has_a_layer():
+    unplaced = [
+        m for m in import_graph() if m not in ("usp", "usp.__main__") and layer_of(m) is None
+    ]
+    assert unplaced == [], "add the package to LAYERS here and to docs/architecture.md"
+
+
+def test_an_upward_import_is_found():
+    graph = {"usp.ring.p2p": {"usp.sp.plan"}, "usp.sp.plan": {"usp.ring.p2p"}}
+    assert upward_imports(graph) == [("usp.ring.p2p", "usp.sp.plan")]
+    assert upward_imports({"usp.newpkg.x": {"usp.errors"}}) == [("usp.newpkg.x", "usp.errors")]

@@ -30,7 +30,7 @@ from usp_cases import topology
 
 from usp.config import ConfigError
 from usp.models.family import PRESETS, family_of
-from usp.plan import Plan
+from usp.sp.plan import Plan
 from usp.train.config import train_config_from_dict
 from usp.train.trainer import train
 

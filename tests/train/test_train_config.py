@@ -236,7 +236,7 @@ def test_position_settings_for_presets_and_checkpoints(tmp_path):
 
 def test_memory_levers_reach_the_model(tmp_path):
     from usp.models import Levers, levers_of
-    from usp.plan import Plan
+    from usp.sp.plan import Plan
     from usp.train.components import build_model
 
     text = with_line("train", 'activation_checkpointing = "offload"')
@@ -553,7 +553,7 @@ def test_config_json_is_read_once_per_start(tmp_path, monkeypatch):
     import usp.models.config as model_config
     import usp.models.family as family
     from usp.models import PRESETS, Llama
-    from usp.plan import Plan
+    from usp.sp.plan import Plan
     from usp.train.components import build_model
 
     torch.manual_seed(0)

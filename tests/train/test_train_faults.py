@@ -24,7 +24,7 @@ import torch
 from train_cases import _train_on_ranks, base_config
 from usp_cases import topology
 
-from usp.plan import Plan
+from usp.sp.plan import Plan
 from usp.train.config import train_config_from_dict
 from usp.train.lock import LOCK_FILE, OutputLock
 from usp.train.metrics import MetricsWriter, read_metrics_tolerant

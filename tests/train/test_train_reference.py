@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from train_cases import base_config
 from usp_cases import topology
 
-from usp.plan import Plan
+from usp.sp.plan import Plan
 from usp.train import components
 from usp.train.config import train_config_from_dict
 from usp.train.data import IGNORE_INDEX, micro_batch_of

@@ -7,7 +7,7 @@ Several tensors (e.g. q, k and v, with different head counts but one dtype) move
 collective: each rank packs, for every destination, the pieces of all tensors into one
 buffer. :func:`differentiable_all_to_all` is an autograd function whose backward is the
 inverse all-to-all (itself differentiable, so second derivatives through it are exact).
-What the dims mean (sequence, heads) is the caller's business (see :mod:`usp.ulysses`).
+What the dims mean (sequence, heads) is the caller's business (see :mod:`usp.sp.ulysses`).
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from usp.config.launch import GridSizeError
 from usp.evaluation.report import table, to_json, write_plots
 from usp.evaluation.runner import DEFAULT_DEPTHS, EvalSettings, check_settings, run_checks
 from usp.evaluation.target import eval_tokenizer, held_out_stream, load_model, resolve_target
-from usp.plan import Plan
 from usp.process_groups import SINGLE_PROCESS
+from usp.sp.plan import Plan
 from usp.train.cli import _init_process_group, _teardown  # usp train's, shared
 from usp.train.components import TORCH_DTYPES, default_compute_dtype
 from usp.train.config import load_train_config

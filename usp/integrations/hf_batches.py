@@ -32,7 +32,7 @@ from torch.utils.data import Sampler
 import usp.models.hf as usp_hf
 from usp.models import IGNORE_INDEX, ShardedBatch, shard_batch, shift_labels
 from usp.models.hf_inputs import HFInputError
-from usp.plan import Plan
+from usp.sp.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from usp.integrations.hf_plan import plan_config
 from usp.integrations.hf_setup import launch_plan
 from usp.models import DEFAULT_LOSS_CHUNK_TOKENS, Levers
 from usp.options import LAYOUTS
-from usp.plan import Plan
+from usp.sp.plan import Plan
 
 _CHECKPOINTING = {"off": False, "on": True, "offload": "offload"}
 

@@ -22,8 +22,8 @@ import usp.models.hf as usp_hf
 from usp.errors import ModelConfigError, TopologyError
 from usp.models import Levers, decoder_layers
 from usp.models.hf_mixers import mixer_problem
-from usp.plan import Plan
 from usp.process_groups import build_topology
+from usp.sp.plan import Plan
 from usp.train.parallelize import fully_shard_model
 
 

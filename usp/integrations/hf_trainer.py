@@ -50,7 +50,7 @@ from usp.integrations.hf_setup import (
 )
 from usp.models.hf_inputs import HFInputError
 from usp.models.moe import sp_router_aux_loss, stats_dtype, stats_from_router_logits
-from usp.plan import as_plan
+from usp.sp.plan import as_plan
 from usp.train.parallelize import set_gradient_sync
 
 #: error classes re-raised as themselves when the replicas agree on a failure

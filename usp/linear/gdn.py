@@ -47,11 +47,11 @@ from usp.linear.backends import GDN_KERNELS, GdnKernel, GdnKernelError, select_g
 from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError, select_conv_kernel
 from usp.linear.kernel import compute_dtype, from_padded, l2norm, segment_rows, to_padded
 from usp.linear.ring import Segments, conv_contexts, ring_all_gather, segment_tails, start_states
-from usp.packing import PackedSequence
 from usp.process_groups import HeadLayoutError, degrees
 from usp.ring.documents import Documents
-from usp.sharding import sequence_documents
-from usp.ulysses import UlyssesHeadError, to_head_sharded, to_sequence_sharded
+from usp.sp.packing import PackedSequence
+from usp.sp.sharding import sequence_documents
+from usp.sp.ulysses import UlyssesHeadError, to_head_sharded, to_sequence_sharded
 
 __all__ = ["LinearAttentionError", "gated_deltanet_usp"]
 

@@ -17,7 +17,7 @@ import torch
 
 from usp.comm.agreement import agree, can_agree, stable_hash
 from usp.models.labels import IGNORE_INDEX, shift_labels
-from usp.plan import PackedSequence, as_plan, batch_field, documents_field
+from usp.sp.plan import PackedSequence, as_plan, batch_field, documents_field
 
 #: the modulus of the fingerprint's weighted sums (a prime: 2**31 - 1), small enough that
 #: every product and every sum of up to 2**32 terms stays inside int64
@@ -76,7 +76,7 @@ def shard_batch(
     ``cu_seqlens``) and then sharded like the tokens; ``shift=False``: ``labels`` are
     already the globally shifted targets (a packer's output), sharded as they are.
     ``cu_seqlens``: int32 boundaries of a packed sequence (B = 1; collective: every SP
-    rank calls this with the same ones), or the :class:`usp.plan.PackedSequence` ``plan.pack``
+    rank calls this with the same ones), or the :class:`usp.sp.plan.PackedSequence` ``plan.pack``
     made of them (its tensors stay where it placed them; what a caller that packed
     outside a fake-tensor mode passes in). ``device``: where the shards, the positions and
     the packed sequence's tensors go (default: ``input_ids``' device); the global batch

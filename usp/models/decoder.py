@@ -30,7 +30,7 @@ from usp.models.moe import add_router_stats, has_experts, sp_router_aux_loss, sp
 from usp.models.norm import rms_norm
 from usp.models.plan_inputs import check_attention_options, check_heads, pack_once, plan_argument
 from usp.models.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
-from usp.plan import as_plan
+from usp.sp.plan import as_plan
 
 
 class RMSNorm(nn.Module):
@@ -203,7 +203,7 @@ class DecoderStack(nn.Module):
 #: why a family with sliding-window layers refuses ``[train] compile`` (its
 #: ``compile_refusal``): usp train packs documents, and a window over packed documents
 #: does not compile (its per-document calls would specialise the graph to one packing:
-#: usp/attend.py)
+#: usp/sp/attend.py)
 WINDOW_COMPILE_REFUSAL = (
     "its sliding-window layers compile only on dense input, and usp train packs "
     "documents (a windowed call over packed documents is not traced)"
@@ -225,7 +225,7 @@ class CausalLM(nn.Module):
     * ``position_ids``: RoPE positions ([S/P] or [B, S/P]); by default the tokens' global
       positions, restarting at 0 in every document of a packed sequence;
     * ``cu_seqlens``: int32 document boundaries of the *global* packed sequence (B = 1),
-      or a ``usp.plan.PackedSequence`` from ``plan.pack``; validated once per forward;
+      or a ``usp.sp.plan.PackedSequence`` from ``plan.pack``; validated once per forward;
     * without ``labels``: logits [B, S/P, V];
     * with ``labels`` ([B, S/P]: this rank's shard of the globally shifted labels, see
       :func:`usp.models.shift_labels`): the loss, a scalar equal to the mean over every

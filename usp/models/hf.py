@@ -62,8 +62,8 @@ from usp.models.hf_mixers import (  # noqa: F401
 )
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, loss_dtype, sp_cross_entropy, sp_normalise
-from usp.plan import as_plan
-from usp.sharding import pad_documents
+from usp.sp.plan import as_plan
+from usp.sp.sharding import pad_documents
 
 _BUILTIN_PREFIXES = ("eager", "sdpa", "flash_attention", "flex_attention", "paged")
 

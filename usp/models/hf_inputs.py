@@ -5,7 +5,7 @@ transformers gives a custom attention function its inputs in two places: the 2-D
 **packed documents**: ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) keyword arguments
 (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), usp's own
 ``usp_packed`` keyword, or ``position_ids`` that restart per document (what sdpa
-detects). :class:`PackedInputs` turns them into one :class:`usp.plan.PackedSequence` per
+detects). :class:`PackedInputs` turns them into one :class:`usp.sp.plan.PackedSequence` per
 forward (cached for the layers that follow), checks that the ``position_ids`` agree
 with it, and under SP makes the SP ranks agree on the outcome before any attention
 collective (one tiny all-gather per forward; inside a compiled graph, once per trace).
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from usp.attend import TraceCache, packed_signature, stand_in_packed
 from usp.comm import traced
 from usp.comm.agreement import Field, agree, can_agree
 from usp.models.hf_padding import (  # noqa: F401 - re-exported: the plug-in's inputs
@@ -31,10 +30,11 @@ from usp.models.hf_padding import (  # noqa: F401 - re-exported: the plug-in's i
     padding_problem,
     window_problem,
 )
-from usp.plan import PackedSequence, PlanError
-from usp.sharding import ShardingError
+from usp.sp.attend import TraceCache, packed_signature, stand_in_packed
+from usp.sp.plan import PackedSequence, PlanError
+from usp.sp.sharding import ShardingError
 
-#: the keyword of ``model(...)`` that carries a ``usp.plan.PackedSequence`` to the attention
+#: the keyword of ``model(...)`` that carries a ``usp.sp.plan.PackedSequence`` to the attention
 PACKED_KWARG = "usp_packed"
 CU_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")
 MAX_LENGTH_KWARGS = ("max_length_q", "max_length_k")

@@ -1,6 +1,6 @@
 """What a model reads from its plan: the ``plan`` argument of the constructors and
 loaders, the head counts checked against the plan's Ulysses degree, and cu_seqlens (or a
-PackedSequence) turned into one PackedSequence per forward (``usp.plan.as_plan`` makes the plan)."""
+PackedSequence) turned into one PackedSequence per forward (``usp.sp.plan.as_plan`` makes the plan)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import warnings
 
 import torch
 
-from usp.plan import PackedSequence, Plan
 from usp.process_groups.degrees import kv_replication_for
+from usp.sp.plan import PackedSequence, Plan
 
 #: the keyword arguments a model takes besides its config and plan (``usp.Plan.with_options``)
 ATTENTION_OPTIONS = ("layout", "ring_impl", "backend")

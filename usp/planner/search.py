@@ -36,7 +36,7 @@ from usp.planner.overheads import Overheads, overheads_for
 from usp.planner.timing import comm_bytes, host_step_time, step_time  # noqa: F401
 from usp.process_groups import valid_degree_pairs
 from usp.process_groups.rank_math import RankMap, TopologyError
-from usp.sharding import required_multiple
+from usp.sp.sharding import required_multiple
 
 GIB = 2**30
 GB = 1e9

@@ -72,7 +72,7 @@ def traffic_formula(
     window is shorter than every document's chunk (W-1 < min n_d): one hop carrying the
     last W-1 rows of each of the N documents (and their dK/dV back).
     ``value_dim``: v's head size when it is not q/k's ``head_dim`` (MLA): the all-to-alls
-    move q, k, v and out padded to the larger of the two (as ``usp.attend`` pads them),
+    move q, k, v and out padded to the larger of the two (as ``usp.sp.attend`` pads them),
     the ring's K/V and dK/dV messages each tensor at its own size (``head_dim +
     value_dim`` columns per K/V pair instead of 2 * D).
     The all-gather ring with a window gathers m rows of every rank's block instead of

@@ -7,8 +7,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from usp.call_check import call_fields, checked_call, needs_grad
 from usp.comm.agreement import Field, stable_hash
+from usp.comm.call_check import call_fields, checked_call, needs_grad
 from usp.comm.stats import CommStats
 from usp.comm.traced import TracedGroup
 from usp.errors import InputError

@@ -28,8 +28,8 @@ from usp.models import (
 )
 from usp.models.lora import initial_adapters
 from usp.models.offload import HostOffloader
-from usp.plan import Plan
 from usp.process_groups import Topology
+from usp.sp.plan import Plan
 from usp.train.config import AUTO, TrainJobConfig
 from usp.train.data import (
     ByteTokenizer,

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from usp.config import ConfigError, read_toml
 from usp.config.overrides import apply_settings, parse_settings
-from usp.sharding import required_multiple
+from usp.sp.sharding import required_multiple
 from usp.train.components import check_lengths, model_source, prepare_data
 from usp.train.config import is_train_config, train_config_from_dict
 from usp.train.evaluate import prepare_held_out

@@ -15,7 +15,7 @@ from usp.config import ConfigError
 from usp.models import CheckpointError as ModelCheckpointError
 from usp.models import ModelConfigError
 from usp.process_groups import HeadLayoutError, TopologyError
-from usp.sharding import ShardingError
+from usp.sp.sharding import ShardingError
 from usp.train import components, report_to
 from usp.train.checkpoint import Checkpointer, CheckpointError, CheckpointShapeError
 from usp.train.config import AUTO, TrainJobConfig

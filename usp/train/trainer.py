@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from usp.models import model_counts, shard_batch
 from usp.models.lora import set_stream_position
-from usp.plan import Plan
+from usp.sp.plan import Plan
 from usp.train import components, report_to, run_config
 from usp.train.checkpoint import (
     TrainState,

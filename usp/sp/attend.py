@@ -11,7 +11,7 @@ error leaves every process group usable. A call is validated once (:func:`check_
 the result holds the KV replication and the ring's validated call, whose kernels are
 resolved per block shape; nothing is validated again per block, step or backward.
 
-This module sits below :mod:`usp.plan`: :func:`attend` reads the pieces it needs from
+This module sits below :mod:`usp.sp.plan`: :func:`attend` reads the pieces it needs from
 the plan it is given (degrees, groups, options, ``packed_sequence``) and imports no plan.
 """
 
@@ -25,18 +25,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from usp.call_check import call_fields, checked_call, needs_grad
 from usp.comm.agreement import Field
+from usp.comm.call_check import call_fields, checked_call, needs_grad
 from usp.comm.traced import TracedGroup
 from usp.kernels.spec import AttentionInputError, validate_inputs
 from usp.options import BACKENDS, LAYOUTS, RING_IMPLS, layout_chunks
-from usp.packing import PackedSequence, PlanError, check_packed_fits
 from usp.process_groups import HeadLayoutError
 from usp.ring.api import RING_ERRORS, prepare_ring, ring_placement, run_ring
 from usp.ring.config import PreparedRing
 from usp.ring.kv_message import KVDims
-from usp.sharding import ShardingError, check_sequence_length
-from usp.ulysses import (
+from usp.sp.packing import PackedSequence, PlanError, check_packed_fits
+from usp.sp.sharding import ShardingError, check_sequence_length
+from usp.sp.ulysses import (
     kv_replication_for,
     replicate_kv_heads,
     to_head_sharded,
@@ -324,7 +324,7 @@ def _tensor_signature(x):
 def _check_packed_type(packed) -> None:
     if not isinstance(packed, PackedSequence):
         raise PlanError(
-            "under torch.compile, packed documents must be a usp.plan.PackedSequence built outside "
+            "under torch.compile, packed documents must be a usp.sp.plan.PackedSequence built outside "
             "the compiled call (plan.pack(cu_seqlens)): raw cu_seqlens would be read on the host "
             "inside the graph"
         )

@@ -14,7 +14,7 @@ agrees once per batch instead (``Plan.pack`` for packed documents, ``Plan.verify
 for shapes and dtypes), and ``verify=True`` turns the per-call check on for debugging.
 The choice depends only on the group's backend, which every rank shares, so no rank can
 skip a check another rank makes. Inside a compiled graph the check (and the agreement)
-runs once, while the graph is traced (:func:`usp.attend.traced_call`).
+runs once, while the graph is traced (:func:`usp.sp.attend.traced_call`).
 """
 
 from __future__ import annotations

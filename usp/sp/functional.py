@@ -6,7 +6,7 @@ with the default choices is made for it), or None (one process).
 ``layout=`` picks the sequence layout where ``plan`` is a Topology (pass the same to
 :func:`usp.usp_attention`; a Plan carries it for both instead). Given a Plan, ``layout``
 may only repeat the plan's own: sharding in another layout than the plan attends in
-would silently pair the wrong tokens, so that is a :class:`~usp.plan.PlanError` saying
+would silently pair the wrong tokens, so that is a :class:`~usp.sp.plan.PlanError` saying
 to build the Plan with that layout. (:func:`sequence_multiple` only answers a question
 and takes any layout.)
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from usp.plan import Plan, PlanError, as_plan
+from usp.sp.plan import Plan, PlanError, as_plan
 
 
 def _plan(plan, layout: str | None, what: str) -> Plan:

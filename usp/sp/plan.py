@@ -24,7 +24,6 @@ import weakref
 
 import torch
 
-from usp.attend import TraceCache, attend
 from usp.comm.agreement import Field, agree, can_agree, stable_hash
 from usp.comm.traced import TracedGroup
 from usp.config import UspConfig, build_topology_from_config, check_topology_matches, load_config
@@ -38,11 +37,12 @@ from usp.options import (
     RING_IMPLS,
     check_choice,
 )
-from usp.packing import PackedSequence, PlanError, check_packed_fits
 from usp.process_groups import SingleProcess, Topology, as_topology
 from usp.ring.documents import Documents
 from usp.ring.placement import packed_placement
-from usp.sharding import (
+from usp.sp.attend import TraceCache, attend
+from usp.sp.packing import PackedSequence, PlanError, check_packed_fits
+from usp.sp.sharding import (
     ShardingError,
     check_boundary_tensor,
     gather_by_documents,
@@ -74,7 +74,7 @@ class Plan:
     ):
         """``verify_calls``: agree across the SP ranks on every attention call before it
         communicates (None: on for gloo, off for NCCL where it costs a host sync per
-        layer; see :mod:`usp.call_check`). ``kernel_registry``: where the attention
+        layer; see :mod:`usp.comm.call_check`). ``kernel_registry``: where the attention
         calls look their backends up (None: usp's,
         :data:`usp.kernels.backends.registry.DEFAULT`); the planner passes one holding
         its fake-tensor stand-ins. Eager calls only: a compiled graph's kernel ops use
@@ -102,7 +102,7 @@ class Plan:
                 f"KernelRegistry, got {type(kernel_registry).__name__}"
             )
         self.kernel_registry = kernel_registry
-        #: the checked calls of compiled graphs (see :func:`usp.attend.traced_call`)
+        #: the checked calls of compiled graphs (see :func:`usp.sp.attend.traced_call`)
         self.traced_calls = TraceCache()
         #: the SP group as a compiled graph's collectives take it (None: one process)
         self.traced_sp_group = None
@@ -248,7 +248,7 @@ class Plan:
         the ranks agree on the boundaries, so a mismatch raises the same error everywhere.
         ``batch_fingerprint``: a hash of the global batch these boundaries go with
         (:func:`usp.models.batch.batch_fingerprint`), agreed in the same exchange.
-        Raises :class:`~usp.sharding.ShardingError` for boundaries the layout cannot place
+        Raises :class:`~usp.sp.sharding.ShardingError` for boundaries the layout cannot place
         (they say what to pad; see :func:`usp.pad_documents`).
         """
         error, packed = None, None
@@ -371,7 +371,7 @@ class Plan:
         """Exact attention over the global sequence: q [B, S/P, H, D], k/v
         [B, S/P, Hkv, D] (this rank's shard, after RoPE) -> [B, S/P, H, D], in q's dtype.
         ``packed``: a :class:`PackedSequence` (or global cu_seqlens) for block-diagonal
-        attention by document. ``head_chunks``: see :func:`usp.attend.attend`. ``window``,
+        attention by document. ``head_chunks``: see :func:`usp.sp.attend.attend`. ``window``,
         ``sinks``: see :func:`usp.usp_attention`."""
         if self.kernel_registry is not None and torch.compiler.is_compiling():
             raise PlanError(

@@ -1,7 +1,7 @@
 """The public front of USP attention: :func:`usp_attention` and :class:`UspAttention`.
 
 Both build (or take) a :class:`usp.Plan` and call :meth:`usp.Plan.attention`; the
-attention itself (Ulysses all-to-all x ring) is :mod:`usp.attend`.
+attention itself (Ulysses all-to-all x ring) is :mod:`usp.sp.attend`.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from usp.attend import attend
 from usp.kernels.spec import AttentionInputError
-from usp.plan import as_plan
+from usp.sp.attend import attend
+from usp.sp.plan import as_plan
 
 
 def usp_attention(
@@ -39,10 +39,10 @@ def usp_attention(
     ``torch.nn.functional.scaled_dot_product_attention`` and flash-attn.
     ``cu_seqlens``: int32 document boundaries of the *global* packed sequence (B = 1,
     identical on every SP rank; shard with the same ``cu_seqlens``), or the
-    :class:`usp.plan.PackedSequence` built once per batch by ``plan.pack`` (no host syncs).
+    :class:`usp.sp.plan.PackedSequence` built once per batch by ``plan.pack`` (no host syncs).
     Attention is then block-diagonal by document, causal inside each document when
     ``causal``. ``verify``: agree on the call across the SP ranks before anything is sent
-    (default: on for gloo, off for NCCL; see :mod:`usp.call_check`).
+    (default: on for gloo, off for NCCL; see :mod:`usp.comm.call_check`).
     ``window``: a sliding window (an int >= 1, ``causal=True`` only): the query at
     position i of its document sees keys i-window+1 .. i, as transformers'
     ``sliding_window``; None is full attention.

@@ -1,8 +1,8 @@
 """A packed global sequence placed on one plan's ranks (:class:`PackedSequence`), and the
 error of a plan used with inputs it cannot serve (:class:`PlanError`).
 
-Both are re-exported by :mod:`usp.plan` (``Plan.pack`` builds a PackedSequence) and by
-``usp``; they live here so that the attention path (:mod:`usp.attend`) can use them
+Both are re-exported by :mod:`usp.sp.plan` (``Plan.pack`` builds a PackedSequence) and by
+``usp``; they live here so that the attention path (:mod:`usp.sp.attend`) can use them
 without importing the plan.
 """
 
@@ -16,7 +16,7 @@ from usp.comm.agreement import stable_hash
 from usp.errors import InputError
 from usp.ring.documents import Documents
 from usp.ring.placement import RankPlacement
-from usp.sharding import document_position_ids
+from usp.sp.sharding import document_position_ids
 
 
 class PlanError(InputError):
