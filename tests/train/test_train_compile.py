@@ -11,9 +11,13 @@ part is one ``usp::moe_experts`` op of each layer's graph (usp.models.moe_op) an
 router statistics leave the layer as an output, so loss, gradient norm and the metrics'
 ``aux_loss`` agree to the same tolerance.
 
-A family whose layers do not compile whole yet (sliding windows over packed documents:
-gpt-oss, Gemma 3; qwen3_5's GDN) is refused at set-up, with the same message on every
-rank of the launch.
+They train the tiny gpt-oss preset too, on the p2p ring (the plan's default): its
+sliding layers' windows (16) over the packed documents (20-40 tokens) are masked from
+device bounds (usp.ring.masked_window), so loss, gradient norm and ``aux_loss`` agree
+the same way, with no graph break. On an all-gather ring (ring_impl="allgather", ring 2)
+its windows do not compile: refused at set-up, with the same message on every rank of
+the launch, naming ring_impl = "p2p". A family whose layers do not compile whole yet
+(qwen3_5's GDN) is refused anywhere (tested per preset below).
 
 Tolerance: Inductor fuses and reorders float32 arithmetic, so losses and gradient norms
 agree to float32 rounding, not bit for bit: 1e-5 relative per step (observed in one
@@ -23,6 +27,7 @@ process: 5e-8 on the loss, gradient norms equal).
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 import pytest
 from train_cases import base_config
@@ -30,22 +35,20 @@ from usp_cases import topology
 
 from usp.config import ConfigError
 from usp.models.family import PRESETS, family_of
+from usp.process_groups import SINGLE_PROCESS
 from usp.sp.plan import Plan
+from usp.train.components import check_compile, model_source
 from usp.train.config import train_config_from_dict
 from usp.train.trainer import train
 
 STEPS = 3
 TOL = 1e-5
 COMPILE_TIMEOUT = 600  # Inductor on 4 ranks sharing small CI machines
-#: families whose layers do not compile whole yet: sliding windows over packed
-#: documents (usp.models.decoder.WINDOW_COMPILE_REFUSAL), the Gated DeltaNet layers
-#: (qwen3_5's)
-REFUSED_PRESETS = (
-    "gpt-oss-tiny",  # windows over packed documents (its experts compile)
-    "gemma3-tiny",  # windows over packed documents
-    "qwen3.5-tiny",
-    "qwen3.5-moe-tiny",
-)
+#: families whose layers do not compile whole yet: the Gated DeltaNet layers (qwen3_5's)
+REFUSED_PRESETS = ("qwen3.5-tiny", "qwen3.5-moe-tiny")
+#: families whose sliding windows over packed documents compile on the p2p ring only:
+#: refused with ring_impl = "allgather" and a ring degree > 1
+WINDOWED_PRESETS = ("gpt-oss-tiny", "gemma3-tiny")
 
 
 def run_compile_case(config, out):
@@ -81,16 +84,25 @@ def run_compile_case(config, out):
     result = train(train_config_from_dict(moe), plan, output_dir=f"{out}_moe", stream=io.StringIO())
     moe_rows = [(r["step"], r["loss"], r["grad_norm"], r["aux_loss"]) for r in result.metrics]
     moe_graphs = counters["stats"]["unique_graphs"] - graphs
+    # gpt-oss on the p2p ring (the plan's default): its sliding layers' windows over the
+    # packed documents (window 16 < documents of 20-40 tokens) and its experts, compiled
+    # (a sliding and a full layer: two graphs by design, so outside error_on_recompile)
+    torch._dynamo.reset()
+    oss = {**config, "model": {"preset": "gpt-oss-tiny"}}
+    result = train(train_config_from_dict(oss), plan, output_dir=f"{out}_oss", stream=io.StringIO())
+    oss_rows = [(r["step"], r["loss"], r["grad_norm"], r["aux_loss"]) for r in result.metrics]
+    oss_graphs = counters["stats"]["unique_graphs"] - graphs - moe_graphs
     breaks = sum(counters["graph_break"].values())
     refused = None
-    if config["train"]["compile"]:  # a family that cannot compile yet: refused at set-up
-        oss = {**config, "model": {"preset": "gpt-oss-tiny"}}
+    if config["train"]["compile"]:  # windows on the all-gather ring: refused at set-up
+        allgather = Plan(topology(2, 2), ring_impl="allgather", verify_calls=False)
         try:
-            train(train_config_from_dict(oss), plan, output_dir=f"{out}_oss", stream=io.StringIO())
+            train(train_config_from_dict(oss), allgather, output_dir=f"{out}_ag",
+                  stream=io.StringIO())  # fmt: skip
         except ConfigError as err:
             refused = str(err)
     return {"rows": rows, "moe_rows": moe_rows, "graphs": graphs, "moe_graphs": moe_graphs,
-            "breaks": breaks,
+            "oss_rows": oss_rows, "oss_graphs": oss_graphs, "breaks": breaks,
             "packings": dense_packings, "refused": refused}  # fmt: skip
 
 
@@ -113,6 +125,8 @@ def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
     assert all(r["graphs"] > 0 for r in compiled), [r["graphs"] for r in compiled]
     assert all(r["moe_graphs"] == 0 for r in eager)
     assert all(r["moe_graphs"] > 0 for r in compiled), [r["moe_graphs"] for r in compiled]
+    assert all(r["oss_graphs"] == 0 for r in eager)
+    assert all(r["oss_graphs"] > 0 for r in compiled), [r["oss_graphs"] for r in compiled]
     assert all(r["breaks"] == 0 for r in compiled)  # each layer whole (fullgraph=True)
     # every step a new packing, with different document counts: reused without recompiling
     packings = compiled[0]["packings"]
@@ -121,7 +135,7 @@ def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
     assert all(r["rows"] == compiled[0]["rows"] for r in compiled), "ranks log alike"
     refused = compiled[0]["refused"]
     assert refused is not None and "set [train] compile = false for gpt_oss" in refused
-    assert "sliding-window layers" in refused
+    assert "sliding-window layers" in refused and 'ring_impl = "p2p"' in refused
     assert all(r["refused"] == refused for r in compiled)  # every rank, the same message
     rows, reference = compiled[0]["rows"], eager[0]["rows"]
     assert [r[0] for r in rows] == list(range(1, STEPS + 1))
@@ -137,6 +151,14 @@ def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
         for value, expected in zip(row[1:], ref[1:]):
             assert abs(value - expected) <= TOL * abs(expected), (row, ref)
     assert moe[-1][1] < moe[0][1] and moe[0][3] > 0  # it trains, with its aux term
+    # gpt-oss on the p2p ring (windows over packed documents, experts), compiled against eager
+    oss, oss_reference = compiled[0]["oss_rows"], eager[0]["oss_rows"]
+    assert all(r["oss_rows"] == oss for r in compiled), "ranks log alike"
+    assert [r[0] for r in oss] == list(range(1, STEPS + 1))
+    for row, ref in zip(oss, oss_reference):
+        for value, expected in zip(row[1:], ref[1:]):
+            assert abs(value - expected) <= TOL * abs(expected), (row, ref)
+    assert oss[-1][1] < oss[0][1] and oss[0][3] > 0  # it trains, with its aux term
 
 
 def test_compile_must_be_a_boolean():
@@ -152,3 +174,20 @@ def test_compile_refuses_the_moe_and_gdn_families_at_set_up(preset, tmp_path):
     with pytest.raises(ConfigError, match=rf"set \[train\] compile = false for {family} models"):
         train(train_config_from_dict(config), None, output_dir=tmp_path, stream=io.StringIO())
     assert not (tmp_path / "checkpoints").exists()  # refused before anything ran
+
+
+@pytest.mark.parametrize("preset", WINDOWED_PRESETS)
+def test_compile_refuses_windows_only_on_an_allgather_ring(preset):
+    # the check reads the plan's ring_impl and ring degree alone (no collective): a
+    # stand-in with a ring of 2 here, the real 4-rank plans in the launch above
+    family = family_of(PRESETS[preset])
+    assert family.compile_refusal(Plan(SINGLE_PROCESS, ring_impl="allgather")) is None
+    assert family.compile_refusal(SimpleNamespace(ring_impl="p2p", ring_degree=2)) is None
+    allgather = SimpleNamespace(ring_impl="allgather", ring_degree=2)
+    config = base_config(compile=True, checkpoint_interval=0)
+    config["model"] = {"preset": preset}
+    job = train_config_from_dict(config)
+    fix = rf'ring_impl = "p2p"; or set \[train\] compile = false for {family.name} models'
+    with pytest.raises(ConfigError, match=fix):
+        check_compile(job, model_source(job), allgather)
+    check_compile(job, model_source(job), Plan(SINGLE_PROCESS))  # compiles: no error

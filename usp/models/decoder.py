@@ -200,13 +200,16 @@ class DecoderStack(nn.Module):
         return self.norm(x)
 
 
-#: why a family with sliding-window layers refuses ``[train] compile`` (its
-#: ``compile_refusal``): usp train packs documents, and a window over packed documents
-#: does not compile (its per-document calls would specialise the graph to one packing:
-#: usp/sp/attend.py)
+#: why a family with sliding-window layers refuses ``[train] compile`` on an all-gather
+#: ring (its ``allgather_compile_refusal``): usp train packs documents, and the
+#: all-gather ring's windowed call over packed documents does not compile (its
+#: per-document gathers would specialise the graph to one packing: usp/sp/attend.py); the
+#: p2p ring masks its windowed blocks from device bounds and compiles
+#: (usp.ring.masked_window)
 WINDOW_COMPILE_REFUSAL = (
-    "its sliding-window layers compile only on dense input, and usp train packs "
-    "documents (a windowed call over packed documents is not traced)"
+    "its sliding-window layers over packed documents compile only on the p2p ring "
+    '(with ring_impl = "allgather" and a ring degree > 1 a windowed call is not traced); '
+    'set [attention] ring_impl = "p2p"'
 )
 
 
@@ -253,6 +256,9 @@ class CausalLM(nn.Module):
     #: why ``[train] compile`` (each decoder layer compiled whole, ``fullgraph=True``)
     #: cannot compile this family's layers yet, for the refusal's message; None: it can
     compile_refusal: ClassVar[str | None] = None
+    #: why it cannot compile them when the ring all-gathers (``ring_impl = "allgather"``,
+    #: ring degree > 1); None: it can
+    allgather_compile_refusal: ClassVar[str | None] = None
 
     @staticmethod
     def make_mlp(config: DecoderConfig, index: int) -> nn.Module:

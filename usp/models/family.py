@@ -58,10 +58,15 @@ class ModelFamily:
     def architectures(self) -> tuple[str, ...]:
         return self.config_class.architectures
 
-    @property
-    def compile_refusal(self) -> str | None:
-        """Why ``[train] compile`` cannot compile this family's layers yet (None: it can)."""
-        return self.model_class.compile_refusal
+    def compile_refusal(self, plan) -> str | None:
+        """Why ``[train] compile`` cannot compile this family's layers under ``plan`` (a
+        :class:`usp.Plan`) yet (None: it can): the family's own reason, or, when the ring
+        all-gathers (``ring_impl = "allgather"``, ring degree > 1), its reason there."""
+        if self.model_class.compile_refusal is not None:
+            return self.model_class.compile_refusal
+        if plan.ring_impl == "allgather" and plan.ring_degree > 1:
+            return self.model_class.allgather_compile_refusal
+        return None
 
     def preset(self, name: str) -> DecoderConfig:
         try:

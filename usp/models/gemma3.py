@@ -438,7 +438,7 @@ class Gemma3(CausalLM):
     presets = PRESETS
     attention_class = Gemma3Attention
     stack_class = Gemma3Stack
-    compile_refusal = WINDOW_COMPILE_REFUSAL
+    allgather_compile_refusal = WINDOW_COMPILE_REFUSAL
 
     @staticmethod
     def make_mlp(config: Gemma3Config, index: int) -> nn.Module:

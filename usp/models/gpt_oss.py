@@ -406,8 +406,9 @@ class GptOss(CausalLM):
 
     config_class = GptOssConfig
     presets = PRESETS
-    #: its experts compile (usp.models.moe_op), its windows over packed documents do not
-    compile_refusal = WINDOW_COMPILE_REFUSAL
+    #: its experts compile (usp.models.moe_op), its windows over packed documents only
+    #: on the p2p ring
+    allgather_compile_refusal = WINDOW_COMPILE_REFUSAL
     attention_class = GptOssAttention
 
     def __init__(self, config: GptOssConfig, /, plan=None, **attention_options):

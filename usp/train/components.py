@@ -235,15 +235,18 @@ def build_dataset(
 
 
 # ----------------------------------------------------------------------------- model
-def check_compile(job: TrainJobConfig, source: ModelSource) -> None:
-    """``[train] compile = true`` on a family whose layers do not compile whole yet
-    (:attr:`usp.models.family.ModelFamily.compile_refusal`): refused at set-up, on every
-    rank alike and before any collective, rather than at the first forward's trace."""
+def check_compile(job: TrainJobConfig, source: ModelSource, plan) -> None:
+    """``[train] compile = true`` on a family whose layers do not compile whole under
+    ``plan`` yet (:meth:`usp.models.family.ModelFamily.compile_refusal`: sliding windows
+    on an all-gather ring, GDN layers anywhere): refused at set-up, on every rank alike
+    (the plan's choices are the same on every rank) and before any collective, rather
+    than at the first forward's trace."""
     family = family_of(source.config)
-    if job.train.compile and family.compile_refusal is not None:
+    refusal = family.compile_refusal(plan) if job.train.compile else None
+    if refusal is not None:
         raise job.error(
-            f"[train] compile = true does not support {family.name} models yet: "
-            f"{family.compile_refusal}; set [train] compile = false for {family.name} models"
+            f"[train] compile = true does not support {family.name} models here yet: "
+            f"{refusal}; or set [train] compile = false for {family.name} models"
         )
 
 
