@@ -6,7 +6,7 @@ generated documents packed into sequences, a new packing at every step, which th
 compiled layers take without recompiling (``error_on_recompile``).
 
 The same launches train the tiny Qwen3-MoE preset (a dense first layer, a sparse one,
-the load-balancing loss on) for 5 steps, compiled and eager: the experts' data-dependent
+the load-balancing loss on) for STEPS steps, compiled and eager: the experts' data-dependent
 part is one ``usp::moe_experts`` op of each layer's graph (usp.models.moe_op) and the
 router statistics leave the layer as an output, so loss, gradient norm and the metrics'
 ``aux_loss`` agree to the same tolerance.
@@ -191,3 +191,35 @@ def test_compile_refuses_windows_only_on_an_allgather_ring(preset):
     with pytest.raises(ConfigError, match=fix):
         check_compile(job, model_source(job), allgather)
     check_compile(job, model_source(job), Plan(SINGLE_PROCESS))  # compiles: no error
+
+
+def test_gemma3_trains_compiled_like_eager_in_one_process(tmp_path):
+    """Gemma 3's sliding and full layers (gemma3-tiny: two sliding of window 16 < documents of 20-40 tokens, and a full one;
+    packed, one process: each windowed block a masked attention from device bounds) and
+    its local/global RoPE, compiled against eager: loss and gradient norm every step."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    rows = {}
+    for compile in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        config = base_config(
+            steps=STEPS, checkpoint_interval=0, compile=compile, global_batch=2, micro_batch=2,
+            seq_len=256,
+            data={"synthetic_documents": 256, "synthetic_length": 40, "document_multiple": 8},
+        )  # fmt: skip
+        config["model"] = {"preset": "gemma3-tiny"}
+        config["cluster"] = {"nodes": 1, "gpus_per_node": 1}
+        config["parallel"] = {"ulysses": 1, "ring": 1, "dp": 1}
+        result = train(train_config_from_dict(config), Plan(None), output_dir=tmp_path / str(compile),
+                       stream=io.StringIO())  # fmt: skip
+        rows[compile] = [(r["step"], r["loss"], r["grad_norm"]) for r in result.metrics]
+        graphs = counters["stats"]["unique_graphs"]
+        assert (graphs > 0) == compile, graphs
+        assert sum(counters["graph_break"].values()) == 0
+    assert [r[0] for r in rows[True]] == list(range(1, STEPS + 1))
+    for (step, loss, norm), (_, ref_loss, ref_norm) in zip(rows[True], rows[False]):
+        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (step, loss, ref_loss)
+        assert abs(norm - ref_norm) <= TOL * abs(ref_norm), (step, norm, ref_norm)
+    assert rows[True][-1][1] < rows[True][0][1]  # it trains
