@@ -194,9 +194,10 @@ def test_compile_refuses_windows_only_on_an_allgather_ring(preset):
 
 
 def test_gemma3_trains_compiled_like_eager_in_one_process(tmp_path):
-    """Gemma 3's sliding and full layers (gemma3-tiny: two sliding of window 16 < documents of 20-40 tokens, and a full one;
-    packed, one process: each windowed block a masked attention from device bounds) and
-    its local/global RoPE, compiled against eager: loss and gradient norm every step."""
+    """Gemma 3's sliding and full layers (gemma3-tiny: two sliding layers of window 16,
+    shorter than its documents of 20-40 tokens, and a full one), packed in one process
+    (each windowed block a masked attention from device bounds), with local/global RoPE,
+    compiled against eager: loss and gradient norm every step."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
