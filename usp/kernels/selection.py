@@ -27,9 +27,9 @@ logger = logging.getLogger("usp.kernels")
 #: still forces it.
 MATH_AUTO_MAX_SCORES = 2**24
 
-# (backend, reason) pairs already reported by ``auto``: each is logged (and, for a
-# failure, warned about) once per process, not once per layer and ring step.
-_reported_skips: set[tuple[str, str]] = set()
+# (kind, kernel, reason) triples already reported by ``auto`` (:func:`report_auto_skip`:
+# attention backends, and usp.linear's GDN and conv kernels): each once per process.
+_reported_skips: set[tuple[str, str, str]] = set()
 
 
 def unsupported_reason(impl: Backend, spec: AttentionSpec) -> str | None:
@@ -105,16 +105,30 @@ def _select_auto(spec: AttentionSpec, kernels: KernelRegistry) -> Backend:
 
 
 def _report_skip(name: str, reason: str, chosen: str, spec: AttentionSpec) -> None:
-    key = (name, str(reason))
+    report_auto_skip("attention backend", name, reason, chosen, logger,
+                     context=_describe(spec), stacklevel=4)  # fmt: skip
+
+
+def report_auto_skip(
+    what: str, name: str, reason, chosen: str, log: logging.Logger, context: str = "",
+    stacklevel: int = 2,
+) -> None:  # fmt: skip
+    """Say once per process (not once per layer and ring step) that ``auto`` passed over
+    kernel ``name`` (a ``what``: attention backend, GDN kernel, conv kernel) for
+    ``chosen``: logged, and for a :class:`BackendFailure` (it should have been able to)
+    warned about too; a plain limit is only logged at info. ``stacklevel`` is the
+    warning's, counted from the caller."""
+    key = (what, name, str(reason))
     if key in _reported_skips:
         return
     _reported_skips.add(key)
-    message = f"attention backend {name!r} skipped by auto: it {reason}; using {chosen!r}"
+    message = f"{what} {name!r} skipped by auto: it {reason}; using {chosen!r}"
+    logged = f"{message} ({context})" if context else message
     if isinstance(reason, BackendFailure):
-        logger.warning("%s (%s)", message, _describe(spec))
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        log.warning("%s", logged)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
     else:
-        logger.info("%s (%s)", message, _describe(spec))
+        log.info("%s", logged)
 
 
 def _describe(spec: AttentionSpec) -> str:

@@ -35,12 +35,12 @@ import importlib
 import importlib.util
 import inspect
 import logging
-import warnings
 
 import torch
 
 from usp.errors import InputError
 from usp.kernels.backends.base import BackendFailure
+from usp.kernels.selection import report_auto_skip
 from usp.linear.kernel import compute_dtype, gated_delta_rule_padded
 
 __all__ = [
@@ -332,9 +332,6 @@ class GdnKernels:
 #: usp's kernels
 DEFAULT = GdnKernels(TorchGdnKernel(), FlaGdnKernel())
 
-# (kernel, reason) pairs ``auto`` reported already (once per process, not per layer)
-_reported: set[tuple[str, str]] = set()
-
 
 def _reason(kernel: GdnKernel, device, dtype, dk, dv) -> str | None:
     return kernel.limits_reason(device, dtype, dk) or kernel.verdict(device, dtype, dk, dv)
@@ -363,12 +360,5 @@ def select_gdn_kernel(
     reason = _reason(fla, device, dtype, dk, dv)
     if reason is None:
         return fla
-    if (fla.name, str(reason)) not in _reported:
-        _reported.add((fla.name, str(reason)))
-        message = f"GDN kernel 'fla' skipped by auto: it {reason}; using 'torch'"
-        if isinstance(reason, BackendFailure):
-            logger.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-        else:
-            logger.info(message)
+    report_auto_skip("GDN kernel", fla.name, reason, "torch", logger, stacklevel=3)
     return kernels.get("torch")

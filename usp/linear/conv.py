@@ -23,13 +23,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import warnings
 
 import torch
 import torch.nn.functional as F
 
 from usp.errors import InputError
 from usp.kernels.backends.base import BackendFailure
+from usp.kernels.selection import report_auto_skip
 
 __all__ = [
     "CONV_KERNELS",
@@ -190,7 +190,6 @@ def _compare_with_torch(kernel, device, dtype, width) -> str | None:
 
 
 # ------------------------------------------------------------------ choice
-_reported: set[str] = set()
 
 
 def select_conv_kernel(
@@ -216,14 +215,7 @@ def select_conv_kernel(
             f"{channels} channels, K={width}): it {reason}. conv_kernel='auto' or 'torch' "
             "runs it with torch's conv1d"
         )
-    if str(reason) not in _reported:
-        _reported.add(str(reason))
-        message = f"conv kernel 'causal_conv1d' skipped by auto: it {reason}; using 'torch'"
-        if isinstance(reason, BackendFailure):
-            logger.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-        else:
-            logger.info(message)
+    report_auto_skip("conv kernel", fast.name, reason, "torch", logger, stacklevel=3)
     return kernels["torch"]
 
 
