@@ -20,7 +20,11 @@ import math
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
+
+import usp.models
+from usp.models.lora import set_stream_position
 
 GOLDEN = 0x9E3779B97F4A7C15
 MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -116,3 +120,27 @@ def usp_name(peft_name: str) -> str:
 def adapter_grads(model) -> dict[str, torch.Tensor]:
     """The adapters' gradients of a PEFT model, by usp's names."""
     return {usp_name(n): p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def sp_adapter_step(model, plan, ids, labels, cu, b_values, stream_position: int = 640):
+    """One SP step of an adapted usp model on this rank (the 4-rank LoRA cases): the
+    adapters' B matrices set to ``b_values``, the batch sharded with documents ``cu``,
+    dropout keyed from ``stream_position``; returns, on rank 0, the loss on every rank
+    and the adapters' gradients summed over the SP group (asserting only adapters get
+    gradients), None elsewhere."""
+    with torch.no_grad():
+        for name, value in b_values.items():
+            model.get_parameter(name).copy_(value)
+    batch = usp.models.shard_batch(plan, ids, labels=labels, cu_seqlens=cu, shift=False)
+    set_stream_position(model, stream_position)
+    loss = model(batch.input_ids, **batch.model_kwargs())
+    loss.backward()
+    losses = [None] * plan.sp_degree
+    dist.all_gather_object(losses, loss.item(), group=plan.sp_group)
+    grads = {}
+    for n, p in model.named_parameters():
+        assert (p.grad is not None) == ("lora" in n), n
+        if p.grad is not None:
+            grads[n] = p.grad.detach().clone()
+            dist.all_reduce(grads[n], group=plan.sp_group)
+    return None if dist.get_rank() else {"losses": losses, "grads": grads}

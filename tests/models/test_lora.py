@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from lora_cases import KeyedDropout, adapter_grads, keep, peft_model, salt
+from lora_cases import KeyedDropout, adapter_grads, keep, peft_model, salt, sp_adapter_step
 from model_cases import (
     FAMILY_CASES,
     cu_of,
@@ -182,22 +181,7 @@ def sp_case(checkpoint, ids, labels, cu, b_values):
     plan = usp.Plan(topology(2, 2), backend="math")
     levers = Levers(activation_checkpointing="offload", mlp_tile_tokens=3)  # 8 local tokens
     model = usp_lora(checkpoint, plan, dropout=0.3, levers=levers, settings=SOME)
-    with torch.no_grad():
-        for name, value in b_values.items():
-            model.get_parameter(name).copy_(value)
-    batch = usp.models.shard_batch(plan, ids, labels=labels, cu_seqlens=cu, shift=False)
-    set_stream_position(model, 640)
-    loss = model(batch.input_ids, **batch.model_kwargs())
-    loss.backward()
-    losses = [None] * 4
-    dist.all_gather_object(losses, loss.item(), group=plan.sp_group)
-    grads = {}
-    for n, p in model.named_parameters():
-        assert (p.grad is not None) == ("lora" in n), n
-        if p.grad is not None:
-            grads[n] = p.grad.detach().clone()
-            dist.all_reduce(grads[n], group=plan.sp_group)
-    return None if dist.get_rank() else {"losses": losses, "grads": grads}
+    return sp_adapter_step(model, plan, ids, labels, cu, b_values)
 
 
 def test_float64_4_ranks_match_peft_with_dropout(distributed, checkpoints):

@@ -21,8 +21,7 @@ import gemma3_cases
 import pytest
 import qwen3_5_cases
 import torch
-import torch.distributed as dist
-from lora_cases import adapter_grads, peft_model
+from lora_cases import adapter_grads, peft_model, sp_adapter_step
 from model_cases import (
     cu_of,
     global_batch,
@@ -38,7 +37,6 @@ pytest.importorskip("peft", reason="the reference is PEFT's LoRA")
 
 import usp  # noqa: E402
 from usp.models import Levers, Lora, LoraError, apply_lora  # noqa: E402
-from usp.models.lora import set_stream_position  # noqa: E402
 from usp.models.lora_export import save_peft_adapter  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
@@ -164,22 +162,7 @@ def sp_case(checkpoint, ids, labels, cu, b_values):
     model = usp.models.from_pretrained(checkpoint, plan, dtype=torch.float64, backend="math")
     apply_lora(model, Lora(rank=4, alpha=10.0, targets=SP_TARGETS, dropout=0.3), seed=SEED)
     Levers(activation_checkpointing=True, loss_chunk_tokens=5).apply(model)
-    with torch.no_grad():
-        for name, value in b_values.items():
-            model.get_parameter(name).copy_(value)
-    batch = usp.models.shard_batch(plan, ids, labels=labels, cu_seqlens=cu, shift=False)
-    set_stream_position(model, 640)
-    loss = model(batch.input_ids, **batch.model_kwargs())
-    loss.backward()
-    losses = [None] * 4
-    dist.all_gather_object(losses, loss.item(), group=plan.sp_group)
-    grads = {}
-    for n, p in model.named_parameters():
-        assert (p.grad is not None) == ("lora" in n), n
-        if p.grad is not None:
-            grads[n] = p.grad.detach().clone()
-            dist.all_reduce(grads[n], group=plan.sp_group)
-    return None if dist.get_rank() else {"losses": losses, "grads": grads}
+    return sp_adapter_step(model, plan, ids, labels, cu, b_values)
 
 
 #: attention and Gated DeltaNet projections, one MLP projection
