@@ -250,11 +250,24 @@ def test_what_cannot_be_computed_is_refused_on_every_rank(distributed):
 
 
 # ------------------------------------------------------------------ traffic
+#: MLA under Ulysses alone (u4r1: KV heads replicated 2x): v smaller and larger than q/k
+ULYSSES_MLA = (("zigzag", "p2p", None, 4, None), ("contiguous", "p2p", 16, 12, None))
+
+
 def run_window_traffic():
     """CommStats of one windowed forward and backward per case (bf16, B 1, S 256, 4
-    query / 2 KV heads of 8; v's head size 8, or 4 and 12 for MLA) under u1r4 and u2r2."""
-    results = {}
-    for grid in ((1, 4), (2, 2)):
+    query / 2 KV heads of 8; v's head size 8, or 4 and 12 for MLA) under u1r4, u2r2 and
+    (MLA only) u4r1; and, on u4r1, the float64 errors of those MLA cases."""
+    results, errors = {}, []
+    topo = topology(4, 1)
+    for layout, ring_impl, window, value_dim, _ in ULYSSES_MLA:
+        mla = case_inputs(64, 4, 2, seed=value_dim, value_dim=value_dim)
+        case = dict(layout=layout, ring_impl=ring_impl, packed=None, window=window)
+        found = usp_case(
+            topo, mla, with_sinks=True, dtype=torch.float64, sinks_dtype=torch.float64, **case
+        )
+        errors.append(({**case, "value_dim": value_dim}, torch.float64, found))
+    for grid in ((1, 4), (2, 2), (4, 1)):
         topo = topology(*grid)
         cases = [
             *itertools.product(("contiguous", "zigzag"), ["p2p"], (1, 16, 40, 1000)),
@@ -272,7 +285,12 @@ def run_window_traffic():
             # chunk is 16), or whole blocks for the steps the documents need
             *((layout, "p2p", w, 8, TRAFFIC_DOCS) for layout in ("contiguous", "zigzag")
               for w in (4, 16, 40)),
+            # the all-gather ring, packed: each document's rows that windows reach
+            *((layout, "allgather", w, 8, TRAFFIC_DOCS) for layout in ("contiguous", "zigzag")
+              for w in (4, 16)),
         ]  # fmt: skip
+        if grid == (4, 1):
+            cases = ULYSSES_MLA
         for layout, ring_impl, window, value_dim, docs in cases:
             q, k, v, dout, _ = case_inputs(256, 4, 2, seed=4, value_dim=value_dim)
             cu = None if docs is None else torch.tensor(docs, dtype=torch.int32)
@@ -294,7 +312,7 @@ def run_window_traffic():
                 "forward": forward,
                 "backward": backward,
             }
-    return results
+    return results, errors
 
 
 #: packed documents of 64, 32 and 160 tokens (chunks of 16, 8, 40 on u1r4's ring of 4;
@@ -313,7 +331,11 @@ def _formula(grid, layout, ring_impl, window, seqlen=256, value_dim=8, docs=None
 
 def test_a_windowed_layer_moves_the_stated_bytes(distributed):
     failures = []
-    for rank, results in enumerate(distributed.run(run_window_traffic, world_size=4)):
+    by_rank = distributed.run(run_window_traffic, world_size=4)
+    # u4r1, MLA in float64: v at its own head size through the all-to-alls, exact
+    assert len(by_rank[0][1]) == len(ULYSSES_MLA)
+    failures += _failures([errors for _, errors in by_rank])
+    for rank, (results, _) in enumerate(by_rank):
         for (grid, layout, impl, window, value_dim, docs), traffic in results.items():
             want = _formula(grid, layout, impl, window, value_dim=value_dim, docs=docs)
             if traffic != want:
@@ -353,17 +375,25 @@ def test_a_windowed_layer_moves_the_stated_bytes(distributed):
         assert w16[phase]["p2p"]["calls"] == calls
     assert _formula((1, 4), "zigzag", "p2p", 40) == full  # 39 keys: more than a chunk
     # MLA, u2r2: the ring moves K (8) and V (4) columns, 12 of the padded pair's 16; the
-    # all-to-alls move v padded to 8 (as much as without MLA)
+    # all-to-alls q (4 heads) and k (2) of 8 columns, v (2) and out (4) of 4: 72 of 96
     mla, same = (_formula((2, 2), "contiguous", "p2p", None, value_dim=d) for d in (4, 8))
     for phase in ("forward", "backward"):
         assert 16 * mla[phase]["p2p"]["sent"] == 12 * same[phase]["p2p"]["sent"]
-        assert mla[phase]["all_to_all"] == same[phase]["all_to_all"]
+        assert 96 * mla[phase]["all_to_all"]["sent"] == 72 * same[phase]["all_to_all"]["sent"]
     # packed, contiguous u1r4: window 4 sends the last 3 rows of each of the 3 documents
     # against the 64 rows of a whole block (window 16 reaches past the 8-row chunk)
     packed = {w: _formula((1, 4), "contiguous", "p2p", w, docs=TRAFFIC_DOCS) for w in (4, 16)}
     whole = _formula((1, 4), "contiguous", "p2p", None)
     assert 64 * packed[4]["forward"]["p2p"]["sent"] == 9 * whole["forward"]["p2p"]["sent"] // 3
     assert packed[16]["forward"]["p2p"]["sent"] == 2 * whole["forward"]["p2p"]["sent"] // 3
+    # the all-gather ring, packed, u1r4 window 16 (15 keys): every rank contributes of each
+    # document (chunks 16, 8, 40 contiguous; 8, 4, 20 zigzag) its chunks' last 15 rows
+    # (zigzag: of both chunks): 15 + 8 + 15 = 38 and 16 + 8 + 30 = 54 rows of 64
+    for layout, rows in (("contiguous", 38), ("zigzag", 54)):
+        full = _formula((1, 4), layout, "allgather", None)
+        w16 = _formula((1, 4), layout, "allgather", 16, docs=TRAFFIC_DOCS)
+        for phase, kind in (("forward", "all_gather"), ("backward", "reduce_scatter")):
+            assert 64 * w16[phase][kind]["sent"] == rows * full[phase][kind]["sent"]
 
 
 def test_a_window_of_16_at_u1r8_moves_a_small_fraction_of_the_full_rings_bytes():
@@ -447,10 +477,12 @@ def test_the_windowed_all_gather_takes_exactly_the_keys_windows_reach(layout):
     """For every ring size, block and window (and packed documents): every query piece's
     keys are its documents' positions from its first query's window start to its last
     query, each read from the owner's contributed rows (or its own block); a rank
-    contributes the most rows any block has that other ranks read, which for a dense
-    sequence is the closed form the traffic formula states."""
+    contributes the most rows any block has that other ranks read, which is the closed
+    form the traffic formula states (packed: summed over the documents' blocks)."""
     cases = [((s,), r, w) for r in (2, 3, 4) for s in (8 * r, 16 * r) for w in (0, 1, 3, 7, 9, 40)]
     cases += [((8, 24, 16), 2, 3), ((16, 8, 8, 32), 4, 5), ((32, 16), 4, 0)]
+    cases += [((8, 24, 16), 2, 9), ((16, 8, 8, 32), 4, 1), ((12, 24, 6), 3, 4)]
+    cases += [((12, 24, 6), 3, 13), ((48, 16), 4, 30)]
     for lengths, r, w in cases:
         documents = Documents(lengths, r, layout)
         local_len = documents.local_len
@@ -470,8 +502,9 @@ def test_the_windowed_all_gather_takes_exactly_the_keys_windows_reach(layout):
                     n = length // documents.chunks_per_doc
                     want += range(start + max(0, chunk * n - w), start + (chunk + 1) * n)
                 assert buffer[segment.kv_rows].tolist() == want, (lengths, r, w, rank, piece)
-        if len(lengths) == 1:
-            assert m == window_gather_rows(layout, r, local_len, w), (lengths, r, w)
+        # packed: each document's block (length / r) contributes as a dense one
+        want_m = sum(window_gather_rows(layout, r, n // r, w) for n in lengths)
+        assert m == want_m, (lengths, r, w)
 
 
 def test_zigzag_tails_hold_every_pair_a_short_window_reads():

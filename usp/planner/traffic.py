@@ -52,7 +52,8 @@ def traffic_formula(
 
     Ulysses (u > 1), one all-to-all each way per pass; a rank keeps 1/u of what it packs:
       forward q, k, v (KV heads replicated to lcm(Hkv, u)) then out; backward dout
-      then dq, dk, dv: (2H + 2Hkv') * B * L * D * item * (u - 1) / u per pass.
+      then dq, dk, dv: ((H + Hkv') * D + (H + Hkv') * Dv) * B * L * item * (u - 1) / u
+      per pass (Dv = ``value_dim``, D without one).
     Ring (r > 1) on the post-all-to-all block of S/r tokens and Hkv'/u KV heads:
       p2p: forward r-1 K/V blocks; backward r-1 K/V blocks + r-1 accumulator dK/dV blocks
       (each accumulator starts at the owner's next rank and reaches the owner in r-1 hops).
@@ -66,30 +67,35 @@ def traffic_formula(
     shorter than a chunk (1 <= W-1 < S/2r) sends its two neighbours the last W-1 rows of
     a chunk each (forward; backward again, and the dK/dV of as many rows back:
     :mod:`usp.ring.zigzag_tails`), a longer one k = r whole blocks, W = 1 nothing.
-    ``doc_lengths`` (p2p only): packed documents' lengths in the replica's sequence (each
-    a multiple of the layout's chunks): with a window the ring runs the steps the
-    documents' chunks need with whole blocks, except under ``contiguous`` when the
-    window is shorter than every document's chunk (W-1 < min n_d): one hop carrying the
-    last W-1 rows of each of the N documents (and their dK/dV back).
+    ``doc_lengths``: packed documents' lengths in the replica's sequence (each a multiple
+    of the layout's chunks): with a window the p2p ring runs the steps the documents'
+    chunks need with whole blocks, except under ``contiguous`` when the window is
+    shorter than every document's chunk (W-1 < min n_d): one hop carrying the last W-1
+    rows of each of the N documents (and their dK/dV back); the all-gather ring gathers
+    the sum over documents of what each document's block (length_d / r rows) would as a
+    dense sequence (:func:`window_gather_rows`). A window holding the longest document
+    is none.
     ``value_dim``: v's head size when it is not q/k's ``head_dim`` (MLA): the all-to-alls
-    move q, k, v and out padded to the larger of the two (as ``usp.sp.attend`` pads them),
-    the ring's K/V and dK/dV messages each tensor at its own size (``head_dim +
-    value_dim`` columns per K/V pair instead of 2 * D).
+    move each tensor at its own size (q, k, dq, dk at ``head_dim``; v, out, dout, dv at
+    ``value_dim``: ``usp.sp.attend`` pads to one head size after them), and so do the
+    ring's K/V and dK/dV messages (``head_dim + value_dim`` columns per K/V pair instead
+    of 2 * D).
     The all-gather ring with a window gathers m rows of every rank's block instead of
-    S/r (:func:`window_gather_rows`), and reduce-scatters their dK/dV; the all-to-alls
-    move what they move without a window.
+    S/r (:func:`window_gather_rows`; packed, summed over documents), and reduce-scatters
+    their dK/dV; the all-to-alls move what they move without a window.
     """
     u, r = ulysses, ring
     local = seqlen // (u * r)
     value_dim = shape.head_dim if value_dim is None else value_dim
-    padded_dim = max(shape.head_dim, value_dim)  # what the all-to-alls move
     kv_heads = shape.kv_heads * kv_replication(shape.heads, shape.kv_heads, u)
     forward: dict[str, dict[str, int]] = {}
     backward: dict[str, dict[str, int]] = {}
     if u > 1:
-        head_bytes = batch * local * padded_dim * item_bytes  # one head of this rank's tokens
-        qkv = (shape.heads + 2 * kv_heads) // u * (u - 1) * head_bytes
-        out = shape.heads // u * (u - 1) * head_bytes
+        token_bytes = batch * local * item_bytes  # one head column of this rank's tokens
+        # q and k at q/k's head size, v and out at v's (each at its own, as sent)
+        columns = (shape.heads + kv_heads) * shape.head_dim + kv_heads * value_dim
+        qkv = columns // u * (u - 1) * token_bytes
+        out = shape.heads // u * (u - 1) * value_dim * token_bytes
         forward["all_to_all"] = _counts(qkv + out, 2)
         backward["all_to_all"] = _counts(out + qkv, 2)
     if r > 1:
@@ -122,8 +128,10 @@ def traffic_formula(
                 backward["p2p"] = _counts(kv_sent + dkv_sent, 2 * hops)
         else:
             gathered = block_len  # rows each rank contributes to the all-gather
-            if window is not None and window < seqlen:
-                gathered = window_gather_rows(layout, r, block_len, window - 1)
+            if window is not None and window < longest:
+                # each document's block (length / r) as a dense one's (window_gather_rows)
+                blocks = [block_len] if doc_lengths is None else [n // r for n in doc_lengths]
+                gathered = sum(window_gather_rows(layout, r, b, window - 1) for b in blocks)
             if gathered:  # a window of 1: nothing is gathered
                 kv, dkv = kv * gathered // block_len, dkv * gathered // block_len
                 forward["all_gather"] = _counts((r - 1) * kv, 1)
@@ -135,7 +143,10 @@ def traffic_formula(
 def window_gather_rows(layout: str, ring: int, block_len: int, w: int) -> int:
     """Rows of its block every rank contributes to a windowed all-gather ring (the
     kernels' left window ``w`` = W - 1, a dense sequence of blocks of ``block_len``):
-    the most rows of one block that other ranks' windows reach. A window reaches the
+    the most rows of one block that other ranks' windows reach. (Packed documents: the
+    sum of this over the documents' blocks of length_d / r rows, since one owner has the
+    most of every document at once: rank 0 under contiguous, rank 1 under zigzag.)
+    A window reaches the
     last t = min(n, w) keys of the chunk before a query chunk (chunk length n), and
     fewer of the chunks before that, so:
 

@@ -1,7 +1,7 @@
 """K/V ring messages at each tensor's own head size (MLA: q/k 192, v 128).
 
-:func:`usp.sp.attend.equal_head_dims` zero-pads the smaller head size of k and v to the
-larger at the entry, so the ring holds [2, ..., D] pairs (K and V, or dK and dV) of one
+:func:`usp.sp.attend.pad_head_dims` zero-pads the smaller head size of k and v to the
+larger after the Ulysses all-to-all, so the ring holds [2, ..., D] pairs (K and V, or dK and dV) of one
 head size D. The padded columns are zeros and stay zeros (zero value columns give zero
 output columns, whose gradient is zero, so dV's padded columns are zero; zero q/k
 columns give zero dK/dQ columns), so a message need not carry them: :class:`KVDims`

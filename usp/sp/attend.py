@@ -117,7 +117,7 @@ def check_call(
 ) -> CheckedCall:  # fmt: skip
     """Everything that could fail, checked on this rank before anything is sent
     (``compiled``: while a compiled graph is traced)."""
-    spec = validate_inputs(q, k, v, causal=causal, window=None)
+    spec = validate_inputs(*_padded_stand_ins(q, k, v), causal=causal, window=None)
     check_sinks(sinks, spec)
     check_window(window, causal)
     if (
@@ -205,8 +205,9 @@ def attend(
     Under ``torch.compile`` the call is checked (and, with ``verify``, agreed across the
     SP ranks) while the graph is traced, once per plan and call shape
     (:func:`traced_call`): the graph holds only the collectives and the computation."""
-    key_dim = k.shape[-1] if isinstance(k, torch.Tensor) else None
-    q, k, v, softmax_scale, value_dim = equal_head_dims(q, k, v, softmax_scale)
+    dims = mla_dims(q, k, v)  # MLA: K's and V's own head sizes, None when equal
+    if dims is not None and dims.value_dim > dims.key_dim and softmax_scale is None:
+        softmax_scale = dims.key_dim**-0.5  # q/k are padded to v's size below
     live = None  # the placement a compiled graph reads documents from (cfg's eagerly)
     if torch.compiler.is_compiling():
         call = _traced(
@@ -224,39 +225,57 @@ def attend(
     stats = plan.comm_stats
     if plan.ulysses_degree > 1:
         k, v = replicate_kv_heads(k, v, call.kv_replication)
+        # each tensor at its own head size (MLA: v's smaller or larger than q/k's)
         q, k, v = to_head_sharded([q, k, v], ulysses, stats)  # [B, S/r, h/u, D]
     local_sinks = None if sinks is None else sinks[call.heads[0] : call.heads[1]]  # [H/u]
     ring = call.ring
-    if value_dim is not None and not torch.compiler.is_compiling():
-        # MLA: ring messages carry K and V at their own head sizes (usp.ring.kv_message)
-        ring = dataclasses.replace(ring, kv_dims=KVDims(key_dim, value_dim))
+    if dims is not None:
+        # the kernels take one head size: pad after the all-to-all, where nothing
+        # travels but the ring's messages, which carry K and V at their own sizes
+        q, k, v = pad_head_dims(q, k, v, dims)
+        if not torch.compiler.is_compiling():  # (usp.ring.kv_message)
+            ring = dataclasses.replace(ring, kv_dims=dims)
     out, _ = run_ring(q, k, v, ring, live, local_sinks)
+    if dims is not None:
+        out = out[..., : dims.value_dim]  # [B, S/r, H/u, Dv]: the padded columns are zeros
     if plan.ulysses_degree > 1:
-        out = to_sequence_sharded(out, ulysses, stats)  # [B, S/P, H, D]
-    if value_dim is not None:
-        out = out[..., :value_dim]  # [B, S/P, H, Dv]: the padded columns are zeros
+        out = to_sequence_sharded(out, ulysses, stats)  # [B, S/P, H, Dv]
     return out
 
 
-def equal_head_dims(q, k, v, softmax_scale):
-    """A value head size other than the query/key one (MLA: DeepSeek-V3's q/k 192, v 128)
-    made equal by zero padding, which changes nothing: zero columns of v give zero
-    output columns (sliced off after), zero columns of q and k add nothing to the scores
-    (the default scale stays the query's own head_dim**-0.5). Returns (q, k, v,
-    softmax_scale, the value head size to slice the output to, or None when nothing
-    was padded). Anything else that does not fit is left to the checks."""
+def mla_dims(q, k, v) -> KVDims | None:
+    """A value head size other than the query/key one (MLA: DeepSeek-V3's q/k 192, v
+    128): K's and V's head sizes, or None when they are equal or the shapes do not fit
+    otherwise (left to the checks). The kernels take one head size, so the smaller of
+    the two is zero-padded to the larger after the all-to-all (:func:`pad_head_dims`),
+    which changes nothing: zero columns of v give zero output columns (sliced off
+    after), zero columns of q and k add nothing to the scores (the default scale stays
+    the query's own head_dim**-0.5)."""
     shapes_fit = all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v))
     if not shapes_fit or k.shape[:-1] != v.shape[:-1] or k.shape[-1] != q.shape[-1]:
-        return q, k, v, softmax_scale, None
-    qk_dim, value_dim = q.shape[-1], v.shape[-1]
-    if value_dim == qk_dim:
-        return q, k, v, softmax_scale, None
-    if value_dim < qk_dim:
-        return q, k, F.pad(v, (0, qk_dim - value_dim)), softmax_scale, value_dim
-    if softmax_scale is None:
-        softmax_scale = qk_dim**-0.5
-    q, k = (F.pad(t, (0, value_dim - qk_dim)) for t in (q, k))
-    return q, k, v, softmax_scale, value_dim
+        return None
+    if v.shape[-1] == q.shape[-1]:
+        return None
+    return KVDims(q.shape[-1], v.shape[-1])
+
+
+def pad_head_dims(q, k, v, dims: KVDims):
+    """q, k [..., Dqk] and v [..., Dv] -> all three [..., max(Dqk, Dv)] (zero columns)."""
+    if dims.value_dim < dims.key_dim:
+        return q, k, F.pad(v, (0, dims.key_dim - dims.value_dim))
+    extra = dims.value_dim - dims.key_dim
+    return F.pad(q, (0, extra)), F.pad(k, (0, extra)), v
+
+
+def _padded_stand_ins(q, k, v):
+    """What the checks see of an MLA call: q, k and v as the kernels get them, padded to
+    one head size (:func:`pad_head_dims`), as stand-ins holding one element (the checks
+    read shapes only); the tensors themselves when their head sizes are equal."""
+    dims = mla_dims(q, k, v)
+    if dims is None:
+        return q, k, v
+    size = max(dims.key_dim, dims.value_dim)
+    return tuple(_stand_in((tuple(t.shape[:-1]) + (size,), t.dtype, t.device)) for t in (q, k, v))
 
 
 def checked(
@@ -291,6 +310,8 @@ def checked(
         ) + [
             Field("head_chunks", chunks), Field("sinks", _sinks_code(sinks), _show_sinks),
             Field("window", -1 if window is None else window if type(window) is int else -2, _show_window),
+            # v's head size (MLA: its own): the all-to-all and ring messages are sized by it
+            Field("v.shape[3]", v.shape[3] if isinstance(v, torch.Tensor) and v.dim() == 4 else -1),
         ]  # fmt: skip
 
     return checked_call(plan.sp_group, "usp_attention", fields, validate, USP_ERRORS, verify)
