@@ -397,3 +397,28 @@ def test_a_family_hf_directory_gives_transformers_perplexity(trained, tmp_path, 
     report = json.loads(capsys.readouterr().out)["perplexity"]["64"]
     expected = _transformers_perplexity(reference, str(tmp / "held.jsonl"))
     _check_family_report(report, expected, family)
+
+
+def test_a_forced_gdn_kernel_that_cannot_run_is_refused_in_one_line(
+    trained, gdn_families, tmp_path, capsys
+):
+    """A training config whose ``[attention]`` forces fla (not installed, and this is a
+    CPU) on a Qwen3.5 checkpoint: one line, exit 2, before the model is loaded."""
+    tmp, _ = trained
+    ckpt = gdn_families["qwen3_5"][0]
+    config = tmp_path / "fla.toml"
+    config.write_text(
+        CONFIG.replace('preset = "tiny"', f'path = "{ckpt}"').replace(
+            "[model]", '[attention]\nlinear_backend = "fla"\n\n[model]'
+        )
+    )
+    argv = [*_family_argv(ckpt, tmp), "--config", str(config), "--output", str(tmp_path / "e")]
+    capsys.readouterr()
+    assert _usp_eval(argv) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+    assert '[attention] linear_backend = "fla" cannot run the Gated DeltaNet recurrence here' in (
+        stderr
+    )
+    assert 'set linear_backend = "auto"' in stderr, stderr
+    assert not (tmp_path / "e" / "eval.json").exists()

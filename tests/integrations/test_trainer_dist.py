@@ -240,7 +240,8 @@ def run_plans_from_the_flags(topology_file):
     ):
         plan = hf_cli.plan_from_args(parser.parse_args(flags))
         t = plan.topology
-        found.append((t.ulysses_degree, t.ring_degree, t.dp_degree, plan.layout, plan.ring_impl))
+        found.append((t.ulysses_degree, t.ring_degree, t.dp_degree, plan.layout, plan.ring_impl,
+                      plan.linear_backend))  # fmt: skip
         t.destroy()
     return found
 
@@ -249,11 +250,12 @@ def test_the_plan_comes_from_the_flags_or_a_topology_file(distributed, tmp_path)
     path = tmp_path / "topology.toml"
     path.write_text(
         "[cluster]\nnodes = 1\ngpus_per_node = 4\n[parallel]\nulysses = 1\nring = 4\n"
-        '[attention]\nring_impl = "allgather"\n[model]\nnum_heads = 8\nnum_kv_heads = 2\n'
+        '[attention]\nring_impl = "allgather"\nlinear_backend = "torch"\n'
+        "[model]\nnum_heads = 8\nnum_kv_heads = 2\n"
     )
     for found in distributed.run(run_plans_from_the_flags, str(path), world_size=4, timeout=120):
         assert found == [
-            (2, 2, 1, "contiguous", "p2p"),
-            (1, 2, 2, "zigzag", "p2p"),
-            (1, 4, 1, "zigzag", "allgather"),
+            (2, 2, 1, "contiguous", "p2p", "auto"),
+            (1, 2, 2, "zigzag", "p2p", "auto"),
+            (1, 4, 1, "zigzag", "allgather", "torch"),  # the file's GDN kernel choice too
         ]
