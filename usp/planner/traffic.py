@@ -68,15 +68,14 @@ def traffic_formula(
     a chunk each (forward; backward again, and the dK/dV of as many rows back:
     :mod:`usp.ring.zigzag_tails`), a longer one k = r whole blocks, W = 1 nothing.
     ``doc_lengths`` (p2p only): packed documents' lengths in the replica's sequence (each
-    a multiple of the layout's chunks): with a window the ring runs the steps the
-    documents' chunks need with whole blocks, except when the window is shorter than
-    every document's chunk (W-1 < min n_d, n_d = length_d / r contiguous, / 2r zigzag):
-    the last W-1 rows of each of the N documents, one message (contiguous: to the next
-    rank) or two (zigzag: a piece's each way), and their dK/dV back
-    (:mod:`usp.ring.packed_tails`). A longer window (some chunk n_d <= W-1) sends each
-    query chunk the rows of earlier chunks its windows read, from their owners, one
-    message per chunk and distance, and their dK/dV straight back: amounts that differ
-    between ring ranks, ``rank``'s (:func:`document_reach_rows`).
+    a multiple of the layout's chunks), eager: a window shorter than every document's
+    chunk (W-1 < min n_d, n_d = length_d / r contiguous, / 2r zigzag) sends the last W-1
+    rows of each of the N documents, one message (contiguous: to the next rank) or two
+    (zigzag: a piece's each way), and their dK/dV back (:mod:`usp.ring.packed_tails`);
+    a longer one (some n_d <= W-1) sends each query chunk the rows of earlier chunks its
+    windows read, from their owners, one message per chunk and distance, and their dK/dV
+    straight back: amounts that differ between ring ranks, ``rank``'s (the ring rank,
+    :func:`document_reach_rows`). (A compiled graph runs every step with whole blocks.)
     ``value_dim``: v's head size when it is not q/k's ``head_dim`` (MLA): the all-to-alls
     move q, k, v and out padded to the larger of the two (as ``usp.sp.attend`` pads them),
     the ring's K/V and dK/dV messages each tensor at its own size (``head_dim +
