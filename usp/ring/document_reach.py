@@ -75,10 +75,12 @@ def document_reach(
     lengths = tuple(b - a for a, b in zip(bounds, bounds[1:]))
     own = packed_window_blocks(layout, ring_size, rank, rank, piece_len, lengths, w)
     chunks = 2 * ring_size if layout == "zigzag" else ring_size
+    # the farthest chunk back any document's window reaches (chunk_pair: j*n - w < n)
+    farthest = max((w + n - 1) // n for n in lengths)
     sends, receives = [], []
     for chunk in range(chunks):  # the query chunk, then how far back its keys are
         q_rank, q_piece = chunk_owner(layout, ring_size, chunk)
-        for j in range(1, chunk + 1):
+        for j in range(1, min(chunk, farthest) + 1):
             k_rank, k_piece = chunk_owner(layout, ring_size, chunk - j)
             if q_rank == k_rank or rank not in (q_rank, k_rank):
                 continue
