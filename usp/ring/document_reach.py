@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from usp.comm.ring_exchange import RingExchange
-from usp.kernels import merge_into
 from usp.kernels.masks import accumulation_dtype
 from usp.ring.calls import calls_for
 from usp.ring.config import PreparedRing
 from usp.ring.layout import Block
+from usp.ring.tails import backward_blocks, forward_blocks
 from usp.ring.window import chunk_pair, packed_window_blocks
 
 
@@ -171,19 +171,12 @@ def reach_forward(q, k, v, cfg: PreparedRing, plan: DocumentReach):
     lse = torch.full(
         (q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device
     )
-    sources = [(calls_for(cfg, cfg.placement.piece_docs), plan.own, lambda: (k, v))]
+    # its own blocks while the messages travel, then each message's as it arrives
+    forward_blocks(calls_for(cfg, cfg.placement.piece_docs), plan.own, q, k, v, out, lse)
     dense = calls_for(cfg, None)
     for receive, handle, shape in zip(plan.receives, handles, shapes):
-        tail = lambda h=handle, s=shape: _unwire(cfg, h.wait(), s)  # noqa: E731
-        sources.append((dense, receive.blocks, tail))
-    for calls, blocks, arrived in sources:
-        keys, values = arrived()
-        for b in blocks:
-            block_out, block_lse = calls.forward(
-                q[:, b.q_rows], keys[:, b.kv_rows], values[:, b.kv_rows], b.causal, b.window,
-                b.delta,
-            )  # fmt: skip
-            merge_into(out[:, b.q_rows], lse[:, :, b.q_rows], block_out, block_lse)
+        tail = _unwire(cfg, handle.wait(), shape)  # [2, 1, rows, Hkv, D]
+        forward_blocks(dense, receive.blocks, q, tail[0], tail[1], out, lse)
     sent.wait()
     return out.to(q.dtype), lse
 
@@ -196,26 +189,18 @@ def reach_backward(dout, q, k, v, out, lse, cfg: PreparedRing, plan: DocumentRea
     handles, shapes, sent = _exchange_kv(ring, k, v, cfg, plan)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     own = torch.zeros((2,) + k.shape, dtype=acc, device=k.device)  # [2, 1, L, Hkv, D]
-    grads = []  # (dK/dV of a received message, its owner)
-    sources = [(calls_for(cfg, cfg.placement.piece_docs), plan.own, (k, v), own)]
+    backward_blocks(
+        calls_for(cfg, cfg.placement.piece_docs), plan.own, dout, q, k, v, out, lse, dq, own
+    )  # while the messages travel
+    dense, back = calls_for(cfg, None), []  # back: (dK/dV of a received message, its owner)
     for receive, handle, shape in zip(plan.receives, handles, shapes):
         tail = _unwire(cfg, handle.wait(), shape)
-        grads.append((torch.zeros(shape, dtype=acc, device=k.device), receive.peer))
-        sources.append((calls_for(cfg, None), receive.blocks, (tail[0], tail[1]), grads[-1][0]))
-    for calls, blocks, (keys, values), dkv in sources:
-        for b in blocks:
-            rows = b.q_rows
-            dq_block, dk_block, dv_block = calls.backward(
-                dout[:, rows], q[:, rows], keys[:, b.kv_rows], values[:, b.kv_rows],
-                out[:, rows], lse[:, :, rows], b.causal, b.window, b.delta,
-            )  # fmt: skip
-            dq[:, rows] += dq_block
-            dkv[0][:, b.kv_rows] += dk_block
-            dkv[1][:, b.kv_rows] += dv_block
-    del sources
+        dtail = torch.zeros(shape, dtype=acc, device=k.device)
+        backward_blocks(dense, receive.blocks, dout, q, tail[0], tail[1], out, lse, dq, dtail)
+        back.append((_wire(cfg, dtail), receive.peer))
+        del tail, dtail
     sent.wait()
     # every received message's gradient back to its owner; ours from our sends' readers
-    back = [(_wire(cfg, g), peer) for g, peer in grads]
     sizes = [(2, k.shape[0], sum(b - a for a, b in s.ranges), *k.shape[2:]) for s in plan.sends]
     receives = [(_buffer(cfg, shape, acc, k.device), s.peer) for shape, s in zip(sizes, plan.sends)]
     returned, sent = ring.post(back, receives)
