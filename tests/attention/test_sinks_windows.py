@@ -18,7 +18,8 @@ from usp_cases import topology
 from window_cases import case_inputs, usp_case
 
 import usp
-from usp.planner.traffic import traffic_formula, window_gather_rows
+from usp.planner.traffic import document_reach_rows, traffic_formula, window_gather_rows
+from usp.ring.document_reach import document_reach
 from usp.ring.documents import Documents
 from usp.ring.masked_window import window_mask
 from usp.ring.packed_tails import packed_tail_plan
@@ -104,11 +105,10 @@ def run_windows(ulysses, ring):
         topo, inputs, with_sinks=True, dtype=torch.bfloat16, sinks_dtype=torch.float32, **case
     )
     results.append((case, torch.bfloat16, errors))
-    # a value head size of its own (MLA): smaller and larger than q/k's 8; the ring sends
-    # K and V at their own sizes (whole blocks, contiguous and zigzag tails, all-gather)
     # packed p2p with windows shorter than every document's chunk: each document's tail
     # (contiguous: DOCS' chunks 8, 4, 20 on u2r2, 4, 2, 10 on u1r4; zigzag: TAIL_DOCS'
-    # chunks 6, 10 on u2r2, 3, 5 on u1r4, where window 6 reaches past the 3: whole blocks)
+    # chunks 6, 10 on u2r2, 3, 5 on u1r4, where window 6 reaches past the 3: the rows
+    # each rank's windows read, from their owners, as DOCS' windows 5 and 20 above)
     tail_cases = [("contiguous", DOCS, w, w == 2) for w in (2, 4)]
     tail_cases += [("zigzag", TAIL_DOCS, w, w != 3) for w in (2, 3, 6)]
     for layout, packed, window, sinks in tail_cases:
@@ -118,6 +118,9 @@ def run_windows(ulysses, ring):
             **case,
         )  # fmt: skip
         results.append((case, torch.float64, errors))
+    # a value head size of its own (MLA): smaller and larger than q/k's 8; the ring sends
+    # K and V at their own sizes (whole blocks, contiguous and zigzag tails, documents'
+    # reach, all-gather)
     mla_cases = (
         (4, "p2p", DOCS, "contiguous", 20),
         (12, "allgather", None, "contiguous", 20),
@@ -290,8 +293,8 @@ def run_window_traffic():
             ("zigzag", "allgather", 16, 4, None),
             ("contiguous", "allgather", None, 12, None),
             # packed documents: every document's tail (4, both layouts; 16 contiguous
-            # on u2r2, whose shortest chunk is 16), or whole blocks for the steps the
-            # documents need
+            # on u2r2, whose shortest chunk is 16), or the rows of earlier chunks each
+            # rank's windows read, from their owners (per rank)
             *((layout, "p2p", w, 8, TRAFFIC_DOCS) for layout in ("contiguous", "zigzag")
               for w in (4, 16, 40)),
             # the all-gather ring, packed: each document's rows that windows reach
@@ -329,12 +332,12 @@ def run_window_traffic():
 TRAFFIC_DOCS = [0, 64, 96, 256]
 
 
-def _formula(grid, layout, ring_impl, window, seqlen=256, value_dim=8, docs=None):
+def _formula(grid, layout, ring_impl, window, seqlen=256, value_dim=8, docs=None, rank=0):
     lengths = None if docs is None else tuple(b - a for a, b in zip(docs, docs[1:]))
     return traffic_formula(
         types.SimpleNamespace(heads=4, kv_heads=2, head_dim=8), batch=1, seqlen=seqlen,
         ulysses=grid[0], ring=grid[1], ring_impl=ring_impl, item_bytes=2, acc_bytes=4,
-        window=window, layout=layout, value_dim=value_dim, doc_lengths=lengths,
+        window=window, layout=layout, value_dim=value_dim, doc_lengths=lengths, rank=rank,
     )  # fmt: skip
 
 
@@ -346,7 +349,10 @@ def test_a_windowed_layer_moves_the_stated_bytes(distributed):
     failures += _failures([errors for _, errors in by_rank])
     for rank, (results, _) in enumerate(by_rank):
         for (grid, layout, impl, window, value_dim, docs), traffic in results.items():
-            want = _formula(grid, layout, impl, window, value_dim=value_dim, docs=docs)
+            ring_rank = rank // grid[0]  # packed windows past a chunk: per ring rank
+            want = _formula(
+                grid, layout, impl, window, value_dim=value_dim, docs=docs, rank=ring_rank
+            )
             if traffic != want:
                 failures.append(
                     f"rank {rank} {grid} {layout} {impl} W={window} Dv={value_dim} {docs}: "
@@ -390,11 +396,15 @@ def test_a_windowed_layer_moves_the_stated_bytes(distributed):
         assert 16 * mla[phase]["p2p"]["sent"] == 12 * same[phase]["p2p"]["sent"]
         assert 96 * mla[phase]["all_to_all"]["sent"] == 72 * same[phase]["all_to_all"]["sent"]
     # packed, contiguous u1r4: window 4 sends the last 3 rows of each of the 3 documents
-    # against the 64 rows of a whole block (window 16 reaches past the 8-row chunk)
+    # against the 64 rows of a whole block; window 16 reaches past the 8-row chunk: rank
+    # 3 receives the last 15 rows of chunk 2 of each document (15 + 8 + 15) and the last
+    # 7 of the short document's chunk 1, 45 rows in 2 messages, against 3 blocks of 64
     packed = {w: _formula((1, 4), "contiguous", "p2p", w, docs=TRAFFIC_DOCS) for w in (4, 16)}
     whole = _formula((1, 4), "contiguous", "p2p", None)
     assert 64 * packed[4]["forward"]["p2p"]["sent"] == 9 * whole["forward"]["p2p"]["sent"] // 3
-    assert packed[16]["forward"]["p2p"]["sent"] == 2 * whole["forward"]["p2p"]["sent"] // 3
+    last = _formula((1, 4), "contiguous", "p2p", 16, docs=TRAFFIC_DOCS, rank=3)["forward"]
+    assert 64 * last["p2p"]["received"] == 45 * whole["forward"]["p2p"]["received"] // 3
+    assert last["p2p"]["sent"] == 0 and last["p2p"]["calls"] == 2
     # the all-gather ring, packed, u1r4 window 16 (15 keys): every rank contributes of each
     # document (chunks 16, 8, 40 contiguous; 8, 4, 20 zigzag) its chunks' last 15 rows
     # (zigzag: of both chunks): 15 + 8 + 15 = 38 and 16 + 8 + 30 = 54 rows of 64
@@ -635,3 +645,48 @@ def test_the_compiled_window_mask_keeps_what_the_eager_per_document_calls_read()
                 )
                 expected[start + i, start + j] = seen
         assert torch.equal(window_mask(cu, 16, delta, w), expected), (delta, w)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_document_reach_holds_every_pair_a_long_window_reads(layout):
+    """Packed documents whose window reaches past some document's chunk: each rank's own
+    blocks and its calls against the messages it receives (matched in posting order with
+    the sender's messages to it, read at the sender's rows) compute every query-key
+    pair of the windowed documents exactly once; the rows each rank receives are those
+    the formula states (``traffic_formula(..., rank=)``)."""
+    for lengths, r in (((16, 24, 8), 2), ((12, 6, 18), 3), ((32, 8, 24), 4)):
+        documents = Documents(lengths, r, layout)
+        bounds = tuple(documents.piece_bounds)
+        positions = [documents.block_positions(rank) for rank in range(r)]
+        starts = torch.tensor([sum(lengths[:d]) for d in range(len(lengths))])
+        for w in range(1, max(lengths)):
+            plans = [document_reach(layout, r, rank, bounds, w) for rank in range(r)]
+            for rank, plan in enumerate(plans):
+                mine = positions[rank]
+                got = [p for block in plan.own for p in _own_pairs(documents, mine, block, w)]
+                taken = {}  # per sender: how many of its messages to this rank are matched
+                for receive in plan.receives:
+                    sender = receive.peer
+                    to_me = [s for s in plans[sender].sends if s.peer == rank]
+                    send = to_me[taken.get(sender, 0)]
+                    taken[sender] = taken.get(sender, 0) + 1
+                    rows = torch.cat([torch.arange(a, b) for a, b in send.ranges])
+                    assert len(rows) == receive.rows
+                    k_pos = positions[sender][rows]
+                    for b in receive.blocks:
+                        got.append(_pairs(mine[b.q_rows], k_pos[b.kv_rows], b.causal, b.window))
+                assert all(
+                    taken.get(s, 0) == sum(m.peer == rank for m in plans[s].sends) for s in range(r)
+                ), (layout, lengths, r, w, rank)
+                sent = sum(b - a for m in plan.sends for a, b in m.ranges)
+                received = sum(m.rows for m in plan.receives)
+                counts = ((sent, len(plan.sends)), (received, len(plan.receives)))
+                chunks = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+                assert document_reach_rows(layout, r, rank, chunks, w) == counts
+                document_start = starts[torch.bucketize(mine, starts, right=True) - 1]
+                first = torch.maximum(document_start, mine - w).tolist()
+                want = torch.cat(
+                    [q * 4096 + torch.arange(a, q + 1) for q, a in zip(mine.tolist(), first)]
+                )
+                got = torch.cat(got).sort().values
+                assert torch.equal(got, want.sort().values), (layout, lengths, r, w, rank)

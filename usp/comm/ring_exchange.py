@@ -101,6 +101,34 @@ class RingExchange:
             self.stats.record("p2p", sent=_bytes(send), received=_bytes(recv))
         return PendingExchange(recv, requests)
 
+    def post(self, sends, receives) -> tuple[list[PendingExchange], PendingExchange]:
+        """Messages between any ranks of the ring (not a shift): ``sends`` and
+        ``receives`` are lists of (tensor, ring rank); messages between two ranks match
+        in the order each posts them. Returns a handle per receive and one for every
+        send. Each send and each receive counts as one call."""
+        if self.size == 1:
+            raise RuntimeError("RingExchange.post called on a ring of size 1")
+        pairs = sends + receives
+        if pairs and self._coalescing(pairs[0][0].device):  # NCCL: one batch
+            ops = [
+                dist.P2POp(op, t, dist.get_global_rank(self.group, peer), self.group)
+                for op, part in ((dist.isend, sends), (dist.irecv, receives))
+                for t, peer in part
+            ]
+            # one coalesced batch may return one request for all: every handle waits all
+            requests = dist.batch_isend_irecv(ops)
+            sent, received = requests, [requests] * len(receives)
+        else:
+            sent = [self.group.send([t], peer, 0) for t, peer in sends]
+            received = [[self.group.recv([t], peer, 0)] for t, peer in receives]
+        if self.stats is not None:
+            for t, _ in sends:
+                self.stats.record("p2p", sent=_bytes(t), received=0)
+            for t, _ in receives:
+                self.stats.record("p2p", sent=0, received=_bytes(t))
+        handles = [PendingExchange(t, r) for (t, _), r in zip(receives, received)]
+        return handles, PendingExchange(None, sent)
+
 
 class TracedRingExchange:
     """:class:`RingExchange` inside a compiled graph: the shift is a functional

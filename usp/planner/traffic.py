@@ -43,6 +43,7 @@ def traffic_formula(
     layout: str = "zigzag",
     value_dim: int | None = None,
     doc_lengths: tuple[int, ...] | None = None,
+    rank: int = 0,
 ) -> dict[str, dict[str, dict[str, int]]]:
     """Bytes one rank sends and receives per collective kind, ``{"forward": {kind:
     {"sent", "received", "calls"}}, "backward": {...}}``, as ``CommStats.snapshot()``.
@@ -68,14 +69,17 @@ def traffic_formula(
     a chunk each (forward; backward again, and the dK/dV of as many rows back:
     :mod:`usp.ring.zigzag_tails`), a longer one k = r whole blocks, W = 1 nothing.
     ``doc_lengths``: packed documents' lengths in the replica's sequence (each a multiple
-    of the layout's chunks): with a window the p2p ring runs the steps the documents'
-    chunks need with whole blocks, except when the window is shorter than every
-    document's chunk (W-1 < min n_d, n_d = length_d / r contiguous, / 2r zigzag): the
-    last W-1 rows of each of the N documents, one message (contiguous: to the next rank)
-    or two (zigzag: a piece's each way), and their dK/dV back
-    (:mod:`usp.ring.packed_tails`); the all-gather ring gathers the sum over documents of
-    what each document's block (length_d / r rows) would as a dense sequence
-    (:func:`window_gather_rows`). A window holding the longest document is none.
+    of the layout's chunks). p2p, eager: a window shorter than every document's chunk
+    (W-1 < min n_d, n_d = length_d / r contiguous, / 2r zigzag) sends the last W-1 rows
+    of each of the N documents, one message (contiguous: to the next rank) or two
+    (zigzag: a piece's each way), and their dK/dV back (:mod:`usp.ring.packed_tails`);
+    a longer one (some n_d <= W-1) sends each query chunk the rows of earlier chunks its
+    windows read, from their owners, one message per chunk and distance, and their dK/dV
+    straight back: amounts that differ between ring ranks, ``rank``'s (the ring rank,
+    :func:`document_reach_rows`). (A compiled graph runs every step with whole blocks.)
+    All-gather: the sum over documents of what each document's block (length_d / r rows)
+    would gather as a dense sequence (:func:`window_gather_rows`). A window holding the
+    longest document is none.
     ``value_dim``: v's head size when it is not q/k's ``head_dim`` (MLA): the all-to-alls
     move each tensor at its own size (q, k, dq, dk at ``head_dim``; v, out, dout, dv at
     ``value_dim``: ``usp.sp.attend`` pads to one head size after them), and so do the
@@ -107,6 +111,7 @@ def traffic_formula(
         # rows of each hop's K/V message, and of the travelling dK/dV accumulator
         rows, acc_rows = [block_len] * hops, block_len
         longest = seqlen if doc_lengths is None else max(doc_lengths)
+        reach = None  # packed, a window past some chunk: per-rank rows (document_reach)
         if window is not None and window < longest:  # a window holding every document: none
             chunks = None
             if doc_lengths is not None:  # each document's chunk length
@@ -117,12 +122,26 @@ def traffic_formula(
                 if 0 < window - 1 < min(chunks):  # (packed_tails): one way, or both (zigzag)
                     hops = 1 if layout == "contiguous" else 2
                     rows = [len(chunks) * (window - 1)] * hops
+                else:
+                    reach = document_reach_rows(layout, r, rank, chunks, window - 1)
             elif layout == "contiguous":  # only the keys the window needs (p2p.tail_starts)
                 rows = [min(block_len, window - 1 - s * block_len) for s in range(hops)]
             elif 0 < window - 1 < block_len // 2:  # zigzag: tails both ways (zigzag_tails)
                 hops, rows = 2, [window - 1] * 2
             acc_rows = rows[0] if rows else 0
-        if ring_impl == "p2p":
+        if reach is not None and ring_impl == "p2p":
+            (sent, sends), (received, receives) = reach
+            row = kv // block_len  # one row of K and V, in the input's dtype
+            acc_row = dkv // block_len
+            if sends + receives:
+                forward["p2p"] = {"sent": sent * row, "received": received * row,
+                                  "calls": sends + receives}  # fmt: skip
+                backward["p2p"] = {
+                    "sent": sent * row + received * acc_row,
+                    "received": received * row + sent * acc_row,
+                    "calls": 2 * (sends + receives),
+                }
+        elif ring_impl == "p2p":
             if hops:  # a window of 1 (each query sees itself): nothing moves
                 kv_sent = sum(rows) * kv // block_len
                 dkv_sent = hops * acc_rows * dkv // block_len
@@ -140,6 +159,32 @@ def traffic_formula(
                 backward["all_gather"] = _counts((r - 1) * kv, 1)
                 backward["reduce_scatter"] = _counts((r - 1) * dkv, 1)
     return {"forward": forward, "backward": backward}
+
+
+def document_reach_rows(
+    layout: str, ring: int, rank: int, chunks: tuple[int, ...], w: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((rows sent, messages sent), (rows received, messages received)) of ring rank
+    ``rank`` when packed documents with chunk lengths ``chunks`` read, under the kernels'
+    left window w, past some document's chunk (:mod:`usp.ring.document_reach`). Chunk c
+    of every document is held by rank c (contiguous; zigzag: c < r) or 2r-1-c (zigzag,
+    c >= r); a query chunk reads from the chunk j back T_j = sum_d t_dj rows,
+    t_dj = max(0, min(n_d, w - (j-1) n_d)), one message per (chunk, j) with T_j > 0 whose
+    two chunks are on different ranks."""
+    count = 2 * ring if layout == "zigzag" else ring
+    owner = [c if layout == "contiguous" or c < ring else 2 * ring - 1 - c for c in range(count)]
+    reach = [sum(max(0, min(n, w - (j - 1) * n)) for n in chunks) for j in range(count)]
+    sent = received = sends = receives = 0
+    for reader in range(count):
+        for source in range(reader):
+            rows = reach[reader - source]
+            if not rows or owner[reader] == owner[source]:
+                continue
+            if owner[source] == rank:
+                sent, sends = sent + rows, sends + 1
+            if owner[reader] == rank:
+                received, receives = received + rows, receives + 1
+    return (sent, sends), (received, receives)
 
 
 def window_gather_rows(layout: str, ring: int, block_len: int, w: int) -> int:

@@ -17,8 +17,9 @@ O(W) bytes, not O(S/r). Eagerly, a window shorter than the chunks it reads acros
 exchanges tails with the neighbours instead (:mod:`usp.ring.tails`): under ``zigzag``
 (dense) a window shorter than a chunk (:mod:`usp.ring.zigzag_tails`), packed documents
 under either layout a window shorter than every document's chunk, each document's tail
-(:mod:`usp.ring.packed_tails`); longer zigzag windows and other packed documents send
-whole blocks.
+(:mod:`usp.ring.packed_tails`), and other packed windows the rows of earlier chunks
+each rank's windows read, from their owners (:mod:`usp.ring.document_reach`); longer
+dense zigzag windows send whole blocks.
 
 Compiled, a rank's graph must post the same shifts in the same passes as its
 neighbours', also when it never reads a block (rank 0 of a causal contiguous ring gets
@@ -40,6 +41,7 @@ from usp.kernels.docs import DeviceBounds
 from usp.kernels.masks import accumulation_dtype
 from usp.ring.calls import calls_for
 from usp.ring.config import PreparedRing
+from usp.ring.document_reach import reach_backward, reach_forward, reach_plan
 from usp.ring.kv_message import KVDims, start_pair
 from usp.ring.layout import ALL, packed_step_blocks, step_blocks
 from usp.ring.packed_tails import packed_tails
@@ -250,6 +252,9 @@ def p2p_forward(q, k, v, cfg: PreparedRing, documents=None) -> tuple[torch.Tenso
     neighbours = _tails(cfg, q.shape[1])
     if neighbours is not None:  # a window shorter than every chunk: neighbours' tails
         return tails_forward(q, k, v, cfg, neighbours)
+    reach = reach_plan(cfg, q.shape[1])
+    if reach is not None:  # packed, longer windows: the rows each rank's windows read
+        return reach_forward(q, k, v, cfg, reach)
     ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
     n_steps = steps(cfg, q.shape[1])
@@ -311,6 +316,9 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=None):
     neighbours = _tails(cfg, q.shape[1])
     if neighbours is not None:
         return tails_backward(dout, q, k, v, out, lse, cfg, neighbours)
+    reach = reach_plan(cfg, q.shape[1])
+    if reach is not None:
+        return reach_backward(dout, q, k, v, out, lse, cfg, reach)
     ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
     dq_rows = _Rows(torch.zeros(q.shape, dtype=acc, device=q.device))

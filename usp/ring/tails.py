@@ -105,22 +105,27 @@ def tails_forward(q, k, v, cfg: PreparedRing, plan: Tails):
     lse = torch.full(
         (q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device
     )
-    own_calls, tail_calls = calls_for(cfg, cfg.placement.piece_docs), calls_for(cfg, None)
-    sources = [(own_calls, plan.own, k, v)]
+    # its own blocks while the tails travel, then each tail's as it arrives
+    forward_blocks(calls_for(cfg, cfg.placement.piece_docs), plan.own, q, k, v, out, lse)
+    dense = calls_for(cfg, None)
     for message, request in zip(plan.messages, pending):
         tail = request.wait()  # [2, B, rows, Hkv, D]
-        sources.append((tail_calls, message.blocks, tail[0], tail[1]))
-    for calls, blocks, keys, values in sources:
-        for b in blocks:
-            block_out, block_lse = calls.forward(
-                q[:, b.q_rows], keys[:, b.kv_rows], values[:, b.kv_rows], b.causal, b.window,
-                b.delta,
-            )  # fmt: skip
-            merge_into(out[:, b.q_rows], lse[:, :, b.q_rows], block_out, block_lse)
+        forward_blocks(dense, message.blocks, q, tail[0], tail[1], out, lse)
     return out.to(q.dtype), lse
 
 
-def _backward_blocks(calls, blocks, dout, q, keys, values, out, lse, dq, dkv) -> None:
+def forward_blocks(calls, blocks, q, keys, values, out, lse) -> None:
+    """Merge ``blocks`` of q [B, L, H, D] against keys/values [B, rows, Hkv, D] into the
+    float32 out [B, L, H, D] and lse [B, H, L]."""
+    for b in blocks:
+        block_out, block_lse = calls.forward(
+            q[:, b.q_rows], keys[:, b.kv_rows], values[:, b.kv_rows], b.causal, b.window,
+            b.delta,
+        )  # fmt: skip
+        merge_into(out[:, b.q_rows], lse[:, :, b.q_rows], block_out, block_lse)
+
+
+def backward_blocks(calls, blocks, dout, q, keys, values, out, lse, dq, dkv) -> None:
     """dq [B, L, H, D] and dkv [2, B, rows, Hkv, D] += the gradients of ``blocks``."""
     for b in blocks:
         rows = b.q_rows
@@ -142,12 +147,12 @@ def tails_backward(dout, q, k, v, out, lse, cfg: PreparedRing, plan: Tails):
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     own = torch.zeros((2,) + k.shape, dtype=acc, device=k.device)  # [2, B, L, Hkv, D]
     own_calls, tail_calls = calls_for(cfg, cfg.placement.piece_docs), calls_for(cfg, None)
-    _backward_blocks(own_calls, plan.own, dout, q, k, v, out, lse, dq, own)
+    backward_blocks(own_calls, plan.own, dout, q, k, v, out, lse, dq, own)
     returned = []
     for message, request in zip(plan.messages, pending):
         tail = request.wait()
         dtail = torch.zeros(tail.shape, dtype=acc, device=tail.device)
-        _backward_blocks(tail_calls, message.blocks, dout, q, tail[0], tail[1], out, lse, dq, dtail)
+        backward_blocks(tail_calls, message.blocks, dout, q, tail[0], tail[1], out, lse, dq, dtail)
         # back to the rank it came from; ours arrive from the rank we sent to
         returned.append(start_pair(ring, dtail, cfg.kv_dims, hops=-message.hops))
         del tail, dtail
