@@ -13,8 +13,9 @@ Sliding windows (:mod:`usp.ring.window`): the blocks are cut to the window, the 
 rotates only while some rank has a block inside it (the accumulators' last hop then goes
 straight to their owners). Under ``contiguous`` (dense) each hop sends only the keys the
 window needs, the suffix of the block that later steps read (:func:`tail_starts`):
-O(W) bytes, not O(S/r). Under ``zigzag`` (dense, eager) a window shorter than a chunk
-exchanges chunk tails with both neighbours instead (:mod:`usp.ring.zigzag_tails`);
+O(W) bytes, not O(S/r). Under ``zigzag`` (dense, eager and compiled) a window shorter
+than a chunk exchanges chunk tails with both neighbours instead
+(:mod:`usp.ring.zigzag_tails`);
 packed documents under ``contiguous`` whose window is shorter than every document's
 chunk exchange each document's tail (:mod:`usp.ring.packed_tails`); longer zigzag
 windows and other packed documents send whole blocks.

@@ -17,8 +17,16 @@ dK/dV tails (float32) backward, against r-1 whole blocks (and their accumulators
 
 On gloo both directions are posted at once; with r = 2 the two messages between the
 same pair of ranks match in the order they are posted, which is the same on both.
-Eager only: a compiled graph runs the whole ring (a rank that never reads a message
-would drop its shift from its graph alone).
+
+Compiled, each message is a functional shift of the graph (:mod:`usp.comm.traced`),
+posted in the same order on every rank. Ranks 0 and r-1 never read the tail that
+crosses the ring's ends, so its shift would vanish from their graphs alone and the
+neighbour posting it would wait forever: every received tail ends in an opaque copy of
+an output (:func:`usp.comm.traced.copy_after`, the LSE's forward, dK's backward), as in
+the p2p ring. The backward's K/V tails and its first dK/dV buffers are tied to the
+incoming gradient (:func:`usp.comm.traced.stack_after`), so that their shifts stay in
+the backward on every rank (else rank 0's zero dK/dV of the tail it never reads, which
+depends on nothing of the backward, would be sent from its forward graph alone).
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from usp.comm.ring_exchange import RingExchange
+from usp.comm import traced
+from usp.comm.ring_exchange import RingExchange, TracedRingExchange
 from usp.kernels import merge_into
 from usp.kernels.masks import accumulation_dtype
 from usp.ring.calls import calls_for
@@ -88,14 +97,28 @@ def zigzag_tail_plans(ring_size: int, local_len: int, w: int) -> tuple[TailPlan,
 
 def tail_plan(cfg: PreparedRing, local_len: int) -> TailPlan | None:
     """This rank's :class:`TailPlan` when the call is a dense zigzag ring with a window
-    shorter than a chunk (eager), else None (the whole ring)."""
+    shorter than a chunk, else None (the whole ring)."""
     w = cfg.window
     if w is None or cfg.packed or cfg.layout != "zigzag" or cfg.size < 2:
         return None
-    if not 0 < w < local_len // 2 or torch.compiler.is_compiling():
+    if not 0 < w < local_len // 2:
         return None
-    plans = zigzag_tail_plans(cfg.size, local_len, w)
-    return None if plans is None else plans[cfg.rank]
+    return _rank_tail_plan(cfg.size, cfg.rank, local_len, w)
+
+
+@torch.compiler.assume_constant_result
+def _rank_tail_plan(ring_size: int, rank: int, local_len: int, w: int) -> TailPlan | None:
+    """``rank``'s plan (a constant of a compiled graph: Dynamo runs this eagerly instead
+    of tracing the cached plans of every rank)."""
+    plans = zigzag_tail_plans(ring_size, local_len, w)
+    return None if plans is None else plans[rank]
+
+
+def _exchange(cfg: PreparedRing):
+    """Posted on the group (eager), or the graph's functional shifts (compiled)."""
+    if torch.compiler.is_compiling():
+        return TracedRingExchange(cfg.peers)
+    return RingExchange(cfg.group, cfg.stats)
 
 
 def _exchange_tails(ring: RingExchange, message: torch.Tensor, rows: int, dims):
@@ -110,7 +133,7 @@ def _exchange_tails(ring: RingExchange, message: torch.Tensor, rows: int, dims):
 
 def tails_forward(q, k, v, cfg: PreparedRing, plan: TailPlan):
     """q [B, L, H, D], k/v [B, L, Hkv, D] -> out [B, L, H, D], lse [B, H, L] (float32)."""
-    ring = RingExchange(cfg.group, cfg.stats)
+    ring = _exchange(cfg)
     calls = calls_for(cfg, None)
     acc = accumulation_dtype(q.dtype)
     pending = _exchange_tails(ring, torch.stack([k, v]), plan.rows, cfg.kv_dims)
@@ -119,8 +142,11 @@ def tails_forward(q, k, v, cfg: PreparedRing, plan: TailPlan):
         (q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device
     )
     sources = [(plan.own, k, v)]
+    anchors = []  # compiled: one element of every received tail (read or not)
     for blocks, request in zip((plan.prev, plan.next), pending):
         tail = request.wait()  # [2, B, w, Hkv, D]
+        if torch.compiler.is_compiling():
+            anchors.append(traced.anchor(tail))
         sources.append((blocks, tail[0], tail[1]))
     for blocks, keys, values in sources:
         for b in blocks:
@@ -128,23 +154,35 @@ def tails_forward(q, k, v, cfg: PreparedRing, plan: TailPlan):
                 q[:, b.q_rows], keys[:, b.kv_rows], values[:, b.kv_rows], b.causal, b.window
             )
             merge_into(out[:, b.q_rows], lse[:, :, b.q_rows], block_out, block_lse)
+    if anchors:  # compiled: both shifts stay in this rank's graph
+        lse = traced.copy_after(lse, lse.dtype, anchors)
     return out.to(q.dtype), lse
 
 
 def tails_backward(dout, q, k, v, out, lse, cfg: PreparedRing, plan: TailPlan):
     """Gradients of :func:`tails_forward`: K/V tails again, then the dK/dV of the tails
     received back to their owners (float32)."""
-    ring = RingExchange(cfg.group, cfg.stats)
+    ring = _exchange(cfg)
     calls = calls_for(cfg, None)
     acc = accumulation_dtype(q.dtype)
-    pending = _exchange_tails(ring, torch.stack([k, v]), plan.rows, cfg.kv_dims)
+    compiling = torch.compiler.is_compiling()
+    # compiled: K/V tails exchanged again in the backward's graph, after the gradient
+    message = traced.stack_after([k, v], dout) if compiling else torch.stack([k, v])
+    pending = _exchange_tails(ring, message, plan.rows, cfg.kv_dims)
+    del message
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     own = torch.zeros((2,) + k.shape, dtype=acc, device=k.device)  # [2, B, L, Hkv, D]
     grads = [own]
     sources = [(plan.own, k, v, own)]
+    anchors = []  # compiled: one element of every received tail (read or not)
     for blocks, request in zip((plan.prev, plan.next), pending):
         tail = request.wait()
-        grads.append(torch.zeros(tail.shape, dtype=acc, device=tail.device))
+        zeros = torch.zeros(tail.shape, dtype=acc, device=tail.device)
+        if compiling:
+            anchors.append(traced.anchor(tail))
+            # sent back even when no block adds to it: a backward value on every rank
+            zeros = traced.stack_after(list(zeros.unbind()), dout)
+        grads.append(zeros)
         sources.append((blocks, tail[0], tail[1], grads[-1]))
     for blocks, keys, values, dkv in sources:
         for b in blocks:
@@ -163,4 +201,6 @@ def tails_backward(dout, q, k, v, out, lse, cfg: PreparedRing, plan: TailPlan):
     second = start_pair(ring, grads[2], cfg.kv_dims)
     own[:, :, n - w : n] += first.wait()
     own[:, :, 2 * n - w :] += second.wait()
-    return dq.to(q.dtype), own[0].to(k.dtype, copy=True), own[1].to(v.dtype, copy=True)
+    # compiled: dK's copy ends the K/V tails' shifts too (traced.copy_after)
+    dk = traced.copy_after(own[0], k.dtype, anchors)
+    return dq.to(q.dtype), dk, own[1].to(v.dtype, copy=True)
