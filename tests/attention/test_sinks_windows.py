@@ -192,7 +192,8 @@ def _message(call) -> str:
 def run_refusals():
     """Bad windows and sinks on rank 1 only (u1r2, verify on): every rank raises rank 1's
     error before the first collective, and the groups stay usable (a valid windowed
-    call and a barrier after each; the harness's short timeout catches a hang)."""
+    call and a barrier after each; the harness's short timeout catches a hang); a value
+    head size of its own on rank 1 only: the same disagreement error on both ranks."""
     rank = dist.get_rank()
     topo = topology(1, 2)
     q, k, v, dout, sinks = case_inputs(32, 4, 2, seed=3)
@@ -210,6 +211,14 @@ def run_refusals():
         messages[name] = _message(lambda: attend(**options))  # noqa: B023
         out = attend(causal=True, window=4)  # still usable
         dist.barrier()
+    # MLA on rank 1 only (v's head size 4 against 8): the all-to-alls and ring messages
+    # are sized by it, so the ranks agree on it first
+    value = local[2][..., :4] if rank else local[2]
+    messages["v-head-size"] = _message(
+        lambda: usp.usp_attention(local[0], local[1], value, topo, causal=True)
+    )
+    out = attend(causal=True, window=4)
+    dist.barrier()
     plan = usp.Plan(topo, backend="cpu", ring_impl="allgather")
     # packed documents with a window under compile on the all-gather ring (its
     # per-document gathers would specialise the graph to one packing; p2p computes it)
@@ -262,13 +271,15 @@ def test_what_cannot_be_computed_is_refused_on_every_rank(distributed):
         "sinks-shape": "sinks must have shape [num_heads] = [4]",
         "sinks-int": "sinks must be a floating-point tensor",
         "compile": "window=4 with packed documents is not supported under torch.compile",
+        "v-head-size": "RankDisagreementError: usp_attention: the ranks of the group "
+        "disagree on v.shape[3] (rank 0: 8; rank 1: 4)",
     }
     for messages, shape, compile_error in results:
         assert shape == (1, 16, 4, 8)
         assert compile_error < 1e-12
         for name, part in expected.items():
             assert part in messages[name], (name, messages[name])
-            if name != "compile":  # agreed: rank 1's error on both ranks
+            if name not in ("compile", "v-head-size"):  # agreed: rank 1's error on both
                 assert "failed on rank 1 of 2" in messages[name], messages[name]
     assert results[0][0] == results[1][0]
 
