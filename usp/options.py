@@ -1,7 +1,9 @@
 """The choices a user makes for attention, in one place (no torch import).
 
 Config parsing, the plan, the ring and the kernel registry all read these tuples, so a
-new layout, ring implementation or backend is added here once.
+new layout, ring implementation or backend is added here once. Linear attention's
+kernels (Gated DeltaNet's recurrence and its short conv) are chosen beside attention's
+backend (``[attention] linear_backend`` / ``linear_conv_backend``).
 """
 
 from __future__ import annotations
@@ -15,9 +17,16 @@ BACKEND_NAMES: tuple[str, ...] = ("cudnn", "flash_attn", "flash", "efficient", "
 AUTO_BACKEND = "auto"
 BACKENDS: tuple[str, ...] = (AUTO_BACKEND, *BACKEND_NAMES)
 
+#: Gated DeltaNet's recurrence kernels (see :mod:`usp.linear.backends`); ``"auto"`` picks
+#: one per call
+LINEAR_BACKENDS: tuple[str, ...] = (AUTO_BACKEND, "torch", "fla")
+#: its short conv's kernels (see :mod:`usp.linear.conv`)
+LINEAR_CONV_BACKENDS: tuple[str, ...] = (AUTO_BACKEND, "torch", "causal_conv1d")
+
 DEFAULT_LAYOUT = "zigzag"
 DEFAULT_RING_IMPL = "p2p"
 DEFAULT_BACKEND = AUTO_BACKEND
+DEFAULT_LINEAR_BACKEND = DEFAULT_LINEAR_CONV_BACKEND = AUTO_BACKEND
 
 
 def layout_chunks(layout: str, ring_size: int) -> int:

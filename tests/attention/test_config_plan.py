@@ -73,6 +73,22 @@ def test_plan_from_config_for_one_process(tmp_path):
     ):
         usp.Plan.from_config(_write(tmp_path), topology="auto")
 
+    # the Gated DeltaNet layers' kernels: [attention] linear_backend / linear_conv_backend
+    text = CONFIG + 'linear_backend = "torch"\nlinear_conv_backend = "causal_conv1d"\n'
+    plan = usp.Plan.from_config(_write(tmp_path, text), topology=None, linear_conv_backend="torch")
+    assert (plan.linear_backend, plan.linear_conv_backend) == ("torch", "torch")
+    assert plan.describe().endswith("backend=math, linear_backend=torch, linear_conv_backend=torch")
+    kept = plan.with_options(layout="zigzag", backend="cpu")
+    assert (kept.linear_backend, kept.linear_conv_backend) == ("torch", "torch")
+    assert plan.with_options(linear_backend="fla").linear_backend == "fla"
+    assert usp.Plan(None).describe().endswith("backend=auto")  # "auto" is not named
+    with pytest.raises(
+        usp.PlanError, match="unknown linear_backend 'triton'; valid: auto, torch, fla"
+    ):
+        usp.Plan(None, linear_backend="triton")
+    with pytest.raises(usp.PlanError, match="valid: auto, torch, causal_conv1d"):
+        plan.with_options(linear_conv_backend="fla")
+
 
 JOB = {
     "cluster": {"nodes": 1, "gpus_per_node": 4},

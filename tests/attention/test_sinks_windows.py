@@ -21,6 +21,7 @@ import usp
 from usp.planner.traffic import traffic_formula, window_gather_rows
 from usp.ring.documents import Documents
 from usp.ring.masked_window import window_mask
+from usp.ring.packed_tails import packed_tail_plan
 from usp.ring.placement import plan_window_gather
 from usp.ring.window import chunk_pair, dense_window_blocks, ring_steps
 from usp.ring.zigzag_tails import zigzag_tail_plans
@@ -29,6 +30,9 @@ TOL = {torch.float64: (1e-10, 1e-10), torch.bfloat16: (2e-2, 5e-2)}
 #: dsinks in a lower-precision dtype than the inputs (rounded once, at the end)
 DSINKS_TOL = {torch.float32: 1e-6, torch.bfloat16: 5e-2}
 DOCS = [0, 16, 24, 64]  # 3 documents, each a multiple of 8 tokens (zigzag on r=2, u=2)
+#: 2 documents of unequal lengths whose zigzag chunks (6, 10 on r=2; 3, 5 on r=4) are
+#: longer than a short window's W-1: the documents' tails (usp.ring.packed_tails)
+TAIL_DOCS = [0, 24, 64]
 
 
 def run_sinks(ulysses, ring):
@@ -102,13 +106,16 @@ def run_windows(ulysses, ring):
     results.append((case, torch.bfloat16, errors))
     # a value head size of its own (MLA): smaller and larger than q/k's 8; the ring sends
     # K and V at their own sizes (whole blocks, contiguous and zigzag tails, all-gather)
-    # packed contiguous p2p with windows shorter than every document's chunk (DOCS'
-    # chunks: 8, 4, 20 on u2r2; 4, 2, 10 on u1r4): each document's tail
-    for window in (2, 4):
-        case = dict(layout="contiguous", ring_impl="p2p", packed=DOCS, window=window)
+    # packed p2p with windows shorter than every document's chunk: each document's tail
+    # (contiguous: DOCS' chunks 8, 4, 20 on u2r2, 4, 2, 10 on u1r4; zigzag: TAIL_DOCS'
+    # chunks 6, 10 on u2r2, 3, 5 on u1r4, where window 6 reaches past the 3: whole blocks)
+    tail_cases = [("contiguous", DOCS, w, w == 2) for w in (2, 4)]
+    tail_cases += [("zigzag", TAIL_DOCS, w, w != 3) for w in (2, 3, 6)]
+    for layout, packed, window, sinks in tail_cases:
+        case = dict(layout=layout, ring_impl="p2p", packed=packed, window=window)
         errors = usp_case(
-            topo, inputs, with_sinks=window == 2, dtype=torch.float64,
-            sinks_dtype=torch.float64, **case,
+            topo, inputs, with_sinks=sinks, dtype=torch.float64, sinks_dtype=torch.float64,
+            **case,
         )  # fmt: skip
         results.append((case, torch.float64, errors))
     mla_cases = (
@@ -117,6 +124,7 @@ def run_windows(ulysses, ring):
         (12, "p2p", None, "zigzag", 5),
         (4, "p2p", None, "zigzag", None),
         (4, "allgather", DOCS, "zigzag", 5),
+        (12, "p2p", TAIL_DOCS, "zigzag", 3),  # each document's tail, both ways
     )
     for value_dim, ring_impl, packed, layout, window in mla_cases:
         mla = case_inputs(64, 4, 2, seed=value_dim, value_dim=value_dim)
@@ -316,8 +324,9 @@ def run_window_traffic():
             ("contiguous", "p2p", 40, 12, None),
             ("zigzag", "allgather", 16, 4, None),
             ("contiguous", "allgather", None, 12, None),
-            # packed documents: every document's tail (4; 16 on u2r2, whose shortest
-            # chunk is 16), or whole blocks for the steps the documents need
+            # packed documents: every document's tail (4, both layouts; 16 contiguous
+            # on u2r2, whose shortest chunk is 16), or whole blocks for the steps the
+            # documents need
             *((layout, "p2p", w, 8, TRAFFIC_DOCS) for layout in ("contiguous", "zigzag")
               for w in (4, 16, 40)),
             # the all-gather ring, packed: each document's rows that windows reach
@@ -432,6 +441,13 @@ def test_a_windowed_layer_moves_the_stated_bytes(distributed):
         w16 = _formula((1, 4), layout, "allgather", 16, docs=TRAFFIC_DOCS)
         for phase, kind in (("forward", "all_gather"), ("backward", "reduce_scatter")):
             assert 64 * w16[phase][kind]["sent"] == rows * full[phase][kind]["sent"]
+    # packed, zigzag u1r4 (chunks 8, 4, 20): window 4 sends the last 3 rows of each
+    # document of each piece, one message each way (18 rows against 3 blocks of 64)
+    zigzag = _formula((1, 4), "zigzag", "p2p", 4, docs=TRAFFIC_DOCS)
+    for phase, calls in (("forward", 2), ("backward", 4)):
+        sent = zigzag[phase]["p2p"]["sent"]
+        assert 3 * 64 * sent == 18 * _formula((1, 4), "zigzag", "p2p", None)[phase]["p2p"]["sent"]
+        assert zigzag[phase]["p2p"]["calls"] == calls
 
 
 def test_a_window_of_16_at_u1r8_moves_a_small_fraction_of_the_full_rings_bytes():
@@ -560,17 +576,78 @@ def test_zigzag_tails_hold_every_pair_a_short_window_reads():
             plans = zigzag_tail_plans(r, local_len, w)
             assert plans is not None, (r, local_len, w)
             for rank, plan in enumerate(plans):
-                assert plan.rows == w
+                prev, nxt = plan.messages
+                assert prev.rows == nxt.rows == w and (prev.hops, nxt.hops) == (1, -1)
                 got = sum(pairs(b, local_len, local_len) for b in plan.own)
-                got += sum(pairs(b, local_len, w) for b in (*plan.prev, *plan.next))
+                got += sum(pairs(b, local_len, w) for b in (*prev.blocks, *nxt.blocks))
                 want = sum(
                     pairs(b, local_len, local_len)
                     for kv_rank in range(r)
                     for b in dense_window_blocks("zigzag", r, rank, kv_rank, local_len, w)
                 )
                 assert got == want > 0, (r, local_len, w, rank)
-                assert bool(plan.prev) == (rank > 0), (r, local_len, w, rank)
-                assert bool(plan.next) == (rank < r - 1), (r, local_len, w, rank)
+                assert bool(prev.blocks) == (rank > 0), (r, local_len, w, rank)
+                assert bool(nxt.blocks) == (rank < r - 1), (r, local_len, w, rank)
+
+
+def _pairs(q_pos, k_pos, causal, window) -> torch.Tensor:
+    """The (query, key) global positions a call of these rows and keys computes, as
+    query * 4096 + key."""
+    q_index, k_index = reference_mask(len(q_pos), len(k_pos), causal, window).nonzero().T
+    return q_pos[q_index] * 4096 + k_pos[k_index]
+
+
+def _own_pairs(documents, mine, block, w) -> list[torch.Tensor]:
+    """A packed own block between whole pieces, per document: the diagonal's causal
+    window (delta 0) or :func:`chunk_pair` between two pieces."""
+    bounds, piece_len = documents.piece_bounds, documents.piece_len
+    q_piece, kv_piece = block.q_rows.start, block.kv_rows.start  # piece offsets
+    assert {q_piece, kv_piece} <= {0, piece_len}
+    found = []
+    for start, stop in zip(bounds, bounds[1:]):
+        n = stop - start
+        diagonal = (slice(0, n), slice(0, n), True, w)
+        pair = diagonal if block.causal else chunk_pair(block.delta, n, w)
+        if pair is not None:
+            rows, keys, causal, window = pair
+            q_pos, k_pos = mine[q_piece + start :][rows], mine[kv_piece + start :][keys]
+            found.append(_pairs(q_pos, k_pos, causal, window))
+    return found
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_packed_tails_hold_every_pair_a_short_window_reads(layout):
+    """Packed documents, a window shorter than every document's chunk: each rank's own
+    blocks and its calls against the document tails its neighbours send (those ranks'
+    rows, at the ring positions the message comes from) compute every query-key pair
+    of the windowed documents exactly once, for several ring sizes and packings; every
+    message is w rows of each document, the same on every rank."""
+    for lengths, r in (((16, 24, 8), 2), ((24, 40, 32, 16), 2), ((12, 6, 18), 3), ((32, 24), 4)):
+        documents = Documents(lengths, r, layout)
+        bounds = tuple(documents.piece_bounds)
+        positions = [documents.block_positions(rank) for rank in range(r)]
+        starts = torch.tensor([sum(lengths[:d]) for d in range(len(lengths))])
+        for w in range(1, min(b - a for a, b in zip(bounds, bounds[1:]))):
+            plans = [packed_tail_plan(layout, r, rank, bounds, w) for rank in range(r)]
+            assert len(plans[0].messages) == (2 if layout == "zigzag" else 1)
+            for rank, plan in enumerate(plans):
+                mine = positions[rank]
+                got = [p for block in plan.own for p in _own_pairs(documents, mine, block, w)]
+                for index, message in enumerate(plan.messages):
+                    assert message.rows == len(lengths) * w
+                    sender = (rank - message.hops) % r
+                    sent = plans[sender].messages[index].ranges
+                    k_pos = positions[sender][torch.cat([torch.arange(a, b) for a, b in sent])]
+                    for b in message.blocks:
+                        got.append(_pairs(mine[b.q_rows], k_pos[b.kv_rows], b.causal, b.window))
+                # every query's keys: its document's, from q - w to q
+                document_start = starts[torch.bucketize(mine, starts, right=True) - 1]
+                first = torch.maximum(document_start, mine - w).tolist()
+                want = torch.cat(
+                    [q * 4096 + torch.arange(a, q + 1) for q, a in zip(mine.tolist(), first)]
+                )
+                got = torch.cat(got).sort().values
+                assert torch.equal(got, want.sort().values), (layout, lengths, r, w, rank)
 
 
 def test_the_compiled_window_mask_keeps_what_the_eager_per_document_calls_read():

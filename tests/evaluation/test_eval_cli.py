@@ -134,12 +134,16 @@ def test_the_hf_export_gives_the_checkpoints_results(one_process):
     assert a["perplexity"] == b["perplexity"] and a["passkey"] == b["passkey"]
 
 
-def _evaluate_on_ranks(argv):
-    args = build_parser().parse_args(["eval", *argv])
-    settings, job, _ = prepare(args)
-    report, plan = evaluate_target(args, job, settings, user_errors())
-    plan.topology.destroy()
-    return report
+def _evaluate_on_ranks(argvs):
+    """``usp eval`` of each argv in turn on this rank (one launch, several runs)."""
+    reports = []
+    for argv in argvs:
+        args = build_parser().parse_args(["eval", *argv])
+        settings, job, _ = prepare(args)
+        report, plan = evaluate_target(args, job, settings, user_errors())
+        plan.topology.destroy()
+        reports.append(report)
+    return reports
 
 
 def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
@@ -151,21 +155,43 @@ def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
     assert a["passkey"] == b["passkey"]
 
 
+#: the Gated DeltaNet families on 4 ranks in the "hf" launch, each on its own grid (2 key /
+#: 4 value GDN heads and 4 query / 2 KV heads: over 2 Ulysses ranks, or 4 ring ranks whose
+#: conv tails and states pass along the ring), zigzag (the layout without a config)
+GDN_GRIDS = {"qwen3_5": (2, 2), "qwen3_5_moe": (1, 4)}
+
+
 @pytest.mark.parametrize("target", ["checkpoint", "hf"])
-def test_4_ranks_give_the_one_process_results(trained, one_process, distributed, target):
+def test_4_ranks_give_the_one_process_results(trained, one_process, distributed, request, target):
+    """The training output (u2 x r2) and its HF export (2 replicas of sp 2) on 4 ranks give
+    the one-process command's numbers; the "hf" launch also evaluates tiny Qwen3.5 and
+    Qwen3.5-MoE checkpoints (:data:`GDN_GRIDS`), whose perplexity equals transformers'
+    float64 model's within 1e-5."""
     tmp, out = trained
     argv = [*_targets(tmp, out)[target], *FLAGS, "--device", "cpu"]
     if target == "hf":
         argv += ["--ulysses", "1", "--ring", "2", "--dp", "2"]  # 2 replicas of sp 2
     else:
         argv += ["--ulysses", "2", "--ring", "2"]  # over the config's "auto"
-    reports = distributed.run(_evaluate_on_ranks, argv, world_size=4, timeout=TIMEOUT)
+    grids = GDN_GRIDS if target == "hf" else {}
+    gdn = request.getfixturevalue("gdn_families") if grids else {}
+    runs = [argv]
+    for family, (ulysses, ring) in grids.items():
+        runs.append([*_family_argv(gdn[family][0], tmp), "--device", "cpu",
+                     "--ulysses", str(ulysses), "--ring", str(ring), "--dp", "1"])  # fmt: skip
+    results = distributed.run(_evaluate_on_ranks, runs, world_size=4, timeout=TIMEOUT)
+    reports = [r[0] for r in results]
     assert all(r["perplexity"] == reports[0]["perplexity"] for r in reports)
     assert all(r["passkey"] == reports[0]["passkey"] for r in reports)
     assert reports[0]["ranks"] == 4
     grid = "dp 0/2, ring 0/2, ulysses 0/1" if target == "hf" else "dp 0/1, ring 0/2, ulysses 0/2"
     assert grid in reports[0]["plan"], reports[0]["plan"]
     _close(reports[0], one_process[target][0])
+    for index, (family, (ulysses, ring)) in enumerate(grids.items(), 1):
+        ours = [r[index] for r in results]
+        assert all(r["perplexity"] == ours[0]["perplexity"] for r in ours), family
+        assert f"ring 0/{ring}, ulysses 0/{ulysses}" in ours[0]["plan"], ours[0]["plan"]
+        _check_family_report(ours[0]["perplexity"]["64"], gdn[family][1], family)
 
 
 def _error_on_ranks(argv_of_rank):
@@ -306,31 +332,20 @@ HF_CLASSES = {
 }
 
 
-@pytest.mark.parametrize("family", list(HF_CLASSES))
-def test_a_family_hf_directory_gives_transformers_perplexity(trained, tmp_path, capsys, family):
-    """``usp eval`` on a tiny checkpoint of each 2026 family written by transformers: the
-    overall perplexity of two 64-token windows equals transformers' own (its float64
-    reference: float64 norms, routers and Gated DeltaNet core) on the same windows, within
-    1e-5 (usp eval runs float32); the per-bucket token counts are the windows'
-    predicting tokens."""
-    pytest.importorskip("transformers", minversion="5.24")
+def _family_argv(ckpt, tmp) -> list[str]:
+    """``usp eval`` of a tiny family checkpoint: two 64-token windows of the held-out file."""
+    return [str(ckpt), "--tokenizer", "byte", "--data", str(tmp / "held.jsonl"), "--lengths",
+            "64", "--windows", "2", "--buckets", "2", "--dtype", "float32"]  # fmt: skip
+
+
+def _transformers_perplexity(reference, held: str) -> float:
+    """transformers' own perplexity of the two 64-token windows ``usp eval`` scores: full
+    logits of each window, the loss of its trained next tokens."""
     import torch.nn.functional as F
-    import transformers
 
     from usp.evaluation.target import held_out_stream
     from usp.evaluation.tasks import window
     from usp.train.data import ByteTokenizer
-
-    tmp, _ = trained
-    ckpt, reference = _family_checkpoint(tmp_path / family, family)
-    assert type(reference) is getattr(transformers, HF_CLASSES[family])
-    held = str(tmp / "held.jsonl")
-    capsys.readouterr()
-    argv = [str(ckpt), "--tokenizer", "byte", "--data", held, "--lengths", "64"]
-    argv += ["--windows", "2", "--buckets", "2", "--dtype", "float32", "--json"]
-    assert _usp_eval([*argv, "--output", str(tmp_path / "eval")]) == 0
-    report = json.loads(capsys.readouterr().out)["perplexity"]["64"]
-    assert report["windows"] == 2 and report["tokens"] == [64, 62]
 
     stream, target, _ = held_out_stream(ByteTokenizer(), data=[held])
     total, count = 0.0, 0
@@ -341,5 +356,69 @@ def test_a_family_hf_directory_gives_transformers_perplexity(trained, tmp_path, 
             labelled = window(target, 64, index)[1:]
             losses = F.cross_entropy(logits, ids[0, 1:], reduction="none")[labelled]
             total, count = total + losses.sum().item(), count + int(labelled.sum())
-    expected = math.exp(total / count)
-    assert abs(report["overall"] - expected) <= 1e-5 * expected, (report, expected)
+    return math.exp(total / count)
+
+
+def _check_family_report(report: dict, expected: float, family: str) -> None:
+    """Two windows, their predicting tokens per bucket, and transformers' perplexity."""
+    assert report["windows"] == 2 and report["tokens"] == [64, 62], (family, report)
+    assert abs(report["overall"] - expected) <= 1e-5 * expected, (family, report, expected)
+
+
+@pytest.fixture(scope="module")
+def gdn_families(trained, tmp_path_factory):
+    """The Qwen3.5 and Qwen3.5-MoE checkpoints (``_family_checkpoint``) and transformers'
+    float64 perplexity of their two windows: {family: (checkpoint, perplexity)}."""
+    pytest.importorskip("transformers", minversion="5.24")
+    tmp, _ = trained
+    out = {}
+    for family in GDN_GRIDS:
+        ckpt, reference = _family_checkpoint(tmp_path_factory.mktemp(family) / family, family)
+        out[family] = (ckpt, _transformers_perplexity(reference, str(tmp / "held.jsonl")))
+    return out
+
+
+@pytest.mark.parametrize("family", list(HF_CLASSES))
+def test_a_family_hf_directory_gives_transformers_perplexity(trained, tmp_path, capsys, family):
+    """``usp eval`` on a tiny checkpoint of each 2026 family written by transformers: the
+    overall perplexity of two 64-token windows equals transformers' own (its float64
+    reference: float64 norms, routers and Gated DeltaNet core) on the same windows, within
+    1e-5 (usp eval runs float32); the per-bucket token counts are the windows'
+    predicting tokens. (Qwen3.5 and Qwen3.5-MoE on 4 ranks: the "hf" launch above.)"""
+    pytest.importorskip("transformers", minversion="5.24")
+    import transformers
+
+    tmp, _ = trained
+    ckpt, reference = _family_checkpoint(tmp_path / family, family)
+    assert type(reference) is getattr(transformers, HF_CLASSES[family])
+    capsys.readouterr()
+    argv = [*_family_argv(ckpt, tmp), "--json", "--output", str(tmp_path / "eval")]
+    assert _usp_eval(argv) == 0
+    report = json.loads(capsys.readouterr().out)["perplexity"]["64"]
+    expected = _transformers_perplexity(reference, str(tmp / "held.jsonl"))
+    _check_family_report(report, expected, family)
+
+
+def test_a_forced_gdn_kernel_that_cannot_run_is_refused_in_one_line(
+    trained, gdn_families, tmp_path, capsys
+):
+    """A training config whose ``[attention]`` forces fla (not installed, and this is a
+    CPU) on a Qwen3.5 checkpoint: one line, exit 2, before the model is loaded."""
+    tmp, _ = trained
+    ckpt = gdn_families["qwen3_5"][0]
+    config = tmp_path / "fla.toml"
+    config.write_text(
+        CONFIG.replace('preset = "tiny"', f'path = "{ckpt}"').replace(
+            "[model]", '[attention]\nlinear_backend = "fla"\n\n[model]'
+        )
+    )
+    argv = [*_family_argv(ckpt, tmp), "--config", str(config), "--output", str(tmp_path / "e")]
+    capsys.readouterr()
+    assert _usp_eval(argv) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+    assert '[attention] linear_backend = "fla" cannot run the Gated DeltaNet recurrence here' in (
+        stderr
+    )
+    assert 'set linear_backend = "auto"' in stderr, stderr
+    assert not (tmp_path / "e" / "eval.json").exists()

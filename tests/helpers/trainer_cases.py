@@ -70,7 +70,7 @@ def write_tokenizer(directory: Path) -> None:
 def write_checkpoint(directory: Path, family: str, **changes) -> Path:
     """A tiny random model of ``family`` (tests/helpers/model_cases.py; ``gemma3``:
     tests/helpers/gemma3_cases.py's "tied" case, sliding windows of 5 tokens; ``qwen3_5``:
-    tests/helpers/qwen3_5_cases.py's "biased" case) and the
+    tests/helpers/qwen3_5_cases.py's "biased" case; ``qwen3_5_moe``: its MoE case) and the
     tokenizer, in one HF directory."""
     if family == "gemma3":
         import gemma3_cases
@@ -80,6 +80,10 @@ def write_checkpoint(directory: Path, family: str, **changes) -> Path:
         import qwen3_5_cases
 
         qwen3_5_cases.write_checkpoint(directory, "biased", seed=5, **changes)
+    elif family == "qwen3_5_moe":  # the same layers, 4 experts and a shared one, aux loss on
+        import qwen3_5_cases
+
+        qwen3_5_cases.write_moe_checkpoint(directory, seed=5, **changes)
     else:
         from model_cases import write_family_checkpoint
 

@@ -8,8 +8,9 @@ Every case compares, step by step, the loss and the gradient norm HF logged in
 weights (within 1e-5 of the largest weight: float32 rounding; see SGD below). The grid x
 family x gradient accumulation cases are a pairwise covering: every pair of (u2 x r2 or
 dp2 x r2, Llama-3 or Qwen3, accumulation 1 or 2) appears for each example; gpt-oss,
-Gemma 3, Qwen3-MoE and Qwen3.5 (sliding windows shorter than the sequences, sinks, experts
-and the router's aux loss, TRL's and transformers'; Gated DeltaNet layers) run once each. A planted
+Gemma 3, Qwen3-MoE, Qwen3.5 (each example) and Qwen3.5-MoE (sliding windows shorter than
+the sequences, sinks, experts and the router's aux loss, TRL's and transformers'; Gated
+DeltaNet layers) run once each. A planted
 bug (the SP ranks' gradients averaged instead of summed) must fail the same comparison.
 
 Tiny models (2 layers, 8 heads / 2 KV heads, vocabulary 64), 3 steps, float32 (one
@@ -69,6 +70,10 @@ CASES = [
     # ulysses, conv inputs and states along the ring); padded: transformers' torch path
     # runs a padding-free row's conversations as one sequence (no reference)
     ("trl_sft", "qwen3_5", (2, 2), 1, ["--padded", "--loss-chunk-tokens", "5", *SGD]),
+    # ... transformers' Trainer on a ring of 4 (its padded text rows: one document each)
+    ("hf_trainer", "qwen3_5", (1, 4), 1, ["--loss-chunk-tokens", "0", *SGD]),
+    # Qwen3.5-MoE: Gated DeltaNet, experts with a shared one, TRL's aux term over 2 replicas
+    ("trl_sft", "qwen3_5_moe", (1, 2), 2, ["--padded", "--loss-chunk-tokens", "5", *SGD]),
 ]  # fmt: skip
 BATCH = 4  # rows / chats per optimizer micro-step, over all replicas
 
@@ -76,7 +81,7 @@ BATCH = 4  # rows / chats per optimizer micro-step, over all replicas
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer_dist")
-    for family in ("llama", "qwen3", "mistral", "gpt_oss", "gemma3", "qwen3_5"):
+    for family in ("llama", "qwen3", "mistral", "gpt_oss", "gemma3", "qwen3_5", "qwen3_5_moe"):
         tc.write_checkpoint(root / family, family)
     # the load-balancing loss on (transformers adds 0.1 x aux to each micro-batch's loss)
     tc.write_checkpoint(
@@ -235,7 +240,8 @@ def run_plans_from_the_flags(topology_file):
     ):
         plan = hf_cli.plan_from_args(parser.parse_args(flags))
         t = plan.topology
-        found.append((t.ulysses_degree, t.ring_degree, t.dp_degree, plan.layout, plan.ring_impl))
+        found.append((t.ulysses_degree, t.ring_degree, t.dp_degree, plan.layout, plan.ring_impl,
+                      plan.linear_backend))  # fmt: skip
         t.destroy()
     return found
 
@@ -244,11 +250,12 @@ def test_the_plan_comes_from_the_flags_or_a_topology_file(distributed, tmp_path)
     path = tmp_path / "topology.toml"
     path.write_text(
         "[cluster]\nnodes = 1\ngpus_per_node = 4\n[parallel]\nulysses = 1\nring = 4\n"
-        '[attention]\nring_impl = "allgather"\n[model]\nnum_heads = 8\nnum_kv_heads = 2\n'
+        '[attention]\nring_impl = "allgather"\nlinear_backend = "torch"\n'
+        "[model]\nnum_heads = 8\nnum_kv_heads = 2\n"
     )
     for found in distributed.run(run_plans_from_the_flags, str(path), world_size=4, timeout=120):
         assert found == [
-            (2, 2, 1, "contiguous", "p2p"),
-            (1, 2, 2, "zigzag", "p2p"),
-            (1, 4, 1, "zigzag", "allgather"),
+            (2, 2, 1, "contiguous", "p2p", "auto"),
+            (1, 2, 2, "zigzag", "p2p", "auto"),
+            (1, 4, 1, "zigzag", "allgather", "torch"),  # the file's GDN kernel choice too
         ]

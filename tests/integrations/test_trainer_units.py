@@ -15,6 +15,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from fla_standin import standin_conv_kernel, standin_kernel
 from model_cases import TINY, hf_config, relative_error
 from qwen3_5_cases import as_float64_reference, hf_text_config, randomise
 
@@ -39,7 +40,7 @@ from usp.integrations.transformers import (  # noqa: E402
     plan_config,
     prepare_model,
 )
-from usp.linear import GatedDeltaNet  # noqa: E402
+from usp.linear import GatedDeltaNet, backends, conv  # noqa: E402
 from usp.models import Levers, shard_batch, shift_labels  # noqa: E402
 from usp.models.batch import batch_fingerprint  # noqa: E402
 from usp.models.hf_inputs import HFInputError  # noqa: E402
@@ -308,6 +309,52 @@ def test_gated_deltanet_layers_become_usps_and_restart_at_documents():
         as_one = reference(input_ids=ids, use_cache=False).logits
     assert relative_error(got, expected) < 1e-10
     assert relative_error(as_one[:, 9:], expected[:, 9:]) > 1e-3  # the documents matter
+
+
+def test_the_gdn_kernels_are_the_plans_choice(monkeypatch):
+    """The plan's ``linear_backend`` / ``linear_conv_backend`` (options of ``launch_plan``,
+    ``register`` and ``swap_linear_attention``, as ``backend`` is) choose the kernels of
+    the swapped Gated DeltaNet layers: a forced fla on this CPU is refused when the model
+    is prepared, before anything runs; forced fla and causal-conv1d stand-ins (CPU,
+    tests/helpers/fla_standin.py) compute every GDN layer, with transformers' logits."""
+    torch.manual_seed(1)
+    reference = transformers.Qwen3_5ForCausalLM(hf_text_config("tied"))
+    randomise(reference)
+
+    def fresh():
+        model = transformers.Qwen3_5ForCausalLM(hf_text_config("tied"))
+        model.load_state_dict(reference.state_dict())
+        return model
+
+    refused = (
+        r'its Gated DeltaNet layers: linear_backend = "fla" cannot run the Gated DeltaNet '
+        r"recurrence here \(cpu, torch.float32, dk=8\): it needs fla .* set linear_backend = "
+        r'"auto" \(fla where it can run, else usp\'s torch kernel\) or "torch"'
+    )
+    with pytest.raises(UnsupportedModelError, match=refused):
+        prepare_model(fresh(), launch_plan(linear_backend="fla"), Levers(), name="usp-fla")
+
+    fla, conv1d = standin_kernel(float64=False), standin_conv_kernel()
+    monkeypatch.setattr(backends, "DEFAULT", backends.GdnKernels(backends.TorchGdnKernel(), fla))
+    monkeypatch.setitem(conv.DEFAULT, "causal_conv1d", conv1d)
+    plan = launch_plan(linear_backend="fla", linear_conv_backend="causal_conv1d")
+    model = fresh()
+    prepare_model(model, plan, Levers(loss_chunk_tokens=None), name="usp-fla")
+    ids = torch.randint(0, 64, (1, 21), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = model(**shard_batch(plan, ids).hf_kwargs()).logits
+        expected = reference(input_ids=ids, use_cache=False).logits
+    assert relative_error(got, expected) < 1e-5
+    # the self-checks' calls (fla: one; causal-conv1d: one per activation), then one per
+    # GDN layer (layers 0 and 2)
+    assert len(fla._function.calls) == 1 + 2 and len(conv1d._function.calls) == 2 + 2
+
+    model = fresh()
+    assert usp_hf.swap_linear_attention(model, None, linear_backend="torch") == 2
+    assert model.model.layers[0].linear_attn.plan.linear_backend == "torch"
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    assert len(fla._function.calls) == 3, "torch forced: fla not called"
 
 
 def test_attention_chunks_are_refused_and_sliding_windows_are_not():

@@ -110,6 +110,26 @@ def test_representative_tiles_give_the_full_loops_footprint(tmp_path, choice, de
     assert fewer_ops < full_ops  # (the mode took effect: the middle tiles did not run)
 
 
+@pytest.mark.parametrize(
+    "choice, device",
+    [
+        (Choice(1, 4, 1, Levers(True, 0, 4)), "cpu"),
+        (Choice(1, 2, 2, Levers("offload", 0, 4)), "cuda"),  # bf16, host stand-in, dp 2
+    ],
+)
+def test_representative_head_groups_give_every_groups_footprint(tmp_path, choice, device):
+    """usp.ring.heads: one KV head per ring pass (4 groups of 8 query heads over 4 KV
+    heads), the first and the last group give every phase's peak and breakdown of all
+    four, byte for byte, with fewer ops."""
+    heads = "num_attention_heads = 8\nnum_key_value_heads = 4"
+    path = write_config(tmp_path, seq_len=1024, global_batch=choice.dp, extra_model=heads)
+    target = target_of(path, 4, device)
+    full_ops, full = _ops_and_footprint(target, choice, representative=False)
+    fewer_ops, representative = _ops_and_footprint(target, choice, representative=True)
+    assert representative == full
+    assert fewer_ops < full_ops  # (the middle groups did not run)
+
+
 # ----------------------------------------------------------------------------- workers
 def plan_cli(capsys, *argv):
     code = main(["plan", *map(str, argv)])

@@ -103,7 +103,13 @@ def test_topo_json_matches_rank_math(capsys, name):
         "dp": m.dp_groups,
     }
     assert data["degrees"] == {"ulysses": u, "ring": r, "dp": d, "sp": u * r}
-    assert data["attention"] == {"layout": "zigzag", "ring_impl": "p2p", "backend": "auto"}
+    assert data["attention"] == {
+        "layout": "zigzag",
+        "ring_impl": "p2p",
+        "backend": "auto",
+        "linear_backend": "auto",
+        "linear_conv_backend": "auto",
+    }
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -250,6 +256,15 @@ def expect_cli_error(capsys, path, *argv) -> str:
         (
             BASE + '[attention]\nlayout = "striped"\n',
             '[attention] layout must be one of "zigzag", "contiguous", got "striped"',
+        ),
+        (
+            BASE + '[attention]\nlinear_backend = "triton"\n',
+            '[attention] linear_backend must be one of "auto", "torch", "fla", got "triton"',
+        ),
+        (
+            BASE + '[attention]\nlinear_conv_backend = "fla"\n',
+            '[attention] linear_conv_backend must be one of "auto", "torch", "causal_conv1d", '
+            'got "fla"',
         ),
         (
             BASE + "[model]\nnum_heads = 30\nnum_kv_heads = 8\n",

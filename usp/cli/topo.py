@@ -174,7 +174,8 @@ def topo_text(resolved: ResolvedConfig, notes: Sequence[str] = ()) -> str:
         f"  world     {m.world_size} ranks = {m.num_nodes} node(s) x {m.ranks_per_node} ranks per node",
         f"  degrees   dp {m.dp_degree} x ring {m.ring_degree} x ulysses {m.ulysses_degree} "
         f"(sp {m.sp_degree}), placement {m.placement}",
-        f"  attention layout={a.layout} ring_impl={a.ring_impl} backend={a.backend}",
+        f"  attention layout={a.layout} ring_impl={a.ring_impl} backend={a.backend} "
+        f"linear_backend={a.linear_backend} linear_conv_backend={a.linear_conv_backend}",
     ]
     if config.model is not None:
         lines.append(f"  model     {_model_line(resolved)}")

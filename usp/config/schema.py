@@ -17,6 +17,8 @@ Format (see ``examples/configs/`` for commented files)::
     layout = "zigzag"             # or "contiguous"
     ring_impl = "p2p"             # or "allgather"
     backend = "auto"              # or cudnn, flash, efficient, flash_attn, cpu, math
+    linear_backend = "auto"       # Gated DeltaNet's recurrence: or torch, fla (CUDA, usp[fla])
+    linear_conv_backend = "auto"  # its short conv: or torch, causal_conv1d (CUDA, usp[fla])
 
     [model]                       # optional: validates / chooses the Ulysses degree
     num_heads = 32

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from usp.config.fields import check_bool, check_choice, check_int, is_number
 from usp.config.toml import AUTO, toml_repr
 from usp.errors import ConfigError
-from usp.options import BACKENDS, LAYOUTS, RING_IMPLS
+from usp.options import BACKENDS, LAYOUTS, LINEAR_BACKENDS, LINEAR_CONV_BACKENDS, RING_IMPLS
 from usp.process_groups.rank_math import PLACEMENTS, ULYSSES_IN_NODE, describe_uniform_nodes
 
 
@@ -76,14 +76,24 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class AttentionConfig:
+    """How tokens are mixed: the sequence layout, the ring, attention's kernel backend, and
+    linear attention's kernels (Gated DeltaNet's recurrence and its short conv; models
+    without such layers ignore them)."""
+
     layout: str = "zigzag"
     ring_impl: str = "p2p"
     backend: str = "auto"
+    linear_backend: str = "auto"
+    linear_conv_backend: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice("attention", "layout", self.layout, LAYOUTS)
         check_choice("attention", "ring_impl", self.ring_impl, RING_IMPLS)
         check_choice("attention", "backend", self.backend, BACKENDS)
+        check_choice("attention", "linear_backend", self.linear_backend, LINEAR_BACKENDS)
+        check_choice(
+            "attention", "linear_conv_backend", self.linear_conv_backend, LINEAR_CONV_BACKENDS
+        )
 
 
 @dataclass(frozen=True)

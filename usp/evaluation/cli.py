@@ -29,6 +29,7 @@ from usp.config.launch import GridSizeError
 from usp.evaluation.report import table, to_json, write_plots
 from usp.evaluation.runner import DEFAULT_DEPTHS, EvalSettings, check_settings, run_checks
 from usp.evaluation.target import eval_tokenizer, held_out_stream, load_model, resolve_target
+from usp.models import family_of
 from usp.process_groups import SINGLE_PROCESS
 from usp.sp.plan import Plan
 from usp.train.cli import _init_process_group, _teardown  # usp train's, shared
@@ -200,6 +201,9 @@ def _evaluate_on_plan(args, job, settings, user_errors, target, plan):
         notes = check_settings(settings, plan, tokenizer, stream.numel())
         device = plan.default_device()
         dtype = default_compute_dtype(device) if args.dtype == AUTO else TORCH_DTYPES[args.dtype]
+        refusal = family_of(target.config).kernel_refusal(target.config, plan, device, dtype)
+        if refusal is not None:  # a GDN kernel [attention] forces that cannot run here
+            raise ConfigError(f"[attention] {refusal}")
         model = load_model(target, plan, device, dtype)
         loaded = model, tokenizer, stream, target_flags, data, notes
     except user_errors as err:

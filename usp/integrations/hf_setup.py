@@ -20,6 +20,7 @@ from torch import nn
 
 import usp.models.hf as usp_hf
 from usp.errors import ModelConfigError, TopologyError
+from usp.linear import GatedDeltaNet
 from usp.models import Levers, decoder_layers
 from usp.models.hf_mixers import mixer_problem
 from usp.process_groups import build_topology
@@ -43,7 +44,9 @@ def launch_plan(
     ``topology_file``, a usp topology config). Initialises ``torch.distributed`` from
     torchrun's environment when it is not yet (NCCL with CUDA, else gloo); one process
     (no ``WORLD_SIZE``) is ``Plan(None)``. ``attention_options``: ``layout``,
-    ``ring_impl``, ``backend``. Collective under torchrun: every rank calls it."""
+    ``ring_impl``, ``backend``, and the Gated DeltaNet layers' kernels
+    ``linear_backend`` / ``linear_conv_backend`` (:class:`usp.Plan`'s). Collective under
+    torchrun: every rank calls it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not dist.is_initialized() and world > 1:
         if torch.cuda.is_available():
@@ -81,13 +84,17 @@ def feature_problems(model: nn.Module, levers: Levers, plan: Plan | None = None)
     """What in ``model`` (its config and attention modules) USP attention or the chosen
     levers cannot compute exactly; empty when everything can. Under ``plan``'s sequence
     parallelism also any module that mixes tokens outside attention (Mamba, linear
-    attention, convolutions: :mod:`usp.models.hf_mixers`). Deterministic from the model,
-    so every rank finds the same."""
+    attention, convolutions: :mod:`usp.models.hf_mixers`), and a Gated DeltaNet kernel
+    the plan forces that cannot run usp's layers here (:func:`kernel_problem`).
+    Deterministic from the model, so every rank finds the same."""
     config = model.config
     problems = []
     mixers = None if plan is None else mixer_problem(model, plan)
     if mixers is not None:
         problems.append(mixers)
+    kernels = None if plan is None else kernel_problem(model, plan)
+    if kernels is not None:
+        problems.append(kernels)
     if getattr(config, "is_encoder_decoder", False):
         problems.append("an encoder-decoder model (usp serves decoder-only causal LMs)")
     softcap = getattr(config, "attn_logit_softcapping", None)
@@ -112,6 +119,19 @@ def feature_problems(model: nn.Module, levers: Levers, plan: Plan | None = None)
         except ValueError as err:
             problems.append(str(err))
     return problems
+
+
+def kernel_problem(model: nn.Module, plan: Plan) -> str | None:
+    """Why a kernel ``plan`` forces (``linear_backend`` / ``linear_conv_backend``) cannot
+    run the model's Gated DeltaNet layers (usp's, once swapped in) on their parameters'
+    device and dtype (:meth:`usp.linear.GatedDeltaNet.kernel_refusal`: the kernels'
+    limits, no kernel run), or None."""
+    for module in model.modules():
+        if isinstance(module, GatedDeltaNet):
+            refusal = module.kernel_refusal(plan)
+            if refusal is not None:
+                return f"its Gated DeltaNet layers: {refusal}"
+    return None
 
 
 def window_problem(config, seq_len: int) -> str | None:

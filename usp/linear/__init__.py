@@ -6,6 +6,8 @@
   Triton kernel on CUDA, ``usp[fla]``), their choice and fla's self-check;
 - :mod:`usp.linear.conv`: the short conv's kernels (torch's conv1d; causal-conv1d on
   CUDA, ``usp[fla]``), their choice and self-check;
+- :mod:`usp.linear.choice`: a layer's kernels, its own or its plan's choice
+  (``linear_backend`` / ``linear_conv_backend``), and a forced one refused up front;
 - :mod:`usp.linear.ring`: segments of a rank's ring block and the ring scan of states;
 - :mod:`usp.linear.gdn`: :func:`gated_deltanet_usp`, the conv + recurrence under a Plan;
 - :mod:`usp.linear.module`: :class:`GatedDeltaNet`, transformers' Qwen3.5 GDN layer.

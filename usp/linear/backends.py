@@ -42,6 +42,7 @@ from usp.errors import InputError
 from usp.kernels.backends.base import BackendFailure
 from usp.kernels.selection import report_auto_skip
 from usp.linear.kernel import compute_dtype, gated_delta_rule_padded
+from usp.options import LINEAR_BACKENDS
 
 __all__ = [
     "DEFAULT",
@@ -56,8 +57,8 @@ __all__ = [
 
 logger = logging.getLogger("usp.linear")
 
-#: the names ``kernel=`` takes (``auto`` picks one per call)
-GDN_KERNELS: tuple[str, ...] = ("auto", "torch", "fla")
+#: the names ``kernel=`` takes (``auto`` picks one per call): ``[attention] linear_backend``'s
+GDN_KERNELS: tuple[str, ...] = LINEAR_BACKENDS
 
 # generous: catches wrong layouts, scales, states and gradients, not rounding (fla's
 # float32 matmuls may run in tf32)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from usp.errors import InputError
 from usp.kernels.backends.base import BackendFailure
 from usp.kernels.selection import report_auto_skip
+from usp.options import LINEAR_CONV_BACKENDS
 
 __all__ = [
     "CONV_KERNELS",
@@ -42,8 +43,8 @@ __all__ = [
 
 logger = logging.getLogger("usp.linear")
 
-#: the names ``conv_kernel=`` takes
-CONV_KERNELS: tuple[str, ...] = ("auto", "torch", "causal_conv1d")
+#: the names ``conv_kernel=`` takes: ``[attention] linear_conv_backend``'s
+CONV_KERNELS: tuple[str, ...] = LINEAR_CONV_BACKENDS
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 

@@ -21,7 +21,8 @@ backward) against one process:
 3. The inverse all-to-all returns [B, S/P, H, dv].
 
 The conv and the recurrence run on the kernels chosen per call (``kernel=``,
-``conv_kernel=``): usp's torch code, or on CUDA the ``usp[fla]`` packages
+``conv_kernel=``; by default the plan's ``linear_backend`` / ``linear_conv_backend``,
+:mod:`usp.linear.choice`): usp's torch code, or on CUDA the ``usp[fla]`` packages
 (:mod:`usp.linear.backends`, :mod:`usp.linear.conv`), self-checked before first use.
 
 No rank waits for another's recurrence: the ring costs two all-gathers whose size does
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from usp.comm.agreement import Field, agree, can_agree, float_bits, stable_hash
 from usp.errors import InputError, ShardingError
 from usp.linear.backends import GDN_KERNELS, GdnKernel, GdnKernelError, select_gdn_kernel
+from usp.linear.choice import plan_choice
 from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError, select_conv_kernel
 from usp.linear.kernel import compute_dtype, from_padded, l2norm, segment_rows, to_padded
 from usp.linear.ring import Segments, conv_contexts, ring_all_gather, segment_tails, start_states
@@ -163,9 +165,9 @@ def gated_deltanet_usp(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
-    kernel: str = "auto",
+    kernel: str | None = None,
     kernels=None,
-    conv_kernel: str = "auto",
+    conv_kernel: str | None = None,
     conv_kernels=None,
 ) -> torch.Tensor:
     """The Gated DeltaNet token mixer on this rank's sequence shard (exact under SP).
@@ -183,9 +185,11 @@ def gated_deltanet_usp(
     32 or 64 and runs 64 for any other). ``kernel``: ``"auto"`` (fla on CUDA when
     installed and self-checked, else usp's torch kernel), ``"torch"`` or ``"fla"`` (see
     :mod:`usp.linear.backends`; ``kernels``: a :class:`GdnKernels` to look them up in,
-    default usp's). ``conv_kernel``: the short conv's, ``"auto"`` (causal-conv1d on CUDA
-    when installed and self-checked, else torch's conv1d), ``"torch"`` or
-    ``"causal_conv1d"`` (see :mod:`usp.linear.conv`; ``conv_kernels``: a dict of them).
+    default usp's); None (default): the plan's ``linear_backend`` (``"auto"`` without a
+    plan). ``conv_kernel``: the short conv's, ``"auto"`` (causal-conv1d on CUDA when
+    installed and self-checked, else torch's conv1d), ``"torch"`` or ``"causal_conv1d"``
+    (see :mod:`usp.linear.conv`; ``conv_kernels``: a dict of them); None: the plan's
+    ``linear_conv_backend``.
 
     Raises :class:`LinearAttentionError` / ``UlyssesHeadError`` / ``ShardingError`` (and
     ``GdnKernelError`` / ``ConvKernelError`` for a kernel that cannot run) on every SP
@@ -193,6 +197,8 @@ def gated_deltanet_usp(
     """
     u = 1 if plan is None else plan.ulysses_degree
     r = 1 if plan is None else plan.ring_degree
+    kernel = plan_choice(kernel, plan, "linear_backend")
+    conv_kernel = plan_choice(conv_kernel, plan, "linear_conv_backend")
     error, documents, times, impl, conv_impl = None, None, 1, None, None
     try:
         _check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from usp.linear.choice import GdnShape, forced_kernel_refusal, plan_choice
 from usp.linear.gdn import gated_deltanet_usp
 from usp.linear.kernel import compute_dtype
 
@@ -45,7 +46,8 @@ class GatedDeltaNet(nn.Module):
     ``chunk_size``: the kernel's chunk length (work, not results). ``kernel``: the
     recurrence's kernel, ``"auto"``, ``"torch"`` or ``"fla"`` (:mod:`usp.linear.backends`);
     ``conv_kernel``: the short conv's, ``"auto"``, ``"torch"`` or ``"causal_conv1d"``
-    (:mod:`usp.linear.conv`).
+    (:mod:`usp.linear.conv`); None (default): the plan's ``linear_backend`` /
+    ``linear_conv_backend`` (``"auto"`` without a plan).
     """
 
     def __init__(
@@ -61,8 +63,8 @@ class GatedDeltaNet(nn.Module):
         *,
         plan=None,
         chunk_size: int = 64,
-        kernel: str = "auto",
-        conv_kernel: str = "auto",
+        kernel: str | None = None,
+        conv_kernel: str | None = None,
     ):
         super().__init__()
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
@@ -139,6 +141,28 @@ class GatedDeltaNet(nn.Module):
         )  # fmt: skip  [B, S/P, H, dv]
         core = self.norm(core, z)
         return self.out_proj(core.reshape(batch, seq_len, self.value_dim))
+
+    def shape(self) -> GdnShape:
+        return GdnShape(
+            self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
+            self.conv1d.weight.shape[-1],
+        )  # fmt: skip
+
+    def kernel_refusal(self, plan=None, *, dtype: torch.dtype | None = None) -> str | None:
+        """Why the kernels this layer would run under ``plan`` (default: its own plan)
+        cannot run here (:func:`usp.linear.choice.forced_kernel_refusal`: a forced kernel's
+        limits, on its parameters' device with activations of ``dtype``, default its
+        parameters'), or None. Runs no kernel."""
+        plan = self.plan if plan is None else plan
+        weight = self.conv1d.weight
+        return forced_kernel_refusal(
+            plan_choice(self.kernel, plan, "linear_backend"),
+            plan_choice(self.conv_kernel, plan, "linear_conv_backend"),
+            weight.device,
+            weight.dtype if dtype is None else dtype,
+            self.shape(),
+            1 if plan is None else plan.ulysses_degree,
+        )
 
     def _project(self, x):
         """q, k [B, S, Hk, dk], v, z [B, S, H, dv], b, a [B, S, H] (Qwen3.5's projections)."""

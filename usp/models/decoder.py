@@ -260,6 +260,13 @@ class CausalLM(nn.Module):
     #: ring degree > 1); None: it can
     allgather_compile_refusal: ClassVar[str | None] = None
 
+    @classmethod
+    def kernel_refusal(cls, config: DecoderConfig, plan, device, dtype) -> str | None:
+        """Why a kernel ``plan`` forces cannot run this family's layers of ``config`` on
+        ``device`` with activations of ``dtype`` (None: they can). Attention's backends are
+        chosen per call; a family with layers of other kernels (Gated DeltaNet) says."""
+        return None
+
     @staticmethod
     def make_mlp(config: DecoderConfig, index: int) -> nn.Module:
         """Layer ``index``'s MLP (a family with other MLPs, e.g. experts, overrides it)."""

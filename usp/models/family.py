@@ -68,6 +68,13 @@ class ModelFamily:
             return self.model_class.allgather_compile_refusal
         return None
 
+    def kernel_refusal(self, config: DecoderConfig, plan, device, dtype) -> str | None:
+        """Why a kernel ``plan`` forces (``[attention] linear_backend`` /
+        ``linear_conv_backend``) cannot run the layers of ``config`` on ``device`` with
+        activations of ``dtype``; None: it can, or nothing is forced (the model class's
+        :meth:`~usp.models.decoder.CausalLM.kernel_refusal`). Runs no kernel."""
+        return self.model_class.kernel_refusal(config, plan, device, dtype)
+
     def preset(self, name: str) -> DecoderConfig:
         try:
             return self.presets[name]

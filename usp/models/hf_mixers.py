@@ -42,6 +42,7 @@ from torch import nn
 
 from usp.errors import ModelConfigError
 from usp.linear.module import GatedDeltaNet, GatedDeltaNetQkvz
+from usp.sp.plan import as_plan
 
 #: token mixers usp computes exactly under SP (their children are not checked)
 USP_MIXERS = (GatedDeltaNet,)
@@ -115,12 +116,16 @@ def sequence_mixers(model: nn.Module) -> list[Mixer]:
     return found
 
 
-def swap_linear_attention(model: nn.Module, plan) -> int:
+def swap_linear_attention(model: nn.Module, plan, **attention_options) -> int:
     """Replace transformers' Qwen3.5 / Qwen3.5-MoE / Qwen3-Next Gated DeltaNet layers of
     ``model`` by usp's (:class:`usp.linear.GatedDeltaNet`: the same parameters, loaded strictly, on the same
     device and dtype, computing under ``plan``); returns how many. Call it after loading
     the weights and before ``register(plan, model=model)``, FSDP or an optimizer (the
-    parameters are new tensors)."""
+    parameters are new tensors). ``attention_options`` go into the plan as
+    :func:`usp.models.hf.register`'s do; the layers' kernels are the plan's
+    ``linear_backend`` / ``linear_conv_backend`` ("auto" unless chosen)."""
+    if attention_options:
+        plan = as_plan(plan, **attention_options)
     replaced = 0
     for path, module in list(model.named_modules()):
         if type(module).__name__ not in SWAPPABLE_GDN:

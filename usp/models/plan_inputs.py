@@ -12,7 +12,7 @@ from usp.process_groups.degrees import kv_replication_for
 from usp.sp.plan import PackedSequence, Plan
 
 #: the keyword arguments a model takes besides its config and plan (``usp.Plan.with_options``)
-ATTENTION_OPTIONS = ("layout", "ring_impl", "backend")
+ATTENTION_OPTIONS = ("layout", "ring_impl", "backend", "linear_backend", "linear_conv_backend")
 
 
 def plan_argument(plan, options: dict, where: str):

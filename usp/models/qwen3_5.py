@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from usp.errors import ModelConfigError
+from usp.linear.choice import GdnShape, forced_kernel_refusal
 from usp.linear.module import GatedDeltaNet
 from usp.models.config import DecoderConfig
 from usp.models.decoder import MLP, Attention, CausalLM, pad_row_embedding, with_router_stats
@@ -456,6 +457,22 @@ class Qwen3_5(CausalLM):
     def __init__(self, config: Qwen3_5Config, /, plan=None, **attention_options):
         super().__init__(config, plan, **attention_options)
         check_linear_heads(self.plan, config)
+
+    @classmethod
+    def kernel_refusal(cls, config: Qwen3_5Config, plan, device, dtype) -> str | None:
+        """A forced GDN kernel (the plan's ``linear_backend`` / ``linear_conv_backend``)
+        that cannot run this config's Gated DeltaNet layers here (its limits)."""
+        if LINEAR not in config.layer_types:
+            return None
+        shape = GdnShape(
+            config.linear_num_key_heads, config.linear_num_value_heads,
+            config.linear_key_head_dim, config.linear_value_head_dim,
+            config.linear_conv_kernel_dim,
+        )  # fmt: skip
+        return forced_kernel_refusal(
+            plan.linear_backend, plan.linear_conv_backend, device, dtype, shape,
+            plan.ulysses_degree,
+        )  # fmt: skip
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:

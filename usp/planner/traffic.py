@@ -69,12 +69,13 @@ def traffic_formula(
     :mod:`usp.ring.zigzag_tails`), a longer one k = r whole blocks, W = 1 nothing.
     ``doc_lengths``: packed documents' lengths in the replica's sequence (each a multiple
     of the layout's chunks): with a window the p2p ring runs the steps the documents'
-    chunks need with whole blocks, except under ``contiguous`` when the window is
-    shorter than every document's chunk (W-1 < min n_d): one hop carrying the last W-1
-    rows of each of the N documents (and their dK/dV back); the all-gather ring gathers
-    the sum over documents of what each document's block (length_d / r rows) would as a
-    dense sequence (:func:`window_gather_rows`). A window holding the longest document
-    is none.
+    chunks need with whole blocks, except when the window is shorter than every
+    document's chunk (W-1 < min n_d, n_d = length_d / r contiguous, / 2r zigzag): the
+    last W-1 rows of each of the N documents, one message (contiguous: to the next rank)
+    or two (zigzag: a piece's each way), and their dK/dV back
+    (:mod:`usp.ring.packed_tails`); the all-gather ring gathers the sum over documents of
+    what each document's block (length_d / r rows) would as a dense sequence
+    (:func:`window_gather_rows`). A window holding the longest document is none.
     ``value_dim``: v's head size when it is not q/k's ``head_dim`` (MLA): the all-to-alls
     move each tensor at its own size (q, k, dq, dk at ``head_dim``; v, out, dout, dv at
     ``value_dim``: ``usp.sp.attend`` pads to one head size after them), and so do the
@@ -113,8 +114,9 @@ def traffic_formula(
             hops = ring_steps(layout, r, block_len, chunks, window - 1) - 1
             rows = [block_len] * hops
             if chunks is not None:  # packed: whole blocks, or every document's tail
-                if layout == "contiguous" and 0 < window - 1 < min(chunks):  # (packed_tails)
-                    hops, rows = 1, [len(chunks) * (window - 1)]
+                if 0 < window - 1 < min(chunks):  # (packed_tails): one way, or both (zigzag)
+                    hops = 1 if layout == "contiguous" else 2
+                    rows = [len(chunks) * (window - 1)] * hops
             elif layout == "contiguous":  # only the keys the window needs (p2p.tail_starts)
                 rows = [min(block_len, window - 1 - s * block_len) for s in range(hops)]
             elif 0 < window - 1 < block_len // 2:  # zigzag: tails both ways (zigzag_tails)

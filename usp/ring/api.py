@@ -23,6 +23,7 @@ from usp.kernels.spec import (
     validate_inputs,
 )
 from usp.options import BACKENDS, LAYOUTS, RING_IMPLS, check_choice
+from usp.planning_mode import representative
 from usp.ring.allgather import allgather_backward, allgather_forward, head_chunks
 from usp.ring.allgather import block_shapes as allgather_block_shapes
 from usp.ring.calls import BlockKernels, calls_for
@@ -55,12 +56,13 @@ def _local_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=None):
     return calls_for(cfg, None).backward(dout, q, k, v, out, lse, cfg.causal, cfg.window)
 
 
-def _implementation(cfg: PreparedRing):
+def _implementation(cfg: PreparedRing, representative_only: bool = False):
     """(forward, backward) for this call: local, p2p ring or all-gather ring. A ring of
     one with packed documents runs the p2p plan whatever ``ring_impl`` says (it never
     sends anything; there is nothing to gather). With ``kv_head_chunks`` > 1 the local
-    and p2p passes run once per group of KV heads (:mod:`usp.ring.heads`); the
-    all-gather ring chunks its gathers itself."""
+    and p2p passes run once per group of KV heads (:mod:`usp.ring.heads`; a planned
+    step's first and last group with ``representative_only``); the all-gather ring
+    chunks its gathers itself."""
     if cfg.size == 1 and not cfg.packed:
         forward, backward = _local_forward, _local_backward
     elif cfg.ring_impl == "p2p" or cfg.size == 1:
@@ -68,7 +70,11 @@ def _implementation(cfg: PreparedRing):
     else:
         return allgather_forward, allgather_backward
     if cfg.kv_head_chunks > 1:
-        return partial(forward_by_heads, forward), partial(backward_by_heads, backward)
+        only = {"representative_only": representative_only}
+        return (
+            partial(forward_by_heads, forward, **only),
+            partial(backward_by_heads, backward, **only),
+        )
     return forward, backward
 
 
@@ -107,7 +113,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cfg: PreparedRing, q, k, v, boundaries, longest, sinks):
         documents = _device_bounds(boundaries, longest)
-        out, lse = _implementation(cfg)[0](q, k, v, cfg, documents)
+        # decided here and kept for the backward, which may run on another thread
+        ctx.representative = representative(q)  # (usp plan's fake step: usp.ring.heads)
+        out, lse = _implementation(cfg, ctx.representative)[0](q, k, v, cfg, documents)
         if sinks is not None:
             out, lse = apply_sinks(out, lse, sinks)
         ctx.mark_non_differentiable(lse)
@@ -121,7 +129,7 @@ class _RingAttention(torch.autograd.Function):
         documents = _device_bounds(boundaries, ctx.longest)
         dsinks = None
         with torch.no_grad():
-            backward = _implementation(ctx.cfg)[1]
+            backward = _implementation(ctx.cfg, ctx.representative)[1]
             dout = dout.contiguous()
             dq, dk, dv = backward(dout, q, k, v, out, lse, ctx.cfg, documents)
             if sinks is not None and ctx.needs_input_grad[6]:

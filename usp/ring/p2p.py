@@ -13,11 +13,11 @@ Sliding windows (:mod:`usp.ring.window`): the blocks are cut to the window, the 
 rotates only while some rank has a block inside it (the accumulators' last hop then goes
 straight to their owners). Under ``contiguous`` (dense) each hop sends only the keys the
 window needs, the suffix of the block that later steps read (:func:`tail_starts`):
-O(W) bytes, not O(S/r). Under ``zigzag`` (dense, eager and compiled) a window shorter
-than a chunk exchanges chunk tails with both neighbours instead
-(:mod:`usp.ring.zigzag_tails`);
-packed documents under ``contiguous`` whose window is shorter than every document's
-chunk exchange each document's tail (:mod:`usp.ring.packed_tails`); longer zigzag
+O(W) bytes, not O(S/r). A window shorter than the chunks it reads across exchanges
+tails with the neighbours instead (:mod:`usp.ring.tails`): under ``zigzag`` (dense,
+eager and compiled) a window shorter than a chunk (:mod:`usp.ring.zigzag_tails`), and
+eagerly, packed documents under either layout with a window shorter than every
+document's chunk, each document's tail (:mod:`usp.ring.packed_tails`); longer zigzag
 windows and other packed documents send whole blocks.
 
 Compiled, a rank's graph must post the same shifts in the same passes as its
@@ -42,14 +42,15 @@ from usp.ring.calls import calls_for
 from usp.ring.config import PreparedRing
 from usp.ring.kv_message import KVDims, start_pair
 from usp.ring.layout import ALL, packed_step_blocks, step_blocks
-from usp.ring.packed_tails import packed_tails, packed_tails_backward, packed_tails_forward
+from usp.ring.packed_tails import packed_tails
+from usp.ring.tails import Tails, tails_backward, tails_forward
 from usp.ring.window import (
     dense_window_blocks,
     packed_window_blocks,
     ring_steps,
     window_documents,
 )
-from usp.ring.zigzag_tails import tail_plan, tails_backward, tails_forward
+from usp.ring.zigzag_tails import tail_plan
 
 
 def _kv_rank(ring: RingExchange, step: int) -> int:
@@ -235,15 +236,20 @@ def _start_accumulator(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return x if x.dtype == acc else x.to(acc)
 
 
+def _tails(cfg: PreparedRing, local_len: int) -> Tails | None:
+    """The neighbour exchange of tails that replaces the ring (a window shorter than
+    every chunk it reads across; packed: eager), or None."""
+    if cfg.packed:
+        return packed_tails(cfg, local_len)
+    return tail_plan(cfg, local_len)
+
+
 def p2p_forward(q, k, v, cfg: PreparedRing, documents=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, L, H, D], k/v [B, L, Hkv, D] (local) -> out [B, L, H, D], lse [B, H, L];
     ``documents`` as in :func:`_plan`."""
-    tails = tail_plan(cfg, q.shape[1])
-    if tails is not None:  # zigzag, a window shorter than a chunk: neighbours' tails
-        return tails_forward(q, k, v, cfg, tails)
-    doc_tails = packed_tails(cfg, q.shape[1])
-    if doc_tails is not None:  # packed, contiguous: the previous rank's documents' tails
-        return packed_tails_forward(q, k, v, cfg, doc_tails)
+    neighbours = _tails(cfg, q.shape[1])
+    if neighbours is not None:  # a window shorter than every chunk: neighbours' tails
+        return tails_forward(q, k, v, cfg, neighbours)
     ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
     n_steps = steps(cfg, q.shape[1])
@@ -302,12 +308,9 @@ def p2p_backward(dout, q, k, v, out, lse, cfg: PreparedRing, documents=None):
     receive is left, the accumulators before the casts at the end), so that at most
     the float32 dQ, ``own`` and two ``travelling`` dK/dV accumulators, two K/V blocks and
     one step's kernel outputs are alive at once."""
-    zigzag_tails = tail_plan(cfg, q.shape[1])
-    if zigzag_tails is not None:
-        return tails_backward(dout, q, k, v, out, lse, cfg, zigzag_tails)
-    doc_tails = packed_tails(cfg, q.shape[1])
-    if doc_tails is not None:
-        return packed_tails_backward(dout, q, k, v, out, lse, cfg, doc_tails)
+    neighbours = _tails(cfg, q.shape[1])
+    if neighbours is not None:
+        return tails_backward(dout, q, k, v, out, lse, cfg, neighbours)
     ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
     dq_rows = _Rows(torch.zeros(q.shape, dtype=acc, device=q.device))

@@ -49,8 +49,8 @@ class RankPlacement:
     piece_len: int = field(init=False)
     #: sliding windows: the all-gather's :class:`WindowGather` per window, built once
     #: (:meth:`window_gather`) when a call is prepared (a compiled graph reads it here:
-    #: Dynamo cannot trace the method); the p2p ring's packed tails' rows
-    #: (``("packed_tails", w)``, :mod:`usp.ring.packed_tails`)
+    #: Dynamo cannot trace the method); the rows of the p2p ring's tail messages
+    #: (``("tails", w, message)``, :mod:`usp.ring.tails`)
     windows: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self):

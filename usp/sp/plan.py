@@ -1,8 +1,9 @@
 """The plan: one owner of how a sequence is placed on the SP ranks and attended.
 
 A :class:`Plan` carries the :class:`~usp.process_groups.Topology` and the attention
-choices (sequence layout, ring implementation, kernel backend). Sharding, position ids,
-gathering and attention all read them from the plan, so they cannot disagree::
+choices (sequence layout, ring implementation, kernel backend; linear attention's
+kernels). Sharding, position ids, gathering, attention and Gated DeltaNet layers all read
+them from the plan, so they cannot disagree::
 
     plan = usp.Plan.from_config("examples/configs/cpu_demo.toml")   # or usp.Plan(topology)
     ids = plan.shard(input_ids)                  # [B, S] -> [B, S/P]
@@ -32,8 +33,12 @@ from usp.options import (
     BACKENDS,
     DEFAULT_BACKEND,
     DEFAULT_LAYOUT,
+    DEFAULT_LINEAR_BACKEND,
+    DEFAULT_LINEAR_CONV_BACKEND,
     DEFAULT_RING_IMPL,
     LAYOUTS,
+    LINEAR_BACKENDS,
+    LINEAR_CONV_BACKENDS,
     RING_IMPLS,
     check_choice,
 )
@@ -71,8 +76,14 @@ class Plan:
         backend: str = DEFAULT_BACKEND,
         verify_calls: bool | None = None,
         kernel_registry: KernelRegistry | None = None,
+        linear_backend: str = DEFAULT_LINEAR_BACKEND,
+        linear_conv_backend: str = DEFAULT_LINEAR_CONV_BACKEND,
     ):
-        """``verify_calls``: agree across the SP ranks on every attention call before it
+        """``linear_backend`` / ``linear_conv_backend``: the kernels of the Gated DeltaNet
+        layers computed under this plan that leave the choice to it (``kernel=None`` /
+        ``conv_kernel=None``, the default of :class:`usp.linear.GatedDeltaNet` and
+        :func:`usp.linear.gated_deltanet_usp`): ``"auto"``, ``"torch"`` or ``"fla"``, and
+        ``"auto"``, ``"torch"`` or ``"causal_conv1d"``. ``verify_calls``: agree across the SP ranks on every attention call before it
         communicates (None: on for gloo, off for NCCL where it costs a host sync per
         layer; see :mod:`usp.comm.call_check`). ``kernel_registry``: where the attention
         calls look their backends up (None: usp's,
@@ -93,6 +104,10 @@ class Plan:
             self.layout = "contiguous"
         self.ring_impl = _validated_choice("ring_impl", ring_impl, RING_IMPLS)
         self.backend = _validated_choice("attention backend", backend, BACKENDS)
+        self.linear_backend = _validated_choice("linear_backend", linear_backend, LINEAR_BACKENDS)
+        self.linear_conv_backend = _validated_choice(
+            "linear_conv_backend", linear_conv_backend, LINEAR_CONV_BACKENDS
+        )
         if verify_calls is not None and not isinstance(verify_calls, bool):
             raise PlanError(f"verify_calls must be None, True or False, got {verify_calls!r}")
         self.verify_calls = verify_calls
@@ -151,13 +166,22 @@ class Plan:
             ring_impl=a.ring_impl,
             backend=a.backend,
             verify_calls=verify_calls,
+            linear_backend=a.linear_backend,
+            linear_conv_backend=a.linear_conv_backend,
         )
 
     def with_options(
-        self, *, layout: str | None = None, ring_impl: str | None = None, backend: str | None = None
+        self,
+        *,
+        layout: str | None = None,
+        ring_impl: str | None = None,
+        backend: str | None = None,
+        linear_backend: str | None = None,
+        linear_conv_backend: str | None = None,
     ) -> Plan:
         """The same topology with some choices replaced (None keeps this plan's)."""
-        if layout is None and ring_impl is None and backend is None:
+        given = (layout, ring_impl, backend, linear_backend, linear_conv_backend)
+        if all(choice is None for choice in given):
             return self
         return Plan(
             self.topology,
@@ -166,6 +190,10 @@ class Plan:
             backend=self.backend if backend is None else backend,
             verify_calls=self.verify_calls,
             kernel_registry=self.kernel_registry,
+            linear_backend=self.linear_backend if linear_backend is None else linear_backend,
+            linear_conv_backend=(
+                self.linear_conv_backend if linear_conv_backend is None else linear_conv_backend
+            ),
         )
 
     @classmethod
@@ -409,7 +437,11 @@ class Plan:
 
     # ------------------------------------------------------------------ text
     def describe(self) -> str:
-        return f"{self.topology.describe()}; layout={self.layout}, ring_impl={self.ring_impl}, backend={self.backend}"
+        text = f"{self.topology.describe()}; layout={self.layout}, ring_impl={self.ring_impl}, backend={self.backend}"
+        for name in ("linear_backend", "linear_conv_backend"):  # named when forced
+            if getattr(self, name) != DEFAULT_LINEAR_BACKEND:
+                text += f", {name}={getattr(self, name)}"
+        return text
 
     def __repr__(self) -> str:
         return f"Plan({self.describe()})"
@@ -451,8 +483,8 @@ def batch_field(fingerprint: int) -> Field:
 
 def as_plan(topology_or_plan, **attention_options) -> Plan:
     """A :class:`Plan` from a Plan, a Topology (default choices) or None (one process);
-    ``attention_options`` (``layout``, ``ring_impl``, ``backend``; None keeps the plan's)
-    replace the choices."""
+    ``attention_options`` (``layout``, ``ring_impl``, ``backend``, ``linear_backend``,
+    ``linear_conv_backend``; None keeps the plan's) replace the choices."""
     if isinstance(topology_or_plan, Plan):
         return topology_or_plan.with_options(**attention_options)
     if topology_or_plan is None or isinstance(topology_or_plan, (Topology, SingleProcess)):

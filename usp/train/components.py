@@ -250,6 +250,18 @@ def check_compile(job: TrainJobConfig, source: ModelSource, plan) -> None:
         )
 
 
+def check_kernels(job: TrainJobConfig, source: ModelSource, plan, device) -> None:
+    """A kernel ``[attention]`` forces for the model's Gated DeltaNet layers
+    (``linear_backend = "fla"``, ``linear_conv_backend = "causal_conv1d"``) that cannot
+    run them on ``device`` in the run's dtype (not installed, not CUDA, ...): refused at
+    set-up, on every rank alike and before any collective, rather than at the first
+    forward. Its self-check still runs at the first call."""
+    family = family_of(source.config)
+    refusal = family.kernel_refusal(source.config, plan, device, compute_dtype(job, device))
+    if refusal is not None:
+        raise job.error(f"[attention] {refusal}")
+
+
 def build_model(
     job: TrainJobConfig,
     source: ModelSource,

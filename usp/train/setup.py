@@ -73,6 +73,7 @@ def setup_run(
     device = components.resolve_device(job, plan)
     source = components.model_source(job) if source is None else source
     components.check_compile(job, source, plan)  # a family that cannot compile yet
+    components.check_kernels(job, source, plan, device)  # a forced kernel not here
     document_multiple = components.check_lengths(job, plan)
     job.gradient_accumulation(plan.topology.dp_degree)  # checks the batch arithmetic
     dataset = components.prepare_data(job, source, document_multiple)  # tokenised in _run
