@@ -20,11 +20,20 @@ import torch
 @dataclass(frozen=True)
 class KVDims:
     """The real head sizes of K (``key_dim``) and V (``value_dim``) inside pairs padded
-    to ``max(key_dim, value_dim)``. Fields only (:func:`pack` and :func:`unpack` read
-    them): a compiled graph holds it as a constant, whose methods Dynamo cannot call."""
+    to ``max(key_dim, value_dim)``. Code that may run in a compiled graph calls the
+    module's :func:`pack` and :func:`unpack`, which read its fields: the graph holds it
+    as a constant, whose methods Dynamo cannot call; the methods serve eager code."""
 
     key_dim: int
     value_dim: int
+
+    def pack(self, pair: torch.Tensor) -> torch.Tensor:
+        """:func:`pack` (eager code only)."""
+        return pack(self, pair)
+
+    def unpack(self, flat: torch.Tensor, shape, into: torch.Tensor | None = None):
+        """:func:`unpack` (eager code only)."""
+        return unpack(self, flat, shape, into)
 
 
 def pack(dims: KVDims, pair: torch.Tensor) -> torch.Tensor:
