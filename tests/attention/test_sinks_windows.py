@@ -138,32 +138,56 @@ def run_windows(ulysses, ring):
         results.append(({**case, "value_dim": value_dim}, torch.float64, errors))
     # under torch.compile(fullgraph=True), dense (u1r4): the contiguous tails and the
     # dK/dV's early return (2 steps of 4), the all-gather's window segments, and a zigzag
-    # window shorter than a chunk (eager: neighbours' tails; compiled: the whole ring)
-    dense = (("contiguous", "p2p", 5, True), ("contiguous", "allgather", 20, True))
-    dense += (("zigzag", "p2p", 5, False),)
+    # window shorter than a chunk (neighbours' tails); the last two with MLA (K and V at
+    # their own head sizes in the graph's gathers and shifts)
+    dense = [
+        ("contiguous", "p2p", 5, True, None, 8),
+        ("contiguous", "allgather", 20, True, None, 4),
+    ]
+    dense += [("zigzag", "p2p", 5, False, None, 12)]
     # packed documents with a window, compiled (the p2p ring's masked blocks, every
     # step): DOCS' chunks are 4, 2, 10 on both (u2r2 zigzag, u1r4 contiguous): window 1,
-    # windows shorter than a chunk (3, 6) and one spanning chunks (24)
+    # windows shorter than a chunk (3, 6) and one spanning chunks (24); u2r2 also dense
+    # MLA zigzag tails (r = 2: both messages between one pair of ranks; the all-to-alls
+    # at each tensor's own head size)
     layout = "contiguous" if ring == 4 else "zigzag"
     packed_windows = (1, 3, 24) if ring == 4 else (1, 6, 24)
-    compiled_cases = [(*c, None) for c in dense] if ring == 4 else []
-    compiled_cases += [(layout, "p2p", w, w != 3, DOCS) for w in packed_windows]
-    for layout, ring_impl, window, sinks, packed in compiled_cases:
+    compiled_cases = dense if ring == 4 else [("zigzag", "p2p", 5, True, None, 4)]
+    compiled_cases += [(layout, "p2p", w, w != 3, DOCS, 8) for w in packed_windows]
+    graph_bytes = []  # dense: what the compiled graphs send, against the formula
+    for layout, ring_impl, window, sinks, packed, value_dim in compiled_cases:
         case = dict(layout=layout, ring_impl=ring_impl, packed=packed, window=window)
+        traffic = {}
         errors = usp_case(
-            topo, inputs, with_sinks=sinks, dtype=torch.float64,
-            sinks_dtype=torch.float64, compiled=True, **case,
+            topo, case_inputs(64, 4, 2, seed=2, value_dim=value_dim), with_sinks=sinks,
+            dtype=torch.float64, sinks_dtype=torch.float64, compiled=True, traffic=traffic,
+            **case,
         )  # fmt: skip
-        results.append(({**case, "compiled": True}, torch.float64, errors))
-    return results
+        case = {**case, "compiled": True, "value_dim": value_dim}
+        results.append((case, torch.float64, errors))
+        if packed is None:  # (packed: every step's whole block, masked; no formula)
+            want = _formula((ulysses, ring), layout, ring_impl, window, 64, value_dim, None, 8)
+            sent = {
+                phase: {k: c["sent"] for k, c in kinds.items()} for phase, kinds in want.items()
+            }
+            graph_bytes.append((case, traffic, sent))
+    return results, graph_bytes
 
 
 @pytest.mark.parametrize("grid", [(2, 2), (1, 4)], ids=["u2r2", "u1r4"])
 def test_windows_match_the_masked_reference(distributed, grid):
-    # u1r4 also compiles two calls: minutes on a loaded 2-core machine
-    results = distributed.run(run_windows, *grid, world_size=4, timeout=900)
+    # u1r4 also compiles six calls, u2r2 four: minutes on a loaded 2-core machine
+    by_rank = distributed.run(run_windows, *grid, world_size=4, timeout=1200)
+    results = [found for found, _ in by_rank]
     assert any("dsinks" in errors for _, _, errors in results[0])
     failures = _failures(results)
+    # compiled, dense: the bytes the graphs' collectives send (the counters see nothing
+    # under compile) are the formula's, windowed tails and MLA's own head sizes included
+    for rank, (_, graph_bytes) in enumerate(by_rank):
+        assert graph_bytes, "no dense compiled case"
+        for case, traffic, want in graph_bytes:
+            if traffic != want:
+                failures.append(f"rank {rank} {case}: graph sends {traffic} != {want}")
     assert not failures, "\n".join(failures)
 
 
@@ -179,7 +203,8 @@ def _message(call) -> str:
 def run_refusals():
     """Bad windows and sinks on rank 1 only (u1r2, verify on): every rank raises rank 1's
     error before the first collective, and the groups stay usable (a valid windowed
-    call and a barrier after each; the harness's short timeout catches a hang)."""
+    call and a barrier after each; the harness's short timeout catches a hang); a value
+    head size of its own on rank 1 only: the same disagreement error on both ranks."""
     rank = dist.get_rank()
     topo = topology(1, 2)
     q, k, v, dout, sinks = case_inputs(32, 4, 2, seed=3)
@@ -197,6 +222,14 @@ def run_refusals():
         messages[name] = _message(lambda: attend(**options))  # noqa: B023
         out = attend(causal=True, window=4)  # still usable
         dist.barrier()
+    # MLA on rank 1 only (v's head size 4 against 8): the all-to-alls and ring messages
+    # are sized by it, so the ranks agree on it first
+    value = local[2][..., :4] if rank else local[2]
+    messages["v-head-size"] = _message(
+        lambda: usp.usp_attention(local[0], local[1], value, topo, causal=True)
+    )
+    out = attend(causal=True, window=4)
+    dist.barrier()
     plan = usp.Plan(topo, backend="cpu", ring_impl="allgather")
     # packed documents with a window under compile on the all-gather ring (its
     # per-document gathers would specialise the graph to one packing; p2p computes it)
@@ -249,13 +282,15 @@ def test_what_cannot_be_computed_is_refused_on_every_rank(distributed):
         "sinks-shape": "sinks must have shape [num_heads] = [4]",
         "sinks-int": "sinks must be a floating-point tensor",
         "compile": "window=4 with packed documents is not supported under torch.compile",
+        "v-head-size": "RankDisagreementError: usp_attention: the ranks of the group "
+        "disagree on v.shape[3] (rank 0: 8; rank 1: 4)",
     }
     for messages, shape, compile_error in results:
         assert shape == (1, 16, 4, 8)
         assert compile_error < 1e-12
         for name, part in expected.items():
             assert part in messages[name], (name, messages[name])
-            if name != "compile":  # agreed: rank 1's error on both ranks
+            if name not in ("compile", "v-head-size"):  # agreed: rank 1's error on both
                 assert "failed on rank 1 of 2" in messages[name], messages[name]
     assert results[0][0] == results[1][0]
 
@@ -332,11 +367,17 @@ def run_window_traffic():
 TRAFFIC_DOCS = [0, 64, 96, 256]
 
 
-def _formula(grid, layout, ring_impl, window, seqlen=256, value_dim=8, docs=None, rank=0):
+def _formula(
+    grid, layout, ring_impl, window, seqlen=256, value_dim=8, docs=None, item=2, rank=0
+):
+    """The stated bytes of the cases here (4 query / 2 KV heads of 8; ``item``: the
+    element size, 2 for bf16 with float32 accumulators, 8 for float64 with float64;
+    ``rank``: the ring rank, for packed windows past a chunk)."""
     lengths = None if docs is None else tuple(b - a for a, b in zip(docs, docs[1:]))
     return traffic_formula(
         types.SimpleNamespace(heads=4, kv_heads=2, head_dim=8), batch=1, seqlen=seqlen,
-        ulysses=grid[0], ring=grid[1], ring_impl=ring_impl, item_bytes=2, acc_bytes=4,
+        ulysses=grid[0], ring=grid[1], ring_impl=ring_impl, item_bytes=item,
+        acc_bytes=max(4, item),
         window=window, layout=layout, value_dim=value_dim, doc_lengths=lengths, rank=rank,
     )  # fmt: skip
 

@@ -34,27 +34,74 @@ def reference(q, k, v, dout, sinks, cu: list[int], window, with_sinks: bool):
     return [out.detach(), *grads] + ([] if with_sinks else [None])
 
 
-def _min_cut_backend():
+def _min_cut_backend(traffic=None):
     """AOT autograd with Inductor's min-cut partitioner, graphs run as they are (no code
-    generation): what decides which pass a collective lands in."""
+    generation): what decides which pass a collective lands in. ``traffic``: a dict that
+    receives, per pass ("forward", "backward"), the bytes this rank's graph sends
+    (:func:`graph_traffic`)."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
-    def run(gm, _example_inputs):
-        return make_boxed_func(gm.forward)
+    def compiler(phase):
+        def run(gm, _example_inputs):
+            if traffic is not None:
+                found = graph_traffic(gm, dist.get_rank())
+                for kind, sent in found.items():
+                    totals = traffic.setdefault(phase, {})
+                    totals[kind] = totals.get(kind, 0) + sent
+            return make_boxed_func(gm.forward)
+
+        return run
 
     return aot_autograd(
-        fw_compiler=run, bw_compiler=run, partition_fn=min_cut_rematerialization_partition
+        fw_compiler=compiler("forward"),
+        bw_compiler=compiler("backward"),
+        partition_fn=min_cut_rematerialization_partition,
     )
+
+
+def graph_traffic(gm, rank: int) -> dict[str, int]:
+    """Bytes a compiled graph's functional collectives send from this rank, by the kinds
+    ``CommStats`` counts eagerly (whose counters see nothing under compile): a ring shift
+    (an all-to-all with one destination) "p2p"; an equal-split all-to-all "all_to_all"
+    (the kept chunk not counted); "all_gather" and "reduce_scatter" (size - 1) times a
+    rank's share. Read from the graph's nodes and their example values (one process
+    group per collective: the caller knows which)."""
+    c10d = torch.ops._c10d_functional
+    sent: dict[str, int] = {}
+
+    def add(kind, n):
+        sent[kind] = sent.get(kind, 0) + n
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in (c10d.all_to_all_single.default,):
+            value, splits = node.args[0].meta["val"], node.args[2]
+            size = value.element_size()
+            destinations = [n for n in splits if n]
+            if len(destinations) == 1:  # usp.comm.traced.post_shift
+                add("p2p", destinations[0] * size)
+            else:
+                add("all_to_all", value.numel() * size * (len(splits) - 1) // len(splits))
+        elif node.target is c10d.all_gather_into_tensor.default:
+            value, group_size = node.args[0].meta["val"], node.args[1]
+            add("all_gather", (group_size - 1) * value.numel() * value.element_size())
+        elif node.target is c10d.reduce_scatter_tensor.default:
+            value, group_size = node.args[0].meta["val"], node.args[2]
+            share = value.numel() // group_size * value.element_size()
+            add("reduce_scatter", (group_size - 1) * share)
+    return sent
 
 
 def usp_case(
     topo, inputs, *, layout, ring_impl, window, with_sinks, packed, dtype, sinks_dtype,
-    compiled=False,
+    compiled=False, traffic=None,
 ):  # fmt: skip
     """``packed``: global document boundaries (each a multiple of the layout's chunks),
     or None for a dense sequence. ``compiled``: the call under
-    ``torch.compile(fullgraph=True)``."""
+    ``torch.compile(fullgraph=True)``, whose graphs' bytes sent go to ``traffic`` (a
+    dict, as :func:`_min_cut_backend`'s)."""
     q, k, v, dout, sinks = inputs
     sinks = sinks.to(sinks_dtype).double()  # the reference sees the sinks as given
     total = q.shape[1]
@@ -74,7 +121,7 @@ def usp_case(
 
     if compiled:
         torch._dynamo.reset()
-        attend = torch.compile(attend, fullgraph=True, backend=_min_cut_backend())
+        attend = torch.compile(attend, fullgraph=True, backend=_min_cut_backend(traffic))
     out = attend(*local, local_sinks)
     out.backward(usp.shard_sequence(dout, topo, **shard).to(dtype))
     actual = [out.detach(), *(t.grad for t in local)]

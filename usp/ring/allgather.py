@@ -21,6 +21,7 @@ import torch
 from usp.comm import traced
 from usp.comm.collectives import all_gather_into, reduce_scatter_into
 from usp.kernels.masks import accumulation_dtype
+from usp.ring import kv_message
 from usp.ring.calls import calls_for
 from usp.ring.config import PreparedRing
 from usp.ring.placement import WindowGather
@@ -57,7 +58,9 @@ def block_shapes(cfg: PreparedRing, local_len: int, heads: int, kv_heads: int) -
     chunk_kv = kv_heads // cfg.kv_head_chunks
     chunk_heads = chunk_kv * (heads // kv_heads)
     rows = range(local_len)
-    gather = _window_gather(cfg)
+    # built here, when the call is prepared (also while a graph is traced, where
+    # :func:`_window_gather` only reads it: a compiled first call found none before)
+    gather = None if cfg.window is None else cfg.placement.window_gather(cfg.window)
     segments = cfg.placement.segments[cfg.causal] if gather is None else gather.segments
     return {
         (
@@ -84,16 +87,25 @@ def _local_kv(k, v, heads: slice, after=None) -> torch.Tensor:
     return torch.stack(parts)
 
 
+def _mla_dims(cfg: PreparedRing):
+    """K's and V's own head sizes when they differ (MLA), else None."""
+    dims = cfg.kv_dims
+    return dims if dims is not None and dims.key_dim != dims.value_dim else None
+
+
 def _gather_rows(local: torch.Tensor, cfg: PreparedRing) -> torch.Tensor:
     """[2, B, n, hc, D] on every rank -> [2, B, r * n, hc, D], in ring-rank order."""
-    dims = cfg.kv_dims
-    if torch.compiler.is_compiling():  # a functional collective of the graph
+    dims = _mla_dims(cfg)
+    if dims is not None:  # MLA: the real columns only
+        packed = kv_message.pack(dims, local)  # [N]
+        if torch.compiler.is_compiling():  # a functional collective of the graph
+            flat = traced.all_gather(packed, cfg.peers.name, cfg.size)
+        else:
+            flat = torch.empty(cfg.size * packed.numel(), dtype=packed.dtype, device=packed.device)
+            all_gather_into(flat, packed, cfg.group, cfg.stats)
+        gathered = kv_message.unpack(dims, flat.view(cfg.size, -1), (cfg.size, *local.shape))
+    elif torch.compiler.is_compiling():
         gathered = traced.all_gather(local, cfg.peers.name, cfg.size)
-    elif dims is not None and dims.key_dim != dims.value_dim:  # MLA: the real columns only
-        packed = dims.pack(local)  # [N]
-        flat = torch.empty(cfg.size * packed.numel(), dtype=packed.dtype, device=packed.device)
-        all_gather_into(flat, packed, cfg.group, cfg.stats)
-        gathered = dims.unpack(flat.view(cfg.size, -1), (cfg.size, *local.shape))
     else:
         gathered = torch.empty(
             (cfg.size * 2,) + local.shape[1:], dtype=local.dtype, device=local.device
@@ -123,14 +135,17 @@ def _scatter_grads(dkv: torch.Tensor, cfg: PreparedRing) -> torch.Tensor:
     rows = total // cfg.size
     by_rank = dkv.view(two, batch, cfg.size, rows, hc, dim).permute(2, 0, 1, 3, 4, 5).contiguous()
     full = by_rank.view(cfg.size * two, batch, rows, hc, dim)
+    dims = _mla_dims(cfg)
+    if dims is not None:  # MLA: the real columns only
+        packed = kv_message.pack(dims, by_rank).view(-1)  # [r * N], rank order
+        if torch.compiler.is_compiling():
+            mine = traced.reduce_scatter(packed, cfg.peers.name, cfg.size)
+        else:
+            mine = torch.empty(packed.numel() // cfg.size, dtype=dkv.dtype, device=dkv.device)
+            reduce_scatter_into(mine, packed, cfg.group, cfg.stats)
+        return kv_message.unpack(dims, mine, (two, batch, rows, hc, dim))
     if torch.compiler.is_compiling():
         return traced.reduce_scatter(full, cfg.peers.name, cfg.size)
-    dims = cfg.kv_dims
-    if dims is not None and dims.key_dim != dims.value_dim:  # MLA: the real columns only
-        packed = dims.pack(by_rank).view(-1)  # [r * N], rank order
-        mine = torch.empty(packed.numel() // cfg.size, dtype=dkv.dtype, device=dkv.device)
-        reduce_scatter_into(mine, packed, cfg.group, cfg.stats)
-        return dims.unpack(mine, (two, batch, rows, hc, dim))
     mine = torch.empty((two, batch, rows, hc, dim), dtype=dkv.dtype, device=dkv.device)
     reduce_scatter_into(mine, full, cfg.group, cfg.stats)
     return mine

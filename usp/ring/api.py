@@ -30,6 +30,7 @@ from usp.ring.calls import BlockKernels, calls_for
 from usp.ring.config import PreparedRing
 from usp.ring.documents import DocumentLayoutError, Documents
 from usp.ring.heads import backward_by_heads, forward_by_heads
+from usp.ring.kv_message import KVDims
 from usp.ring.layout import required_local_multiple
 from usp.ring.p2p import block_shapes as p2p_block_shapes
 from usp.ring.p2p import p2p_backward, p2p_forward
@@ -273,10 +274,12 @@ def prepare_ring(
     kv_head_chunks: int = 1,
     window: int | None = None,
     kernel_registry: KernelRegistry | None = None,
+    kv_dims: KVDims | None = None,
 ) -> PreparedRing:
     """Every local check of a ring call, so that nothing fails after the first send: the
     group's device, lengths, head chunks, softmax scale and the kernel backend (looked
-    up in ``kernel_registry``, default usp's)."""
+    up in ``kernel_registry``, default usp's). ``kv_dims``: K's and V's own head sizes
+    inside pairs padded to one (MLA), so that messages carry only those columns."""
     if spec.seqlen_q != spec.seqlen_k:
         raise RingInputError(
             "ring attention needs q and k/v with the same local sequence length, "
@@ -301,7 +304,7 @@ def prepare_ring(
     peers = TracedGroup.of(group) if size > 1 else None
     cfg = PreparedRing(
         group, causal, layout, ring_impl, kernels, placement, comm_stats, kv_head_chunks, peers,
-        window,
+        window, kv_dims,
     )  # fmt: skip
     # the largest local kernel call first (the same on every rank, so a backend that
     # cannot run it fails alike everywhere), then every block shape this ring runs

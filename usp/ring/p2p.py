@@ -13,13 +13,13 @@ Sliding windows (:mod:`usp.ring.window`): the blocks are cut to the window, the 
 rotates only while some rank has a block inside it (the accumulators' last hop then goes
 straight to their owners). Under ``contiguous`` (dense) each hop sends only the keys the
 window needs, the suffix of the block that later steps read (:func:`tail_starts`):
-O(W) bytes, not O(S/r). Eagerly, a window shorter than the chunks it reads across
-exchanges tails with the neighbours instead (:mod:`usp.ring.tails`): under ``zigzag``
-(dense) a window shorter than a chunk (:mod:`usp.ring.zigzag_tails`), packed documents
-under either layout a window shorter than every document's chunk, each document's tail
-(:mod:`usp.ring.packed_tails`), and other packed windows the rows of earlier chunks
-each rank's windows read, from their owners (:mod:`usp.ring.document_reach`); longer
-dense zigzag windows send whole blocks.
+O(W) bytes, not O(S/r). A window shorter than the chunks it reads across exchanges
+tails with the neighbours instead (:mod:`usp.ring.tails`): under ``zigzag`` (dense,
+eager and compiled) a window shorter than a chunk (:mod:`usp.ring.zigzag_tails`), and
+eagerly, packed documents under either layout with a window shorter than every
+document's chunk, each document's tail (:mod:`usp.ring.packed_tails`), and other packed
+windows the rows of earlier chunks each rank's windows read, from their owners
+(:mod:`usp.ring.document_reach`); longer dense zigzag windows send whole blocks.
 
 Compiled, a rank's graph must post the same shifts in the same passes as its
 neighbours', also when it never reads a block (rank 0 of a causal contiguous ring gets
@@ -239,8 +239,8 @@ def _start_accumulator(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 
 
 def _tails(cfg: PreparedRing, local_len: int) -> Tails | None:
-    """The neighbour exchange of tails that replaces the ring (eager, a window shorter
-    than every chunk it reads across), or None."""
+    """The neighbour exchange of tails that replaces the ring (a window shorter than
+    every chunk it reads across; packed: eager), or None."""
     if cfg.packed:
         return packed_tails(cfg, local_len)
     return tail_plan(cfg, local_len)

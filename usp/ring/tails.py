@@ -20,9 +20,17 @@ The geometry is :mod:`usp.ring.zigzag_tails` (dense zigzag) and
 :mod:`usp.ring.packed_tails` (packed documents, both layouts). Messages across the ring's
 ends carry keys nobody reads: they are sent so that every rank's messages have the same
 shapes. With r = 2 both messages of a pass go between the same two ranks and match in
-the order they are posted, which is the same on both. Eager only: a compiled graph runs
-the whole ring (a rank that never reads a message would drop its shift from its graph
-alone).
+the order they are posted, which is the same on both.
+
+Compiled (dense zigzag; packed tails stay eager), each message is a functional shift of
+the graph (:mod:`usp.comm.traced`), posted in the same order on every rank. A rank that
+never reads a message (ranks 0 and r-1 under zigzag) would drop its shift from its graph
+alone, and the neighbour posting it would wait forever: every received tail ends in an
+opaque copy of an output (:func:`usp.comm.traced.copy_after`: the LSE's forward, dK's
+backward), as in the p2p ring. The backward's K/V and its tails' dK/dV buffers are tied
+to the incoming gradient (:func:`usp.comm.traced.stack_after`), so that their shifts
+stay in the backward on every rank (else a zero dK/dV of a tail nobody reads depends on
+nothing of the backward, and that rank alone would send it from its forward graph).
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from usp.comm.ring_exchange import RingExchange
+from usp.comm import traced
+from usp.comm.ring_exchange import RingExchange, TracedRingExchange
 from usp.kernels import merge_into
 from usp.kernels.masks import accumulation_dtype
 from usp.ring.calls import calls_for
@@ -96,9 +105,22 @@ def _add_returned(own, cfg: PreparedRing, index: int, message: TailMessage, grad
         own.index_add_(2, _row_index(cfg, index, message, own.device), grads)
 
 
+def _exchange(cfg: PreparedRing):
+    """Posted on the group (eager), or the graph's functional shifts (compiled)."""
+    if torch.compiler.is_compiling():
+        return TracedRingExchange(cfg.peers)
+    return RingExchange(cfg.group, cfg.stats)
+
+
+def _anchor(anchors: list, tail: torch.Tensor) -> None:
+    """Compiled: keep one element of a received tail, read or not (for copy_after)."""
+    if torch.compiler.is_compiling():
+        anchors.append(traced.anchor(tail))
+
+
 def tails_forward(q, k, v, cfg: PreparedRing, plan: Tails):
     """q [B, L, H, D], k/v [B, L, Hkv, D] -> out [B, L, H, D], lse [B, H, L] (float32)."""
-    ring = RingExchange(cfg.group, cfg.stats)
+    ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
     pending = [_send(ring, k, v, cfg, i, m) for i, m in enumerate(plan.messages)]
     out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)
@@ -108,9 +130,13 @@ def tails_forward(q, k, v, cfg: PreparedRing, plan: Tails):
     # its own blocks while the tails travel, then each tail's as it arrives
     forward_blocks(calls_for(cfg, cfg.placement.piece_docs), plan.own, q, k, v, out, lse)
     dense = calls_for(cfg, None)
+    anchors = []
     for message, request in zip(plan.messages, pending):
         tail = request.wait()  # [2, B, rows, Hkv, D]
+        _anchor(anchors, tail)
         forward_blocks(dense, message.blocks, q, tail[0], tail[1], out, lse)
+    if anchors:  # compiled: every shift stays in this rank's graph
+        lse = traced.copy_after(lse, lse.dtype, anchors)
     return out.to(q.dtype), lse
 
 
@@ -141,17 +167,23 @@ def backward_blocks(calls, blocks, dout, q, keys, values, out, lse, dq, dkv) -> 
 def tails_backward(dout, q, k, v, out, lse, cfg: PreparedRing, plan: Tails):
     """Gradients of :func:`tails_forward`: the K/V tails again, then the dK/dV of the
     tails received back to their owners (float32), each posted once computed."""
-    ring = RingExchange(cfg.group, cfg.stats)
+    ring = _exchange(cfg)
     acc = accumulation_dtype(q.dtype)
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # the K/V tails sent again in the backward's graph, after the gradient
+        k, v = traced.stack_after([k, v], dout).unbind(0)
     pending = [_send(ring, k, v, cfg, i, m) for i, m in enumerate(plan.messages)]
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     own = torch.zeros((2,) + k.shape, dtype=acc, device=k.device)  # [2, B, L, Hkv, D]
     own_calls, tail_calls = calls_for(cfg, cfg.placement.piece_docs), calls_for(cfg, None)
     backward_blocks(own_calls, plan.own, dout, q, k, v, out, lse, dq, own)
-    returned = []
+    returned, anchors = [], []
     for message, request in zip(plan.messages, pending):
         tail = request.wait()
+        _anchor(anchors, tail)
         dtail = torch.zeros(tail.shape, dtype=acc, device=tail.device)
+        if compiling:  # sent back even when no block adds to it: a backward value
+            dtail = traced.stack_after(list(dtail.unbind(0)), dout)
         backward_blocks(tail_calls, message.blocks, dout, q, tail[0], tail[1], out, lse, dq, dtail)
         # back to the rank it came from; ours arrive from the rank we sent to
         returned.append(start_pair(ring, dtail, cfg.kv_dims, hops=-message.hops))
@@ -159,4 +191,6 @@ def tails_backward(dout, q, k, v, out, lse, cfg: PreparedRing, plan: Tails):
     for index, (message, request) in enumerate(zip(plan.messages, returned)):
         _add_returned(own, cfg, index, message, request.wait())
     # copies even for float32: dk and dv must not be views of one shared buffer
-    return dq.to(q.dtype), own[0].to(k.dtype, copy=True), own[1].to(v.dtype, copy=True)
+    # (compiled: dK's also ends every received tail's shift, traced.copy_after)
+    dk = traced.copy_after(own[0], k.dtype, anchors)
+    return dq.to(q.dtype), dk, own[1].to(v.dtype, copy=True)

@@ -70,11 +70,18 @@ def zigzag_tail_plans(ring_size: int, local_len: int, w: int) -> tuple[Tails, ..
 
 def tail_plan(cfg: PreparedRing, local_len: int) -> Tails | None:
     """This rank's :class:`Tails` when the call is a dense zigzag ring with a window
-    shorter than a chunk (eager), else None (the whole ring)."""
+    shorter than a chunk (eager and compiled), else None (the whole ring)."""
     w = cfg.window
     if w is None or cfg.packed or cfg.layout != "zigzag" or cfg.size < 2:
         return None
-    if not 0 < w < local_len // 2 or torch.compiler.is_compiling():
+    if not 0 < w < local_len // 2:
         return None
-    plans = zigzag_tail_plans(cfg.size, local_len, w)
-    return None if plans is None else plans[cfg.rank]
+    return _rank_tail_plan(cfg.size, cfg.rank, local_len, w)
+
+
+@torch.compiler.assume_constant_result
+def _rank_tail_plan(ring_size: int, rank: int, local_len: int, w: int) -> Tails | None:
+    """``rank``'s plan (a constant of a compiled graph: Dynamo runs this eagerly instead
+    of tracing the cached plans of every rank)."""
+    plans = zigzag_tail_plans(ring_size, local_len, w)
+    return None if plans is None else plans[rank]

@@ -176,6 +176,7 @@ def check_call(
         layout=plan.layout, ring_impl=plan.ring_impl, backend=plan.backend,
         comm_stats=plan.comm_stats, kv_head_chunks=head_chunks,
         window=kernel_window(window, longest), kernel_registry=plan.kernel_registry,
+        kv_dims=mla_dims(q, k, v),  # MLA: ring messages at K's and V's own head sizes
     )  # fmt: skip
     ulysses = TracedGroup.of(plan.ulysses_group) if u > 1 else None
     per_rank = spec.num_heads // u
@@ -228,14 +229,12 @@ def attend(
         # each tensor at its own head size (MLA: v's smaller or larger than q/k's)
         q, k, v = to_head_sharded([q, k, v], ulysses, stats)  # [B, S/r, h/u, D]
     local_sinks = None if sinks is None else sinks[call.heads[0] : call.heads[1]]  # [H/u]
-    ring = call.ring
     if dims is not None:
         # the kernels take one head size: pad after the all-to-all, where nothing
         # travels but the ring's messages, which carry K and V at their own sizes
+        # (call.ring.kv_dims, usp.ring.kv_message)
         q, k, v = pad_head_dims(q, k, v, dims)
-        if not torch.compiler.is_compiling():  # (usp.ring.kv_message)
-            ring = dataclasses.replace(ring, kv_dims=dims)
-    out, _ = run_ring(q, k, v, ring, live, local_sinks)
+    out, _ = run_ring(q, k, v, call.ring, live, local_sinks)
     if dims is not None:
         out = out[..., : dims.value_dim]  # [B, S/r, H/u, Dv]: the padded columns are zeros
     if plan.ulysses_degree > 1:
