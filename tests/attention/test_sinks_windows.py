@@ -367,9 +367,7 @@ def run_window_traffic():
 TRAFFIC_DOCS = [0, 64, 96, 256]
 
 
-def _formula(
-    grid, layout, ring_impl, window, seqlen=256, value_dim=8, docs=None, item=2, rank=0
-):
+def _formula(grid, layout, ring_impl, window, seqlen=256, value_dim=8, docs=None, item=2, rank=0):
     """The stated bytes of the cases here (4 query / 2 KV heads of 8; ``item``: the
     element size, 2 for bf16 with float32 accumulators, 8 for float64 with float64;
     ``rank``: the ring rank, for packed windows past a chunk)."""
