@@ -1,7 +1,7 @@
-"""``usp plan`` on a mixture-of-experts model (the qwen3-moe-tiny preset on one node of 4
-CPU ranks): the fake-tensor estimate, whose experts split the routed rows evenly, against
-what one real step with real routing allocates; total and active parameters in the
-report."""
+"""``usp plan`` on mixture-of-experts models (qwen3-moe-tiny and gpt-oss-tiny on one node
+of 4 CPU ranks): the planned experts (usp.models.moe_planning) against the per-expert loop
+under any routing and against one real step with real routing, their FLOPs, and total and
+active parameters in the report."""
 
 from __future__ import annotations
 
