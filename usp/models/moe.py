@@ -51,6 +51,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from usp.models.moe_op import moe_experts, register_experts_kind, routed_experts
+from usp.models.moe_planning import planned, planned_segments
 
 #: the checkpoint's per-expert projection names (``mlp.experts.{e}.{name}.weight``)
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -182,18 +183,25 @@ def _grouped_swiglu(rows, gate_up_proj, down_proj, counts) -> torch.Tensor:
 
 
 def segment_sizes(rows: torch.Tensor, counts: torch.Tensor) -> list[int]:
-    """Each expert's rows (one host sync), or under fake tensors an even split of
-    ``rows`` (what any routing allocates in total)."""
+    """Each expert's rows (one host sync). Under fake tensors: in the planner the most
+    uneven routing (:func:`usp.models.moe_planning.planned_segments`, never below any),
+    elsewhere an even split of ``rows``."""
+    experts = counts.shape[0]
+    if planned(rows):
+        return planned_segments(rows.shape[0], experts)
     if is_fake(counts):
-        experts = counts.shape[0]
-        return [rows.shape[0] // experts + (e < rows.shape[0] % experts) for e in range(experts)]
+        return fake_segments(rows.shape[0], experts)
     return counts.tolist()  # host sync
+
+
+def fake_segments(rows: int, experts: int) -> list[int]:
+    """The segment sizes under fake tensors outside the planner: an even split."""
+    return [rows // experts + (e < rows % experts) for e in range(experts)]
 
 
 def _segment_swiglu(rows, gate_up_proj, down_proj, counts) -> torch.Tensor:
     """rows [M, H] sorted by expert, counts [E] -> [M, H]: one matmul pair per expert
-    with rows. Under fake tensors (the planner) the sizes are unknown: the rows are split
-    evenly, which allocates what any routing does (every buffer is ``[M, .]`` in total)."""
+    with rows. Under fake tensors the sizes are unknown (:func:`segment_sizes`)."""
     # unbind once: one backward writes every expert's gradient into one [E, ...] tensor
     # (indexing gate_up_proj[e] per expert would give each a full-size zero gradient)
     gate_ups, downs = gate_up_proj.unbind(0), down_proj.unbind(0)

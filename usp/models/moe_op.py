@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from usp.models.moe_planning import hold_gradients, opened_by, planned, planned_routing
+
 Tensor = torch.Tensor
 #: kind -> fn(rows [M, H] sorted by expert, counts [E], row_experts [M], params, options,
 #: grouped) -> [M, H]: every expert on its segment
@@ -63,7 +65,13 @@ def routed_experts(
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E] rows per expert
     rows = x.index_select(0, tokens)  # [N*k, H], grouped by expert
     run = _KINDS[kind]
-    hidden = run(rows, counts, flat.index_select(0, order), params, options, grouped)
+    row_experts = flat.index_select(0, order)
+    if planned(x):  # usp plan: the most uneven routing and a hold for the gradients
+        hold, params = hold_gradients(params, k)  # (usp.models.moe_planning)
+        with planned_routing(k):
+            hidden = opened_by(run(rows, counts, row_experts, params, options, grouped), hold)
+    else:
+        hidden = run(rows, counts, row_experts, params, options, grouped)
     hidden = hidden * weights.reshape(-1).index_select(0, order).unsqueeze(1)  # [N*k, H]
     return torch.zeros_like(x).index_add_(0, tokens, hidden)  # [N, H]
 

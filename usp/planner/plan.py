@@ -170,10 +170,10 @@ def plan(
         notes.append(
             f"mixture of experts: memory holds all {counts.total / 1e9:.2f}B parameters "
             f"(every expert, sharded by FSDP2 like the rest); the step time's FLOPs count the "
-            f"{counts.active / 1e9:.2f}B one token uses. The experts' buffers hold every "
-            "routed row ([tokens x top_k, .]) whatever the routing, so the measured memory "
-            "does not depend on it (fake tensors split the rows evenly over the experts); "
-            "experts are not tiled by mlp_tile_tokens"
+            f"{counts.active / 1e9:.2f}B one token uses. Fake tensors cannot know the "
+            "routing: the experts are measured under the most uneven one (every token on "
+            "the same top_k experts) with every expert's weight gradient held, never below "
+            "any routing (usp.models.moe_planning); experts are not tiled by mlp_tile_tokens"
         )
     return PlanResult(
         config=config,
