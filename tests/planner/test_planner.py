@@ -103,6 +103,28 @@ def test_offload_host_device_is_a_hook_real_runs_keep_on_the_cpu():
     assert torch.equal(x.grad, 2 * x.detach())
 
 
+# ----------------------------------------------------------------------------- optimizer
+def test_a_cuda_plans_adamw_holds_the_foreach_updates_temporary(tmp_path):
+    """On CUDA, torch's AdamW runs its foreach update (FSDP2's DTensor parameters are on
+    ``cuda``), which holds ``sqrt(exp_avg_sq)`` of a whole parameter group at once (float32,
+    the local shards): the planned optimizer phase holds exactly that on top of the two
+    moments and the step counts (the tracker files the update's temporaries under the
+    optimizer state), not the single-tensor update's one-parameter temporary."""
+    from usp.planner.measure import built_step
+
+    target = target_of(write_config(tmp_path, seq_len=256), 4, device="cuda")
+    choice = Choice(2, 2, 1, Levers(True))
+    optimizer_phase = measure(target, choice).phases[-1].breakdown
+    with built_step(target, choice) as built:
+        shards = [p.to_local() for p in built.model.parameters()]
+        assert all(s.dtype == torch.float32 for s in shards)  # fp32 master weights
+        decayed = sum(4 * s.numel() for s in shards if s.dim() >= 2)  # the larger group
+        params = sum(4 * s.numel() for s in shards)
+    assert optimizer_phase["parameters"] == params
+    steps = 4 * len(shards)  # a float32 step count per parameter
+    assert optimizer_phase["optimizer_state"] == 2 * params + steps + decayed
+
+
 # ----------------------------------------------------------------------------- traffic
 def test_fsdp_traffic_by_hand():
     """4 ranks, 2 layers of 100 parameters and 50 others, bf16 gathers, fp32 reduction:

@@ -275,8 +275,11 @@ def test_parameter_offload_moves_the_training_state_to_the_host(tmp_path):
     both = measure(
         target, Choice(2, 2, 1, Levers(True, offload_optimizer=True, offload_parameters=True))
     )
-    state = plain.phases[-1].breakdown["optimizer_state"]
+    # the moments and step counts as the first step left them (held through clipping; the
+    # optimizer phase adds the foreach update's temporaries, filed under the state too)
+    state = plain.phases[-2].breakdown["optimizer_state"]
     assert state > 0 and plain.peak_host == 0
+    assert plain.phases[-1].breakdown["optimizer_state"] > state
     assert optimizer.phases[-1].breakdown["optimizer_state"] < state / 100
     assert optimizer.peak_host >= state  # the moments (and a shard's copies) on the host
     shards = plain.phases[-1].breakdown["parameters"]

@@ -261,6 +261,7 @@ def built_step(
                 optimizer = components.build_optimizer(job, sharded.module, choice.levers)
                 if fake and _host_stand_in(target, device):
                     _optimizer_to(optimizer, HOST_STAND_IN)
+                    _as_on_cuda(optimizer)
                 _first_optimizer_step(sharded.module, optimizer)
                 step = TrainStep(
                     sharded.module,
@@ -286,6 +287,23 @@ def _optimizer_to(optimizer, host: torch.device) -> None:
     optimizer, and for one that updates parameters already on the host in place)."""
     if hasattr(optimizer, "host_device") and not getattr(optimizer, "params_on_host", False):
         optimizer.host_device = host
+
+
+def _as_on_cuda(optimizer) -> None:
+    """Run a device optimizer as it runs on CUDA: ``torch.optim.AdamW`` picks its
+    ``foreach`` implementation there by default (every parameter a DTensor or a tensor on
+    ``cuda``; ``torch.optim.optimizer._default_to_fused_or_foreach``), but the
+    single-tensor one on the CPU stand-in. The foreach update holds a float32 temporary
+    the size of every local shard at once (``_foreach_sqrt`` of the second moments), the
+    single-tensor one that of one parameter: planned single-tensor, a CUDA step's
+    optimizer phase would be under-counted. (Also far fewer ops under fake tensors: one
+    per update term instead of one per parameter and term.) ``HostAdamW`` keeps its own
+    choice (``foreach=False``, on the host)."""
+    if type(optimizer) is not torch.optim.AdamW:
+        return
+    for group in optimizer.param_groups:
+        if group.get("foreach") is None:
+            group["foreach"] = True
 
 
 def _randomise(model) -> None:
