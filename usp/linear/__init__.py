@@ -7,6 +7,8 @@
 - :mod:`usp.linear.conv`: the short conv's kernels (torch's conv1d; causal-conv1d on
   CUDA, ``usp[fla]``), their choice and self-check;
 - :mod:`usp.linear.ring`: segments of a rank's ring block and the ring scan of states;
+- :mod:`usp.linear.block`: a rank's ring block through the conv and the recurrence;
+- :mod:`usp.linear.compiled`: that block as one ``torch.library`` op, for ``torch.compile``;
 - :mod:`usp.linear.gdn`: :func:`gated_deltanet_usp`, the conv + recurrence under a Plan;
 - :mod:`usp.linear.module`: :class:`GatedDeltaNet`, transformers' Qwen3.5 GDN layer.
 """
