@@ -45,7 +45,6 @@ packing; its backward recomputes the block). Packed documents must then come as 
 from __future__ import annotations
 
 import operator
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -381,9 +380,10 @@ def _compiled(
             packed.layout, packed.placement.device, packed.placement.packed,
         )  # fmt: skip
     ws_sig = None if conv_weights is None else tuple(_signature(w) for w in conv_weights)
+    tensors = tuple(_signature(t) for t in (q, k, v, g, beta))
     call = traced_gdn(
-        plan_type, topology, choices, *(_signature(t) for t in (q, k, v, g, beta)), ws_sig, activation, packed_sig,
-        scale, use_qk_l2norm, chunk_size, kernel, conv_kernel,
+        plan_type, topology, choices, tensors, ws_sig, activation, packed_sig, scale,
+        use_qk_l2norm, chunk_size, kernel, conv_kernel,
         kernels is not None or conv_kernels is not None,
     )  # fmt: skip
     u = 1 if call.ulysses is None else call.ulysses.size
@@ -417,20 +417,17 @@ def _stand_in(signature):
     return torch.empty((), dtype=dtype, device=device).expand(shape)
 
 
-_TRACED: OrderedDict[tuple, TracedGdn] = OrderedDict()
-_TRACED_CAPACITY = 64
-
-
 @torch._dynamo.assume_constant_result
 def traced_gdn(
-    plan_type, topology, choices, q_sig, k_sig, v_sig, g_sig, beta_sig, ws_sig, activation, packed_sig, scale,
+    plan_type, topology, choices, tensors, ws_sig, activation, packed_sig, scale,
     use_qk_l2norm, chunk_size, kernel, conv_kernel, own_kernels,
 ) -> TracedGdn:  # fmt: skip
     """The checked call of a compiled graph, run eagerly while Dynamo traces: the eager
-    checks and agreement (:func:`_checked`) on stand-ins of the tensors (shape, dtype,
-    device; no data) and of the packing (one of its shape: the documents themselves
-    reach the graph as a tensor), once per plan and call shape. A failed check fails
-    the trace with its message, on every SP rank alike."""
+    checks and agreement (:func:`_checked`) on stand-ins of the tensors (``tensors``: the
+    shape, dtype and device of q, k, v, g, beta; no data) and of the packing (one of its
+    shape: the documents themselves reach the graph as a tensor), once per plan and call
+    shape (kept in the plan's ``traced_calls``). A failed check fails the trace with its
+    message, on every SP rank alike."""
     if own_kernels:
         raise LinearAttentionError(
             "kernels= and conv_kernels= (kernel registries of your own) are not taken under "
@@ -442,14 +439,24 @@ def traced_gdn(
             "compiled call (plan.pack(cu_seqlens)): raw cu_seqlens would be read on the host "
             "inside the graph"
         )
-    key = (plan_type, topology, choices, q_sig, k_sig, v_sig, g_sig, beta_sig, ws_sig, activation, packed_sig,
-           scale, use_qk_l2norm, chunk_size, kernel, conv_kernel)  # fmt: skip
-    call = _TRACED.get(key)
-    if call is not None:
-        _TRACED.move_to_end(key)
-        return call
     plan = None if plan_type is None else plan_type.lasting(topology, *choices)
-    q, k, v, g, beta = (_stand_in(s) for s in (q_sig, k_sig, v_sig, g_sig, beta_sig))
+    key = ("gated_deltanet_usp", tensors, ws_sig, activation, packed_sig, scale, use_qk_l2norm,
+           chunk_size, kernel, conv_kernel)  # fmt: skip
+    call = None if plan is None else plan.traced_calls.get(key)
+    if call is None:
+        call = _traced_call(plan, tensors, ws_sig, activation, packed_sig, scale,
+                            use_qk_l2norm, chunk_size, kernel, conv_kernel)  # fmt: skip
+        if plan is not None:
+            plan.traced_calls.put(key, call)
+    return call
+
+
+def _traced_call(
+    plan, tensors, ws_sig, activation, packed_sig, scale, use_qk_l2norm, chunk_size, kernel,
+    conv_kernel,
+) -> TracedGdn:  # fmt: skip
+    """:func:`traced_gdn`'s checks, on stand-ins, and what the graph takes from them."""
+    q, k, v, g, beta = (_stand_in(s) for s in tensors)
     ws = None if ws_sig is None else [_stand_in(s) for s in ws_sig]
     packed = None if packed_sig is None or plan is None else stand_in_packed(plan, packed_sig)
     checked = _checked(
@@ -458,14 +465,10 @@ def traced_gdn(
     )  # fmt: skip
     u = 1 if plan is None else plan.ulysses_degree
     r = 1 if plan is None else plan.ring_degree
-    call = TracedGdn(
+    return TracedGdn(
         checked.times, None if u == 1 else TracedGroup.of(plan.ulysses_group),
         0 if plan is None else plan.ulysses_rank,
         "" if r == 1 else plan.ring_group.group_name, 0 if plan is None else plan.ring_rank, r,
         "contiguous" if plan is None else plan.layout, checked.kernel.name,
         "torch" if checked.conv_kernel is None else checked.conv_kernel.name,
     )  # fmt: skip
-    _TRACED[key] = call
-    while len(_TRACED) > _TRACED_CAPACITY:
-        _TRACED.popitem(last=False)
-    return call
