@@ -25,6 +25,7 @@ from usp.linear.kernel import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from usp.planner.traffic import gdn_traffic
 
 TIMEOUT = 90
+COMPILE_TIMEOUT = 240  # Dynamo and AOT autograd on 4 ranks sharing small CI machines
 
 
 # ------------------------------------------------------------------ kernel, one process
@@ -109,10 +110,13 @@ def _cu(lengths):
 
 
 def run_gdn_case(
-    ulysses, ring, layout, kind, conv, seed, placement="ulysses-in-node", kernel="auto"
-):
+    ulysses, ring, layout, kind, conv, seed, placement="ulysses-in-node", kernel="auto",
+    compiled=None, lengths=(5, 1, 17, 3, 9),
+):  # fmt: skip
     """``kernel="fla"``: the usp[fla] paths' argument mappings, on CPU stand-ins of fla's
-    and causal-conv1d's functions (tests/helpers/fla_standin.py)."""
+    and causal-conv1d's functions (tests/helpers/fla_standin.py). ``compiled``: a
+    ``torch.compile`` of gated_deltanet_usp to call (packed documents as a PackedSequence)
+    instead; ``lengths``: the documents before padding."""
     fla = standin_kernel() if kernel == "fla" else None
     kernels = None if fla is None else GdnKernels(TorchGdnKernel(), fla)
     conv = standin_conv_kernel(channel_multiple=1) if kernel == "fla" else None
@@ -121,7 +125,7 @@ def run_gdn_case(
     plan = usp.Plan(topo, layout=layout)
     hk, heads = (1, 4) if ulysses == 4 else (2, 4)  # u4: key heads repeated for the split
     if kind == "packed":
-        raw = _cu([5, 1, 17, 3, 9])
+        raw = _cu(list(lengths))
         cu = usp.pad_documents(raw, topo, layout=layout).cu_seqlens
         batch, seq_len = 1, int(cu[-1])
     else:
@@ -139,8 +143,11 @@ def run_gdn_case(
     local = [plan.shard(t, packed=cu).requires_grad_() for t in inputs]
     my_ws = None if ws is None else [w.clone().requires_grad_() for w in ws]
     topo.comm_stats.reset()
-    out = gated_deltanet_usp(
-        *local, plan, conv_weights=my_ws, packed=cu, activation=activation, chunk_size=3,
+    call, packed = gated_deltanet_usp, cu
+    if compiled is not None:  # a compiled graph takes packed documents built outside it
+        call, packed = compiled, None if cu is None else plan.pack(cu)
+    out = call(
+        *local, plan, conv_weights=my_ws, packed=packed, activation=activation, chunk_size=3,
         kernel=kernel, kernels=kernels, conv_kernel="causal_conv1d" if conv else "auto",
         conv_kernels=conv_kernels,
     )  # fmt: skip
@@ -234,19 +241,46 @@ def test_gdn_usp_matches_one_process(distributed, grid):
     assert not failures, "\n".join(failures)
 
 
+#: two packings of the same padded length (5 and 4 documents) for the compiled graph
+COMPILED_LENGTHS = ((5, 1, 17, 3, 9), (7, 15, 9, 12))
+
+
 def run_ring_in_node_cases():
-    """u2 x r2, zigzag, packed: usp's torch kernel, then fla's path on its stand-in."""
+    """u2 x r2, zigzag, packed: usp's torch kernel, then fla's path on its stand-in; then
+    gated_deltanet_usp compiled (fullgraph; AOT autograd's forward and backward graphs,
+    without Inductor's code generation, which takes minutes on 4 ranks sharing two
+    cores: Inductor runs in tests/train/test_train_compile.py) on two packings: the
+    all-to-alls functional collectives of the graph, the conv tails' and state maps'
+    all-gathers inside the ring block's op (its backward recomputes them)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
     case = (2, 2, "zigzag", "packed", True, 1, "ring-in-node")
-    return run_gdn_case(*case), run_gdn_case(*case, kernel="fla")
+    eager = run_gdn_case(*case), run_gdn_case(*case, kernel="fla")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(gated_deltanet_usp, fullgraph=True, backend="aot_eager")
+    errors, lengths = [], []
+    for index, raw in enumerate(COMPILED_LENGTHS):
+        # the second packing reuses the first one's graph (a recompile is an error)
+        with torch._dynamo.config.patch(error_on_recompile=index > 0):
+            result = run_gdn_case(*case, compiled=compiled, lengths=raw)
+        errors.append(result[0])
+        lengths.append(result[3]["seq_len"])
+    graphs = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    return eager, (errors, lengths, graphs)
 
 
 def test_gdn_usp_with_the_ring_inside_a_node(distributed):
     """ "ring-in-node": the ring's ranks are adjacent, Ulysses strides across them; the
-    second case runs the recurrence through the fla kernel's mapping (a CPU stand-in)."""
-    results = distributed.run(run_ring_in_node_cases, world_size=4, timeout=TIMEOUT)
-    for torch_case, fla_case in results:
-        for errors, *_ in (torch_case, fla_case):
+    second case runs the recurrence through the fla kernel's mapping (a CPU stand-in);
+    the third compiles the call (one graph for both packings, exact in float64)."""
+    results = distributed.run(run_ring_in_node_cases, world_size=4, timeout=COMPILE_TIMEOUT)
+    for (torch_case, fla_case), (compiled_errors, lengths, graphs) in results:
+        for errors in (torch_case[0], fla_case[0], *compiled_errors):
             assert all(err < 1e-10 for err in errors.values()), errors
+        assert len(compiled_errors) == 2 and len(set(lengths)) == 1, lengths
+        assert graphs == (1, 0), graphs  # one graph, no break
         shape = fla_case[3]  # 5 documents x 2 zigzag pieces; 2 of 4 heads; dv 6 + dk 8
         assert shape["fla_state"] == (2 * shape["docs"], 2, 8, 14), shape
         # the ring's conv tails: (2*2*8 + 4*6) / u2 channels, K - 1 = 3

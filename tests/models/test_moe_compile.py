@@ -7,8 +7,9 @@ and clamped SwiGLU), on the per-expert segments (float64) and torch's grouped GE
 its registered autograd (a backward op recomputing the experts). torch's own op checks
 (schema, autograd registration, fake implementation).
 
-Then whole models: the tiny Qwen3-MoE and gpt-oss presets (float32, dense rows, the
-load-balancing loss on) with each decoder layer compiled as ``[train] compile`` compiles
+Then whole models: the tiny Qwen3-MoE, gpt-oss and Qwen3.5-MoE presets (float32, dense
+rows, the load-balancing loss on; Qwen3.5-MoE's Gated DeltaNet layers through their ring
+block's op, usp.linear.compiled) with each decoder layer compiled as ``[train] compile`` compiles
 it (``compile_layers``: fullgraph, Inductor), against the same weights eagerly: loss, the
 aux term the model returns and every gradient. Inductor fuses float32 arithmetic: 1e-5
 relative (observed: about 1e-7). The 4-rank compiled training runs are in
@@ -26,6 +27,7 @@ from model_cases import grad_errors, relative_error
 from usp.models.gpt_oss import GptOss, GptOssExperts
 from usp.models.moe import Experts, grouped_gemm_available
 from usp.models.moe_op import moe_experts, routed_experts
+from usp.models.qwen3_5_moe import Qwen3_5Moe
 from usp.models.qwen3_moe import Qwen3Moe
 from usp.train.parallelize import compile_layers
 
@@ -90,20 +92,32 @@ def _loss_aux_grads(model, ids, labels):
     return loss.item(), aux.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("family", [Qwen3Moe, GptOss])
+#: family -> (preset, compile backend, dtype, tolerance). Qwen3.5-MoE in float64 through
+#: AOT autograd's graphs (no Inductor code generation: minutes for its three kinds of
+#: layer on two busy cores; Inductor compiles its GDN layers in test_train_compile):
+#: its decay parameters' gradients are sums with heavy cancellation (A_log's entries
+#: 1e-9 to 1e-5), which float32 reordering moved by up to 7e-4 relative (observed)
+CASES = {
+    Qwen3Moe: ("qwen3-moe-tiny", "inductor", torch.float32, 1e-5),
+    GptOss: ("gpt-oss-tiny", "inductor", torch.float32, 1e-5),
+    Qwen3_5Moe: ("qwen3.5-moe-tiny", "aot_eager", torch.float64, 1e-10),
+}
+
+
+@pytest.mark.parametrize("family", list(CASES), ids=[c[0] for c in CASES.values()])
 def test_compiled_layers_equal_eager(family):
     """Dense rows (2 x 32; gpt-oss's window of 16 and its sinks act)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    preset = "qwen3-moe-tiny" if family is Qwen3Moe else "gpt-oss-tiny"
+    preset, backend, dtype, tol = CASES[family]
     torch.manual_seed(3)
-    eager = family.from_config(preset, backend="math")
+    eager = family.from_config(preset, backend="math").to(dtype)
     assert eager.adds_aux_loss
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()
     counters.clear()
-    compile_layers(compiled)
+    compile_layers(compiled, backend=backend)
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 256, (2, 32), generator=gen)
     labels = torch.randint(0, 256, (2, 32), generator=gen)
@@ -111,9 +125,9 @@ def test_compiled_layers_equal_eager(family):
     loss, aux, grads = _loss_aux_grads(compiled, ids, labels)
     assert counters["stats"]["unique_graphs"] > 0
     assert sum(counters["graph_break"].values()) == 0  # each layer whole (fullgraph)
-    assert abs(loss - expected[0]) <= 1e-5 * expected[0], (loss, expected[0])
-    assert abs(aux - expected[1]) <= 1e-5 * expected[1], (aux, expected[1])
+    assert abs(loss - expected[0]) <= tol * expected[0], (loss, expected[0])
+    assert abs(aux - expected[1]) <= tol * expected[1], (aux, expected[1])
     assert set(grads) == set(expected[2])
-    assert max(grad_errors(grads, expected[2]).values()) <= 1e-5
+    assert max(grad_errors(grads, expected[2]).values()) <= tol
     router = "router.weight" if family is GptOss else "gate.weight"
     assert any(n.endswith(router) and g.abs().max() > 0 for n, g in grads.items())

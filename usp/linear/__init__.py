@@ -9,6 +9,8 @@
 - :mod:`usp.linear.choice`: a layer's kernels, its own or its plan's choice
   (``linear_backend`` / ``linear_conv_backend``), and a forced one refused up front;
 - :mod:`usp.linear.ring`: segments of a rank's ring block and the ring scan of states;
+- :mod:`usp.linear.block`: a rank's ring block through the conv and the recurrence;
+- :mod:`usp.linear.compiled`: that block as one ``torch.library`` op, for ``torch.compile``;
 - :mod:`usp.linear.gdn`: :func:`gated_deltanet_usp`, the conv + recurrence under a Plan;
 - :mod:`usp.linear.module`: :class:`GatedDeltaNet`, transformers' Qwen3.5 GDN layer.
 """

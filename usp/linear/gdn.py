@@ -33,24 +33,35 @@ autograd's: the all-gathers' backward is a reduce-scatter of the same size.
 
 Documents (``packed``) restart the conv and the state at every boundary. One process
 (``plan`` None or of one rank) runs the same code without communication.
+
+Under ``torch.compile`` (``fullgraph=True``) the call is checked, and the SP ranks agree
+on it, once per call shape while Dynamo traces (:func:`traced_gdn`); the graph holds the
+all-to-alls (functional collectives) and step 2 as one opaque op whose only packing
+input is the boundaries' tensor (:mod:`usp.linear.compiled`: one graph for every
+packing; its backward recomputes the block). Packed documents must then come as a
+:class:`PackedSequence` built outside the graph (``plan.pack``), with usp's kernels
+(``kernels=`` / ``conv_kernels=`` registries are eager-only).
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from usp.comm.agreement import Field, agree, can_agree, float_bits, stable_hash
+from usp.comm.traced import TracedGroup
 from usp.errors import InputError, ShardingError
 from usp.linear.backends import GDN_KERNELS, GdnKernel, GdnKernelError, select_gdn_kernel
+from usp.linear.block import BlockOptions, RingPeers, ring_block
 from usp.linear.choice import plan_choice
+from usp.linear.compiled import gdn_ring_block
 from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError, select_conv_kernel
-from usp.linear.kernel import compute_dtype, from_padded, l2norm, segment_rows, to_padded
-from usp.linear.ring import Segments, conv_contexts, ring_all_gather, segment_tails, start_states
 from usp.process_groups import HeadLayoutError, degrees
 from usp.ring.documents import Documents
+from usp.sp.attend import stand_in_packed
 from usp.sp.packing import PackedSequence
 from usp.sp.sharding import sequence_documents
 from usp.sp.ulysses import UlyssesHeadError, to_head_sharded, to_sequence_sharded
@@ -195,6 +206,52 @@ def gated_deltanet_usp(
     ``GdnKernelError`` / ``ConvKernelError`` for a kernel that cannot run) on every SP
     rank, before any data moves, for what it cannot compute.
     """
+    if torch.compiler.is_compiling():
+        return _compiled(
+            q, k, v, g, beta, plan, conv_weights, activation, packed, scale, use_qk_l2norm,
+            chunk_size, kernel, kernels, conv_kernel, conv_kernels,
+        )  # fmt: skip
+    u = 1 if plan is None else plan.ulysses_degree
+    r = 1 if plan is None else plan.ring_degree
+    checked = _checked(
+        q, k, v, g, beta, plan, conv_weights, activation, packed, scale, use_qk_l2norm,
+        chunk_size, kernel, kernels, conv_kernel, conv_kernels,
+    )  # fmt: skip
+    stats = None if plan is None else plan.comm_stats
+    ulysses = None if u == 1 else plan.ulysses_group
+    q, k, v_local, g, beta, ws = _to_heads(
+        q, k, v, g, beta, conv_weights, checked.times, ulysses, stats,
+        0 if plan is None else plan.ulysses_rank, u,
+    )  # fmt: skip
+    ring = RingPeers(
+        None if r == 1 else plan.ring_group, stats, 0 if plan is None else plan.ring_rank
+    )
+    options = BlockOptions(
+        activation, scale, use_qk_l2norm, chunk_size, checked.kernel, checked.conv_kernel
+    )
+    out = ring_block([q, k, v_local, g, beta], checked.documents, ring, ws, options)
+    if u > 1:  # [B, S/r, H/u, dv] -> [B, S/P, H, dv]
+        out = to_sequence_sharded(out, ulysses, stats)
+    return out
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A call checked on this rank and agreed by the SP ranks: the key heads' repeat
+    before the all-to-all, the documents' placement, the chosen kernels."""
+
+    times: int
+    documents: Documents
+    kernel: GdnKernel
+    conv_kernel: ConvKernel | None
+
+
+def _checked(
+    q, k, v, g, beta, plan, conv_weights, activation, packed, scale, use_qk_l2norm,
+    chunk_size, kernel, kernels, conv_kernel, conv_kernels,
+) -> _Checked:  # fmt: skip
+    """Everything that could fail, checked on this rank and agreed across the SP ranks
+    (the same error on every rank) before the first collective."""
     u = 1 if plan is None else plan.ulysses_degree
     r = 1 if plan is None else plan.ring_degree
     kernel = plan_choice(kernel, plan, "linear_backend")
@@ -228,56 +285,38 @@ def gated_deltanet_usp(
         error = err
     if plan is not None and plan.sp_degree > 1 and can_agree(plan.sp_group):
         fields = _fields(
-            q,
-            v,
-            conv_weights,
-            activation,
-            chunk_size,
-            scale,
-            use_qk_l2norm,
-            documents,
+            q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents,
             (kernel, conv_kernel),
-        )
-        agree(
-            plan.sp_group,
-            "gated_deltanet_usp",
-            fields,
-            error,
-            (
-                LinearAttentionError,
-                GdnKernelError,
-                ConvKernelError,
-                UlyssesHeadError,
-                HeadLayoutError,
-                ShardingError,
-                InputError,
-            ),
-        )
+        )  # fmt: skip
+        agree(plan.sp_group, "gated_deltanet_usp", fields, error, _ERRORS)
     if error is not None:
         raise error
+    return _Checked(times, documents, impl, conv_impl)
 
+
+_ERRORS = (
+    LinearAttentionError, GdnKernelError, ConvKernelError, UlyssesHeadError, HeadLayoutError,
+    ShardingError, InputError,
+)  # fmt: skip
+
+
+def _to_heads(q, k, v, g, beta, conv_weights, times, ulysses, stats, ulysses_rank, u):
+    """[B, S/P, h, D] -> [B, S/r, h/u, D] (q, k with their key heads repeated ``times``
+    first) and this Ulysses rank's conv weights (None without a conv). ``ulysses``: the
+    group, its TracedGroup in a compiled graph, or None (u = 1)."""
     if times > 1:  # key heads repeated so that u ranks split them
         q, k = (t.repeat_interleave(times, dim=2) for t in (q, k))
     ws = None if conv_weights is None else _replicated_weights(conv_weights, q, k, times)
     tensors = [q, k, v, g[..., None], beta[..., None]]
-    if u > 1:  # [B, S/P, h, D] -> [B, S/r, h/u, D]
-        tensors = _to_head_sharded(tensors, plan)
+    if u > 1:
+        tensors = _to_head_sharded(tensors, ulysses, stats)
         if ws is not None:
-            ws = _rank_weights(ws, u, plan.ulysses_rank)
-    q, k, v_local, g, beta = tensors
-    ring = _Ring(
-        None if r == 1 else plan.ring_group,
-        None if plan is None else plan.comm_stats,
-        0 if plan is None else plan.ring_rank,
-    )
-    options = _Options(activation, scale, use_qk_l2norm, chunk_size, impl, conv_impl)
-    out = _ring_block([q, k, v_local, g[..., 0], beta[..., 0]], documents, ring, ws, options)
-    if u > 1:  # [B, S/r, H/u, dv] -> [B, S/P, H, dv]
-        out = to_sequence_sharded(out, plan.ulysses_group, plan.comm_stats)
-    return out
+            ws = _rank_weights(ws, u, ulysses_rank)
+    q, k, v, g, beta = tensors
+    return q, k, v, g[..., 0], beta[..., 0], ws
 
 
-def _to_head_sharded(tensors, plan):
+def _to_head_sharded(tensors, group, stats):
     """One all-to-all per dtype (the decay may be float32 next to bfloat16 q, k, v: an
     all-to-all moves one dtype, and casting the decay would lose it)."""
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -285,7 +324,7 @@ def _to_head_sharded(tensors, plan):
         by_dtype.setdefault(t.dtype, []).append(index)
     out = list(tensors)
     for indices in by_dtype.values():
-        moved = to_head_sharded([tensors[i] for i in indices], plan.ulysses_group, plan.comm_stats)
+        moved = to_head_sharded([tensors[i] for i in indices], group, stats)
         for i, t in zip(indices, moved):
             out[i] = t
     return out
@@ -308,81 +347,134 @@ def _rank_weights(ws, u, rank):
     return [w[rank * (w.shape[0] // u) : (rank + 1) * (w.shape[0] // u)] for w in ws]
 
 
+# ------------------------------------------------------------------ compiled graphs
 @dataclass(frozen=True)
-class _Ring:
-    group: object  # the ring's process group (None: a ring of one)
-    stats: object  # the CommStats the all-gathers count in
-    rank: int
+class TracedGdn:
+    """A call checked while a compiled graph is traced (a constant of the graph): the
+    key heads' repeat, the Ulysses group as its functional collectives take it (None
+    when u = 1), and the values the ring block's op takes (:mod:`usp.linear.compiled`)."""
+
+    times: int
+    ulysses: TracedGroup | None
+    ulysses_rank: int
+    ring_group: str  # "" for a ring of one
+    ring_rank: int
+    ring_size: int
+    layout: str
+    kernel: str
+    conv_kernel: str
 
 
-@dataclass(frozen=True)
-class _Options:
-    activation: str | None
-    scale: float | None
-    use_qk_l2norm: bool
-    chunk_size: int
-    kernel: GdnKernel  # the recurrence's (usp.linear.backends)
-    conv: ConvKernel | None  # the short conv's (usp.linear.conv), None without one
-
-
-def _ring_block(tensors, documents: Documents, ring: _Ring, ws, options: _Options):
-    """The conv and the recurrence on a rank's ring block (head-local): q, k
-    [B, S/r, hk, dk], v [B, S/r, h, dv], g, beta [B, S/r, h] -> [B, S/r, h, dv]."""
-    q, k, v, g, beta = tensors
-    batch, _, hk, dk = q.shape
-    heads, dv = v.shape[2:]
-    segments = Segments(documents, ring.rank)
-    chained = documents.chunks_per_doc > 1  # a document's chunks follow one another
-    chunk = options.chunk_size
-
-    def gather(x):  # [..] -> [r, ..]: every ring rank's (zigzag with r = 1: this rank's)
-        return x[None] if ring.group is None else ring_all_gather(x, ring.group, ring.stats)
-
-    rows, valid, _ = segment_rows(segments.bounds)
-    dtype = compute_dtype(v.dtype)
-    mask = valid.repeat(batch, 1).to(v.device)[..., None, None]  # [B*N, L, 1, 1]
-    if ws is not None:
-        x = torch.cat([t.flatten(2) for t in (q, k, v)], dim=-1).to(dtype)  # [B, S/r, C]
-        x_pad = to_padded(x, rows, valid)  # [B*N, L, C]
-        width = ws[0].shape[1] - 1
-        if not chained or width == 0:
-            context = x_pad.new_zeros(x_pad.shape[0], width, x_pad.shape[2])
-        else:
-            tails = segment_tails(x_pad, segments, batch, width)  # [B, N, K-1, C]
-            every = gather(tails)  # [r, B, N, K-1, C]
-            context = conv_contexts(every, segments, width).flatten(0, 1)
-        weight = torch.cat(ws, 0)  # [C, K]
-        y = options.conv.run(x_pad, weight, context, options.activation, io_dtype=v.dtype)
-        qp, kp, vp = y.split([hk * dk, hk * dk, heads * dv], dim=-1)
-        qp, kp = (t.unflatten(-1, (hk, dk)) for t in (qp, kp))
-        vp = vp.unflatten(-1, (heads, dv))
-    else:
-        qp, kp, vp = (to_padded(t.to(dtype), rows, valid) for t in (q, k, v))
-    gp, bp = (to_padded(t.to(dtype), rows, valid) for t in (g, beta))
-    qp, kp = (t.repeat_interleave(heads // hk, dim=2) for t in (qp, kp))
-    if options.use_qk_l2norm:
-        qp, kp = l2norm(qp), l2norm(kp)
-    qp = qp * (dk**-0.5 if options.scale is None else options.scale)
-    qp, kp, vp = (t * mask for t in (qp, kp, vp))  # the conv wrote past the segments' ends
-
-    lengths = [b - a for a, b in zip(segments.bounds, segments.bounds[1:])] * batch
-
-    def recurrence(vp, initial_state):  # the kernel's rows: [B*N, L, h, ..]
-        return options.kernel.run(
-            qp, kp, vp, gp, bp, lengths=lengths, initial_state=initial_state,
-            chunk_size=chunk, io_dtype=v.dtype,
+def _compiled(
+    q, k, v, g, beta, plan, conv_weights, activation, packed, scale, use_qk_l2norm,
+    chunk_size, kernel, kernels, conv_kernel, conv_kernels,
+) -> torch.Tensor:  # fmt: skip
+    """:func:`gated_deltanet_usp` inside a compiled graph: the checks (and the SP ranks'
+    agreement) run once per call shape while Dynamo traces (:func:`traced_gdn`); the
+    graph holds the Ulysses all-to-alls and the ring block's op, which takes the
+    packing's boundaries as a tensor (one graph for every packing)."""
+    plan_type = topology = choices = None
+    if plan is not None:  # a plan's identity is no constant: its class, topology, choices
+        plan_type, topology = type(plan), plan.topology
+        choices = (plan.layout, plan.ring_impl, plan.backend, plan.verify_calls)
+    packed_sig = None
+    if packed is not None and not isinstance(packed, PackedSequence):
+        packed_sig = "raw"  # refused while tracing
+    elif packed is not None:
+        packed_sig = (
+            "shape", operator.index(packed.seq_len), packed.ring_degree, packed.ulysses_degree,
+            packed.layout, packed.placement.device, packed.placement.packed,
         )  # fmt: skip
+    ws_sig = None if conv_weights is None else tuple(_signature(w) for w in conv_weights)
+    tensors = tuple(_signature(t) for t in (q, k, v, g, beta))
+    call = traced_gdn(
+        plan_type, topology, choices, tensors, ws_sig, activation, packed_sig, scale,
+        use_qk_l2norm, chunk_size, kernel, conv_kernel,
+        kernels is not None or conv_kernels is not None,
+    )  # fmt: skip
+    u = 1 if call.ulysses is None else call.ulysses.size
+    q, k, v_local, g, beta, ws = _to_heads(
+        q, k, v, g, beta, conv_weights, call.times, call.ulysses, None, call.ulysses_rank, u
+    )
+    out = gdn_ring_block(
+        q, k, v_local, g, beta, [] if ws is None else ws,
+        None if packed is None else packed.cu_seqlens, v.shape[1] * u * call.ring_size,
+        call.layout, call.ring_group, call.ring_rank, call.ring_size, u, activation,
+        None if scale is None else float(scale), bool(use_qk_l2norm), chunk_size, call.kernel,
+        call.conv_kernel,
+    )  # fmt: skip
+    if u > 1:  # [B, S/r, H/u, dv] -> [B, S/P, H, dv]
+        out = to_sequence_sharded(out, call.ulysses)
+    return out
 
-    if not chained:
-        o, _ = recurrence(vp, None)
-    else:
-        n = qp.shape[0]
-        eye = torch.eye(dk, dtype=dtype, device=v.device).expand(n, heads, dk, dk)
-        start = torch.cat([eye.new_zeros(n, heads, dk, dv), eye], dim=-1)  # [0 | I]
-        vp = torch.cat([vp, vp.new_zeros(*vp.shape[:3], dk)], dim=-1)
-        o, maps = recurrence(vp, start)
-        maps = maps.reshape(batch, segments.count, *maps.shape[1:])
-        every = gather(maps)  # [r, B, N, h, dk, dv + dk]
-        s0 = start_states(every, segments, dv).flatten(0, 1)  # [B*N, h, dk, dv]
-        o = o[..., :dv] + torch.einsum("nlhk,nhkv->nlhv", o[..., dv:], s0)
-    return from_padded(o, valid, batch).to(v.dtype)
+
+def _signature(x):
+    """What the checks read of a tensor, as constants of the graph (shape, dtype, device);
+    anything else as itself (the checks refuse it)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return tuple(operator.index(n) for n in x.shape), x.dtype, x.device
+
+
+def _stand_in(signature):
+    if not isinstance(signature, tuple):
+        return signature
+    shape, dtype, device = signature
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
+
+
+@torch._dynamo.assume_constant_result
+def traced_gdn(
+    plan_type, topology, choices, tensors, ws_sig, activation, packed_sig, scale,
+    use_qk_l2norm, chunk_size, kernel, conv_kernel, own_kernels,
+) -> TracedGdn:  # fmt: skip
+    """The checked call of a compiled graph, run eagerly while Dynamo traces: the eager
+    checks and agreement (:func:`_checked`) on stand-ins of the tensors (``tensors``: the
+    shape, dtype and device of q, k, v, g, beta; no data) and of the packing (one of its
+    shape: the documents themselves reach the graph as a tensor), once per plan and call
+    shape (kept in the plan's ``traced_calls``). A failed check fails the trace with its
+    message, on every SP rank alike."""
+    if own_kernels:
+        raise LinearAttentionError(
+            "kernels= and conv_kernels= (kernel registries of your own) are not taken under "
+            "torch.compile; pass kernel=/conv_kernel= names, or call gated_deltanet_usp eagerly"
+        )
+    if packed_sig == "raw":
+        raise LinearAttentionError(
+            "under torch.compile, packed documents must be a PackedSequence built outside the "
+            "compiled call (plan.pack(cu_seqlens)): raw cu_seqlens would be read on the host "
+            "inside the graph"
+        )
+    plan = None if plan_type is None else plan_type.lasting(topology, *choices)
+    key = ("gated_deltanet_usp", tensors, ws_sig, activation, packed_sig, scale, use_qk_l2norm,
+           chunk_size, kernel, conv_kernel)  # fmt: skip
+    call = None if plan is None else plan.traced_calls.get(key)
+    if call is None:
+        call = _traced_call(plan, tensors, ws_sig, activation, packed_sig, scale,
+                            use_qk_l2norm, chunk_size, kernel, conv_kernel)  # fmt: skip
+        if plan is not None:
+            plan.traced_calls.put(key, call)
+    return call
+
+
+def _traced_call(
+    plan, tensors, ws_sig, activation, packed_sig, scale, use_qk_l2norm, chunk_size, kernel,
+    conv_kernel,
+) -> TracedGdn:  # fmt: skip
+    """:func:`traced_gdn`'s checks, on stand-ins, and what the graph takes from them."""
+    q, k, v, g, beta = (_stand_in(s) for s in tensors)
+    ws = None if ws_sig is None else [_stand_in(s) for s in ws_sig]
+    packed = None if packed_sig is None or plan is None else stand_in_packed(plan, packed_sig)
+    checked = _checked(
+        q, k, v, g, beta, plan, ws, activation, packed, scale, use_qk_l2norm, chunk_size,
+        kernel, None, conv_kernel, None,
+    )  # fmt: skip
+    u = 1 if plan is None else plan.ulysses_degree
+    r = 1 if plan is None else plan.ring_degree
+    return TracedGdn(
+        checked.times, None if u == 1 else TracedGroup.of(plan.ulysses_group),
+        0 if plan is None else plan.ulysses_rank,
+        "" if r == 1 else plan.ring_group.group_name, 0 if plan is None else plan.ring_rank, r,
+        "contiguous" if plan is None else plan.layout, checked.kernel.name,
+        "torch" if checked.conv_kernel is None else checked.conv_kernel.name,
+    )  # fmt: skip

@@ -436,21 +436,11 @@ def check_linear_heads(plan, config: Qwen3_5Config) -> None:
     )  # fmt: skip
 
 
-#: why ``[train] compile`` refuses the Gated DeltaNet layers (observed with torch 2.13:
-#: the second packing recompiles, then Dynamo fails on the segment lengths' ``max``)
-GDN_COMPILE_REFUSAL = (
-    "its Gated DeltaNet layers read the packing's document boundaries on the host "
-    "(usp.linear.kernel.segment_rows sizes the chunks by them): each new packing would "
-    "recompile, and the trace fails on the symbolic lengths"
-)
-
-
 class Qwen3_5(CausalLM):
     """A Qwen3.5 text causal LM (see :class:`usp.models.decoder.CausalLM`)."""
 
     config_class = Qwen3_5Config
     presets = PRESETS
-    compile_refusal = GDN_COMPILE_REFUSAL
     attention_class = GatedAttention
     stack_class = Qwen3_5Stack
 

@@ -23,7 +23,6 @@ from usp.models.decoder import MLP
 from usp.models.moe import SparseMoE
 from usp.models.qwen3_5 import (
     FULL,
-    GDN_COMPILE_REFUSAL,
     LINEAR,
     QWEN3_5_HF_DEFAULTS,
     Qwen3_5,
@@ -146,7 +145,6 @@ class Qwen3_5Moe(Qwen3_5):
 
     config_class = Qwen3_5MoeConfig
     presets = PRESETS
-    compile_refusal = GDN_COMPILE_REFUSAL  # (its experts compile: usp.models.moe_op)
 
     @staticmethod
     def make_mlp(config: Qwen3_5MoeConfig, index: int) -> SparseMoE:

@@ -308,6 +308,9 @@ class Plan:
             allgather=self.ring_impl == "allgather",
         )
         cpu = cu_seqlens.detach().to("cpu", torch.int32)
+        # a compiled graph that reads the boundaries (the GDN ring block's op) takes them
+        # as a tensor of any length: one graph for every document count
+        torch._dynamo.maybe_mark_dynamic(cpu, 0)
         indices = rank_token_indices(
             documents, self.ring_rank, self.ulysses_degree, self.ulysses_rank
         )
