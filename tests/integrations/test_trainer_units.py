@@ -27,7 +27,7 @@ pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate
 import usp  # noqa: E402
 import usp.models.hf as usp_hf  # noqa: E402
 from usp.integrations import hf_cli  # noqa: E402
-from usp.integrations.hf_setup import window_problem  # noqa: E402
+from usp.integrations.hf_setup import compute_device, kernel_problem, window_problem  # noqa: E402
 from usp.integrations.transformers import (  # noqa: E402
     DataParallelSampler,
     UnsupportedModelError,
@@ -333,6 +333,17 @@ def test_the_gdn_kernels_are_the_plans_choice(monkeypatch):
     )
     with pytest.raises(UnsupportedModelError, match=refused):
         prepare_model(fresh(), launch_plan(linear_backend="fla"), Levers(), name="usp-fla")
+    # the device the model will compute on decides, not the one it was loaded on: under a
+    # plan of CUDA processes FSDP2 moves the weights there (fla is still not installed)
+    on_gpus = types.SimpleNamespace(
+        topology=types.SimpleNamespace(world_size=4), default_device=lambda: torch.device("cuda", 0)
+    )
+    assert compute_device(fresh(), on_gpus) == torch.device("cuda", 0)
+    assert compute_device(fresh(), PLAN, use_cpu=True) == torch.device("cpu")
+    loaded = fresh()
+    usp_hf.swap_linear_attention(loaded, None, linear_backend="fla")
+    problem = kernel_problem(loaded, launch_plan(linear_backend="fla"), torch.device("cuda", 0))
+    assert "(cuda, torch.float32, dk=8): it needs fla (pip install 'usp[fla]'), which" in problem
 
     fla, conv1d = standin_kernel(float64=False), standin_conv_kernel()
     monkeypatch.setattr(backends, "DEFAULT", backends.GdnKernels(backends.TorchGdnKernel(), fla))

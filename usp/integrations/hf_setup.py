@@ -80,19 +80,21 @@ def attention_chunk(config) -> int | None:
     return None
 
 
-def feature_problems(model: nn.Module, levers: Levers, plan: Plan | None = None) -> list[str]:
+def feature_problems(
+    model: nn.Module, levers: Levers, plan: Plan | None = None, *, device=None
+) -> list[str]:
     """What in ``model`` (its config and attention modules) USP attention or the chosen
     levers cannot compute exactly; empty when everything can. Under ``plan``'s sequence
     parallelism also any module that mixes tokens outside attention (Mamba, linear
     attention, convolutions: :mod:`usp.models.hf_mixers`), and a Gated DeltaNet kernel
-    the plan forces that cannot run usp's layers here (:func:`kernel_problem`).
+    the plan forces that cannot run usp's layers on ``device`` (:func:`kernel_problem`).
     Deterministic from the model, so every rank finds the same."""
     config = model.config
     problems = []
     mixers = None if plan is None else mixer_problem(model, plan)
     if mixers is not None:
         problems.append(mixers)
-    kernels = None if plan is None else kernel_problem(model, plan)
+    kernels = None if plan is None else kernel_problem(model, plan, device)
     if kernels is not None:
         problems.append(kernels)
     if getattr(config, "is_encoder_decoder", False):
@@ -121,14 +123,15 @@ def feature_problems(model: nn.Module, levers: Levers, plan: Plan | None = None)
     return problems
 
 
-def kernel_problem(model: nn.Module, plan: Plan) -> str | None:
+def kernel_problem(model: nn.Module, plan: Plan, device=None) -> str | None:
     """Why a kernel ``plan`` forces (``linear_backend`` / ``linear_conv_backend``) cannot
-    run the model's Gated DeltaNet layers (usp's, once swapped in) on their parameters'
-    device and dtype (:meth:`usp.linear.GatedDeltaNet.kernel_refusal`: the kernels'
-    limits, no kernel run), or None."""
+    run the model's Gated DeltaNet layers (usp's, once swapped in) on ``device`` (default:
+    their parameters') in their parameters' dtype
+    (:meth:`usp.linear.GatedDeltaNet.kernel_refusal`: the kernels' limits, no kernel
+    run), or None."""
     for module in model.modules():
         if isinstance(module, GatedDeltaNet):
-            refusal = module.kernel_refusal(plan)
+            refusal = module.kernel_refusal(plan, device=device)
             if refusal is not None:
                 return f"its Gated DeltaNet layers: {refusal}"
     return None
@@ -151,6 +154,18 @@ def window_problem(config, seq_len: int) -> str | None:
 
 
 # ----------------------------------------------------------------------------- the model
+def compute_device(model: nn.Module, plan: Plan, *, use_cpu: bool = False) -> torch.device:
+    """Where ``model`` computes once prepared and handed to a Trainer: under several
+    processes the plan's device (FSDP2 moves the parameters there); in one process CUDA
+    when it is available and ``use_cpu`` (``TrainingArguments.use_cpu``) is not set (the
+    Trainer moves the model there), else the parameters' device."""
+    if plan.topology.world_size > 1:
+        return plan.default_device()
+    if torch.cuda.is_available() and not use_cpu:
+        return torch.device("cuda", torch.cuda.current_device())
+    return next(model.parameters()).device
+
+
 @dataclass(frozen=True)
 class PreparedModel:
     """What :func:`prepare_model` did: the attention name registered, the levers, and
@@ -166,7 +181,12 @@ class PreparedModel:
 
 
 def prepare_model(
-    model: nn.Module, plan: Plan, levers: Levers | None = None, *, name: str = "usp"
+    model: nn.Module,
+    plan: Plan,
+    levers: Levers | None = None,
+    *,
+    name: str = "usp",
+    use_cpu: bool = False,
 ) -> PreparedModel:
     """Make ``model`` (an HF causal LM) ready to train on ``plan``, in place: USP
     attention registered under ``name`` and switched on, the ``levers`` applied, the loss
@@ -180,12 +200,16 @@ def prepare_model(
     usp's (:func:`usp.models.hf.swap_linear_attention`: the same parameters and names),
     which compute them exactly under the plan's SP and restart them at every document of
     a padding-free batch; in one process too, so that one process and N ranks run the
-    same layers."""
+    same layers. Their kernels are the plan's choice (``linear_backend`` /
+    ``linear_conv_backend``); a forced one that cannot run where the model will compute
+    (:func:`compute_device`; ``use_cpu``: the Trainer's) is an
+    :class:`UnsupportedModelError` here."""
     levers = Levers() if levers is None else levers
     if not isinstance(levers, Levers):
         raise TypeError(f"levers must be a usp.models.Levers, got {type(levers).__name__}")
     swapped = usp_hf.swap_linear_attention(model, plan)  # before FSDP2 and the optimizer
-    problems = feature_problems(model, levers, plan)
+    device = compute_device(model, plan, use_cpu=use_cpu)
+    problems = feature_problems(model, levers, plan, device=device)
     if problems:
         raise UnsupportedModelError(
             f"{type(model).__name__} cannot be trained exactly under usp: " + "; ".join(problems)

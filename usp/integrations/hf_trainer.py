@@ -129,7 +129,10 @@ class UspTrainerMixin:
                 args, compute_loss_func=kwargs.get("compute_loss_func"), levers=levers
             )
         self.usp_plan = launch_plan() if plan is None else as_plan(plan)  # a Plan or Topology
-        self.usp_model = prepare_model(model, self.usp_plan, levers, name=attention_name)
+        self.usp_model = prepare_model(
+            model, self.usp_plan, levers, name=attention_name,
+            use_cpu=bool(getattr(args, "use_cpu", False)),
+        )  # fmt: skip
         super().__init__(model, args, *more, **kwargs)
         check_training_arguments(self.args, levers=self.usp_model.levers)
         # the loss is normalised by the label count of the whole step (see compute_loss)

@@ -148,17 +148,19 @@ class GatedDeltaNet(nn.Module):
             self.conv1d.weight.shape[-1],
         )  # fmt: skip
 
-    def kernel_refusal(self, plan=None, *, dtype: torch.dtype | None = None) -> str | None:
+    def kernel_refusal(
+        self, plan=None, *, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> str | None:
         """Why the kernels this layer would run under ``plan`` (default: its own plan)
-        cannot run here (:func:`usp.linear.choice.forced_kernel_refusal`: a forced kernel's
-        limits, on its parameters' device with activations of ``dtype``, default its
-        parameters'), or None. Runs no kernel."""
+        cannot run on ``device`` with activations of ``dtype`` (default: its parameters'
+        device and dtype), or None: :func:`usp.linear.choice.forced_kernel_refusal`, a
+        forced kernel's limits. Runs no kernel."""
         plan = self.plan if plan is None else plan
         weight = self.conv1d.weight
         return forced_kernel_refusal(
             plan_choice(self.kernel, plan, "linear_backend"),
             plan_choice(self.conv_kernel, plan, "linear_conv_backend"),
-            weight.device,
+            weight.device if device is None else device,
             weight.dtype if dtype is None else dtype,
             self.shape(),
             1 if plan is None else plan.ulysses_degree,

@@ -83,9 +83,10 @@ class Plan:
         layers computed under this plan that leave the choice to it (``kernel=None`` /
         ``conv_kernel=None``, the default of :class:`usp.linear.GatedDeltaNet` and
         :func:`usp.linear.gated_deltanet_usp`): ``"auto"``, ``"torch"`` or ``"fla"``, and
-        ``"auto"``, ``"torch"`` or ``"causal_conv1d"``. ``verify_calls``: agree across the SP ranks on every attention call before it
-        communicates (None: on for gloo, off for NCCL where it costs a host sync per
-        layer; see :mod:`usp.comm.call_check`). ``kernel_registry``: where the attention
+        ``"auto"``, ``"torch"`` or ``"causal_conv1d"``. ``verify_calls``: agree across
+        the SP ranks on every attention call before it communicates (None: on for gloo,
+        off for NCCL where it costs a host sync per layer; see
+        :mod:`usp.comm.call_check`). ``kernel_registry``: where the attention
         calls look their backends up (None: usp's,
         :data:`usp.kernels.backends.registry.DEFAULT`); the planner passes one holding
         its fake-tensor stand-ins. Eager calls only: a compiled graph's kernel ops use
@@ -441,9 +442,11 @@ class Plan:
     # ------------------------------------------------------------------ text
     def describe(self) -> str:
         text = f"{self.topology.describe()}; layout={self.layout}, ring_impl={self.ring_impl}, backend={self.backend}"
-        for name in ("linear_backend", "linear_conv_backend"):  # named when forced
-            if getattr(self, name) != DEFAULT_LINEAR_BACKEND:
-                text += f", {name}={getattr(self, name)}"
+        linear = {"linear_backend": (self.linear_backend, DEFAULT_LINEAR_BACKEND),
+                  "linear_conv_backend": (self.linear_conv_backend, DEFAULT_LINEAR_CONV_BACKEND)}  # fmt: skip
+        for name, (chosen, default) in linear.items():  # named when chosen
+            if chosen != default:
+                text += f", {name}={chosen}"
         return text
 
     def __repr__(self) -> str:
