@@ -115,7 +115,7 @@ def test_usp_has_no_import_cycles():
 # docs/architecture.md's layers, bottom up: a module imports only from its own layer or
 # the ones below (the front door ``usp`` itself may be imported by the jobs).
 LAYERS = [
-    ("usp.options", "usp.errors", "usp.planning_mode"),
+    ("usp.options", "usp.errors", "usp.planning_mode", "usp.compile_marks"),
     ("usp.process_groups", "usp.comm", "usp.config"),
     ("usp.kernels",),
     ("usp.ring",),

@@ -29,6 +29,7 @@ import dataclasses
 
 import torch
 
+from usp.compile_marks import constant_result
 from usp.kernels.backends.base import Backend, BackendFailure
 from usp.kernels.backends.math import MathBackend
 from usp.kernels.dispatch import dense_backward, dense_forward, docs_backward, docs_forward
@@ -68,7 +69,7 @@ def clear_cache() -> None:
 
 # Under torch.compile the check runs eagerly while the graph is traced and its verdict
 # is a constant of the graph (it is a property of the device, dtype and head dim).
-@torch._dynamo.assume_constant_result
+@constant_result
 def self_check(
     impl: Backend, device: torch.device, dtype: torch.dtype, head_dim: int, *, varlen: bool = False
 ) -> str | None:

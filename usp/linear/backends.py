@@ -38,6 +38,7 @@ import logging
 
 import torch
 
+from usp.compile_marks import compiler_disabled
 from usp.errors import InputError
 from usp.kernels.backends.base import BackendFailure
 from usp.kernels.selection import report_auto_skip
@@ -239,7 +240,7 @@ _CHECK_LENGTHS = (40, 23, 0, 17)  # unequal rows, one empty, none a multiple of 
 _CHECK_HEADS = 2
 
 
-@torch._dynamo.disable
+@compiler_disabled
 def _self_check(kernel: GdnKernel, device, dtype, dk, dv) -> str | None:
     try:
         # the check differentiates: also when the first call comes under no_grad (eval)

@@ -27,6 +27,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from usp.compile_marks import compiler_disabled
 from usp.errors import InputError
 from usp.kernels.backends.base import BackendFailure
 from usp.kernels.selection import report_auto_skip
@@ -154,7 +155,7 @@ class CausalConv1dKernel(ConvKernel):
 
 
 # ------------------------------------------------------------------ self-check
-@torch._dynamo.disable
+@compiler_disabled
 def _self_check(kernel, device, dtype, width) -> str | None:
     try:
         no_autocast = torch.autocast(device.type, enabled=False)

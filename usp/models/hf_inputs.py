@@ -23,6 +23,7 @@ import torch
 
 from usp.comm import traced
 from usp.comm.agreement import Field, agree, can_agree
+from usp.compile_marks import constant_result
 from usp.models.hf_padding import (  # noqa: F401 - re-exported: the plug-in's inputs
     HFInputError,
     PaddingSeen,
@@ -186,7 +187,7 @@ class PackedInputs:
         return packed
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def traced_documents(
     inputs: PackedInputs, batch, local_len, device, cu_q, cu_k, max_q, max_k, packed_sig
 ) -> tuple[PackedSequence | None, tuple]:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from usp.compile_marks import constant_result
 from usp.errors import ModelConfigError
 from usp.linear.module import GatedDeltaNet, GatedDeltaNetQkvz
 from usp.sp.plan import as_plan
@@ -287,7 +288,7 @@ class MixerCheck:
             raise TokenMixerError(problem)
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def _traced_problem(check: MixerCheck, config) -> str | None:
     """The verdict, computed eagerly while a compiled graph is traced (a constant of it)."""
     return check.problem(config)

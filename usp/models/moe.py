@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from usp.compile_marks import constant_result
 from usp.models.moe_op import moe_experts, register_experts_kind, routed_experts
 from usp.models.moe_planning import planned, planned_segments
 
@@ -144,7 +145,7 @@ class Experts(nn.Module):
         return grouped_gemm_available(x.dtype, x.device)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _grouped_on(x: torch.Tensor) -> bool:
     """:func:`grouped_gemm_available` for ``x`` while a graph is traced (a constant of
     the graph: the device's capability is read once, eagerly)."""

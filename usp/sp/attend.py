@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from usp.comm.agreement import Field
 from usp.comm.call_check import call_fields, checked_call, needs_grad
 from usp.comm.traced import TracedGroup
+from usp.compile_marks import constant_result
 from usp.kernels.spec import AttentionInputError, validate_inputs
 from usp.options import BACKENDS, LAYOUTS, RING_IMPLS, layout_chunks
 from usp.process_groups import HeadLayoutError
@@ -416,7 +417,7 @@ def _traced(
     )  # fmt: skip
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def traced_call(
     plan_type, topology, choices, q_sig, k_sig, v_sig, causal, softmax_scale, packed_sig,
     verify, head_chunks, grad, sinks_sig=None, window=None,
