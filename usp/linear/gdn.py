@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from usp.comm.agreement import Field, agree, can_agree, float_bits, stable_hash
 from usp.comm.traced import TracedGroup
+from usp.compile_marks import constant_result
 from usp.errors import InputError, ShardingError
 from usp.linear.backends import GDN_KERNELS, GdnKernel, GdnKernelError, select_gdn_kernel
 from usp.linear.block import BlockOptions, RingPeers, ring_block
@@ -423,7 +424,7 @@ def _stand_in(signature):
     return torch.empty((), dtype=dtype, device=device).expand(shape)
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def traced_gdn(
     plan_type, topology, choices, tensors, ws_sig, activation, packed_sig, scale,
     use_qk_l2norm, chunk_size, kernel, conv_kernel, own_kernels,

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from usp.kernels.recompute import autograd_dispatch
 from usp.models.moe_planning import hold_gradients, opened_by, planned, planned_routing
 
 Tensor = torch.Tensor
@@ -109,33 +110,10 @@ def moe_experts_backward(
     """The gradients of ``x``, ``weights`` and every param for the output's ``grad``
     (zeros where the output does not depend on one, e.g. an expert no token chose)."""
     leaves = [t.detach().requires_grad_(True) for t in (x, weights, *params)]
-    with _autograd_dispatch(), torch.enable_grad():
+    with autograd_dispatch(), torch.enable_grad():
         out = routed_experts(leaves[0], experts, leaves[1], leaves[2:], kind, options, grouped)
         grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
     return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
-
-
-_AUTOGRAD_KEYS = tuple(
-    getattr(torch._C.DispatchKey, name)
-    for name in (
-        "AutogradFunctionality",
-        "AutogradCPU",
-        "AutogradCUDA",
-        "AutogradOther",
-        "AutogradNestedTensor",
-        "ADInplaceOrView",
-    )
-)
-
-
-def _autograd_dispatch():
-    """Autograd dispatch back on inside an op's implementation (the dispatcher runs it
-    below autograd: without this, the recomputed forward records no graph). The other
-    excluded keys (autocast) stay excluded. (torch has no public guard for this.)"""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in _AUTOGRAD_KEYS:
-        exclude = exclude.remove(key)
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
 @moe_experts_backward.register_fake
