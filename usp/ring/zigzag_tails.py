@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
+from usp.compile_marks import constant_result
 from usp.ring.config import PreparedRing
 from usp.ring.layout import Block
 from usp.ring.tails import TailMessage, Tails
@@ -79,7 +78,7 @@ def tail_plan(cfg: PreparedRing, local_len: int) -> Tails | None:
     return _rank_tail_plan(cfg.size, cfg.rank, local_len, w)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _rank_tail_plan(ring_size: int, rank: int, local_len: int, w: int) -> Tails | None:
     """``rank``'s plan (a constant of a compiled graph: Dynamo runs this eagerly instead
     of tracing the cached plans of every rank)."""
