@@ -3,13 +3,18 @@ compile_layers``: fullgraph, Inductor with ``usp.compile_options``, the attentio
 collectives inside the graph), trained on 4 gloo ranks (ulysses 2 x ring 2, FSDP2) for
 3 steps against the same job in eager mode on the same ranks, on the main job's data:
 generated documents packed into sequences, a new packing at every step, which the
-compiled layers take without recompiling (``error_on_recompile``).
+compiled layers take without recompiling (one graph per kind of layer after the three
+packings).
 
-The same launches train the tiny Qwen3-MoE preset (a dense first layer, a sparse one,
-the load-balancing loss on) for STEPS steps, compiled and eager: the experts' data-dependent
-part is one ``usp::moe_experts`` op of each layer's graph (usp.models.moe_op) and the
-router statistics leave the layer as an output, so loss, gradient norm and the metrics'
-``aux_loss`` agree to the same tolerance.
+The model is the tiny Qwen3-MoE preset: a dense first layer (the decoder layer every
+dense family compiles: attention under SP, the gated MLP) and a sparse one (the
+load-balancing loss on), so one launch compiles both kinds. The experts' data-dependent
+part is one ``usp::moe_experts`` op of each sparse layer's graph (usp.models.moe_op) and
+the router statistics leave the layer as an output, so loss, gradient norm and the
+metrics' ``aux_loss`` agree to the same tolerance. (The launch compiled the dense Llama
+preset too until 2026-12-04: a second model's Inductor compile on 4 ranks sharing two
+cores, for a dense layer this model's first layer compiles as well; Llama's layers
+compiled under u2 x r2 stay tested against eager in tests/models/test_compile.py.)
 
 The windowed families (gpt-oss, Gemma 3) train compiled against eager in one process
 (below): their sliding layers' windows (16) over the packed documents (20-40 tokens) are
@@ -52,8 +57,9 @@ COMPILE_TIMEOUT = 600  # Inductor on 4 ranks sharing small CI machines
 #: refused with ring_impl = "allgather" and a ring degree > 1
 WINDOWED_PRESETS = ("gpt-oss-tiny", "gemma3-tiny")
 #: the graphs a compiled run makes, where the test pins them: one per kind of layer
-#: (qwen3.5-tiny: Gated DeltaNet and full attention), whatever the packings
-GRAPHS = {"qwen3.5-tiny": 2}
+#: (qwen3.5-tiny: Gated DeltaNet and full attention; qwen3-moe-tiny: dense and sparse),
+#: whatever the packings
+GRAPHS = {"qwen3.5-tiny": 2, "qwen3-moe-tiny": 2}
 
 
 def run_compile_case(config, out):
@@ -65,7 +71,6 @@ def run_compile_case(config, out):
     torch._inductor.config.compile_threads = 1
     torch._dynamo.reset()
     counters.clear()
-    job = train_config_from_dict(config)
     plan = Plan(topology(2, 2), verify_calls=False)  # as usp train does
     packings = []  # the document count of every packed micro-batch
     pack = plan.pack
@@ -75,20 +80,12 @@ def run_compile_case(config, out):
         return pack(cu_seqlens, **kwargs)
 
     plan.pack = recording_pack
-    # a new packing must reuse the layers' graphs: a recompile is an error
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        result = train(job, plan, output_dir=out, stream=io.StringIO())
-    rows = [(r["step"], r["loss"], r["grad_norm"]) for r in result.metrics]
-    dense_packings = list(packings)  # (the MoE run below packs too)
-    graphs = counters["stats"]["unique_graphs"]
-    # the MoE preset, from fresh caches (the dense model's shapes would make Dynamo mark
-    # dimensions dynamic): its dense and sparse layers are two graphs of one forward (a
-    # recompile by design), so outside error_on_recompile
-    torch._dynamo.reset()
+    # its dense and sparse layers are two graphs of one forward (a recompile by design,
+    # so not under error_on_recompile); a new packing that recompiled would add more
     moe = {**config, "model": {"preset": "qwen3-moe-tiny"}}
-    result = train(train_config_from_dict(moe), plan, output_dir=f"{out}_moe", stream=io.StringIO())
-    moe_rows = [(r["step"], r["loss"], r["grad_norm"], r["aux_loss"]) for r in result.metrics]
-    moe_graphs = counters["stats"]["unique_graphs"] - graphs
+    result = train(train_config_from_dict(moe), plan, output_dir=out, stream=io.StringIO())
+    rows = [(r["step"], r["loss"], r["grad_norm"], r["aux_loss"]) for r in result.metrics]
+    graphs = counters["stats"]["unique_graphs"]
     breaks = sum(counters["graph_break"].values())
     refused = None
     if config["train"]["compile"]:  # windows on the all-gather ring: refused at set-up
@@ -99,9 +96,8 @@ def run_compile_case(config, out):
                   stream=io.StringIO())  # fmt: skip
         except ConfigError as err:
             refused = str(err)
-    return {"rows": rows, "moe_rows": moe_rows, "graphs": graphs, "moe_graphs": moe_graphs,
-            "breaks": breaks,
-            "packings": dense_packings, "refused": refused}  # fmt: skip
+    return {"rows": rows, "graphs": graphs, "breaks": breaks, "packings": packings,
+            "refused": refused}  # fmt: skip
 
 
 def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
@@ -120,9 +116,10 @@ def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
         )
     eager, compiled = runs[False], runs[True]
     assert all(r["graphs"] == 0 for r in eager)
-    assert all(r["graphs"] > 0 for r in compiled), [r["graphs"] for r in compiled]
-    assert all(r["moe_graphs"] == 0 for r in eager)
-    assert all(r["moe_graphs"] > 0 for r in compiled), [r["moe_graphs"] for r in compiled]
+    # one graph per kind of layer, whatever the packings: a new packing did not recompile
+    assert all(r["graphs"] == GRAPHS["qwen3-moe-tiny"] for r in compiled), [
+        r["graphs"] for r in compiled
+    ]
     assert all(r["breaks"] == 0 for r in compiled)  # each layer whole (fullgraph=True)
     # every step a new packing, with different document counts: reused without recompiling
     packings = compiled[0]["packings"]
@@ -133,20 +130,13 @@ def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
     assert refused is not None and "set [train] compile = false for gpt_oss" in refused
     assert "sliding-window layers" in refused and 'ring_impl = "p2p"' in refused
     assert all(r["refused"] == refused for r in compiled)  # every rank, the same message
+    # compiled against eager: loss, gradient norm and the aux term, every step
     rows, reference = compiled[0]["rows"], eager[0]["rows"]
     assert [r[0] for r in rows] == list(range(1, STEPS + 1))
-    for (step, loss, norm), (_, ref_loss, ref_norm) in zip(rows, reference):
-        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (step, loss, ref_loss)
-        assert abs(norm - ref_norm) <= TOL * abs(ref_norm), (step, norm, ref_norm)
-    assert rows[-1][1] < rows[0][1]  # it trains
-    # the MoE preset, compiled against eager (its aux term included)
-    moe, moe_reference = compiled[0]["moe_rows"], eager[0]["moe_rows"]
-    assert all(r["moe_rows"] == moe for r in compiled), "ranks log alike"
-    assert [r[0] for r in moe] == list(range(1, STEPS + 1))
-    for row, ref in zip(moe, moe_reference):
+    for row, ref in zip(rows, reference):
         for value, expected in zip(row[1:], ref[1:]):
             assert abs(value - expected) <= TOL * abs(expected), (row, ref)
-    assert moe[-1][1] < moe[0][1] and moe[0][3] > 0  # it trains, with its aux term
+    assert rows[-1][1] < rows[0][1] and rows[0][3] > 0  # it trains, with its aux term
 
 
 def test_compile_must_be_a_boolean():
