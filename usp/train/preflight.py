@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 
 from usp.config import ConfigError, read_toml
-from usp.errors import MissingDataFile
 from usp.config.overrides import apply_settings, parse_settings
+from usp.errors import MissingDataFile
 from usp.sp.sharding import required_multiple
 from usp.train.components import check_lengths, model_source, prepare_data
 from usp.train.config import is_train_config, train_config_from_dict
