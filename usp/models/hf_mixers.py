@@ -265,9 +265,13 @@ class MixerCheck:
 
     def accept(self, model: nn.Module) -> None:
         """Check ``model`` itself (raising as :func:`check_model`) and keep the verdict
-        for its config: its calls then need no meta build."""
+        for its config and every sub-config its modules carry (a vision-language model's
+        attention calls carry its text config): its calls then need no meta build."""
         problem = mixer_problem(model, self.plan)
-        self._verdicts[id(model.config)] = (model.config, problem)
+        configs = [model.config] + [getattr(m, "config", None) for m in model.modules()]
+        for config in configs:
+            if config is not None:
+                self._verdicts[id(config)] = (config, problem)
         if problem is not None:
             raise TokenMixerError(problem)
 
