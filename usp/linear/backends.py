@@ -31,7 +31,6 @@ tests/kernels/test_new_paths_device.py).
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
@@ -39,6 +38,7 @@ import torch
 from usp.errors import InputError
 from usp.kernels.optional import Kernel, PackageKernel, compare_results
 from usp.kernels.selection import choose
+from usp.linear.fla_rows import run_packed
 from usp.linear.kernel import compute_dtype, gated_delta_rule_padded
 from usp.options import LINEAR_BACKENDS
 
@@ -84,16 +84,6 @@ class TorchGdnKernel(GdnKernel):
         )
 
 
-def _packed_rows(lengths: list[int], length: int, device) -> torch.Tensor | None:
-    """The flat row indices ([N * L] layout) of the valid tokens; None when every row
-    is full (the padded tensor is then the packed one)."""
-    if all(n == length for n in lengths):
-        return None
-    offsets = torch.arange(length)
-    valid = offsets[None, :] < torch.tensor(lengths, dtype=torch.int64)[:, None]  # [N, L]
-    return valid.reshape(-1).nonzero().squeeze(1).to(device)
-
-
 class FlaGdnKernel(PackageKernel, GdnKernel):
     """fla's ``chunk_gated_delta_rule``, imported lazily from ``module`` (or the given
     ``function``, which takes fla's signature: tests hand in a stand-in). A Triton
@@ -124,64 +114,15 @@ class FlaGdnKernel(PackageKernel, GdnKernel):
         return _compare_with_torch(self, device, dtype, dk, dv)
 
     def run(self, q, k, v, g, beta, *, lengths, initial_state, chunk_size, io_dtype):
-        fn = self.function()
-        n, length, heads, _ = q.shape
         compute = v.dtype
         low = io_dtype if io_dtype in (torch.bfloat16, torch.float16) else compute
-        rows = _packed_rows(lengths, length, q.device)
-
-        def packed(t, dtype):  # [N, L, ...] -> [1, T, ...]: the valid tokens, row after row
-            flat = t.reshape(n * length, *t.shape[2:])
-            return (flat if rows is None else flat.index_select(0, rows))[None].to(dtype)
-
-        # fla wants every sequence non-empty; an empty row's final state is its initial one
-        full = [i for i, count in enumerate(lengths) if count > 0]
-        if not full:  # no token at all: nothing to run
-            state = (
-                initial_state
-                if initial_state is not None
-                else q.new_zeros(n, heads, *q.shape[3:], v.shape[3])
-            )
-            return v.new_zeros(v.shape), state
-        bounds = [0]
-        for i in full:
-            bounds.append(bounds[-1] + lengths[i])
-        h0 = initial_state
-        if h0 is not None and len(full) < n:
-            h0 = h0.index_select(0, torch.tensor(full, device=h0.device))
-        extra = {}
-        if _takes(fn, "cu_seqlens_cpu"):  # fla 0.6: the chunk indices without a host sync
-            extra["cu_seqlens_cpu"] = torch.tensor(bounds, dtype=torch.int64)
-        o, final = fn(
-            packed(q, low),
-            packed(k, low),
-            packed(v, low),
-            packed(g, compute),  # float32 (float64 only off fla: stand-ins)
-            packed(beta, low),
-            scale=1.0,
-            initial_state=h0,
-            output_final_state=True,
-            cu_seqlens=torch.tensor(bounds, dtype=torch.int64, device=q.device),
-            chunk_size=chunk_size if chunk_size in (16, 32, 64) else 64,
-            **extra,
-        )  # o [1, T, H, dv], final [len(full), H, dk, dv]
-        o = o[0].to(compute)
-        if rows is not None:
-            o = o.new_zeros(n * length, *o.shape[1:]).index_copy(0, rows, o)
-        final = final.to(compute)
-        if len(full) < n:
-            base = (
-                initial_state if initial_state is not None else final.new_zeros(n, *final.shape[1:])
-            )
-            final = base.index_copy(0, torch.tensor(full, device=final.device), final)
-        return o.reshape(n, length, heads, -1), final
-
-
-def _takes(fn, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # no signature to read: pass only what every release takes
-        return False
+        # the decay in float32 (float64 only off fla: stand-ins)
+        inputs = [(q, low), (k, low), (v, low), (g, compute), (beta, low)]
+        return run_packed(
+            self.function(), inputs, compute=compute, lengths=lengths, initial_state=initial_state,
+            state_shape=(q.shape[2], q.shape[3], v.shape[3]),
+            scale=1.0, chunk_size=chunk_size if chunk_size in (16, 32, 64) else 64,
+        )  # fmt: skip
 
 
 # ------------------------------------------------------------------ self-check

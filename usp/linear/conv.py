@@ -51,16 +51,17 @@ class ConvKernel(Kernel):
     """One implementation of the seam; its limits read (channels, width), its self-check
     the width."""
 
-    def run(self, x, weight, context, activation, *, io_dtype):
+    def run(self, x, weight, context, activation, *, io_dtype, bias=None):
         raise NotImplementedError
 
 
 class TorchConvKernel(ConvKernel):
     name = "torch"
 
-    def run(self, x, weight, context, activation, *, io_dtype):
+    def run(self, x, weight, context, activation, *, io_dtype, bias=None):
         full = torch.cat([context, x], dim=1).transpose(1, 2)  # [N, C, K-1+L]
-        out = F.conv1d(full, weight.to(full.dtype)[:, None, :], groups=full.shape[1])
+        bias = None if bias is None else bias.to(full.dtype)
+        out = F.conv1d(full, weight.to(full.dtype)[:, None, :], bias, groups=full.shape[1])
         out = out.transpose(1, 2)  # [N, L, C]
         return F.silu(out) if activation == "silu" else out
 
@@ -96,12 +97,12 @@ class CausalConv1dKernel(PackageKernel, ConvKernel):
     def check(self, device, dtype, width):
         return _compare_with_torch(self, device, dtype, width)
 
-    def run(self, x, weight, context, activation, *, io_dtype):
+    def run(self, x, weight, context, activation, *, io_dtype, bias=None):
         low = io_dtype if io_dtype in (torch.bfloat16, torch.float16) else x.dtype
         # channel-last [N, C, L] views of [N, L, C] memory: the layout that takes contexts
         xs = x.to(low).contiguous().transpose(1, 2)
         states = context.to(low).contiguous().transpose(1, 2)  # [N, C, K-1]
-        out = self.function()(xs, weight, None, None, states, False, None, activation)
+        out = self.function()(xs, weight, bias, None, states, False, None, activation)
         return out.transpose(1, 2).to(x.dtype)
 
 
@@ -110,22 +111,26 @@ _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, to
 
 
 def _compare_with_torch(kernel, device, dtype, width) -> str | None:
+    """Contexts non-zero, a bias, both activations, forward and backward, against the
+    torch conv in float64 on the same device."""
     gen = torch.Generator().manual_seed(7)
     n, length, channels = 3, 21, 16
     x, dout = (torch.randn(n, length, channels, generator=gen, dtype=torch.float64) for _ in "xd")
     context = torch.randn(n, width - 1, channels, generator=gen, dtype=torch.float64)
     weight = torch.randn(channels, width, generator=gen, dtype=torch.float64) * 0.5
+    bias = torch.randn(channels, generator=gen, dtype=torch.float64) * 0.3
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     for activation in ("silu", None):
         results = []
         for impl, run_dtype, in_dtype in ((TorchConvKernel(), torch.float64, torch.float64),
                                           (kernel, dtype, compute)):  # fmt: skip
-            leaves = [t.to(device, in_dtype).requires_grad_() for t in (x, weight, context)]
-            out = impl.run(leaves[0], leaves[1], leaves[2], activation, io_dtype=run_dtype)
+            leaves = [t.to(device, in_dtype).requires_grad_() for t in (x, weight, context, bias)]
+            out = impl.run(*leaves[:3], activation, io_dtype=run_dtype, bias=leaves[3])
             grads = torch.autograd.grad(out, leaves, dout.to(device, out.dtype))
             results.append([out, *grads])
-        problem = compare_results(("out", "dx", "dweight", "dcontext"), *results[::-1],
-                                  _TOLERANCE[dtype], f", activation={activation}")  # fmt: skip
+        names = ("out", "dx", "dweight", "dcontext", "dbias")
+        problem = compare_results(names, *results[::-1], _TOLERANCE[dtype],
+                                  f", activation={activation}")  # fmt: skip
         if problem is not None:
             return problem
     return None
