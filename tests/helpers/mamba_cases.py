@@ -48,7 +48,10 @@ def reference_mamba2(x, b, c, dt, a, d, weight, bias, cu_seqlens=None, activatio
         steps = []
         for t in range(hi - lo):
             da = torch.exp(dt[:, lo + t] * a)  # [B, H]
-            s = s * da[..., None, None] + (dt[:, lo + t, :, None] * xd[:, t])[..., None] * bd[:, t, :, None]
+            s = (
+                s * da[..., None, None]
+                + (dt[:, lo + t, :, None] * xd[:, t])[..., None] * bd[:, t, :, None]
+            )
             steps.append((s * cd[:, t, :, None]).sum(-1) + d[:, None] * xd[:, t])
         outs.append(torch.stack(steps, 1))
     return torch.cat(outs, dim=1)
