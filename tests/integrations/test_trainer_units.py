@@ -326,6 +326,10 @@ def test_the_gdn_kernels_are_the_plans_choice(monkeypatch):
         model.load_state_dict(reference.state_dict())
         return model
 
+    # fla as if not installed (the dev extra installs fla-core: its kernels run on CPU only
+    # under Triton's interpreter, tests/kernels/test_fla_interpreted.py)
+    absent = backends.FlaGdnKernel(module="usp_test_no_such_package.ops")
+    monkeypatch.setattr(backends, "DEFAULT", backends.GdnKernels(backends.TorchGdnKernel(), absent))
     refused = (
         r'its Gated DeltaNet layers: linear_backend = "fla" cannot run the Gated DeltaNet '
         r"recurrence here \(cpu, torch.float32, dk=8\): it needs fla .* set linear_backend = "

@@ -60,12 +60,18 @@ from usp.linear.block import BlockOptions, RingPeers, ring_block
 from usp.linear.choice import plan_choice
 from usp.linear.compiled import gdn_ring_block
 from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError, select_conv_kernel
+from usp.linear.heads import (
+    documents_of,
+    hashed,
+    rank_channels,
+    replicated_channels,
+    to_head_sharded_by_dtype,
+)  # fmt: skip
 from usp.process_groups import HeadLayoutError, degrees
 from usp.ring.documents import Documents
 from usp.sp.attend import stand_in_packed
 from usp.sp.packing import PackedSequence
-from usp.sp.sharding import sequence_documents
-from usp.sp.ulysses import UlyssesHeadError, to_head_sharded, to_sequence_sharded
+from usp.sp.ulysses import UlyssesHeadError, to_sequence_sharded
 
 __all__ = ["LinearAttentionError", "gated_deltanet_usp"]
 
@@ -116,18 +122,6 @@ def _check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale)
             )
 
 
-def _documents(plan, seq_len: int, packed) -> Documents:
-    if plan is None:
-        if isinstance(packed, PackedSequence):
-            packed = packed.cu_seqlens
-        return sequence_documents(seq_len, 1, 1, "contiguous", packed)
-    if isinstance(packed, PackedSequence) or packed is None:
-        packed = plan.packed_sequence(packed, seq_len=seq_len)
-        if packed is not None:
-            return packed.documents
-    return sequence_documents(seq_len, plan.ring_degree, plan.ulysses_degree, plan.layout, packed)
-
-
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -139,13 +133,13 @@ def _fields(q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, do
                float_bits(-1.0 if scale is None else scale), int(use_qk_l2norm))  # fmt: skip
     docs = 0 if documents is None else stable_hash(documents.lengths)
     return [
-        Field("q shape", stable_hash(q.shape), _hashed),
-        Field("v shape", stable_hash(v.shape), _hashed),
+        Field("q shape", stable_hash(q.shape), hashed),
+        Field("v shape", stable_hash(v.shape), hashed),
         Field("dtype", dtype, lambda i: str(_DTYPES[i]) if i < len(_DTYPES) else "other"),
         Field("conv kernel", kernel),
         Field("chunk_size", chunk_size if isinstance(chunk_size, int) else -1),
-        Field("activation, scale, use_qk_l2norm", stable_hash(options), _hashed),
-        Field("documents", docs, _hashed),
+        Field("activation, scale, use_qk_l2norm", stable_hash(options), hashed),
+        Field("documents", docs, hashed),
         Field(
             "GDN kernel (auto, torch or fla)",
             GDN_KERNELS.index(choices[0]) if choices[0] in GDN_KERNELS else -1,
@@ -157,10 +151,6 @@ def _fields(q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, do
             lambda i: CONV_KERNELS[i] if i >= 0 else "unknown",
         ),
     ]
-
-
-def _hashed(value: int) -> str:
-    return f"hash {value & 0xFFFFFFFF:08x}"
 
 
 def gated_deltanet_usp(
@@ -265,7 +255,7 @@ def _checked(
             subject=f"cannot split {v.shape[2]} GDN value heads / {q.shape[2]} key heads "
             f"over ulysses={u}",
         )  # fmt: skip
-        documents = _documents(plan, v.shape[1] * u * r, packed)
+        documents = documents_of(plan, v.shape[1] * u * r, packed)
         dk, dv = q.shape[3], v.shape[3]
         if documents.chunks_per_doc > 1:  # the ring's state pass adds d_k value columns
             dv += dk
@@ -307,45 +297,16 @@ def _to_heads(q, k, v, g, beta, conv_weights, times, ulysses, stats, ulysses_ran
     group, its TracedGroup in a compiled graph, or None (u = 1)."""
     if times > 1:  # key heads repeated so that u ranks split them
         q, k = (t.repeat_interleave(times, dim=2) for t in (q, k))
-    ws = None if conv_weights is None else _replicated_weights(conv_weights, q, k, times)
+    ws = None
+    if conv_weights is not None:  # the key heads' channels repeated as the heads are
+        ws = [*replicated_channels(conv_weights[:2], q.shape[2] // times, times), conv_weights[2]]
     tensors = [q, k, v, g[..., None], beta[..., None]]
     if u > 1:
-        tensors = _to_head_sharded(tensors, ulysses, stats)
+        tensors = to_head_sharded_by_dtype(tensors, ulysses, stats)
         if ws is not None:
-            ws = _rank_weights(ws, u, ulysses_rank)
+            ws = rank_channels(ws, u, ulysses_rank)
     q, k, v, g, beta = tensors
     return q, k, v, g[..., 0], beta[..., 0], ws
-
-
-def _to_head_sharded(tensors, group, stats):
-    """One all-to-all per dtype (the decay may be float32 next to bfloat16 q, k, v: an
-    all-to-all moves one dtype, and casting the decay would lose it)."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(index)
-    out = list(tensors)
-    for indices in by_dtype.values():
-        moved = to_head_sharded([tensors[i] for i in indices], group, stats)
-        for i, t in zip(indices, moved):
-            out[i] = t
-    return out
-
-
-def _replicated_weights(conv_weights, q, k, times):
-    wq, wk, wv = conv_weights
-    if times == 1:
-        return [wq, wk, wv]
-    heads = q.shape[2] // times
-    return [
-        w.reshape(heads, -1, w.shape[-1]).repeat_interleave(times, 0).reshape(-1, w.shape[-1])
-        for w in (wq, wk)
-    ] + [wv]
-
-
-def _rank_weights(ws, u, rank):
-    """The channels of this Ulysses rank's heads (rank j holds the j-th 1/u of the heads;
-    channels are head-major)."""
-    return [w[rank * (w.shape[0] // u) : (rank + 1) * (w.shape[0] // u)] for w in ws]
 
 
 # ------------------------------------------------------------------ compiled graphs
