@@ -23,11 +23,12 @@
 """
 
 from usp.linear.gdn import LinearAttentionError, gated_deltanet_usp
+from usp.linear.kda import KdaError, kda_usp
 from usp.linear.mamba2 import Mamba2Error, mamba2_usp
 from usp.linear.mamba2_module import Mamba2Mixer
 from usp.linear.module import GatedDeltaNet
 
 __all__ = [
-    "GatedDeltaNet", "LinearAttentionError", "Mamba2Error", "Mamba2Mixer", "gated_deltanet_usp",
-    "mamba2_usp",
+    "GatedDeltaNet", "KdaError", "LinearAttentionError", "Mamba2Error", "Mamba2Mixer",
+    "gated_deltanet_usp", "kda_usp", "mamba2_usp",
 ]  # fmt: skip

@@ -27,6 +27,11 @@ torch kernel in float64 on the same device. A kernel that raises or disagrees is
 (a :class:`BackendFailure`): ``auto`` warns once and takes torch, a forced one raises.
 None of this has run on a GPU yet (the GPU check's cases are in
 tests/kernels/test_new_paths_device.py).
+
+Kimi Delta Attention (:mod:`usp.linear.kda`) is the same seam with a decay per key
+channel (g [N, L, H, dk]): the torch kernel computes both; fla's ``chunk_kda``
+(:class:`FlaKdaKernel`, chunk 32 or 64) is its CUDA kernel, chosen and self-checked the
+same way (:data:`KDA_DEFAULT`, :func:`select_kda_kernel`; the check's decay per channel).
 """
 
 from __future__ import annotations
@@ -45,12 +50,15 @@ from usp.options import LINEAR_BACKENDS
 __all__ = [
     "DEFAULT",
     "GDN_KERNELS",
+    "KDA_DEFAULT",
     "FlaGdnKernel",
+    "FlaKdaKernel",
     "GdnKernel",
     "GdnKernelError",
     "GdnKernels",
     "TorchGdnKernel",
     "select_gdn_kernel",
+    "select_kda_kernel",
 ]
 
 #: the names ``kernel=`` takes (``auto`` picks one per call): ``[attention] linear_backend``'s
@@ -68,6 +76,9 @@ class GdnKernelError(InputError):
 class GdnKernel(Kernel):
     """One implementation of the seam (see the module's docstring); its limits read the
     key head dim, its self-check (dk, dv)."""
+
+    #: its decay: one per head (Gated DeltaNet) or one per key channel (KDA)
+    per_channel_decay = False
 
     def run(self, q, k, v, g, beta, *, lengths, initial_state, chunk_size, io_dtype):
         raise NotImplementedError
@@ -125,13 +136,36 @@ class FlaGdnKernel(PackageKernel, GdnKernel):
         )  # fmt: skip
 
 
+class FlaKdaKernel(FlaGdnKernel):
+    """fla's ``chunk_kda`` (Kimi Delta Attention: g [N, L, H, dk], a decay per key
+    channel), on the same packed mapping as :class:`FlaGdnKernel`; chunk 32 or 64 (64
+    for any other), the initial state in float32."""
+
+    attribute = "chunk_kda"
+    per_channel_decay = True
+
+    def __init__(self, function=None, *, module="fla.ops.kda", **options):
+        super().__init__(function, module=module, **options)
+
+    def run(self, q, k, v, g, beta, *, lengths, initial_state, chunk_size, io_dtype):
+        compute = v.dtype
+        low = io_dtype if io_dtype in (torch.bfloat16, torch.float16) else compute
+        inputs = [(q, low), (k, low), (v, low), (g, compute), (beta, low)]
+        return run_packed(
+            self.function(), inputs, compute=compute, lengths=lengths, initial_state=initial_state,
+            state_shape=(q.shape[2], q.shape[3], v.shape[3]),
+            scale=1.0, chunk_size=chunk_size if chunk_size in (32, 64) else 64,
+        )  # fmt: skip
+
+
 # ------------------------------------------------------------------ self-check
 _CHECK_LENGTHS = (40, 23, 0, 17)  # unequal rows, one empty, none a multiple of 16
 _CHECK_HEADS = 2
 
 
-def _check_inputs(device, dk, dv):
-    """Random padded rows in float64 (zeros past each row's length) and gradients."""
+def _check_inputs(device, dk, dv, per_channel=False):
+    """Random padded rows in float64 (zeros past each row's length) and gradients; the
+    decay per key channel when ``per_channel``."""
     gen = torch.Generator().manual_seed(2024)
     n, length, heads = len(_CHECK_LENGTHS), max(_CHECK_LENGTHS), _CHECK_HEADS
     valid = torch.arange(length)[None, :] < torch.tensor(_CHECK_LENGTHS)[:, None]
@@ -144,10 +178,11 @@ def _check_inputs(device, dk, dv):
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True)) * 0.6 * dk**-0.5
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True))
     v = randn(n, length, heads, dv)
-    g = -torch.rand(n, length, heads, generator=gen, dtype=torch.float64) * 0.5
+    decay_shape = (n, length, heads, dk) if per_channel else (n, length, heads)
+    g = -torch.rand(*decay_shape, generator=gen, dtype=torch.float64) * 0.5
     beta = torch.rand(n, length, heads, generator=gen, dtype=torch.float64)
     q, k, v = (t * mask[..., None] for t in (q, k, v))
-    g, beta = g * mask, beta * mask
+    g, beta = g * (mask[..., None] if per_channel else mask), beta * mask
     state = randn(n, heads, dk, dv) * 0.3
     dout = randn(n, length, heads, dv) * mask[..., None]
     dstate = randn(n, heads, dk, dv)
@@ -173,7 +208,7 @@ def _compare_with_torch(kernel, device, dtype, dk, dv) -> str | None:
     """A small call through ``kernel``'s mapping against the torch kernel in float64 on
     the same device: rows of unequal lengths and an empty one, a non-zero initial state,
     chunk size 16, forward and the backward of both outputs."""
-    tensors = _check_inputs(device, dk, dv)
+    tensors = _check_inputs(device, dk, dv, kernel.per_channel_decay)
     expected = _outputs_and_grads(TorchGdnKernel(), tensors, torch.float64)
     actual = _outputs_and_grads(kernel, tensors, dtype)
     names = ("o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
@@ -192,8 +227,9 @@ class GdnKernels:
         return self._kernels[name]
 
 
-#: usp's kernels
+#: usp's kernels: of the gated delta rule, of Kimi Delta Attention
 DEFAULT = GdnKernels(TorchGdnKernel(), FlaGdnKernel())
+KDA_DEFAULT = GdnKernels(TorchGdnKernel(), FlaKdaKernel())
 
 
 def _reason(kernel: GdnKernel, device, dtype, dk, dv) -> str | None:
@@ -207,11 +243,23 @@ def select_gdn_kernel(
     [dk, dv] per head (dv includes the ring's d_k extra columns): the named one, or for
     ``auto`` fla where it can, else torch. Runs no kernel but fla's one-time self-check.
     Raises :class:`GdnKernelError` for an unknown name or a forced kernel that cannot run."""
-    kernels = DEFAULT if kernels is None else kernels
+    return _select(name, device, dtype, dk, dv, DEFAULT if kernels is None else kernels, "GDN")
+
+
+def select_kda_kernel(
+    name: str, device: torch.device, dtype: torch.dtype, dk: int, dv: int, kernels=None
+) -> GdnKernel:
+    """:func:`select_gdn_kernel` for Kimi Delta Attention (the decay per key channel):
+    fla's ``chunk_kda`` or usp's torch kernel (``kernels``: default :data:`KDA_DEFAULT`)."""
+    return _select(name, device, dtype, dk, dv, KDA_DEFAULT if kernels is None else kernels,
+                   "KDA")  # fmt: skip
+
+
+def _select(name, device, dtype, dk, dv, kernels: GdnKernels, mixer: str) -> GdnKernel:
     return choose(
         name, ("torch", "fla"), kernels.get,
         lambda _, kernel: _reason(kernel, device, dtype, dk, dv),
-        order=("fla", "torch"), kind="GDN kernel",
+        order=("fla", "torch"), kind=f"{mixer} kernel",
         call=f"this call ({device.type}, {dtype}, dk={dk}, dv={dv})", log=logging.getLogger(__name__),
         unknown=GdnKernelError, unable=GdnKernelError,
         fix=lambda: "kernel='auto' or 'torch' runs it with usp's torch kernel",

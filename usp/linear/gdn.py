@@ -60,13 +60,7 @@ from usp.linear.block import BlockOptions, RingPeers, ring_block
 from usp.linear.choice import plan_choice
 from usp.linear.compiled import gdn_ring_block
 from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError, select_conv_kernel
-from usp.linear.heads import (
-    documents_of,
-    hashed,
-    rank_channels,
-    replicated_channels,
-    to_head_sharded_by_dtype,
-)  # fmt: skip
+from usp.linear.heads import delta_rule_heads, documents_of, hashed
 from usp.process_groups import HeadLayoutError, degrees
 from usp.ring.documents import Documents
 from usp.sp.attend import stand_in_packed
@@ -210,7 +204,7 @@ def gated_deltanet_usp(
     )  # fmt: skip
     stats = None if plan is None else plan.comm_stats
     ulysses = None if u == 1 else plan.ulysses_group
-    q, k, v_local, g, beta, ws = _to_heads(
+    q, k, v_local, g, beta, ws = delta_rule_heads(
         q, k, v, g, beta, conv_weights, checked.times, ulysses, stats,
         0 if plan is None else plan.ulysses_rank, u,
     )  # fmt: skip
@@ -291,24 +285,6 @@ _ERRORS = (
 )  # fmt: skip
 
 
-def _to_heads(q, k, v, g, beta, conv_weights, times, ulysses, stats, ulysses_rank, u):
-    """[B, S/P, h, D] -> [B, S/r, h/u, D] (q, k with their key heads repeated ``times``
-    first) and this Ulysses rank's conv weights (None without a conv). ``ulysses``: the
-    group, its TracedGroup in a compiled graph, or None (u = 1)."""
-    if times > 1:  # key heads repeated so that u ranks split them
-        q, k = (t.repeat_interleave(times, dim=2) for t in (q, k))
-    ws = None
-    if conv_weights is not None:  # the key heads' channels repeated as the heads are
-        ws = [*replicated_channels(conv_weights[:2], q.shape[2] // times, times), conv_weights[2]]
-    tensors = [q, k, v, g[..., None], beta[..., None]]
-    if u > 1:
-        tensors = to_head_sharded_by_dtype(tensors, ulysses, stats)
-        if ws is not None:
-            ws = rank_channels(ws, u, ulysses_rank)
-    q, k, v, g, beta = tensors
-    return q, k, v, g[..., 0], beta[..., 0], ws
-
-
 # ------------------------------------------------------------------ compiled graphs
 @dataclass(frozen=True)
 class TracedGdn:
@@ -355,7 +331,7 @@ def _compiled(
         kernels is not None or conv_kernels is not None,
     )  # fmt: skip
     u = 1 if call.ulysses is None else call.ulysses.size
-    q, k, v_local, g, beta, ws = _to_heads(
+    q, k, v_local, g, beta, ws = delta_rule_heads(
         q, k, v, g, beta, conv_weights, call.times, call.ulysses, None, call.ulysses_rank, u
     )
     out = gdn_ring_block(

@@ -72,3 +72,24 @@ def replicated_channels(parameters, heads: int, times: int) -> list[torch.Tensor
 def rank_channels(parameters, u: int, rank: int) -> list[torch.Tensor]:
     """The channels (dim 0) of Ulysses rank ``rank``'s heads: the rank-th 1/u of each."""
     return [p[rank * (p.shape[0] // u) : (rank + 1) * (p.shape[0] // u)] for p in parameters]
+
+
+def delta_rule_heads(q, k, v, g, beta, conv_weights, times, ulysses, stats, ulysses_rank, u):
+    """A delta-rule mixer's inputs (Gated DeltaNet, KDA) from the sequence shard to the
+    ring block: [B, S/P, h, D] -> [B, S/r, h/u, D] (q, k with their key heads repeated
+    ``times`` first; g [B, S/P, H] per head or [B, S/P, H, dk] per key channel; beta
+    [B, S/P, H]), and this Ulysses rank's conv weights (None without a conv).
+    ``ulysses``: the group, its TracedGroup in a compiled graph, or None (u = 1)."""
+    if times > 1:  # key heads repeated so that u ranks split them
+        q, k = (t.repeat_interleave(times, dim=2) for t in (q, k))
+    ws = None
+    if conv_weights is not None:  # the key heads' channels repeated as the heads are
+        ws = [*replicated_channels(conv_weights[:2], q.shape[2] // times, times), conv_weights[2]]
+    per_head = g.dim() == 3
+    tensors = [q, k, v, g[..., None] if per_head else g, beta[..., None]]
+    if u > 1:
+        tensors = to_head_sharded_by_dtype(tensors, ulysses, stats)
+        if ws is not None:
+            ws = rank_channels(ws, u, ulysses_rank)
+    q, k, v, g, beta = tensors
+    return q, k, v, g[..., 0] if per_head else g, beta[..., 0], ws

@@ -4,7 +4,8 @@ recurrence (its reference).
 Per head, with a state ``S`` of [d_k, d_v], for every token t (the convention of
 transformers' ``torch_chunk_gated_delta_rule`` and of fla)::
 
-    S <- exp(g_t) * S
+    S <- exp(g_t) * S               (Gated DeltaNet: g_t one number per head;
+                                     KDA: diag(exp(g_t)) S, g_t one per key channel)
     S <- S + k_t (beta_t (v_t - S^T k_t))^T
     o_t = S^T q_t                   (q_t already scaled, by 1/sqrt(d_k) by default)
 
@@ -17,7 +18,10 @@ s < t and T = (I + A)^-1,
     S_C = Gamma_C S0 + K^T diag(exp(gamma_C - gamma)) U
 
 Everything except the last three lines is computed for every chunk at once; the loop over
-chunks is three matmuls per chunk. Autograd gives the backward.
+chunks is three matmuls per chunk. Autograd gives the backward. With a decay per key
+channel (Kimi Delta Attention) Gamma is diagonal per token and the same lines hold with
+``k_t.k_s`` and ``q_t.k_s`` weighted per channel by ``exp(gamma_t - gamma_s)``: a
+[C, C, d_k] factor per chunk (C times q's size), every exponent <= 0.
 
 Sequences with documents are computed as a padded batch of segments ([N, L, H, D], one
 row per document, zeros after its end): a zero key with beta = 0 and g = 0 leaves the
@@ -113,16 +117,19 @@ def gated_delta_rule_padded(
     """The chunked gated delta rule on independent rows, in the compute dtype already
     (no casts, no normalisation, q already scaled).
 
-    q, k [N, L, H, dk]; v [N, L, H, dv]; g, beta [N, L, H]; initial_state [N, H, dk, dv]
+    q, k [N, L, H, dk]; v [N, L, H, dv]; g [N, L, H] (a log decay per head) or
+    [N, L, H, dk] (per key channel: KDA); beta [N, L, H]; initial_state [N, H, dk, dv]
     or None (zeros). Returns (o [N, L, H, dv], final state [N, H, dk, dv]).
     """
     n, length, heads, dk = k.shape
     dv = v.shape[-1]
     c = chunk_size
     pad = (-length) % c
+    per_channel = g.dim() == k.dim()  # KDA: a decay per key channel
     if pad:  # zero keys, beta = 0, g = 0 after the end: the state is left as it was
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = (F.pad(t, (0, 0, 0, pad)) for t in (g, beta))
+        g = F.pad(g, (0, 0) * per_channel + (0, 0, 0, pad))
+        beta = F.pad(beta, (0, 0, 0, pad))
     chunks = (length + pad) // c
 
     # [N, H, n_chunks, C, D]
@@ -130,23 +137,31 @@ def gated_delta_rule_padded(
         return t.transpose(1, 2).reshape(n, heads, chunks, c, *t.shape[3:])
 
     q, k, v, g, beta = (chunked(t) for t in (q, k, v, g, beta))
-    gamma = g.cumsum(-1)  # [N, H, n, C]
-    diff = gamma[..., :, None] - gamma[..., None, :]  # gamma_t - gamma_s
     lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     strict = lower.logical_and(~torch.eye(c, dtype=torch.bool, device=q.device))
-    decay = diff.masked_fill(~lower, float("-inf")).exp()  # [.., C, C], 0 above the diagonal
-    kk = k @ k.transpose(-1, -2)
-    a = (beta[..., :, None] * decay * kk).masked_fill(~strict, 0)
+    if per_channel:
+        gamma = g.cumsum(-2)  # [N, H, n, C, dk]
+        diff = gamma[..., :, None, :] - gamma[..., None, :, :]  # [.., C, C, dk]
+        decay = diff.masked_fill(~lower[..., None], float("-inf")).exp()
+        kk = torch.einsum("...tk,...tsk,...sk->...ts", k, decay, k)  # decay inside
+        qk = torch.einsum("...tk,...tsk,...sk->...ts", q, decay, k)  # [.., C, C]
+        a = (beta[..., :, None] * kk).masked_fill(~strict, 0)
+    else:
+        gamma = g.cumsum(-1)[..., None]  # [N, H, n, C, 1]
+        diff = gamma[..., :, None, 0] - gamma[..., None, :, 0]  # gamma_t - gamma_s
+        decay = diff.masked_fill(~lower, float("-inf")).exp()  # [.., C, C], 0 above the diagonal
+        kk = k @ k.transpose(-1, -2)
+        a = (beta[..., :, None] * decay * kk).masked_fill(~strict, 0)
+        qk = (q @ k.transpose(-1, -2)) * decay  # [.., C, C]
     eye = torch.eye(c, dtype=q.dtype, device=q.device)
     t_inv = torch.linalg.solve_triangular(
         a + eye, eye.expand_as(a), upper=False, unitriangular=True
     )
     u0 = t_inv @ (beta[..., None] * v)  # [.., C, dv]
-    w = t_inv @ ((beta * gamma.exp())[..., None] * k)  # [.., C, dk]
-    qk = (q @ k.transpose(-1, -2)) * decay  # [.., C, C]
-    q_decay = q * gamma.exp()[..., None]
-    k_tail = k * (gamma[..., -1:] - gamma).exp()[..., None]  # exp(gamma_C - gamma_s) k_s
-    last = gamma[..., -1].exp()  # [N, H, n]
+    w = t_inv @ (beta[..., None] * gamma.exp() * k)  # [.., C, dk]
+    q_decay = q * gamma.exp()
+    k_tail = k * (gamma[..., -1:, :] - gamma).exp()  # exp(gamma_C - gamma_s) k_s
+    last = gamma[..., -1, :].exp()  # [N, H, n, dk] (or [.., 1]: one decay per head)
 
     state = q.new_zeros(n, heads, dk, dv) if initial_state is None else initial_state.to(q.dtype)
     if representative(q):  # usp plan, fake tensors: the loop's memory without its ops
@@ -158,7 +173,7 @@ def gated_delta_rule_padded(
     for u0_i, w_i, q_i, qk_i, k_i, last_i in per_chunk:
         u = u0_i - w_i @ state
         outs.append(q_i @ state + qk_i @ u)
-        state = last_i[..., None, None] * state + k_i.transpose(-1, -2) @ u
+        state = last_i[..., :, None] * state + k_i.transpose(-1, -2) @ u
     o = torch.stack(outs, dim=2).reshape(n, heads, chunks * c, dv)[:, :, :length]
     return o.transpose(1, 2), state
 

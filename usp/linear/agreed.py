@@ -1,0 +1,119 @@
+"""What every linear mixer's entry point does before its first collective: its checks on
+this rank, then the SP ranks' agreement, so that a call that cannot run ends in the same
+error on every rank and a call the ranks make differently is refused, before any data
+moves (:mod:`usp.comm.agreement`).
+
+:func:`checked_call` is that preamble; the rest are the checks and agreement fields the
+entry points (:func:`usp.linear.gated_deltanet_usp`, :func:`usp.linear.mamba2_usp`,
+:func:`usp.linear.kda_usp`, :func:`usp.linear.short_conv_usp`) share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from usp.comm.agreement import Field, agree, can_agree, stable_hash
+from usp.errors import InputError
+from usp.linear.heads import hashed
+from usp.process_groups import HeadLayoutError
+
+__all__ = [
+    "DTYPES", "checked_call", "choice_field", "documents_field", "dtype_field", "grad_field",
+    "ring_order_problem", "shape_field",
+]  # fmt: skip
+
+T = TypeVar("T")
+#: the activation dtypes a field names (anything else shows as "other")
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def checked_call(
+    plan,
+    what: str,
+    check: Callable[[], T],
+    fields: Callable[[T | None], Sequence[Field]],
+    errors: Sequence[type[BaseException]],
+) -> T:
+    """``check()`` on this rank, then (with more than one SP rank) the agreement of the
+    SP ranks on ``fields(result)`` (``check()``'s result, None where it raised) and on any
+    rank's error: returns ``check()``'s result, or raises on every rank the first failing
+    rank's error (its class when it is one of ``errors``) or the ranks' disagreement.
+    ``check`` raises an ``InputError`` or a ``HeadLayoutError`` for what it cannot
+    compute; ``fields`` must not raise, whatever the inputs (every rank gives the same
+    names)."""
+    result, error = None, None
+    try:
+        result = check()
+    except (InputError, HeadLayoutError) as err:
+        error = err
+    if plan is not None and plan.sp_degree > 1 and can_agree(plan.sp_group):
+        agree(plan.sp_group, what, fields(result), error, errors)
+    if error is not None:
+        raise error
+    return result
+
+
+def ring_order_problem(plan, what: str) -> str | None:
+    """Why ``what`` cannot read the ring's gathered chunks in ring-rank order (the ring
+    group orders its ranks differently from the plan's ring rank), or None."""
+    if plan is None or plan.ring_degree == 1:
+        return None
+    rank = dist.get_rank(plan.ring_group)
+    if rank == plan.ring_rank:
+        return None
+    return (
+        f"the ring group orders its ranks differently from the ring rank ({rank} != "
+        f"{plan.ring_rank}); {what} reads the gathered chunks in ring-rank order"
+    )
+
+
+def _dtype_index(x) -> int:
+    dtype = getattr(x, "dtype", None)
+    return DTYPES.index(dtype) if dtype in DTYPES else len(DTYPES)
+
+
+def dtype_field(name: str, tensors) -> Field:
+    """The dtypes of ``tensors`` (None allowed), as one field."""
+    codes = tuple(-1 if t is None else _dtype_index(t) for t in tensors)
+    return Field(name, stable_hash(codes), lambda v: f"{hashed(v)} of {codes}")
+
+
+def shape_field(name: str, values) -> Field:
+    """Shapes and small options as one hashed field: ``values`` are tensors (their
+    shapes; None and non-tensors count as -1) and ints."""
+    flat: list[int] = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            flat.extend([v.dim(), *v.shape])
+        else:
+            flat.append(int(v) if isinstance(v, int) else -1)
+    return Field(name, stable_hash(flat), hashed)
+
+
+def documents_field(documents) -> Field:
+    """The documents' lengths (a :class:`usp.ring.documents.Documents`, or None where the
+    check failed) as one hashed field."""
+    lengths = () if documents is None else documents.lengths
+    return Field("documents", stable_hash(lengths), lambda v: f"{hashed(v)} of lengths")
+
+
+def choice_field(name: str, choice, names: Sequence[str]) -> Field:
+    """A kernel's name among ``names`` (its index; -1 shows as "unknown")."""
+    index = names.index(choice) if choice in names else -1
+    return Field(name, index, lambda i: names[i] if 0 <= i < len(names) else "unknown")
+
+
+def grad_field(names: Sequence[str], tensors) -> Field:
+    """Which of ``tensors`` require grad, as a bit mask: ranks whose inputs differ here
+    would run different backwards (one waits in a reduce-scatter its peer never enters)."""
+    mask = sum(1 << i for i, t in enumerate(tensors) if getattr(t, "requires_grad", False))
+
+    def show(value: int) -> str:
+        needing = [n for i, n in enumerate(names) if value >> i & 1]
+        return "gradients of " + (", ".join(needing) or "none")
+
+    return Field("inputs requiring grad", mask, show)
