@@ -27,8 +27,9 @@ from usp.linear.kda import KdaError, kda_usp
 from usp.linear.mamba2 import Mamba2Error, mamba2_usp
 from usp.linear.mamba2_module import Mamba2Mixer
 from usp.linear.module import GatedDeltaNet
+from usp.linear.short_conv import ShortConv, ShortConvError, short_conv_usp
 
 __all__ = [
     "GatedDeltaNet", "KdaError", "LinearAttentionError", "Mamba2Error", "Mamba2Mixer",
-    "gated_deltanet_usp", "kda_usp", "mamba2_usp",
+    "ShortConv", "ShortConvError", "gated_deltanet_usp", "kda_usp", "mamba2_usp", "short_conv_usp",
 ]  # fmt: skip

@@ -24,8 +24,8 @@ decoder (``model.get_decoder()``) must be one of
   are checked).
 
 - a token mixer usp computes exactly under SP itself (:data:`USP_MIXERS`: usp's Gated
-  DeltaNet and Mamba-2, which :func:`swap_linear_attention` puts in place of transformers'
-  layers, :mod:`usp.models.hf_swap`); a layer kind (``linear_attention``) is accepted where such a module computes it.
+  DeltaNet, Mamba-2, KDA and short conv, which :func:`swap_linear_attention` puts in place
+  of transformers' layers, :mod:`usp.models.hf_swap`); a layer kind (``linear_attention``) is accepted where such a module computes it.
 
 A convolution or recurrent module (``nn.Conv1d``, ``nn.RNN``, ...) mixes tokens; any other
 module is *unknown* and refused, not trusted. The config's per-layer kinds
@@ -172,8 +172,9 @@ def mixer_message(model: nn.Module, mixers: list[Mixer], grid: str) -> str:
         "would run those modules on its shard of the sequence only, and the results would be "
         "silently wrong. Run it with one SP rank (ulysses = ring = 1; data parallelism is "
         "fine), train a model family usp computes (usp.models.FAMILIES), or, for Gated "
-        "DeltaNet (Qwen3.5, Qwen3-Next) and Mamba-2 layers (Bamba, Granite 4 hybrid, "
-        "Nemotron-H, Falcon-H1, Zamba2), let usp compute them: "
+        "DeltaNet (Qwen3.5, Qwen3-Next), Mamba-2 (Bamba, Granite 4 hybrid, Nemotron-H, "
+        "Falcon-H1, Zamba2), Kimi Delta Attention (Kimi-Linear) and short-conv layers "
+        "(LFM2, LFM2-MoE, LFM3), let usp compute them: "
         "usp.models.hf.swap_linear_attention(model, plan), then register(plan, model=model)"
     )
 

@@ -2,9 +2,11 @@
 compute them exactly under SP (the same parameters under the same names, loaded strictly).
 
 :data:`SWAPS` maps a transformers class name to the function that builds usp's module
-from it: Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: :class:`usp.linear.GatedDeltaNet`)
-and Mamba-2 (Bamba, Granite 4 hybrid, Nemotron-H, Falcon-H1, Zamba2:
-:class:`usp.linear.mamba2_module.Mamba2Mixer`). :data:`USP_MIXERS` are the modules the
+from it: Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: :class:`usp.linear.GatedDeltaNet`),
+Mamba-2 (Bamba, Granite 4 hybrid, Nemotron-H, Falcon-H1, Zamba2:
+:class:`usp.linear.mamba2_module.Mamba2Mixer`), Kimi Delta Attention (Kimi-Linear:
+:class:`usp.linear.kda_module.KimiDeltaAttention`) and the short conv (LFM2, LFM2-MoE, LFM3:
+:class:`usp.linear.ShortConv`). :data:`USP_MIXERS` are the modules the
 plug-in's check (:mod:`usp.models.hf_mixers`) accepts as exact.
 """
 
@@ -13,14 +15,16 @@ from __future__ import annotations
 from torch import nn
 
 from usp.errors import ModelConfigError
+from usp.linear.kda_module import KimiDeltaAttention
 from usp.linear.mamba2_module import Mamba2Mixer
 from usp.linear.module import GatedDeltaNet, GatedDeltaNetQkvz
+from usp.linear.short_conv import ShortConv
 from usp.sp.plan import as_plan
 
 __all__ = ["SWAPS", "USP_MIXERS", "swap_linear_attention"]
 
 #: token mixers usp computes exactly under SP (their children are not checked)
-USP_MIXERS = (GatedDeltaNet, Mamba2Mixer)
+USP_MIXERS = (GatedDeltaNet, Mamba2Mixer, KimiDeltaAttention, ShortConv)
 
 
 def _gdn(cls):
@@ -69,6 +73,25 @@ def _mamba2(module, plan) -> Mamba2Mixer:
     )  # fmt: skip
 
 
+def _kda(module, plan) -> KimiDeltaAttention:
+    """usp's Kimi Delta Attention with the settings of transformers' ``module``."""
+    if module.activation not in ("silu", "swish"):
+        raise ModelConfigError(
+            f"{type(module).__name__} runs its conv with activation {module.activation!r}; "
+            "usp's KDA conv takes SiLU only: run this model with one SP rank"
+        )
+    return KimiDeltaAttention(
+        module.hidden_size, module.num_heads, module.head_dim, module.conv_kernel_size,
+        module.layer_norm_epsilon, "silu", plan=plan,
+    )  # fmt: skip
+
+
+def _short_conv(module, plan) -> ShortConv:
+    """usp's short conv with the settings of transformers' LFM2 ``module``."""
+    conv = module.conv
+    return ShortConv(conv.in_channels, conv.kernel_size[0], conv.bias is not None, plan=plan)
+
+
 #: transformers' classes :func:`swap_linear_attention` replaces, and how
 SWAPS = {
     "Qwen3_5GatedDeltaNet": _gdn(GatedDeltaNet),
@@ -79,13 +102,18 @@ SWAPS = {
     "NemotronHMamba2Mixer": _mamba2,
     "FalconH1Mixer": _mamba2,
     "Zamba2MambaMixer": _mamba2,
+    "KimiLinearDeltaAttention": _kda,
+    "Lfm2ShortConv": _short_conv,
+    "Lfm2MoeShortConv": _short_conv,
+    "Lfm3ShortConv": _short_conv,
 }
 
 
 def swap_linear_attention(model: nn.Module, plan, **attention_options) -> int:
     """Replace transformers' linear token mixers of ``model`` by usp's (:data:`SWAPS`:
     Gated DeltaNet of Qwen3.5 / Qwen3.5-MoE / Qwen3-Next; Mamba-2 of Bamba, Granite 4
-    hybrid, Nemotron-H, Falcon-H1 and Zamba2), the same parameters loaded strictly, on the
+    hybrid, Nemotron-H, Falcon-H1 and Zamba2; Kimi-Linear's KDA; the short convs of LFM2,
+    LFM2-MoE and LFM3), the same parameters loaded strictly, on the
     same device and dtype, computing under ``plan``; returns how many. Call it after
     loading the weights and before ``register(plan, model=model)``, FSDP or an optimizer
     (the parameters are new Parameter objects, on the same storage). ``attention_options`` go into the plan as
