@@ -55,3 +55,35 @@ def reference_mamba2(x, b, c, dt, a, d, weight, bias, cu_seqlens=None, activatio
             steps.append((s * cd[:, t, :, None]).sum(-1) + d[:, None] * xd[:, t])
         outs.append(torch.stack(steps, 1))
     return torch.cat(outs, dim=1)
+
+
+def mamba1_inputs(batch, seq_len, channels, state, *, seed=0, dtype=torch.float64):
+    """Mamba-1's scan inputs: x, dt (> 0) [B, S, D], a (< 0) [D, N], b, c [B, S, N],
+    d [D], and an output gradient."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    x = randn(batch, seq_len, channels)
+    dt = F.softplus(randn(batch, seq_len, channels) - 1)
+    a = -torch.rand(channels, state, generator=gen, dtype=dtype) * 2 - 0.1
+    b, c = randn(batch, seq_len, state), randn(batch, seq_len, state)
+    return [x, dt, a, b, c, randn(channels)], randn(batch, seq_len, channels)
+
+
+def reference_mamba1(x, dt, a, b, c, d, cu_seqlens=None):
+    """The selective scan token by token per document, as transformers' Jamba torch path
+    writes it: y [B, S, D]."""
+    bounds = [0, x.shape[1]] if cu_seqlens is None else [int(t) for t in cu_seqlens]
+    steps = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        h = x.new_zeros(x.shape[0], x.shape[2], a.shape[1])  # [B, D, N]
+        for t in range(lo, hi):
+            h = (
+                torch.exp(a * dt[:, t, :, None]) * h
+                + (dt[:, t] * x[:, t])[..., None] * b[:, t, None]
+            )
+            y = (h * c[:, t, None]).sum(-1)
+            steps.append(y if d is None else y + d * x[:, t])
+    return torch.stack(steps, dim=1)

@@ -24,7 +24,7 @@ decoder (``model.get_decoder()``) must be one of
   are checked).
 
 - a token mixer usp computes exactly under SP itself (:data:`USP_MIXERS`: usp's Gated
-  DeltaNet, Mamba-2, KDA and short conv, which :func:`swap_linear_attention` puts in place
+  DeltaNet, Mamba-2, Mamba-1, KDA and short conv, which :func:`swap_linear_attention` puts in place
   of transformers' layers, :mod:`usp.models.hf_swap`); a layer kind (``linear_attention``) is accepted where such a module computes it.
 
 A convolution or recurrent module (``nn.Conv1d``, ``nn.RNN``, ...) mixes tokens; any other
@@ -173,7 +173,8 @@ def mixer_message(model: nn.Module, mixers: list[Mixer], grid: str) -> str:
         "silently wrong. Run it with one SP rank (ulysses = ring = 1; data parallelism is "
         "fine), train a model family usp computes (usp.models.FAMILIES), or, for Gated "
         "DeltaNet (Qwen3.5, Qwen3-Next), Mamba-2 (Bamba, Granite 4 hybrid, Nemotron-H, "
-        "Falcon-H1, Zamba2), Kimi Delta Attention (Kimi-Linear) and short-conv layers "
+        "Falcon-H1, Zamba2), Mamba-1 (Jamba), Kimi Delta Attention (Kimi-Linear) and "
+        "short-conv layers "
         "(LFM2, LFM2-MoE, LFM3), let usp compute them: "
         "usp.models.hf.swap_linear_attention(model, plan), then register(plan, model=model)"
     )

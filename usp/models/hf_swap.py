@@ -4,7 +4,8 @@ compute them exactly under SP (the same parameters under the same names, loaded 
 :data:`SWAPS` maps a transformers class name to the function that builds usp's module
 from it: Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: :class:`usp.linear.GatedDeltaNet`),
 Mamba-2 (Bamba, Granite 4 hybrid, Nemotron-H, Falcon-H1, Zamba2:
-:class:`usp.linear.mamba2_module.Mamba2Mixer`), Kimi Delta Attention (Kimi-Linear:
+:class:`usp.linear.mamba2_module.Mamba2Mixer`), Mamba-1 (Jamba: :class:`usp.linear.Mamba1Mixer`),
+Kimi Delta Attention (Kimi-Linear:
 :class:`usp.linear.kda_module.KimiDeltaAttention`) and the short conv (LFM2, LFM2-MoE, LFM3:
 :class:`usp.linear.ShortConv`). :data:`USP_MIXERS` are the modules the
 plug-in's check (:mod:`usp.models.hf_mixers`) accepts as exact.
@@ -16,6 +17,7 @@ from torch import nn
 
 from usp.errors import ModelConfigError
 from usp.linear.kda_module import KimiDeltaAttention
+from usp.linear.mamba1 import Mamba1Mixer
 from usp.linear.mamba2_module import Mamba2Mixer
 from usp.linear.module import GatedDeltaNet, GatedDeltaNetQkvz
 from usp.linear.short_conv import ShortConv
@@ -24,7 +26,7 @@ from usp.sp.plan import as_plan
 __all__ = ["SWAPS", "USP_MIXERS", "swap_linear_attention"]
 
 #: token mixers usp computes exactly under SP (their children are not checked)
-USP_MIXERS = (GatedDeltaNet, Mamba2Mixer, KimiDeltaAttention, ShortConv)
+USP_MIXERS = (GatedDeltaNet, Mamba2Mixer, KimiDeltaAttention, ShortConv, Mamba1Mixer)
 
 
 def _gdn(cls):
@@ -92,6 +94,20 @@ def _short_conv(module, plan) -> ShortConv:
     return ShortConv(conv.in_channels, conv.kernel_size[0], conv.bias is not None, plan=plan)
 
 
+def _mamba1(module, plan) -> Mamba1Mixer:
+    """usp's Mamba-1 mixer with the settings of transformers' Jamba ``module``."""
+    if module.activation not in ("silu", "swish"):
+        raise ModelConfigError(
+            f"{type(module).__name__} runs its conv with activation {module.activation!r}; "
+            "usp's Mamba-1 conv takes SiLU only: run this model with one SP rank"
+        )
+    return Mamba1Mixer(
+        module.hidden_size, module.intermediate_size, module.ssm_state_size,
+        module.time_step_rank, module.conv_kernel_size, conv_bias=module.use_conv_bias,
+        proj_bias=module.use_bias, rms_norm_eps=module.dt_layernorm.variance_epsilon, plan=plan,
+    )  # fmt: skip
+
+
 #: transformers' classes :func:`swap_linear_attention` replaces, and how
 SWAPS = {
     "Qwen3_5GatedDeltaNet": _gdn(GatedDeltaNet),
@@ -106,20 +122,25 @@ SWAPS = {
     "Lfm2ShortConv": _short_conv,
     "Lfm2MoeShortConv": _short_conv,
     "Lfm3ShortConv": _short_conv,
+    "JambaMambaMixer": _mamba1,
 }
 
 
 def swap_linear_attention(model: nn.Module, plan, **attention_options) -> int:
     """Replace transformers' linear token mixers of ``model`` by usp's (:data:`SWAPS`:
     Gated DeltaNet of Qwen3.5 / Qwen3.5-MoE / Qwen3-Next; Mamba-2 of Bamba, Granite 4
-    hybrid, Nemotron-H, Falcon-H1 and Zamba2; Kimi-Linear's KDA; the short convs of LFM2,
-    LFM2-MoE and LFM3), the same parameters loaded strictly, on the
+    hybrid, Nemotron-H, Falcon-H1 and Zamba2; Jamba's Mamba-1; Kimi-Linear's KDA; the
+    short convs of LFM2, LFM2-MoE and LFM3), the same parameters loaded strictly, on the
     same device and dtype, computing under ``plan``; returns how many. Call it after
     loading the weights and before ``register(plan, model=model)``, FSDP or an optimizer
-    (the parameters are new Parameter objects, on the same storage). ``attention_options`` go into the plan as
-    :func:`usp.models.hf.register`'s do; the layers' kernels are the plan's
-    ``linear_backend`` / ``linear_conv_backend`` ("auto" unless chosen). A layer usp
-    cannot compute exactly is a ``ModelConfigError`` naming it (nothing swapped)."""
+    (the parameters are new Parameter objects, on the same storage).
+    ``attention_options`` go into the plan as :func:`usp.models.hf.register`'s do; the
+    layers' kernels are the plan's ``linear_backend`` / ``linear_conv_backend`` ("auto"
+    unless chosen). A layer usp cannot compute exactly is a ``ModelConfigError`` naming it
+    (nothing swapped). A mixer reads packed documents from the keywords its decoder layer
+    passes on (``usp_packed``, ``cu_seq_lens_q``); a layer that gets them but does not pass
+    them on (Jamba's Mamba layer in transformers 5.25) is refused at its call
+    (:func:`_guard_documents`) rather than mixing the documents."""
     if attention_options:
         plan = as_plan(plan, **attention_options)
     found = [(path, m) for path, m in model.named_modules() if type(m).__name__ in SWAPS]
@@ -133,4 +154,40 @@ def swap_linear_attention(model: nn.Module, plan, **attention_options) -> int:
         usp_module.load_state_dict(module.state_dict(), strict=True, assign=True)
         usp_module.train(module.training)
         setattr(parent, attr, usp_module)
+        _guard_documents(parent, usp_module, path)
     return len(found)
+
+
+_PACKING_KEYWORDS = ("usp_packed", "cu_seq_lens_q", "packed")
+
+
+def _packing(kwargs) -> object | None:
+    return next((kwargs[k] for k in _PACKING_KEYWORDS if kwargs.get(k) is not None), None)
+
+
+def _guard_documents(layer: nn.Module, mixer: nn.Module, path: str) -> None:
+    """Refuse a call of ``mixer`` without the packed documents its decoder ``layer`` was
+    called with (the layer's code does not pass them on: the mixer would run across the
+    documents, a wrong answer without an error). Hook-local state: whether the layer's
+    current call carried documents (set as the layer's call starts, cleared as it ends; a
+    recompute under activation checkpointing re-runs a call that passed)."""
+    layer_call = {"packed": False}
+
+    def before_layer(module, args, kwargs):
+        layer_call["packed"] = _packing(kwargs) is not None
+
+    def after_layer(module, args, kwargs, output):
+        layer_call["packed"] = False
+
+    def before_mixer(module, args, kwargs):
+        if layer_call["packed"] and _packing(kwargs) is None:
+            raise ModelConfigError(
+                f"{type(layer).__name__} ({path.rpartition('.')[0]}) was called with packed "
+                f"documents but does not pass them on to its token mixer, so usp's "
+                f"{type(mixer).__name__} cannot keep the documents apart: feed this model one "
+                "document per row (no packing), with or without SP"
+            )
+
+    layer.register_forward_pre_hook(before_layer, with_kwargs=True)
+    layer.register_forward_hook(after_layer, with_kwargs=True, always_call=True)
+    mixer.register_forward_pre_hook(before_mixer, with_kwargs=True)

@@ -1,7 +1,8 @@
 """Bytes one rank sends and receives in one layer of the linear mixers beside Gated
 DeltaNet (whose formula is :func:`usp.planner.traffic.gdn_traffic`): Mamba-2
-(:func:`usp.linear.mamba2_usp`), Kimi Delta Attention (:func:`usp.linear.kda_usp`) and
-the short conv (:func:`usp.linear.short_conv_usp`), docs/models.md's formulas, each
+(:func:`usp.linear.mamba2_usp`), Kimi Delta Attention (:func:`usp.linear.kda_usp`), the
+short conv (:func:`usp.linear.short_conv_usp`) and Mamba-1's scan
+(:func:`usp.linear.mamba1_usp`), docs/models.md's formulas, each
 asserted against ``CommStats`` in the mixer's distributed tests.
 
 Every mixer has the same two parts: one Ulysses all-to-all of its inputs (one call per
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["kda_traffic", "mamba2_traffic", "mixer_traffic", "short_conv_traffic"]
+__all__ = [
+    "kda_traffic", "mamba1_traffic", "mamba2_traffic", "mixer_traffic", "short_conv_traffic",
+]  # fmt: skip
 
 
 def _counts(moved: int, calls: int) -> dict[str, int]:
@@ -113,4 +116,26 @@ def short_conv_traffic(
         returned=channels * item_bytes, calls=2,
         gathered=batch * _segments(layout, documents) * (kernel - 1) * channels // u * state_bytes,
         gathers=1,
+    )  # fmt: skip
+
+
+def mamba1_traffic(
+    *, batch: int, seqlen: int, ulysses: int, ring: int, channels: int, state_size: int,
+    layout: str, documents: int, item_bytes: int, state_bytes: int,
+) -> dict[str, dict[str, dict[str, int]]]:  # fmt: skip
+    """Mamba-1's selective scan (Jamba's; its conv is a :func:`short_conv_traffic` more),
+    channels D split over the Ulysses ranks, B and C (N each) sent to every one of them:
+
+      all-to-all (u > 1): (u-1)/u * T * [D e + D e_c + 2 u N e + D e_c]
+      all-gather (r > 1): (r-1) * B * N_s * (D/u) * 2 N * e_c
+
+    ``item_bytes`` e (x, B, C), ``state_bytes`` e_c (the compute dtype: dt, the output,
+    the maps)."""
+    u = ulysses
+    return mixer_traffic(
+        tokens=batch * seqlen // (u * ring), ulysses=u, ring=ring,
+        exchanged=channels * (item_bytes + state_bytes) + 2 * u * state_size * item_bytes,
+        returned=channels * state_bytes, calls=2 if item_bytes == state_bytes else 3,
+        gathered=batch * _segments(layout, documents) * channels // u * 2 * state_size
+        * state_bytes, gathers=1,
     )  # fmt: skip
