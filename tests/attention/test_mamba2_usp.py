@@ -131,3 +131,19 @@ def test_mamba2_usp_matches_one_process(distributed, grid):
             if got != (a2a, ring):
                 failures.append(f"{grid} {case} r{rank} backward bytes {got} != {(a2a, ring)}")
     assert not failures, "\n".join(failures)
+
+
+def test_kernel_benchmark_runs_and_agrees_with_transformers():
+    pytest.importorskip("transformers.models.bamba.modeling_bamba")
+    from benchmarks import mamba2_kernel
+
+    row = mamba2_kernel.main(["--seq-len", "96", "--heads", "2", "--head-dim", "8", "--state",
+                              "4", "--repeats", "1", "--chunk-size", "32", "--batch", "2"])  # fmt: skip
+    assert row["max_abs_difference"] < 1e-4
+    assert row["usp_s"] > 0 and row["transformers_s"] > 0
+    ring = mamba2_kernel.main(["--ring-degree", "4", "--seq-len", "64", "--heads", "2",
+                               "--head-dim", "8", "--state", "4", "--repeats", "1"])  # fmt: skip
+    # zigzag: 2 segments; all-gather forward + reduce-scatter backward, float32
+    tails, maps = 3 * (2 * 8 + 2 * 4), 2 * (4 * 8 + 1)
+    assert ring["bytes_sent"] == 2 * (4 - 1) * 2 * (tails + maps) * 4
+    assert ring["ring_s"] > 0 and ring["alone_s"] > 0
