@@ -16,6 +16,7 @@ from usp_cases import topology
 
 import usp
 from usp.linear.mamba2 import mamba2_usp
+from usp.planner.mixer_traffic import mamba2_traffic
 
 TIMEOUT = 120
 HEADS, GROUPS, HEAD_DIM, STATE, KERNEL = 4, 2, 6, 5, 4
@@ -124,6 +125,16 @@ def test_mamba2_usp_matches_one_process(distributed, grid):
             failures += [f"{grid} {case} r{rank} {n}: {e:.3g}" for n, e in errors.items()
                          if not e < 1e-10]  # fmt: skip
             a2a, ring = expected_bytes(*grid, case[0], *shape)
+            docs, batch, seq_len = shape  # usp plan's formula for the same layer
+            planned = mamba2_traffic(
+                batch=batch, seqlen=seq_len, ulysses=grid[0], ring=grid[1], heads=HEADS,
+                head_dim=HEAD_DIM, groups=GROUPS, state_size=STATE, kernel=KERNEL,
+                layout=case[0], documents=docs, item_bytes=8, state_bytes=8,
+            )["forward"]  # fmt: skip
+            got = (planned.get("all_to_all", {}).get("sent", 0),
+                   planned.get("all_gather", {}).get("sent", 0))  # fmt: skip
+            if got != (a2a, ring):
+                failures.append(f"{grid} {case}: usp.planner's bytes {got} != {(a2a, ring)}")
             got = (sent.get("all_to_all", 0), sent.get("all_gather", 0))
             if got != (a2a, ring):
                 failures.append(f"{grid} {case} r{rank} forward bytes {got} != {(a2a, ring)}")

@@ -3,15 +3,19 @@
 :func:`traffic_formula` is the attention's traffic (Ulysses all-to-alls, the ring's K/V
 and dK/dV), the formula ``benchmarks/emulate.py`` checks against ``CommStats`` byte
 counters; :func:`gdn_traffic` a Gated DeltaNet layer's (docs/models.md's formula, which
-``tests/attention/test_gdn_usp.py`` checks against ``CommStats``); :func:`fsdp_traffic` is FSDP2's (parameter all-gathers, gradient
+``tests/attention/test_gdn_usp.py`` checks against ``CommStats``); the other linear mixers'
+are in :mod:`usp.planner.mixer_traffic`, reached by name through :func:`linear_traffic`;
+:func:`fsdp_traffic` is FSDP2's (parameter all-gathers, gradient
 reduce-scatters); :func:`step_traffic` adds them up for one training step.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
+from usp.planner import mixer_traffic
 from usp.process_groups import kv_replication
 from usp.ring.window import ring_steps
 
@@ -304,17 +308,20 @@ def step_traffic(
     recompute: bool,
     linear: dict[str, dict[str, dict[str, int]]] | None = None,
     linear_layers: int = 0,
+    mixers: Sequence[tuple[dict[str, dict[str, dict[str, int]]], int]] = (),
 ) -> dict[str, int]:
     """Bytes sent per step by kind: the attention's forward (twice with activation
     checkpointing, whose recompute runs it again) and backward per layer and
     micro-batch (``layers`` attention layers; ``linear_layers`` Gated DeltaNet layers
-    moving ``linear`` each, counted the same way under ``linear_*`` kinds), plus FSDP's
+    moving ``linear`` each, and each (traffic, layer count) of ``mixers``
+    (:func:`linear_traffic`), counted the same way under ``linear_*`` kinds), plus FSDP's
     per step."""
     sent: dict[str, int] = {}
     passes = {"forward": 2 if recompute else 1, "backward": 1}
     for prefix, traffic, count in (
         ("attention", attention, layers),
         ("linear", linear, linear_layers),
+        *(("linear", traffic, count) for traffic, count in mixers),
     ):
         for name, kinds in (traffic or {}).items():
             for kind, counts in kinds.items():
@@ -323,3 +330,24 @@ def step_traffic(
     for kind, counts in fsdp.items():
         sent[kind] = sent.get(kind, 0) + counts["sent"]
     return sent
+
+
+#: each linear mixer's formula by its name (gdn_traffic here, the others in
+#: :mod:`usp.planner.mixer_traffic`): what one layer sends and receives
+LINEAR_TRAFFIC = {
+    "gated_deltanet": gdn_traffic,
+    "mamba2": mixer_traffic.mamba2_traffic,
+    "kda": mixer_traffic.kda_traffic,
+    "short_conv": mixer_traffic.short_conv_traffic,
+    "mamba1": mixer_traffic.mamba1_traffic,
+}
+
+
+def linear_traffic(mixer: str, **shape) -> dict[str, dict[str, dict[str, int]]]:
+    """One ``mixer`` layer's traffic (:data:`LINEAR_TRAFFIC`; ``shape``: its formula's
+    keywords), for :func:`step_traffic`'s ``mixers``."""
+    if mixer not in LINEAR_TRAFFIC:
+        raise ValueError(
+            f"no traffic formula for the linear mixer {mixer!r}; known: {', '.join(LINEAR_TRAFFIC)}"
+        )
+    return LINEAR_TRAFFIC[mixer](**shape)
