@@ -20,7 +20,7 @@ from torch import nn
 
 import usp.models.hf as usp_hf
 from usp.errors import ModelConfigError, TopologyError
-from usp.linear import GatedDeltaNet
+from usp.linear import GatedDeltaNet, KimiDeltaAttention, Mamba1Mixer, Mamba2Mixer, ShortConv
 from usp.models import Levers, decoder_layers
 from usp.models.hf_mixers import mixer_problem
 from usp.process_groups import build_topology
@@ -123,17 +123,25 @@ def feature_problems(
     return problems
 
 
+#: usp's mixer layers whose kernels a plan may force, as the set-up check names them
+_KERNEL_LAYERS = (
+    (GatedDeltaNet, "Gated DeltaNet"), (Mamba2Mixer, "Mamba-2"), (KimiDeltaAttention, "KDA"),
+    (ShortConv, "short conv"), (Mamba1Mixer, "Mamba-1"),
+)  # fmt: skip
+
+
 def kernel_problem(model: nn.Module, plan: Plan, device=None) -> str | None:
     """Why a kernel ``plan`` forces (``linear_backend`` / ``linear_conv_backend``) cannot
-    run the model's Gated DeltaNet layers (usp's, once swapped in) on ``device`` (default:
-    their parameters') in their parameters' dtype
-    (:meth:`usp.linear.GatedDeltaNet.kernel_refusal`: the kernels' limits, no kernel
+    run the model's linear mixer layers (usp's, once swapped in: Gated DeltaNet, Mamba-2,
+    KDA, the short conv, Mamba-1) on ``device`` (default: their parameters') in their
+    parameters' dtype (each layer's ``kernel_refusal``: the kernels' limits, no kernel
     run), or None."""
     for module in model.modules():
-        if isinstance(module, GatedDeltaNet):
-            refusal = module.kernel_refusal(plan, device=device)
-            if refusal is not None:
-                return f"its Gated DeltaNet layers: {refusal}"
+        for cls, name in _KERNEL_LAYERS:
+            if isinstance(module, cls):
+                refusal = module.kernel_refusal(plan, device=device)
+                if refusal is not None:
+                    return f"its {name} layers: {refusal}"
     return None
 
 

@@ -24,6 +24,7 @@
 
 from usp.linear.gdn import LinearAttentionError, gated_deltanet_usp
 from usp.linear.kda import KdaError, kda_usp
+from usp.linear.kda_module import KimiDeltaAttention
 from usp.linear.mamba1 import Mamba1Error, Mamba1Mixer, mamba1_usp
 from usp.linear.mamba2 import Mamba2Error, mamba2_usp
 from usp.linear.mamba2_module import Mamba2Mixer
@@ -31,7 +32,7 @@ from usp.linear.module import GatedDeltaNet
 from usp.linear.short_conv import ShortConv, ShortConvError, short_conv_usp
 
 __all__ = [
-    "GatedDeltaNet", "KdaError", "LinearAttentionError", "Mamba1Error", "Mamba1Mixer",
+    "GatedDeltaNet", "KdaError", "KimiDeltaAttention", "LinearAttentionError", "Mamba1Error", "Mamba1Mixer",
     "Mamba2Error", "Mamba2Mixer", "ShortConv", "ShortConvError", "gated_deltanet_usp", "kda_usp",
     "mamba1_usp", "mamba2_usp", "short_conv_usp",
 ]  # fmt: skip

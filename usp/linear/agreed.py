@@ -17,16 +17,22 @@ import torch
 import torch.distributed as dist
 
 from usp.comm.agreement import Field, agree, can_agree, stable_hash
-from usp.errors import InputError
-from usp.linear.heads import hashed
-from usp.process_groups import HeadLayoutError
+from usp.errors import InputError, ShardingError
+from usp.linear.conv import select_conv_kernel
+from usp.linear.heads import documents_of, hashed
+from usp.process_groups import HeadLayoutError, degrees
+from usp.sp.ulysses import UlyssesHeadError
 
 __all__ = [
-    "DTYPES", "checked_call", "choice_field", "documents_field", "dtype_field", "grad_field",
-    "ring_order_problem", "shape_field",
+    "ACTIVATIONS", "COMMON_ERRORS", "DTYPES", "checked_call", "eager_only", "choice_field", "delta_rule_call", "documents_field", "dtype_field",
+    "grad_field", "ring_order_problem", "shape_field",
 ]  # fmt: skip
 
 T = TypeVar("T")
+#: the activations the mixers' convs take
+ACTIVATIONS = (None, "silu")
+#: the errors every entry point may raise besides its own (re-raised by class on every rank)
+COMMON_ERRORS = (UlyssesHeadError, HeadLayoutError, ShardingError, InputError)
 #: the activation dtypes a field names (anything else shows as "other")
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -57,6 +63,15 @@ def checked_call(
     return result
 
 
+def eager_only(entry: str, layers: str, error: type[InputError]) -> None:
+    """Refuse ``entry`` inside a compiled graph (its checks and ring block run eagerly)."""
+    if torch.compiler.is_compiling():
+        raise error(
+            f"{entry} runs eagerly: compile the model around its {layers} layers "
+            "(torch.compiler.disable on the layer), or run the model eagerly"
+        )
+
+
 def ring_order_problem(plan, what: str) -> str | None:
     """Why ``what`` cannot read the ring's gathered chunks in ring-rank order (the ring
     group orders its ranks differently from the plan's ring rank), or None."""
@@ -69,6 +84,38 @@ def ring_order_problem(plan, what: str) -> str | None:
         f"the ring group orders its ranks differently from the ring rank ({rank} != "
         f"{plan.ring_rank}); {what} reads the gathered chunks in ring-rank order"
     )
+
+
+def delta_rule_call(q, k, v, conv_weights, plan, packed, kernel, conv_kernel, *, select,
+                    what: str, entry: str, error: type[InputError]):  # fmt: skip
+    """The checks a delta-rule mixer's call (Gated DeltaNet, KDA) needs beyond its inputs'
+    shapes: the key heads' repeat for the Ulysses split, the documents' placement, the
+    recurrence's kernel (``select(name, device, dtype, dk, dv, kernels)`` with the ring's
+    d_k extra value columns when a document spans chunks; ``kernel`` = (name, registry)),
+    the conv's (``conv_kernel`` = (name, registry); with ``conv_weights``) and the ring's
+    rank order. Returns (times, documents, kernel, conv kernel or None); raises
+    ``UlyssesHeadError`` / ``ShardingError`` / the kernels' errors / ``error``."""
+    u = 1 if plan is None else plan.ulysses_degree
+    r = 1 if plan is None else plan.ring_degree
+    heads, key_heads, dk, dv = v.shape[2], q.shape[2], q.shape[3], v.shape[3]
+    times = degrees.kv_replication_for(
+        heads, key_heads, u, u * r, error=UlyssesHeadError,
+        subject=f"cannot split {heads} {what} value heads / {key_heads} key heads over "
+        f"ulysses={u}",
+    )  # fmt: skip
+    documents = documents_of(plan, v.shape[1] * u * r, packed)
+    columns = dv + (dk if documents.chunks_per_doc > 1 else 0)  # the ring's [0 | I]
+    impl = select(kernel[0], v.device, v.dtype, dk, columns, kernel[1])
+    conv_impl = None
+    if conv_weights is not None:  # this rank's channels: its heads after the all-to-all
+        channels = (2 * key_heads * times * dk + heads * dv) // u
+        conv_impl = select_conv_kernel(
+            conv_kernel[0], v.device, v.dtype, channels, conv_weights[0].shape[1], conv_kernel[1]
+        )
+    problem = ring_order_problem(plan, entry)
+    if problem is not None:
+        raise error(problem)
+    return times, documents, impl, conv_impl
 
 
 def _dtype_index(x) -> int:

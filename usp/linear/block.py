@@ -27,6 +27,14 @@ class RingPeers:
     stats: object  # the CommStats the all-gathers count in
     rank: int
 
+    @classmethod
+    def of(cls, plan) -> RingPeers:
+        """The ring of ``plan`` (None: one process), counting in its ``comm_stats``."""
+        if plan is None:
+            return cls(None, None, 0)
+        return cls(None if plan.ring_degree == 1 else plan.ring_group, plan.comm_stats,
+                   plan.ring_rank)  # fmt: skip
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[..] -> [r, ..]: every ring rank's (zigzag with r = 1: this rank's)."""
         return x[None] if self.group is None else ring_all_gather(x, self.group, self.stats)

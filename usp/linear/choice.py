@@ -22,7 +22,10 @@ import torch
 from usp.linear import backends, conv
 from usp.options import AUTO_BACKEND, LINEAR_BACKENDS, LINEAR_CONV_BACKENDS
 
-__all__ = ["GdnShape", "forced_kernel_refusal", "plan_choice"]
+__all__ = [
+    "ConvShape", "GdnShape", "Mamba2Shape", "forced_kernel_refusal", "layer_kernel_refusal",
+    "plan_choice",
+]  # fmt: skip
 
 
 def plan_choice(given: str | None, plan, name: str) -> str:
@@ -50,22 +53,79 @@ class GdnShape:
         return (2 * key_heads * self.key_dim + self.value_heads * self.value_dim) // ulysses
 
 
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """A Mamba-2 layer's heads, B/C groups and conv, as its kernels see them (the scan's
+    key dim is the state size N)."""
+
+    heads: int
+    head_dim: int
+    groups: int
+    state_size: int
+    conv_width: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.state_size
+
+    def rank_channels(self, ulysses: int) -> int:
+        """The conv channels one Ulysses rank holds: its heads' x and its (repeated)
+        groups' B and C."""
+        groups = math.lcm(self.groups, ulysses)
+        return (self.heads * self.head_dim + 2 * groups * self.state_size) // ulysses
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """A layer whose only kernel is its short conv (the short conv alone; Mamba-1's conv):
+    its channels, split over the Ulysses ranks."""
+
+    channels: int
+    conv_width: int
+    key_dim: int = 0  # no recurrence kernel
+
+    def rank_channels(self, ulysses: int) -> int:
+        return self.channels // ulysses
+
+
+def layer_kernel_refusal(layer, plan, device, dtype, shape, *, mixer: str, kernels=None):
+    """A usp mixer layer's :func:`forced_kernel_refusal`: ``plan`` (default: the layer's
+    own), the layer's own choices (its ``kernel`` / ``conv_kernel``, None: the plan's),
+    ``device`` / ``dtype`` (default: its conv weight's). Runs no kernel."""
+    plan = layer.plan if plan is None else plan
+    weight = layer.conv_weight()
+    recurrence = plan_choice(getattr(layer, "kernel", None), plan, "linear_backend")
+    return forced_kernel_refusal(
+        recurrence if shape.key_dim else AUTO_BACKEND,  # a conv alone: no recurrence kernel
+        plan_choice(layer.conv_kernel, plan, "linear_conv_backend"),
+        weight.device if device is None else device,
+        weight.dtype if dtype is None else dtype,
+        shape,
+        1 if plan is None else plan.ulysses_degree,
+        kernels=kernels,
+        mixer=mixer,
+    )
+
+
 def forced_kernel_refusal(
     linear_backend: str,
     linear_conv_backend: str,
     device: torch.device,
     dtype: torch.dtype,
-    shape: GdnShape,
+    shape: GdnShape | Mamba2Shape,
     ulysses: int = 1,
     *,
     kernels=None,
     conv_kernels=None,
+    mixer: str = "Gated DeltaNet",
 ) -> str | None:
-    """Why a forced kernel cannot run layers of ``shape`` on ``device`` with activations
-    of ``dtype`` under ``ulysses`` (None: both can, or ``"auto"`` / ``"torch"`` chosen):
-    ``'linear_backend = "fla" cannot ...: it needs ...; set linear_backend = ...'``.
-    ``kernels`` / ``conv_kernels``: as in :func:`usp.linear.gated_deltanet_usp`. Runs no
-    kernel (the self-checks wait for the first call)."""
+    """Why a forced kernel cannot run ``mixer`` layers of ``shape`` on ``device`` with
+    activations of ``dtype`` under ``ulysses`` (None: both can, or ``"auto"`` / ``"torch"``
+    chosen): ``'linear_backend = "fla" cannot ...: it needs ...; set linear_backend = ...'``.
+    ``kernels`` / ``conv_kernels``: the registries the layer's entry point looks the names
+    up in (default: Gated DeltaNet's; :data:`usp.linear.backends.KDA_DEFAULT` for KDA,
+    :data:`usp.linear.scan_backends.DEFAULT` for Mamba-2). Runs no kernel (the
+    self-checks wait for the first call)."""
     problems = []
     where = f"{torch.device(device).type}, {dtype}"
     if linear_backend not in LINEAR_BACKENDS:
@@ -77,7 +137,7 @@ def forced_kernel_refusal(
         reason = kernel.limits_reason(torch.device(device), dtype, shape.key_dim)
         if reason is not None:
             problems.append(
-                f'linear_backend = "{linear_backend}" cannot run the Gated DeltaNet recurrence '
+                f'linear_backend = "{linear_backend}" cannot run the {mixer} recurrence '
                 f"here ({where}, dk={shape.key_dim}): it {reason}; set linear_backend = "
                 f'"auto" ({linear_backend} where it can run, else usp\'s torch kernel) or "torch"'
             )
@@ -92,7 +152,7 @@ def forced_kernel_refusal(
         reason = kernel.limits_reason(torch.device(device), dtype, channels, shape.conv_width)
         if reason is not None:
             problems.append(
-                f'linear_conv_backend = "{linear_conv_backend}" cannot run the Gated DeltaNet '
+                f'linear_conv_backend = "{linear_conv_backend}" cannot run the {mixer} '
                 f"conv here ({where}, {channels} channels per rank, K={shape.conv_width}): it "
                 f'{reason}; set linear_conv_backend = "auto" ({linear_conv_backend} where it '
                 'can run, else torch\'s conv1d) or "torch"'

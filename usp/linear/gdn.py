@@ -49,27 +49,24 @@ import operator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from usp.comm.agreement import Field, agree, can_agree, float_bits, stable_hash
+from usp.comm.agreement import Field, float_bits, stable_hash
 from usp.comm.traced import TracedGroup
 from usp.compile_marks import constant_result
-from usp.errors import InputError, ShardingError
+from usp.errors import InputError
+from usp.linear.agreed import ACTIVATIONS, COMMON_ERRORS, checked_call, delta_rule_call
 from usp.linear.backends import GDN_KERNELS, GdnKernel, GdnKernelError, select_gdn_kernel
 from usp.linear.block import BlockOptions, RingPeers, ring_block
 from usp.linear.choice import plan_choice
 from usp.linear.compiled import gdn_ring_block
-from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError, select_conv_kernel
-from usp.linear.heads import delta_rule_heads, documents_of, hashed
-from usp.process_groups import HeadLayoutError, degrees
+from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError
+from usp.linear.heads import delta_rule_heads, hashed
 from usp.ring.documents import Documents
 from usp.sp.attend import stand_in_packed
 from usp.sp.packing import PackedSequence
-from usp.sp.ulysses import UlyssesHeadError, to_sequence_sharded
+from usp.sp.ulysses import to_sequence_sharded
 
 __all__ = ["LinearAttentionError", "gated_deltanet_usp"]
-
-ACTIVATIONS = (None, "silu")
 
 
 class LinearAttentionError(InputError):
@@ -197,7 +194,6 @@ def gated_deltanet_usp(
             chunk_size, kernel, kernels, conv_kernel, conv_kernels,
         )  # fmt: skip
     u = 1 if plan is None else plan.ulysses_degree
-    r = 1 if plan is None else plan.ring_degree
     checked = _checked(
         q, k, v, g, beta, plan, conv_weights, activation, packed, scale, use_qk_l2norm,
         chunk_size, kernel, kernels, conv_kernel, conv_kernels,
@@ -208,9 +204,7 @@ def gated_deltanet_usp(
         q, k, v, g, beta, conv_weights, checked.times, ulysses, stats,
         0 if plan is None else plan.ulysses_rank, u,
     )  # fmt: skip
-    ring = RingPeers(
-        None if r == 1 else plan.ring_group, stats, 0 if plan is None else plan.ring_rank
-    )
+    ring = RingPeers.of(plan)
     options = BlockOptions(
         activation, scale, use_qk_l2norm, chunk_size, checked.kernel, checked.conv_kernel
     )
@@ -236,53 +230,28 @@ def _checked(
     chunk_size, kernel, kernels, conv_kernel, conv_kernels,
 ) -> _Checked:  # fmt: skip
     """Everything that could fail, checked on this rank and agreed across the SP ranks
-    (the same error on every rank) before the first collective."""
-    u = 1 if plan is None else plan.ulysses_degree
-    r = 1 if plan is None else plan.ring_degree
+    (the same error on every rank) before the first collective
+    (:func:`usp.linear.agreed.checked_call`)."""
     kernel = plan_choice(kernel, plan, "linear_backend")
     conv_kernel = plan_choice(conv_kernel, plan, "linear_conv_backend")
-    error, documents, times, impl, conv_impl = None, None, 1, None, None
-    try:
+
+    def check() -> _Checked:
         _check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale)
-        times = degrees.kv_replication_for(
-            v.shape[2], q.shape[2], u, u * r, error=UlyssesHeadError,
-            subject=f"cannot split {v.shape[2]} GDN value heads / {q.shape[2]} key heads "
-            f"over ulysses={u}",
-        )  # fmt: skip
-        documents = documents_of(plan, v.shape[1] * u * r, packed)
-        dk, dv = q.shape[3], v.shape[3]
-        if documents.chunks_per_doc > 1:  # the ring's state pass adds d_k value columns
-            dv += dk
-        impl = select_gdn_kernel(kernel, v.device, v.dtype, dk, dv, kernels)
-        if conv_weights is not None:  # this rank's channels: its heads after the all-to-all
-            channels = (2 * q.shape[2] * times * q.shape[3] + v.shape[2] * v.shape[3]) // u
-            width = conv_weights[0].shape[1]
-            conv_impl = select_conv_kernel(
-                conv_kernel, v.device, v.dtype, channels, width, conv_kernels
-            )
-        if r > 1 and dist.get_rank(plan.ring_group) != plan.ring_rank:
-            raise LinearAttentionError(
-                f"the ring group orders its ranks differently from the ring rank "
-                f"({dist.get_rank(plan.ring_group)} != {plan.ring_rank}); gated_deltanet_usp "
-                "reads the gathered chunks in ring-rank order"
-            )
-    except (InputError, HeadLayoutError) as err:
-        error = err
-    if plan is not None and plan.sp_degree > 1 and can_agree(plan.sp_group):
-        fields = _fields(
-            q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents,
-            (kernel, conv_kernel),
-        )  # fmt: skip
-        agree(plan.sp_group, "gated_deltanet_usp", fields, error, _ERRORS)
-    if error is not None:
-        raise error
-    return _Checked(times, documents, impl, conv_impl)
+        return _Checked(*delta_rule_call(
+            q, k, v, conv_weights, plan, packed, (kernel, kernels), (conv_kernel, conv_kernels),
+            select=select_gdn_kernel, what="GDN", entry="gated_deltanet_usp",
+            error=LinearAttentionError,
+        ))  # fmt: skip
+
+    def fields(checked: _Checked | None):
+        documents = None if checked is None else checked.documents
+        return _fields(q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm,
+                       documents, (kernel, conv_kernel))  # fmt: skip
+
+    return checked_call(plan, "gated_deltanet_usp", check, fields, _ERRORS)
 
 
-_ERRORS = (
-    LinearAttentionError, GdnKernelError, ConvKernelError, UlyssesHeadError, HeadLayoutError,
-    ShardingError, InputError,
-)  # fmt: skip
+_ERRORS = (LinearAttentionError, GdnKernelError, ConvKernelError, *COMMON_ERRORS)
 
 
 # ------------------------------------------------------------------ compiled graphs

@@ -17,10 +17,11 @@ import torch
 from usp.ring.documents import Documents
 from usp.sp.packing import PackedSequence
 from usp.sp.sharding import sequence_documents
-from usp.sp.ulysses import to_head_sharded
+from usp.sp.ulysses import to_head_sharded, to_sequence_sharded
 
 __all__ = [
-    "documents_of", "hashed", "rank_channels", "replicated_channels", "to_head_sharded_by_dtype",
+    "channels_to_block", "channels_to_shard", "delta_rule_heads", "documents_of", "hashed",
+    "rank_channels", "replicated_channels", "to_head_sharded_by_dtype",
 ]  # fmt: skip
 
 
@@ -93,3 +94,21 @@ def delta_rule_heads(q, k, v, g, beta, conv_weights, times, ulysses, stats, ulys
             ws = rank_channels(ws, u, ulysses_rank)
     q, k, v, g, beta = tensors
     return q, k, v, g[..., 0] if per_head else g, beta[..., 0], ws
+
+
+def channels_to_block(tensors, plan, stats):
+    """Channel-local mixers (the short conv, Mamba-1's scan): [B, S/P, C_i] each ->
+    [B, S/r, C_i/u], each tensor's channels cut into u parts (the Ulysses rank's part;
+    one all-to-all per dtype); unchanged when ``plan`` has u = 1 (or is None)."""
+    u = 1 if plan is None else plan.ulysses_degree
+    if u == 1:
+        return list(tensors)
+    parts = [t.unflatten(-1, (u, -1)) for t in tensors]  # [B, S/P, u, C/u]
+    return [t.flatten(2) for t in to_head_sharded_by_dtype(parts, plan.ulysses_group, stats)]
+
+
+def channels_to_shard(y, plan, stats):
+    """The inverse of :func:`channels_to_block` for one tensor: [B, S/r, C/u] -> [B, S/P, C]."""
+    if plan is None or plan.ulysses_degree == 1:
+        return y
+    return to_sequence_sharded(y[:, :, None], plan.ulysses_group, stats).flatten(2)

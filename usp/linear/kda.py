@@ -36,28 +36,29 @@ from dataclasses import dataclass
 import torch
 
 from usp.comm.agreement import float_bits
-from usp.errors import InputError, ShardingError
+from usp.errors import InputError
 from usp.linear.agreed import (
+    ACTIVATIONS,
+    COMMON_ERRORS,
     checked_call,
     choice_field,
+    delta_rule_call,
     documents_field,
     dtype_field,
+    eager_only,
     grad_field,
-    ring_order_problem,
     shape_field,
 )  # fmt: skip
 from usp.linear.backends import GDN_KERNELS, GdnKernel, GdnKernelError, select_kda_kernel
 from usp.linear.block import BlockOptions, RingPeers, ring_block
 from usp.linear.choice import plan_choice
-from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError, select_conv_kernel
-from usp.linear.heads import delta_rule_heads, documents_of
-from usp.process_groups import HeadLayoutError, degrees
+from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError
+from usp.linear.heads import delta_rule_heads
 from usp.ring.documents import Documents
-from usp.sp.ulysses import UlyssesHeadError, to_sequence_sharded
+from usp.sp.ulysses import to_sequence_sharded
 
 __all__ = ["KdaError", "kda_usp"]
 
-ACTIVATIONS = (None, "silu")
 _NAMES = ("q", "k", "v", "g", "beta", "wq", "wk", "wv")
 
 
@@ -106,13 +107,8 @@ def kda_usp(
     ``GdnKernelError`` / ``ConvKernelError`` for a kernel that cannot run) on every SP
     rank, before any data moves, for what it cannot compute.
     """
-    if torch.compiler.is_compiling():
-        raise KdaError(
-            "kda_usp runs eagerly: compile the model around its KDA layers "
-            "(torch.compiler.disable on the layer), or run the model eagerly"
-        )
+    eager_only("kda_usp", "KDA", KdaError)
     u = 1 if plan is None else plan.ulysses_degree
-    r = 1 if plan is None else plan.ring_degree
     choices = (plan_choice(kernel, plan, "linear_backend"),
                plan_choice(conv_kernel, plan, "linear_conv_backend"))  # fmt: skip
     inputs = (q, k, v, g, beta)
@@ -128,9 +124,7 @@ def kda_usp(
         q, k, v, g, beta, conv_weights, checked.times, None if u == 1 else plan.ulysses_group,
         stats, 0 if plan is None else plan.ulysses_rank, u,
     )  # fmt: skip
-    ring = RingPeers(
-        None if r == 1 else plan.ring_group, stats, 0 if plan is None else plan.ring_rank
-    )
+    ring = RingPeers.of(plan)
     block = BlockOptions(
         activation, scale, use_qk_l2norm, chunk_size, checked.kernel, checked.conv_kernel
     )
@@ -148,10 +142,7 @@ class _Checked:
     conv_kernel: ConvKernel | None
 
 
-_ERRORS = (
-    KdaError, GdnKernelError, ConvKernelError, UlyssesHeadError, HeadLayoutError, ShardingError,
-    InputError,
-)  # fmt: skip
+_ERRORS = (KdaError, GdnKernelError, ConvKernelError, *COMMON_ERRORS)
 
 
 def _check_inputs(q, k, v, g, beta, conv_weights, activation, scale, use_qk_l2norm, chunk_size):
@@ -212,26 +203,10 @@ def _check(inputs, options, plan, choices, kernels, conv_kernels) -> _Checked:
     q, k, v, g, beta = inputs
     conv_weights, activation, packed, scale, use_qk_l2norm, chunk_size = options
     _check_inputs(q, k, v, g, beta, conv_weights, activation, scale, use_qk_l2norm, chunk_size)
-    u = 1 if plan is None else plan.ulysses_degree
-    r = 1 if plan is None else plan.ring_degree
-    heads, key_heads, dk, dv = v.shape[2], q.shape[2], q.shape[3], v.shape[3]
-    times = degrees.kv_replication_for(
-        heads, key_heads, u, u * r, error=UlyssesHeadError,
-        subject=f"cannot split {heads} KDA value heads / {key_heads} key heads over ulysses={u}",
-    )  # fmt: skip
-    documents = documents_of(plan, v.shape[1] * u * r, packed)
-    state_columns = dv + (dk if documents.chunks_per_doc > 1 else 0)  # the ring's [0 | I]
-    impl = select_kda_kernel(choices[0], v.device, v.dtype, dk, state_columns, kernels)
-    conv_impl = None
-    if conv_weights is not None:  # this rank's channels: its heads after the all-to-all
-        channels = (2 * key_heads * times * dk + heads * dv) // u
-        conv_impl = select_conv_kernel(
-            choices[1], v.device, v.dtype, channels, conv_weights[0].shape[1], conv_kernels
-        )
-    problem = ring_order_problem(plan, "kda_usp")
-    if problem is not None:
-        raise KdaError(problem)
-    return _Checked(times, documents, impl, conv_impl)
+    return _Checked(*delta_rule_call(
+        q, k, v, conv_weights, plan, packed, (choices[0], kernels), (choices[1], conv_kernels),
+        select=select_kda_kernel, what="KDA", entry="kda_usp", error=KdaError,
+    ))  # fmt: skip
 
 
 def _fields(inputs, options, choices, checked: _Checked | None):

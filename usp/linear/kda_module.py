@@ -25,8 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from usp.linear.backends import KDA_DEFAULT
+from usp.linear.choice import GdnShape, layer_kernel_refusal
 from usp.linear.kda import kda_usp
 from usp.linear.kernel import compute_dtype
+from usp.linear.layer_call import call_documents
 
 __all__ = ["KdaForgetGate", "KimiDeltaAttention", "SigmoidGatedRMSNorm"]
 
@@ -107,22 +110,25 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = SigmoidGatedRMSNorm(head_dim, eps=rms_norm_eps)
         self.o_proj = nn.Linear(self.qkv_dim, hidden_size, bias=False)
 
+    def conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight
+
+    def kernel_refusal(self, plan=None, *, device=None, dtype=None) -> str | None:
+        """Why a kernel the plan (default: the layer's) forces cannot run this layer on
+        ``device`` with activations of ``dtype`` (default: its parameters'), or None
+        (:func:`usp.linear.choice.forced_kernel_refusal`; no kernel runs)."""
+        heads, dim = self.num_heads, self.head_dim
+        shape = GdnShape(heads, heads, dim, dim, self.conv1d.kernel_size[0])
+        return layer_kernel_refusal(self, plan, device, dtype, shape, mixer="KDA",
+                                    kernels=KDA_DEFAULT)  # fmt: skip
+
     def forward(self, hidden_states, cache=None, attention_mask=None, *, plan=None, packed=None,
                 **kwargs):  # fmt: skip
         """``packed``: the global document boundaries (cu_seqlens or a PackedSequence of the
         plan); a ``usp_packed`` (the HF plug-in's) or ``cu_seq_lens_q`` (transformers'
         padding-free batches) keyword is read as ``packed`` too. ``cache`` and a padding
         ``attention_mask`` are refused."""
-        if cache is not None:
-            raise ValueError(
-                "KimiDeltaAttention (usp) computes training forwards: pass use_cache=False"
-            )
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError(
-                "KimiDeltaAttention (usp) does not take padding; pack documents instead"
-            )
-        if packed is None:
-            packed = kwargs.get("usp_packed", kwargs.get("cu_seq_lens_q"))
+        packed = call_documents("KimiDeltaAttention", cache, attention_mask, packed, kwargs)
         plan = self.plan if plan is None else plan
         heads = (self.num_heads, self.head_dim)
         q, k, v = (p(hidden_states).unflatten(-1, heads) for p in (self.q_proj, self.k_proj,

@@ -34,22 +34,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from usp.errors import InputError, ShardingError
+from usp.errors import InputError
 from usp.linear.agreed import (
+    COMMON_ERRORS,
     checked_call,
     documents_field,
     dtype_field,
+    eager_only,
     grad_field,
     ring_order_problem,
     shape_field,
 )  # fmt: skip
 from usp.linear.block import RingPeers
-from usp.linear.heads import documents_of, rank_channels, to_head_sharded_by_dtype
+from usp.linear.choice import ConvShape, layer_kernel_refusal, plan_choice
+from usp.linear.heads import channels_to_block, channels_to_shard, documents_of, rank_channels
 from usp.linear.kernel import compute_dtype
+from usp.linear.layer_call import call_documents
 from usp.linear.selective_scan import SelectiveScanOptions, selective_scan_ring_block
 from usp.linear.short_conv import short_conv_usp
 from usp.ring.documents import Documents
-from usp.sp.ulysses import to_sequence_sharded
 
 __all__ = ["Mamba1Error", "Mamba1Mixer", "mamba1_usp"]
 
@@ -90,13 +93,8 @@ def mamba1_usp(
     Raises :class:`Mamba1Error` / ``ShardingError`` on every SP rank, before any data
     moves, for what it cannot compute (channels that u does not divide among them).
     """
-    if torch.compiler.is_compiling():
-        raise Mamba1Error(
-            "mamba1_usp runs eagerly: compile the model around its Mamba layers "
-            "(torch.compiler.disable on the layer), or run the model eagerly"
-        )
+    eager_only("mamba1_usp", "Mamba", Mamba1Error)
     u = 1 if plan is None else plan.ulysses_degree
-    r = 1 if plan is None else plan.ring_degree
     choice = kernel if kernel is not None else "auto" if plan is None else plan.linear_backend
     inputs = (x, dt, a, b, c, d)
     checked = checked_call(
@@ -105,21 +103,13 @@ def mamba1_usp(
     )  # fmt: skip
     stats = None if plan is None else plan.comm_stats
     rank = 0 if plan is None else plan.ulysses_rank
-    if u > 1:  # [B, S/P, u, ..] -> [B, S/r, 1, ..]: channels split, B and C to every rank
-        parts = [x.unflatten(-1, (u, -1)), dt.unflatten(-1, (u, -1)),
-                 *(t[:, :, None].expand(-1, -1, u, -1) for t in (b, c))]  # fmt: skip
-        x, dt, b, c = (t[:, :, 0] for t in to_head_sharded_by_dtype(parts, plan.ulysses_group,
-                                                                    stats))  # fmt: skip
+    # [B, S/P, D] -> [B, S/r, D/u]; B and C, which every channel reads, to every rank
+    x, dt, b, c = channels_to_block([x, dt, *(t.repeat(1, 1, u) for t in (b, c))], plan, stats)
     a = rank_channels([a], u, rank)[0]
     d = None if d is None else rank_channels([d], u, rank)[0]
-    ring = RingPeers(
-        None if r == 1 else plan.ring_group, stats, 0 if plan is None else plan.ring_rank
-    )
-    y = selective_scan_ring_block(x, dt, a, b, c, d, checked.documents, ring,
+    y = selective_scan_ring_block(x, dt, a, b, c, d, checked.documents, RingPeers.of(plan),
                                   SelectiveScanOptions(chunk_size))  # fmt: skip
-    if u > 1:  # [B, S/r, 1, D/u] -> [B, S/P, D]
-        y = to_sequence_sharded(y[:, :, None], plan.ulysses_group, stats).flatten(2)
-    return y
+    return channels_to_shard(y, plan, stats)  # [B, S/P, D]
 
 
 @dataclass(frozen=True)
@@ -127,7 +117,7 @@ class _Checked:
     documents: Documents
 
 
-_ERRORS = (Mamba1Error, ShardingError, InputError)
+_ERRORS = (Mamba1Error, *COMMON_ERRORS)
 
 
 def _check(inputs, packed, chunk_size, choice, plan) -> _Checked:
@@ -238,18 +228,30 @@ class Mamba1Mixer(nn.Module):
         self.b_layernorm = _RMSNorm(state_size, rms_norm_eps)
         self.c_layernorm = _RMSNorm(state_size, rms_norm_eps)
 
+    def conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight
+
+    def kernel_refusal(self, plan=None, *, device=None, dtype=None) -> str | None:
+        """Why a kernel the plan (default: the layer's) forces cannot run this layer on
+        ``device`` with activations of ``dtype`` (default: its parameters'), or None: the
+        scan takes usp's torch kernel only; the conv as :class:`usp.linear.ShortConv`'s."""
+        plan = self.plan if plan is None else plan
+        scan = plan_choice(None, plan, "linear_backend")
+        problems = [] if scan in KERNELS else [
+            f'linear_backend = "{scan}" cannot run the Mamba-1 scan: no {scan} kernel is '
+            'mapped for it; set linear_backend = "auto" (usp\'s torch kernel) or "torch"'
+        ]  # fmt: skip
+        shape = ConvShape(self.intermediate_size, self.conv1d.kernel_size[0])
+        conv = layer_kernel_refusal(self, plan, device, dtype, shape, mixer="Mamba-1")
+        return "; ".join(problems + ([] if conv is None else [conv])) or None
+
     def forward(self, hidden_states, cache=None, attention_mask=None, *, plan=None, packed=None,
                 **kwargs):  # fmt: skip
         """``packed``: the global document boundaries (cu_seqlens or a PackedSequence of the
         plan); a ``usp_packed`` (the HF plug-in's) or ``cu_seq_lens_q`` (transformers'
         padding-free batches) keyword is read as ``packed`` too. ``cache`` and a padding
         ``attention_mask`` are refused."""
-        if cache is not None:
-            raise ValueError("Mamba1Mixer (usp) computes training forwards: pass use_cache=False")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("Mamba1Mixer (usp) does not take padding; pack documents instead")
-        if packed is None:
-            packed = kwargs.get("usp_packed", kwargs.get("cu_seq_lens_q"))
+        packed = call_documents("Mamba1Mixer", cache, attention_mask, packed, kwargs)
         plan = self.plan if plan is None else plan
         x, z = self.in_proj(hidden_states).chunk(2, dim=-1)  # [B, S/P, D] each
         x = short_conv_usp(

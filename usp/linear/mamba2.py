@@ -19,7 +19,7 @@ Traffic per rank and direction (the backward's reduce-scatters and all-to-alls m
 same): all-to-all ``(u - 1)/u x B x S/P x (H P + 2 G' N) x item + (u - 1)/u x B x S/P x H
 x dt item`` forward plus ``(u - 1)/u x B x S/P x H P x item`` back (G' = G repeated);
 all-gathers ``(r - 1) x segments x B x ((K - 1) (H P + 2 G' N)/u x item + H/u x (N P + 1)
-x state item)`` when a document spans chunks (``usp.planner.traffic.mamba2_traffic``).
+x state item)`` when a document spans chunks (``usp.planner.mixer_traffic.mamba2_traffic``).
 
 Documents (``packed``) restart the conv and the state at every boundary. One process
 (``plan`` None or of one rank) runs the same code without communication. Eager only: under
@@ -31,16 +31,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from usp.comm.agreement import Field, agree, can_agree, stable_hash
-from usp.errors import InputError, ShardingError
+from usp.errors import InputError
+from usp.linear.agreed import (
+    ACTIVATIONS,
+    COMMON_ERRORS,
+    checked_call,
+    choice_field,
+    documents_field,
+    dtype_field,
+    eager_only,
+    grad_field,
+    ring_order_problem,
+    shape_field,
+)  # fmt: skip
 from usp.linear.block import ConvCall, RingPeers
 from usp.linear.choice import plan_choice
 from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError, select_conv_kernel
 from usp.linear.heads import (
     documents_of,
-    hashed,
     rank_channels,
     replicated_channels,
     to_head_sharded_by_dtype,
@@ -48,13 +57,11 @@ from usp.linear.heads import (
 from usp.linear.scan_backends import ScanKernel, ScanKernelError, select_scan_kernel
 from usp.linear.ssd import SsdOptions, ssd_ring_block
 from usp.options import LINEAR_BACKENDS
-from usp.process_groups import HeadLayoutError, degrees
+from usp.process_groups import degrees
 from usp.ring.documents import Documents
 from usp.sp.ulysses import UlyssesHeadError, to_sequence_sharded
 
 __all__ = ["Mamba2Error", "mamba2_usp"]
-
-ACTIVATIONS = (None, "silu")
 
 
 class Mamba2Error(InputError):
@@ -102,13 +109,8 @@ def mamba2_usp(
     ``ScanKernelError`` / ``ConvKernelError`` for a kernel that cannot run) on every SP
     rank, before any data moves, for what it cannot compute.
     """
-    if torch.compiler.is_compiling():
-        raise Mamba2Error(
-            "mamba2_usp runs eagerly: compile the model around its Mamba-2 layers "
-            "(torch.compiler.disable on the layer), or run the model eagerly"
-        )
+    eager_only("mamba2_usp", "Mamba-2", Mamba2Error)
     u = 1 if plan is None else plan.ulysses_degree
-    r = 1 if plan is None else plan.ring_degree
     checked = _checked(
         x, b, c, dt, a, d, plan, conv_weight, conv_bias, activation, packed, chunk_size,
         (plan_choice(kernel, plan, "linear_backend"), kernels),
@@ -134,9 +136,7 @@ def mamba2_usp(
         ConvCall(channels[0], channels[1], checked.conv_kernel, activation, x.dtype),
         groups * checked.times // u, b.shape[3], chunk_size, checked.kernel,
     )  # fmt: skip
-    ring = RingPeers(
-        None if r == 1 else plan.ring_group, stats, 0 if plan is None else plan.ring_rank
-    )
+    ring = RingPeers.of(plan)
     xbc = torch.cat(tensors[:3], dim=-1)  # [B, S/r, h P + 2 g N]
     y = ssd_ring_block(xbc, tensors[3], a_local, d_local, checked.documents, ring, options)
     if u > 1:  # [B, S/r, H/u, P] -> [B, S/P, H, P]
@@ -198,11 +198,12 @@ def _check_inputs(x, b, c, dt, a, d, weight, bias, activation, chunk_size):
 
 def _checked(x, b, c, dt, a, d, plan, weight, bias, activation, packed, chunk_size, scan, conv):
     """Everything that could fail, checked on this rank and agreed across the SP ranks
-    (the same error on every rank) before the first collective."""
+    (the same error on every rank) before the first collective
+    (:func:`usp.linear.agreed.checked_call`)."""
     u = 1 if plan is None else plan.ulysses_degree
     r = 1 if plan is None else plan.ring_degree
-    error, documents, times, impl, conv_impl = None, None, 1, None, None
-    try:
+
+    def check() -> _Checked:
         _check_inputs(x, b, c, dt, a, d, weight, bias, activation, chunk_size)
         heads, groups = x.shape[2], b.shape[2]
         times = degrees.kv_replication_for(
@@ -215,51 +216,35 @@ def _checked(x, b, c, dt, a, d, plan, weight, bias, activation, packed, chunk_si
         conv_impl = select_conv_kernel(
             conv[0], x.device, x.dtype, rank_channels_count, weight.shape[1], conv[1]
         )
-        if r > 1 and dist.get_rank(plan.ring_group) != plan.ring_rank:
-            raise Mamba2Error(
-                f"the ring group orders its ranks differently from the ring rank "
-                f"({dist.get_rank(plan.ring_group)} != {plan.ring_rank}); mamba2_usp reads "
-                "the gathered chunks in ring-rank order"
-            )
-    except (InputError, HeadLayoutError) as err:
-        error = err
-    if plan is not None and plan.sp_degree > 1 and can_agree(plan.sp_group):
-        agree(plan.sp_group, "mamba2_usp", _fields(x, b, dt, weight, bias, activation,
-              chunk_size, documents, scan[0], conv[0]), error, _ERRORS)  # fmt: skip
-    if error is not None:
-        raise error
-    return _Checked(times, documents, impl, conv_impl)
+        problem = ring_order_problem(plan, "mamba2_usp")
+        if problem is not None:
+            raise Mamba2Error(problem)
+        return _Checked(times, documents, impl, conv_impl)
+
+    def fields(checked: _Checked | None):
+        documents = None if checked is None else checked.documents
+        inputs = (x, b, c, dt, a, d, weight, bias)
+        return _fields(inputs, activation, chunk_size, documents, scan[0], conv[0])
+
+    return checked_call(plan, "mamba2_usp", check, fields, _ERRORS)
 
 
-_ERRORS = (
-    Mamba2Error, ScanKernelError, ConvKernelError, UlyssesHeadError, HeadLayoutError,
-    ShardingError, InputError,
-)  # fmt: skip
-_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_ERRORS = (Mamba2Error, ScanKernelError, ConvKernelError, *COMMON_ERRORS)
+_NAMES = ("x", "b", "c", "dt", "a", "d", "conv_weight", "conv_bias")
 
 
-def _fields(x, b, dt, weight, bias, activation, chunk_size, documents, kernel, conv_kernel):
-    """What the SP ranks must agree on before the first collective."""
-    shapes = (*x.shape, *b.shape, *weight.shape, bias is None,
-              ACTIVATIONS.index(activation) if activation in ACTIVATIONS else -1,
-              chunk_size if isinstance(chunk_size, int) else -1)  # fmt: skip
-    dtypes = tuple(_DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1 for t in (x, dt))
+def _fields(inputs, activation, chunk_size, documents, kernel, conv_kernel):
+    """What the SP ranks must agree on before the first collective (whatever the inputs:
+    never raises)."""
+    settings = [ACTIVATIONS.index(activation) if activation in ACTIVATIONS else -1, chunk_size]
     return [
-        Field("shapes and options", stable_hash(shapes), hashed),
-        Field("dtypes", stable_hash(dtypes), hashed),
-        Field("documents", 0 if documents is None else stable_hash(documents.lengths), hashed),
-        Field(
-            "scan kernel (auto, torch or fla)",
-            _index(kernel, LINEAR_BACKENDS),
-            lambda i: LINEAR_BACKENDS[i] if i >= 0 else "unknown",
+        shape_field(
+            "shapes of x, b, c, dt, a, d and the conv, activation, chunk_size",
+            [*(-1 if t is None else t for t in inputs), *settings],
         ),  # fmt: skip
-        Field(
-            "conv kernel (auto, torch or causal_conv1d)",
-            _index(conv_kernel, CONV_KERNELS),
-            lambda i: CONV_KERNELS[i] if i >= 0 else "unknown",
-        ),  # fmt: skip
+        dtype_field("dtypes of x, b, c, dt, a, d and the conv", inputs),
+        documents_field(documents),
+        choice_field("scan kernel (auto, torch or fla)", kernel, LINEAR_BACKENDS),
+        choice_field("conv kernel (auto, torch or causal_conv1d)", conv_kernel, CONV_KERNELS),
+        grad_field(_NAMES, inputs),
     ]
-
-
-def _index(name, names) -> int:
-    return names.index(name) if name in names else -1

@@ -25,7 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from usp.linear import scan_backends
+from usp.linear.choice import Mamba2Shape, layer_kernel_refusal
 from usp.linear.kernel import compute_dtype
+from usp.linear.layer_call import call_documents
 from usp.linear.mamba2 import mamba2_usp
 
 __all__ = ["GroupGatedRMSNorm", "Mamba2Mixer"]
@@ -116,18 +119,26 @@ class Mamba2Mixer(nn.Module):
         else:
             self.mup_vector = None
 
+    def conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight
+
+    def kernel_refusal(self, plan=None, *, device=None, dtype=None) -> str | None:
+        """Why a kernel the plan (default: the layer's) forces cannot run this layer on
+        ``device`` with activations of ``dtype`` (default: its parameters'), or None
+        (:func:`usp.linear.choice.forced_kernel_refusal`: the kernels' limits; no kernel
+        runs)."""
+        shape = Mamba2Shape(self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size,
+                            self.conv1d.kernel_size[0])  # fmt: skip
+        return layer_kernel_refusal(self, plan, device, dtype, shape, mixer="Mamba-2",
+                                    kernels=scan_backends.DEFAULT)  # fmt: skip
+
     def forward(self, hidden_states, cache=None, attention_mask=None, *, plan=None, packed=None,
                 **kwargs):  # fmt: skip
         """``packed``: the global document boundaries (cu_seqlens or a PackedSequence of the
         plan); a ``usp_packed`` (the HF plug-in's) or ``cu_seq_lens_q`` (transformers'
         padding-free batches) keyword is read as ``packed`` too. ``cache`` and a padding
         ``attention_mask`` are refused."""
-        if cache is not None:
-            raise ValueError("Mamba2Mixer (usp) computes training forwards: pass use_cache=False")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("Mamba2Mixer (usp) does not take padding; pack documents instead")
-        if packed is None:
-            packed = kwargs.get("usp_packed", kwargs.get("cu_seq_lens_q"))
+        packed = call_documents("Mamba2Mixer", cache, attention_mask, packed, kwargs)
         plan = self.plan if plan is None else plan
         batch, seq_len, _ = hidden_states.shape
         if self.in_multiplier is not None:

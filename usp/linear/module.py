@@ -21,6 +21,7 @@ from torch import nn
 from usp.linear.choice import GdnShape, forced_kernel_refusal, plan_choice
 from usp.linear.gdn import gated_deltanet_usp
 from usp.linear.kernel import compute_dtype
+from usp.linear.layer_call import call_documents
 
 
 class GatedRMSNorm(nn.Module):
@@ -111,12 +112,7 @@ class GatedDeltaNet(nn.Module):
         """``packed``: the global document boundaries (cu_seqlens or a PackedSequence of
         the plan); a ``cu_seq_lens_q`` keyword (transformers' padding-free batches) is
         read as ``packed`` too, as is the HF plug-in's ``usp_packed``. ``cache`` and a padding ``attention_mask`` are refused."""
-        if cache is not None:
-            raise ValueError("GatedDeltaNet (usp) computes training forwards: pass use_cache=False")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("GatedDeltaNet (usp) does not take padding; pack documents instead")
-        if packed is None:  # the HF plug-in's keyword, or transformers' padding-free one
-            packed = kwargs.get("usp_packed", kwargs.get("cu_seq_lens_q"))
+        packed = call_documents("GatedDeltaNet", cache, attention_mask, packed, kwargs)
         plan = self.plan if plan is None else plan
         batch, seq_len, _ = hidden_states.shape
         dtype = compute_dtype(hidden_states.dtype)

@@ -30,28 +30,29 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from usp.errors import InputError, ShardingError
+from usp.errors import InputError
 from usp.linear.agreed import (
+    ACTIVATIONS,
+    COMMON_ERRORS,
     checked_call,
     choice_field,
     documents_field,
     dtype_field,
+    eager_only,
     grad_field,
     ring_order_problem,
     shape_field,
 )  # fmt: skip
 from usp.linear.block import ConvCall, RingPeers, conv_segments
-from usp.linear.choice import plan_choice
+from usp.linear.choice import ConvShape, layer_kernel_refusal, plan_choice
 from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError, select_conv_kernel
-from usp.linear.heads import documents_of, rank_channels
+from usp.linear.heads import channels_to_block, channels_to_shard, documents_of, rank_channels
 from usp.linear.kernel import compute_dtype, from_padded, segment_rows
+from usp.linear.layer_call import call_documents
 from usp.linear.ring import Segments
 from usp.ring.documents import Documents
-from usp.sp.ulysses import to_head_sharded, to_sequence_sharded
 
 __all__ = ["ShortConv", "ShortConvError", "short_conv_usp"]
-
-ACTIVATIONS = (None, "silu")
 
 
 class ShortConvError(InputError):
@@ -84,13 +85,8 @@ def short_conv_usp(
     kernel that cannot run) on every SP rank, before any data moves, for what it cannot
     compute (channels that u does not divide among them).
     """
-    if torch.compiler.is_compiling():
-        raise ShortConvError(
-            "short_conv_usp runs eagerly: compile the model around its conv layers "
-            "(torch.compiler.disable on the layer), or run the model eagerly"
-        )
+    eager_only("short_conv_usp", "conv", ShortConvError)
     u = 1 if plan is None else plan.ulysses_degree
-    r = 1 if plan is None else plan.ring_degree
     choice = plan_choice(conv_kernel, plan, "linear_conv_backend")
     checked = checked_call(
         plan, "short_conv_usp",
@@ -100,23 +96,16 @@ def short_conv_usp(
     )  # fmt: skip
     stats = None if plan is None else plan.comm_stats
     rank = 0 if plan is None else plan.ulysses_rank
-    block = x
-    if u > 1:  # [B, S/P, u, C/u] -> [B, S/r, 1, C/u]
-        block = to_head_sharded([x.unflatten(-1, (u, -1))], plan.ulysses_group, stats)[0]
-        block = block.flatten(2)
+    (block,) = channels_to_block([x], plan, stats)  # [B, S/P, C] -> [B, S/r, C/u]
     w = rank_channels([weight], u, rank)[0]  # this rank's channels
     b = None if bias is None else rank_channels([bias], u, rank)[0]
-    ring = RingPeers(
-        None if r == 1 else plan.ring_group, stats, 0 if plan is None else plan.ring_rank
-    )
+    ring = RingPeers.of(plan)
     conv = ConvCall(w, b, checked.kernel, activation, x.dtype)
     segments = Segments(checked.documents, ring.rank)
     rows, valid, _ = segment_rows(segments.bounds)
     y = conv_segments(block.to(compute_dtype(x.dtype)), conv, segments, ring, rows, valid)
     y = from_padded(y, valid, x.shape[0]).to(x.dtype)  # [B, S/r, C/u]
-    if u > 1:  # [B, S/r, 1, C/u] -> [B, S/P, C]
-        y = to_sequence_sharded(y[:, :, None], plan.ulysses_group, stats).flatten(2)
-    return y
+    return channels_to_shard(y, plan, stats)  # [B, S/P, C]
 
 
 @dataclass(frozen=True)
@@ -125,7 +114,7 @@ class _Checked:
     kernel: ConvKernel
 
 
-_ERRORS = (ShortConvError, ConvKernelError, ShardingError, InputError)
+_ERRORS = (ShortConvError, ConvKernelError, *COMMON_ERRORS)
 
 
 def _check(x, weight, bias, activation, packed, plan, choice, conv_kernels) -> _Checked:
@@ -197,18 +186,22 @@ class ShortConv(nn.Module):
         self.in_proj = nn.Linear(hidden_size, 3 * hidden_size, bias=bias)
         self.out_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
 
+    def conv_weight(self) -> torch.Tensor:
+        return self.conv.weight
+
+    def kernel_refusal(self, plan=None, *, device=None, dtype=None) -> str | None:
+        """Why a conv kernel the plan (default: the layer's) forces cannot run this layer
+        on ``device`` with activations of ``dtype`` (default: its parameters'), or None."""
+        shape = ConvShape(self.conv.in_channels, self.conv.kernel_size[0])
+        return layer_kernel_refusal(self, plan, device, dtype, shape, mixer="short conv")
+
     def forward(self, hidden_states, cache=None, attention_mask=None, *, plan=None, packed=None,
                 **kwargs):  # fmt: skip
         """``packed``: the global document boundaries (cu_seqlens or a PackedSequence of the
         plan); a ``usp_packed`` (the HF plug-in's) or ``cu_seq_lens_q`` (transformers'
         padding-free batches) keyword is read as ``packed`` too. ``cache`` and a padding
         ``attention_mask`` are refused."""
-        if cache is not None:
-            raise ValueError("ShortConv (usp) computes training forwards: pass use_cache=False")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("ShortConv (usp) does not take padding; pack documents instead")
-        if packed is None:
-            packed = kwargs.get("usp_packed", kwargs.get("cu_seq_lens_q"))
+        packed = call_documents("ShortConv", cache, attention_mask, packed, kwargs)
         b, c, x = self.in_proj(hidden_states).chunk(3, dim=-1)  # [B, S/P, hidden] each
         y = short_conv_usp(
             b * x, self.plan if plan is None else plan, weight=self.conv.weight[:, 0],
