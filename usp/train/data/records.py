@@ -18,7 +18,7 @@ import glob
 import json
 import random
 import string
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,9 +189,12 @@ def resolve_files(patterns: Sequence[str], base: Path, *, key: str = "[data] fil
     return paths
 
 
-def jsonl_records(path: Path) -> Iterator[tuple[object, str]]:
+def jsonl_records(
+    path: Path, on_blank: Callable[[str], None] | None = None
+) -> Iterator[tuple[object, str]]:
     """``(record, "file:line")`` for every non-empty line; bad UTF-8 or JSON is a
-    :class:`DataError` naming the file and line."""
+    :class:`DataError` naming the file and line. A blank line is skipped, and given to
+    ``on_blank`` ("file:line") to be counted."""
     if path.is_dir():
         raise DataError(f"data file {path} is a directory, expected a JSONL file")
     if not path.is_file():
@@ -209,6 +212,8 @@ def jsonl_records(path: Path) -> Iterator[tuple[object, str]]:
             if number == 1:
                 line = line.removeprefix("\ufeff")  # a byte-order mark
             if not line.strip():
+                if on_blank is not None:
+                    on_blank(where)
                 continue
             try:
                 yield json.loads(line), where
@@ -231,6 +236,8 @@ class LengthReport:
     # dropped with no trained token left: truncate's kept window, or a piece of split
     emptied: int = 0
     short: int = 0  # documents under 2 tokens (nothing to predict), skipped
+    blank_lines: int = 0  # blank lines of the JSONL files, skipped
+    first_blank: str = ""  # where the first of them is ("file:line")
     #: per data file: records read, documents kept, their tokens and trained tokens
     files: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -257,7 +264,15 @@ class LengthReport:
                 )
         if self.short:
             text += f"; {self.short} documents under 2 tokens skipped"
+        if self.blank_lines:
+            s = "s" if self.blank_lines > 1 else ""
+            text += f"; {self.blank_lines} blank line{s} skipped (the first at {self.first_blank})"
         return text
+
+    def count_blank(self, where: str) -> None:
+        """A blank line of a JSONL file at ``where`` ("file:line"), skipped."""
+        self.blank_lines += 1
+        self.first_blank = self.first_blank or where
 
     def add(self, other: LengthReport) -> None:
         for name in ("too_long", "pieces", "cut_start", "cut_end", "emptied", "short"):
@@ -384,7 +399,7 @@ def iter_documents(paths: Sequence[Path], tokenizer, report: LengthReport) -> It
     applied (and counted in ``report``). Documents under 2 tokens are skipped."""
     chat = None
     for path in paths:
-        for batch, error in _batches(jsonl_records(path)):
+        for batch, error in _batches(jsonl_records(path, report.count_blank)):
             texts = [
                 r[k]
                 for r, _ in batch
