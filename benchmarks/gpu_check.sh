@@ -8,8 +8,9 @@
 #                  paths (test_new_paths_device.py): sliding windows, attention sinks and
 #                  a value head size of its own through usp_attention on each backend, the
 #                  MoE experts' grouped GEMM against the loop, the gated delta rule kernel
-#                  against its recurrence; with usp[fla] installed, fla's gated delta rule
-#                  and causal-conv1d's short conv against usp's torch path (a self-check
+#                  against its recurrence; with usp[fla] installed, fla's gated delta rule,
+#                  fla's simple GLA under Mamba-2 (mamba2_usp, kernel="fla") and
+#                  causal-conv1d's short conv against usp's torch path (a self-check
 #                  failure fails; skipped without the packages)
 #   cuda_tests     every other test marked @pytest.mark.cuda (none yet is fine)
 #   plan_check     benchmarks/plan_check.py: usp plan's fake-tensor memory estimate of 4

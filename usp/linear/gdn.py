@@ -67,26 +67,19 @@ from usp.linear.gdn_checks import (
     check_inputs,
     inputs_grad_mask,
 )
+from usp.linear.heads import (
+    documents_of,
+    rank_channels,
+    replicated_channels,
+    to_head_sharded_by_dtype,
+)  # fmt: skip
 from usp.process_groups import HeadLayoutError, degrees
 from usp.ring.documents import Documents
 from usp.sp.attend import stand_in_packed
 from usp.sp.packing import PackedSequence
-from usp.sp.sharding import sequence_documents
-from usp.sp.ulysses import UlyssesHeadError, to_head_sharded, to_sequence_sharded
+from usp.sp.ulysses import UlyssesHeadError, to_sequence_sharded
 
 __all__ = ["LinearAttentionError", "gated_deltanet_usp"]
-
-
-def _documents(plan, seq_len: int, packed) -> Documents:
-    if plan is None:
-        if isinstance(packed, PackedSequence):
-            packed = packed.cu_seqlens
-        return sequence_documents(seq_len, 1, 1, "contiguous", packed)
-    if isinstance(packed, PackedSequence) or packed is None:
-        packed = plan.packed_sequence(packed, seq_len=seq_len)
-        if packed is not None:
-            return packed.documents
-    return sequence_documents(seq_len, plan.ring_degree, plan.ulysses_degree, plan.layout, packed)
 
 
 def gated_deltanet_usp(
@@ -197,7 +190,7 @@ def _checked(
             subject=f"cannot split {v.shape[2]} GDN value heads / {q.shape[2]} key heads "
             f"over ulysses={u}",
         )  # fmt: skip
-        documents = _documents(plan, v.shape[1] * u * r, packed)
+        documents = documents_of(plan, v.shape[1] * u * r, packed)
         dk, dv = q.shape[3], v.shape[3]
         if documents.chunks_per_doc > 1:  # the ring's state pass adds d_k value columns
             dv += dk
@@ -239,45 +232,16 @@ def _to_heads(q, k, v, g, beta, conv_weights, times, ulysses, stats, ulysses_ran
     group, its TracedGroup in a compiled graph, or None (u = 1)."""
     if times > 1:  # key heads repeated so that u ranks split them
         q, k = (t.repeat_interleave(times, dim=2) for t in (q, k))
-    ws = None if conv_weights is None else _replicated_weights(conv_weights, q, k, times)
+    ws = None
+    if conv_weights is not None:  # the key heads' channels repeated as the heads are
+        ws = [*replicated_channels(conv_weights[:2], q.shape[2] // times, times), conv_weights[2]]
     tensors = [q, k, v, g[..., None], beta[..., None]]
     if u > 1:
-        tensors = _to_head_sharded(tensors, ulysses, stats)
+        tensors = to_head_sharded_by_dtype(tensors, ulysses, stats)
         if ws is not None:
-            ws = _rank_weights(ws, u, ulysses_rank)
+            ws = rank_channels(ws, u, ulysses_rank)
     q, k, v, g, beta = tensors
     return q, k, v, g[..., 0], beta[..., 0], ws
-
-
-def _to_head_sharded(tensors, group, stats):
-    """One all-to-all per dtype (the decay may be float32 next to bfloat16 q, k, v: an
-    all-to-all moves one dtype, and casting the decay would lose it)."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(index)
-    out = list(tensors)
-    for indices in by_dtype.values():
-        moved = to_head_sharded([tensors[i] for i in indices], group, stats)
-        for i, t in zip(indices, moved):
-            out[i] = t
-    return out
-
-
-def _replicated_weights(conv_weights, q, k, times):
-    wq, wk, wv = conv_weights
-    if times == 1:
-        return [wq, wk, wv]
-    heads = q.shape[2] // times
-    return [
-        w.reshape(heads, -1, w.shape[-1]).repeat_interleave(times, 0).reshape(-1, w.shape[-1])
-        for w in (wq, wk)
-    ] + [wv]
-
-
-def _rank_weights(ws, u, rank):
-    """The channels of this Ulysses rank's heads (rank j holds the j-th 1/u of the heads;
-    channels are head-major)."""
-    return [w[rank * (w.shape[0] // u) : (rank + 1) * (w.shape[0] // u)] for w in ws]
 
 
 # ------------------------------------------------------------------ compiled graphs

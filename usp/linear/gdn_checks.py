@@ -23,6 +23,7 @@ from usp.comm.call_check import documents_field, grad_field, grad_mask
 from usp.errors import InputError
 from usp.linear.backends import GDN_KERNELS
 from usp.linear.conv import CONV_KERNELS
+from usp.linear.heads import hashed
 
 ACTIVATIONS = (None, "silu")
 #: what head-split messages call GDN's two head counts (value heads over Ulysses; key
@@ -159,7 +160,7 @@ def agreed_fields(
         Field(
             "activation, scale, use_qk_l2norm",
             stable_hash(options),
-            _hashed,
+            hashed,
             f"activation={activation!r}, scale={scale!r}, use_qk_l2norm={use_qk_l2norm!r}",
         ),  # fmt: skip
         documents_field(bounds, "documents"),
@@ -173,7 +174,7 @@ def _shape_field(name: str, x) -> Field:
     if not isinstance(x, torch.Tensor):
         return Field(name, -1, lambda _: "not a tensor")
     shape = tuple(x.shape)
-    return Field(name, stable_hash(shape), _hashed, str(shape))
+    return Field(name, stable_hash(shape), hashed, str(shape))
 
 
 def _dtype_code(x) -> int:
@@ -188,7 +189,3 @@ def _show_dtype(code: int) -> str:
 def _choice_field(name: str, value, choices) -> Field:
     code = choices.index(value) if value in choices else -1
     return Field(name, code, lambda i: choices[i] if i >= 0 else "unknown")
-
-
-def _hashed(value: int) -> str:
-    return f"hash {value & 0xFFFFFFFF:08x}"

@@ -28,7 +28,9 @@ padding-free packing (``cu_seq_lens_q/k``, or in one process ``position_ids`` th
 restart per document) becomes usp's packed documents; ``is_causal`` (the module's, the
 config's or a keyword) is respected; under ``torch.autocast`` q/k/v are computed in the
 autocast dtype, as sdpa computes them; a module's ``head_chunks`` (set by
-``usp.models.Levers``) goes to the ring. :func:`shard_flattened` turns a
+``usp.models.Levers``) goes to the ring; a vision-language model's encoders, multimodal
+positions and mask overlays are computed or refused (:mod:`usp.models.hf_multimodal_checks`).
+:func:`shard_flattened` turns a
 ``DataCollatorWithFlattening`` batch into this rank's part (documents padded to the
 layout, labels shifted per document, ``usp_packed``).
 """
@@ -60,6 +62,7 @@ from usp.models.hf_mixers import (  # noqa: F401
     check_model,
     swap_linear_attention,
 )
+from usp.models.hf_multimodal_checks import MultimodalChecks, is_encoder_config
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, loss_dtype, sp_cross_entropy, sp_normalise
 from usp.sp.plan import as_plan
@@ -119,12 +122,23 @@ def register(plan, *, name: str = "usp", model=None, **attention_options) -> str
     if model is not None:
         check.accept(model)
     seen = PaddingSeen()
-    AttentionMaskInterface.register(name, padding_mask_function(plan, name, seen, check))
-    transformers.AttentionInterface.register(name, _attention_function(plan, name, seen, check))
+    multimodal = MultimodalChecks(plan, name)  # encoders, multimodal positions, overlays
+
+    def check_model_of(config):
+        if not is_encoder_config(config):  # an encoder's masks: over its own patches
+            check(config)
+
+    mask_function = padding_mask_function(plan, name, seen, check_model_of)
+    AttentionMaskInterface.register(name, multimodal.wrap_mask_function(mask_function))
+    transformers.AttentionInterface.register(
+        name, _attention_function(plan, name, seen, check, multimodal)
+    )
     return name
 
 
-def _attention_function(plan, name: str, seen: PaddingSeen, check: MixerCheck):
+def _attention_function(
+    plan, name: str, seen: PaddingSeen, check: MixerCheck, multimodal: MultimodalChecks
+):
     packed_inputs = PackedInputs(plan, name)  # one PackedSequence per forward
 
     def usp_attention_forward(
@@ -142,6 +156,12 @@ def _attention_function(plan, name: str, seen: PaddingSeen, check: MixerCheck):
     ):
         """query [B, H, S/P, D], key/value [B, Hkv, S/P, D] (after RoPE) ->
         (out [B, S/P, H, D], None)."""
+        if is_encoder_config(getattr(module, "config", None)):  # a vision/audio tower
+            return multimodal.encoder_attention(
+                module, query, key, value, attention_mask, packed_inputs.agreed,
+                dropout=dropout, scaling=scaling, is_causal=is_causal,
+                sliding_window=sliding_window, softcap=softcap, **kwargs,
+            )  # fmt: skip
         check(getattr(module, "config", None))  # the model mixes tokens only here (SP)
         unsupported = {
             "a 4-D attention_mask (or another prepared mask)": attention_mask is not None,
@@ -177,8 +197,9 @@ def _attention_function(plan, name: str, seen: PaddingSeen, check: MixerCheck):
                 "(is_causal=False): every real token would attend to the pads; give rows "
                 "without padding, or pack them (DataCollatorWithFlattening, usp_packed)",
             )
+        problem = multimodal.layer_problem(module, kwargs, causal)  # images, overlays
         batch, _, local_len, _ = query.shape
-        packed = packed_inputs(batch, local_len, query.device, kwargs)
+        packed = packed_inputs(batch, local_len, query.device, kwargs, problem=problem)
         # [B, H, S/P, D] -> [B, S/P, H, D]; under autocast in its dtype, as sdpa is
         q, k, v, autocast_off = _as_sdpa_casts(query, key, value)
         with autocast_off:
@@ -352,7 +373,7 @@ def causal_lm_loss(
 def check_chunked_loss(model) -> None:
     """A ValueError when ``model``'s logits are more than ``lm_head(hidden)`` (softcapping,
     scaling, a bias), which the chunked loss would leave out."""
-    config = model.config
+    config = model.config.get_text_config()  # a vision-language model's: its text part's
     for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(config, attr, None) not in (None, 1, 1.0):
             raise ValueError(

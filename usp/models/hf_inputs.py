@@ -58,10 +58,14 @@ class PackedInputs:
         #: the documents the traces of compiled graphs resolved (see traced_documents)
         self.traced = TraceCache()
 
-    def __call__(self, batch: int, local_len: int, device, kwargs: dict):
+    def __call__(self, batch: int, local_len: int, device, kwargs: dict, problem=None):
+        """``problem``: a refusal the caller found for this call (a message, raised as an
+        HFInputError after the SP ranks agreed, so that every rank raises it)."""
         if torch.compiler.is_compiling():
+            if problem is not None:  # a verdict of what the trace sees: the same on every rank
+                raise HFInputError(problem)
             return self.in_graph(batch, local_len, device, kwargs)
-        return self._resolve_eager(batch, local_len, device, kwargs)
+        return self._resolve_eager(batch, local_len, device, kwargs, problem)
 
     def in_graph(self, batch: int, local_len: int, device, kwargs: dict):
         """The same verdicts inside a compiled graph. Documents (``usp_packed`` or
@@ -112,22 +116,28 @@ class PackedInputs:
             traced.require(ok, _positions_message(plan, packed, source, name), group)
         return packed
 
-    def _resolve_eager(self, batch: int, local_len: int, device, kwargs: dict):
+    def _resolve_eager(self, batch: int, local_len: int, device, kwargs: dict, problem=None):
         sources = (kwargs.get(PACKED_KWARG), *(kwargs.get(k) for k in CU_KWARGS))
         positions = kwargs.get("position_ids")
-        key = (batch, local_len, device, *sources, positions)
+        key = ((batch, local_len, device, problem), *sources, positions)
         versions = tuple(getattr(x, "_version", None) for x in (*sources, positions))
         cached = self._key
         if (
             cached is not None
-            and cached[0] == key[:3]
-            and all(a is b for a, b in zip(cached[1], key[3:]))
+            and cached[0] == key[0]
+            and all(a is b for a, b in zip(cached[1], key[1:]))
             and cached[2] == versions
         ):
             return self._value
         self._key = None
-        value = self.agreed(lambda: self._local(batch, local_len, device, kwargs))
-        self._key, self._value = (key[:3], key[3:], versions), value
+
+        def local():
+            if problem is not None:
+                raise HFInputError(problem)
+            return self._local(batch, local_len, device, kwargs)
+
+        value = self.agreed(local)
+        self._key, self._value = (key[0], key[1:], versions), value
         return value
 
     def agreed(self, local) -> PackedSequence | None:

@@ -18,11 +18,14 @@ decoder (``model.get_decoder()``) must be one of
 - an attention module whose ``forward`` calls attention through transformers'
   ``ALL_ATTENTION_FUNCTIONS`` (the call usp computes);
 - the decoder itself, its layer list, and the layers in it (their own code only adds
-  and routes what their children return).
+  and routes what their children return), also decoder layers nested in a layer (class
+  names ending in ``DecoderLayer``: Zamba2's hybrid layer holds a Mamba and a shared
+  attention decoder layer), and containers (``nn.Sequential`` chains its children, which
+  are checked).
 
 - a token mixer usp computes exactly under SP itself (:data:`USP_MIXERS`: usp's Gated
-  DeltaNet, which :func:`swap_linear_attention` puts in place of transformers' Qwen3.5 and
-  Qwen3-Next layers); a layer kind (``linear_attention``) is accepted where such a module computes it.
+  DeltaNet and Mamba-2, which :func:`swap_linear_attention` puts in place of transformers'
+  layers, :mod:`usp.models.hf_swap`); a layer kind (``linear_attention``) is accepted where such a module computes it.
 
 A convolution or recurrent module (``nn.Conv1d``, ``nn.RNN``, ...) mixes tokens; any other
 module is *unknown* and refused, not trusted. The config's per-layer kinds
@@ -42,17 +45,7 @@ from torch import nn
 
 from usp.compile_marks import constant_result
 from usp.errors import ModelConfigError
-from usp.linear.module import GatedDeltaNet, GatedDeltaNetQkvz
-from usp.sp.plan import as_plan
-
-#: token mixers usp computes exactly under SP (their children are not checked)
-USP_MIXERS = (GatedDeltaNet,)
-#: transformers' classes :func:`swap_linear_attention` replaces (same parameters), and by
-SWAPPABLE_GDN = {
-    "Qwen3_5GatedDeltaNet": GatedDeltaNet,
-    "Qwen3_5MoeGatedDeltaNet": GatedDeltaNet,
-    "Qwen3NextGatedDeltaNet": GatedDeltaNetQkvz,
-}
+from usp.models.hf_swap import USP_MIXERS, swap_linear_attention  # noqa: F401 (its old home)
 
 #: class-name endings of modules that act on each token alone (their children are checked)
 TOKEN_LOCAL_SUFFIXES = (
@@ -100,7 +93,12 @@ def sequence_mixers(model: nn.Module) -> list[Mixer]:
     for path, module in decoder.named_modules():
         if any(path.startswith(prefix + ".") for prefix in flagged):
             continue
-        if id(module) in structural or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        nested_layer = type(module).__name__.endswith("DecoderLayer")  # e.g. Zamba2's
+        if (
+            id(module) in structural
+            or nested_layer
+            or isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential))
+        ):
             continue
         if isinstance(module, USP_MIXERS):
             flagged.append(path)
@@ -115,36 +113,6 @@ def sequence_mixers(model: nn.Module) -> list[Mixer]:
     kinds = _layer_kind_mixers(getattr(model, "config", None))
     found.extend(m for m in kinds if int(m.path.split(".")[1]) not in computed_layers)
     return found
-
-
-def swap_linear_attention(model: nn.Module, plan, **attention_options) -> int:
-    """Replace transformers' Qwen3.5 / Qwen3.5-MoE / Qwen3-Next Gated DeltaNet layers of
-    ``model`` by usp's (:class:`usp.linear.GatedDeltaNet`: the same parameters, loaded strictly, on the same
-    device and dtype, computing under ``plan``); returns how many. Call it after loading
-    the weights and before ``register(plan, model=model)``, FSDP or an optimizer (the
-    parameters are new tensors). ``attention_options`` go into the plan as
-    :func:`usp.models.hf.register`'s do; the layers' kernels are the plan's
-    ``linear_backend`` / ``linear_conv_backend`` ("auto" unless chosen)."""
-    if attention_options:
-        plan = as_plan(plan, **attention_options)
-    replaced = 0
-    for path, module in list(model.named_modules()):
-        if type(module).__name__ not in SWAPPABLE_GDN:
-            continue
-        parent_path, _, attr = path.rpartition(".")
-        parent = model.get_submodule(parent_path) if parent_path else model
-        weight = module.conv1d.weight
-        usp_module = SWAPPABLE_GDN[type(module).__name__](
-            module.hidden_size, module.num_k_heads, module.num_v_heads, module.head_k_dim,
-            module.head_v_dim, module.conv_kernel_size, module.layer_norm_epsilon,
-            module.activation, plan=plan,
-        )  # fmt: skip
-        usp_module.to(device=weight.device, dtype=weight.dtype)
-        usp_module.load_state_dict(module.state_dict(), strict=True)
-        usp_module.train(module.training)
-        setattr(parent, attr, usp_module)
-        replaced += 1
-    return replaced
 
 
 def _why_mixing(module: nn.Module) -> str | None:
@@ -203,9 +171,10 @@ def mixer_message(model: nn.Module, mixers: list[Mixer], grid: str) -> str:
         f"attention usp computes: {modules}. Under sequence parallelism ({grid}) each rank "
         "would run those modules on its shard of the sequence only, and the results would be "
         "silently wrong. Run it with one SP rank (ulysses = ring = 1; data parallelism is "
-        "fine), train a model family usp computes (usp.models.FAMILIES), or, for Qwen3.5's "
-        "Gated DeltaNet layers, let usp compute them: usp.models.hf.swap_linear_attention("
-        "model, plan), then register(plan, model=model)"
+        "fine), train a model family usp computes (usp.models.FAMILIES), or, for Gated "
+        "DeltaNet (Qwen3.5, Qwen3-Next) and Mamba-2 layers (Bamba, Granite 4 hybrid, "
+        "Nemotron-H, Falcon-H1, Zamba2), let usp compute them: "
+        "usp.models.hf.swap_linear_attention(model, plan), then register(plan, model=model)"
     )
 
 
@@ -265,9 +234,13 @@ class MixerCheck:
 
     def accept(self, model: nn.Module) -> None:
         """Check ``model`` itself (raising as :func:`check_model`) and keep the verdict
-        for its config: its calls then need no meta build."""
+        for its config and every sub-config its modules carry (a vision-language model's
+        attention calls carry its text config): its calls then need no meta build."""
         problem = mixer_problem(model, self.plan)
-        self._verdicts[id(model.config)] = (model.config, problem)
+        configs = [model.config] + [getattr(m, "config", None) for m in model.modules()]
+        for config in configs:
+            if config is not None:
+                self._verdicts[id(config)] = (config, problem)
         if problem is not None:
             raise TokenMixerError(problem)
 

@@ -190,7 +190,7 @@ def prepare_data(job: TrainJobConfig, source: ModelSource, document_multiple: in
         else:
             files = tuple(resolve_files(d.files, job.config_dir))
     except DataError as err:
-        raise job.error(str(err)) from None
+        raise job.error(str(err), type(err)) from None
     return DataInputs(
         tokenizer,
         files,
@@ -214,7 +214,7 @@ def load_dataset(
             inputs, shuffle=inputs.shuffle, topology=topology, cache_root=cache_root
         )
     except DataError as err:
-        raise job.error(str(err)) from None
+        raise job.error(str(err), type(err)) from None
     where = describe_files(inputs.files) if inputs.files else "synthetic"
     dataset.notes = [f"from {where}; tokenizer {inputs.tokenizer.describe()}", *built.notes]
     dataset.fingerprint = built.key

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from usp.errors import DataError
+from usp.errors import DataError, MissingDataFile
 from usp.models.labels import IGNORE_INDEX  # the one definition (HF's -100)
 from usp.train.data.chat import ChatRenderer
 from usp.train.data.tokenizer import ByteTokenizer
@@ -167,7 +167,7 @@ def resolve_files(patterns: Sequence[str], base: Path, *, key: str = "[data] fil
             matches = [Path(p) for p in sorted(glob.glob(str(full), recursive=True))]
             matches = [p for p in matches if not p.is_dir()]
             if not matches:
-                raise DataError(f"{key} pattern {pattern!r} matches no file ({full})")
+                raise MissingDataFile(f"{key} pattern {pattern!r} matches no file ({full})")
         else:
             if full.is_dir():
                 raise DataError(
@@ -175,7 +175,7 @@ def resolve_files(patterns: Sequence[str], base: Path, *, key: str = "[data] fil
                     f'file in it, give a glob such as "{Path(pattern) / "*.jsonl"}"'
                 )
             if not full.is_file():
-                raise DataError(f"data file {full} does not exist")
+                raise MissingDataFile(f"data file {full} does not exist")
             matches = [full]
         for path in matches:
             key = path.resolve()
@@ -198,7 +198,7 @@ def jsonl_records(
     if path.is_dir():
         raise DataError(f"data file {path} is a directory, expected a JSONL file")
     if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
+        raise MissingDataFile(f"data file {path} does not exist")
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             where = f"{path}:{number}"
