@@ -1,4 +1,5 @@
-"""Bad inputs on the newest APIs (issue 59): Gated DeltaNet, sinks, MLA head sizes.
+"""Bad inputs on the newest APIs (issue 59): Gated DeltaNet (and Mamba-2, the same
+checks), sinks, MLA head sizes, documents that differ.
 
 Each case runs on 2 gloo ranks whose process groups wait at most ``PG_TIMEOUT`` seconds
 in a collective (a rank left waiting fails there instead of hanging) and must end within
@@ -16,11 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from gdn_cases import gdn_inputs, reference_gdn
+from mamba_cases import mamba_inputs, reference_mamba2
 from reference import reference_attention, relative_error
 from usp_cases import topology
 
 import usp
-from usp.linear import gated_deltanet_usp
+from usp.linear import gated_deltanet_usp, mamba2_usp
 
 TIMEOUT = 90  # seconds a case may take on every rank
 PG_TIMEOUT = 30  # seconds a collective waits before failing (a hang fails fast)
@@ -43,6 +45,14 @@ def _gdn(total=32, heads=4, key_heads=2, seed=3):
     """Global GDN inputs (float64): [q, k, v, g, beta], conv weights (K = 4)."""
     inputs, ws, _ = gdn_inputs(1, total, key_heads, heads, 8, 6, 4, seed=seed)
     return inputs, ws
+
+
+def _mamba2(plan, inputs, x=None, **options):
+    """mamba2_usp on this rank's shard of global ``inputs`` (``x``: this rank's x)."""
+    x_, b, c, dt = (plan.shard(t) for t in inputs[:4])
+    a, d, weight, bias = inputs[4:]
+    x = x_ if x is None else x
+    return mamba2_usp(x, b, c, dt, a, plan, d=d, conv_weight=weight, conv_bias=bias, **options)
 
 
 def _gdn_still_exact(plan) -> float:
@@ -107,6 +117,14 @@ def _call(name: str, plan, rank: int):
     elif name == "attention_documents_differ":
         cu = torch.tensor([0, 8 if rank == 0 else 16, 32], dtype=torch.int32)
         plan.attention(*_attention_inputs(plan), causal=True, packed=cu)
+    elif name == "mamba2_grad_on_one_rank":  # as 1, for the Mamba-2 scan
+        inputs, _ = mamba_inputs(1, 32, 4, 2, 4, 4, 4, seed=2)
+        x = plan.shard(inputs[0]).requires_grad_(rank == 0)
+        out = _mamba2(plan, inputs, x)
+        if out.requires_grad:  # rank 0 only
+            out.sum().backward()
+    elif name == "mamba2_chunk_size_bool":  # as 9
+        _mamba2(plan, mamba_inputs(1, 32, 4, 2, 4, 4, 4, seed=2)[0], chunk_size=True)
     elif name == "pack_documents_differ":
         plan.pack(torch.tensor([0, 8 if rank == 0 else 16, 32], dtype=torch.int32))
     else:
@@ -196,6 +214,16 @@ REFUSALS = {
         "RankDisagreementError: usp_attention: the ranks of the group disagree on documents "
         "(cu_seqlens) (rank 0: cu_seqlens [0, 8, 32]; rank 1: cu_seqlens [0, 16, 32])",
     ),
+    "mamba2_grad_on_one_rank": (
+        (1, 2),
+        "RankDisagreementError: mamba2_usp: the ranks of the group disagree on needs_grad "
+        "(rank 0: x requires grad; rank 1: no grad)",
+    ),
+    "mamba2_chunk_size_bool": (
+        (1, 2),
+        "Mamba2Error: mamba2_usp failed on ranks 0, 1 of 2: chunk_size must be a positive int "
+        "(the kernel's chunk length, e.g. 64), got True",
+    ),
     "pack_documents_differ": (
         (1, 2),
         "RankDisagreementError: Plan.pack: the ranks of the group disagree on cu_seqlens "
@@ -229,15 +257,27 @@ def run_long_chunks(ulysses, ring):
     leaves = [t.clone().requires_grad_() for t in inputs]
     expected = reference_gdn(*leaves, ws)
     expected_grads = torch.autograd.grad(expected, leaves, dout)
+    m_inputs, m_dout = mamba_inputs(1, 32, 4, 2, 4, 4, 4, seed=4)
+    m_leaves = [t.clone().requires_grad_() for t in m_inputs]
+    m_expected = reference_mamba2(*m_leaves)
+    m_grads = torch.autograd.grad(m_expected, m_leaves[:4], m_dout)
     errors = {}
     with short_timeouts(topo):
         for chunk in (4096, 10**6):
             local = [plan.shard(t).requires_grad_() for t in inputs]
             out = gated_deltanet_usp(*local, plan, conv_weights=ws, chunk_size=chunk)
             grads = torch.autograd.grad(out, local, plan.shard(dout))
-            errors[chunk] = max(
+            errors[f"gdn {chunk}"] = max(
                 relative_error(plan.gather(out), expected),
                 *(relative_error(plan.gather(g), e) for g, e in zip(grads, expected_grads)),
+            )
+            x, b, c, dt = (plan.shard(t).requires_grad_() for t in m_inputs[:4])
+            out = mamba2_usp(x, b, c, dt, m_inputs[4], plan, d=m_inputs[5],
+                             conv_weight=m_inputs[6], conv_bias=m_inputs[7], chunk_size=chunk)  # fmt: skip
+            grads = torch.autograd.grad(out, (x, b, c, dt), plan.shard(m_dout))
+            errors[f"mamba2 {chunk}"] = max(
+                relative_error(plan.gather(out), m_expected),
+                *(relative_error(plan.gather(g), e) for g, e in zip(grads, m_grads)),
             )
         dist.barrier(group=topo.sp_group)
     return errors
@@ -246,5 +286,5 @@ def run_long_chunks(ulysses, ring):
 @pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 1)])
 def test_a_chunk_longer_than_the_sequence_computes_exactly(distributed, ulysses, ring):
     for errors in distributed.run(run_long_chunks, ulysses, ring, world_size=2, timeout=TIMEOUT):
-        assert set(errors) == {4096, 10**6}
+        assert set(errors) == {f"{op} {n}" for op in ("gdn", "mamba2") for n in (4096, 10**6)}
         assert all(error < 1e-10 for error in errors.values()), errors

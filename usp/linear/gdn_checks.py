@@ -23,7 +23,7 @@ from usp.comm.call_check import documents_field, grad_field, grad_mask
 from usp.errors import InputError
 from usp.linear.backends import GDN_KERNELS
 from usp.linear.conv import CONV_KERNELS
-from usp.linear.heads import hashed
+from usp.linear.heads import document_bounds, hashed
 
 ACTIVATIONS = (None, "silu")
 #: what head-split messages call GDN's two head counts (value heads over Ulysses; key
@@ -145,11 +145,6 @@ def agreed_fields(
     options = (ACTIVATIONS.index(activation) if activation in ACTIVATIONS else -1,
                scale_bits, int(use_qk_l2norm) if isinstance(use_qk_l2norm, bool) else -1)  # fmt: skip
     chunk = chunk_size if type(chunk_size) is int else -1
-    bounds = None
-    if documents is not None:
-        bounds = [0]
-        for length in documents.lengths:
-            bounds.append(bounds[-1] + length)
     return [
         _shape_field("q shape", q),
         _shape_field("v shape", v),
@@ -163,7 +158,7 @@ def agreed_fields(
             hashed,
             f"activation={activation!r}, scale={scale!r}, use_qk_l2norm={use_qk_l2norm!r}",
         ),  # fmt: skip
-        documents_field(bounds, "documents"),
+        documents_field(document_bounds(documents), "documents"),
         grad_field(grad, GRAD_INPUTS),
         _choice_field("GDN kernel (auto, torch or fla)", choices[0], GDN_KERNELS),
         _choice_field("conv kernel (auto, torch or causal_conv1d)", choices[1], CONV_KERNELS),
