@@ -18,7 +18,7 @@ import glob
 import json
 import random
 import string
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,12 +189,9 @@ def resolve_files(patterns: Sequence[str], base: Path, *, key: str = "[data] fil
     return paths
 
 
-def jsonl_records(
-    path: Path, on_blank: Callable[[str], None] | None = None
-) -> Iterator[tuple[object, str]]:
-    """``(record, "file:line")`` for every non-empty line; bad UTF-8 or JSON is a
-    :class:`DataError` naming the file and line. A blank line is skipped, and given to
-    ``on_blank`` ("file:line") to be counted."""
+def jsonl_records(path: Path, report: LengthReport) -> Iterator[tuple[object, str]]:
+    """``(record, "file:line")`` for every non-empty line (blank ones counted in ``report``);
+    bad UTF-8 or JSON is a :class:`DataError` naming the file and line."""
     if path.is_dir():
         raise DataError(f"data file {path} is a directory, expected a JSONL file")
     if not path.is_file():
@@ -212,8 +209,7 @@ def jsonl_records(
             if number == 1:
                 line = line.removeprefix("\ufeff")  # a byte-order mark
             if not line.strip():
-                if on_blank is not None:
-                    on_blank(where)
+                report.blank_lines += 1  # said at start-up (LengthReport.describe)
                 continue
             try:
                 yield json.loads(line), where
@@ -237,7 +233,6 @@ class LengthReport:
     emptied: int = 0
     short: int = 0  # documents under 2 tokens (nothing to predict), skipped
     blank_lines: int = 0  # blank lines of the JSONL files, skipped
-    first_blank: str = ""  # where the first of them is ("file:line")
     #: per data file: records read, documents kept, their tokens and trained tokens
     files: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -264,18 +259,11 @@ class LengthReport:
                 )
         if self.short:
             text += f"; {self.short} documents under 2 tokens skipped"
-        if self.blank_lines:
-            s = "s" if self.blank_lines > 1 else ""
-            text += f"; {self.blank_lines} blank line{s} skipped (the first at {self.first_blank})"
+        text += f"; {self.blank_lines} blank JSONL line(s) skipped" if self.blank_lines else ""
         return text
 
-    def count_blank(self, where: str) -> None:
-        """A blank line of a JSONL file at ``where`` ("file:line"), skipped."""
-        self.blank_lines += 1
-        self.first_blank = self.first_blank or where
-
     def add(self, other: LengthReport) -> None:
-        for name in ("too_long", "pieces", "cut_start", "cut_end", "emptied", "short"):
+        for name in ("too_long", "pieces", "cut_start", "cut_end", "emptied", "short", "blank_lines"):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.longest = max(self.longest, other.longest)
         for path, counts in other.files.items():
@@ -399,7 +387,7 @@ def iter_documents(paths: Sequence[Path], tokenizer, report: LengthReport) -> It
     applied (and counted in ``report``). Documents under 2 tokens are skipped."""
     chat = None
     for path in paths:
-        for batch, error in _batches(jsonl_records(path, report.count_blank)):
+        for batch, error in _batches(jsonl_records(path, report)):
             texts = [
                 r[k]
                 for r, _ in batch
