@@ -57,11 +57,10 @@ from usp.compile_marks import constant_result
 from usp.errors import InputError, ShardingError
 from usp.linear.backends import GdnKernel, GdnKernelError, select_gdn_kernel
 from usp.linear.block import BlockOptions, RingPeers, ring_block
-from usp.linear.choice import plan_choice
+from usp.linear.choice import GDN_HEADS, plan_choice
 from usp.linear.compiled import gdn_ring_block
 from usp.linear.conv import ConvKernel, ConvKernelError, select_conv_kernel
 from usp.linear.gdn_checks import (
-    GDN_HEADS,
     LinearAttentionError,
     agreed_fields,
     check_inputs,

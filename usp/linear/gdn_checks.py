@@ -26,9 +26,6 @@ from usp.linear.conv import CONV_KERNELS
 from usp.linear.heads import document_bounds, hashed
 
 ACTIVATIONS = (None, "silu")
-#: what head-split messages call GDN's two head counts (value heads over Ulysses; key
-#: heads repeated as attention's KV heads are)
-GDN_HEADS = ("value heads", "key heads")
 #: the inputs whose need of gradients the ranks agree on, in the order of the grad mask
 GRAD_INPUTS = ("q", "k", "v", "g", "beta", "conv_weights[0]", "conv_weights[1]", "conv_weights[2]")
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)

@@ -37,8 +37,7 @@ import torch
 from torch import nn
 
 from usp.errors import ModelConfigError
-from usp.linear.choice import GdnShape, forced_kernel_refusal
-from usp.linear.gdn_checks import GDN_HEADS
+from usp.linear.choice import GDN_HEADS, GdnShape, forced_kernel_refusal
 from usp.linear.module import GatedDeltaNet
 from usp.models.config import DecoderConfig
 from usp.models.decoder import MLP, Attention, CausalLM, pad_row_embedding, with_router_stats
