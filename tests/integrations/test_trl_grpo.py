@@ -1,0 +1,108 @@
+"""examples/trl_grpo.py (TRL's GRPOTrainer on usp) on 4 gloo ranks against the stock
+GRPOTrainer in one process (``--no-usp``: sdpa, no usp code on the path), 3 steps.
+
+Generation is made deterministic (tests/helpers/rl_cases.py: a row's completion depends
+only on its prompt and its index among that prompt's rows in the ``generate`` call, so
+the same prompt groups give the same completions whichever rank generates them), and
+every step's loss, grad norm, reward, KL and entropy must agree (1e-4 relative; the
+loss near 0 within 1e-6 absolute). The cases cover the grids (u2 x r2, u1 x r4, and
+dp2 x r2 with the per-replica batch halved), the families (Qwen3; Qwen3-MoE with the
+router's aux loss; Qwen3.5 with Gated DeltaNet layers), every loss type and both
+importance-sampling levels, a reference model (beta > 0) and the old policy's
+log-probs (num_iterations = 2). One launch with real generation checks that the run
+works and that every SP rank trains on the same completions.
+
+Tiny models (vocabulary 64, character tokenizer), float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers", minversion="5.24", reason="the integration needs 5.24")
+pytest.importorskip("trl", reason="examples/trl_grpo.py needs TRL")
+pytest.importorskip("datasets", reason="the examples read their data with datasets")
+
+import rl_cases  # noqa: E402
+import trainer_cases as tc  # noqa: E402
+
+STEPS = 3
+REL = 1e-4
+ABS = 1e-6
+BATCH = 8  # completions per step, over all replicas
+#: (family, (ulysses, ring), flags, GRPOConfig overrides); dp = 4 / (u * r)
+CASES = [
+    # the reference model (beta) and the old policy's log-probs (num_iterations = 2)
+    ("qwen3", (2, 2), ["--loss-type", "grpo", "--beta", "0.05",
+                       "--importance-sampling-level", "sequence"], {"num_iterations": 2}),
+    # two replicas, each half the batch; TRL's global token count (dapo)
+    ("qwen3", (1, 2), ["--loss-type", "dapo", "--sampling", "shuffled"], {}),
+    # the router's aux loss (Qwen3-MoE's output_router_logits) on a ring of 4
+    ("qwen3_moe", (1, 4), ["--loss-type", "dr_grpo", "--beta", "0.02"], {}),
+    # Gated DeltaNet layers; prompts of one length (no left padding)
+    ("qwen3_5", (2, 2), ["--loss-type", "bnpo", "--importance-sampling-level", "sequence"],
+     {"num_iterations": 2}),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trl_grpo")
+    tc.write_checkpoint(root / "qwen3", "qwen3")
+    tc.write_checkpoint(
+        root / "qwen3_moe", "qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.1
+    )
+    tc.write_checkpoint(root / "qwen3_5", "qwen3_5")
+    rl_cases.write_prompts(root / "prompts.jsonl", 12, seed=1)
+    rl_cases.write_prompts(root / "even_prompts.jsonl", 12, seed=2, equal_lengths=True)
+    rl_cases.write_reward(root / "reward.py")
+    return root
+
+
+def argv(root, family, flags, out, batch):
+    data = "even_prompts.jsonl" if family == "qwen3_5" else "prompts.jsonl"
+    return [
+        "--model", str(root / family), "--data", str(root / data),
+        "--reward", f"{root / 'reward.py'}:score", "--output-dir", str(out),
+        "--max-steps", str(STEPS), "--batch-size", str(batch), "--num-generations", "4",
+        "--max-completion-length", "10", "--sampling", "sequential", "--seed", "3",
+        "--no-save-model", *flags,
+    ]  # fmt: skip
+
+
+def check_same_steps(got, expected) -> None:
+    got_steps, expected_steps = tc.steps_of(got), tc.steps_of(expected)
+    assert len(got_steps) == len(expected_steps) == STEPS
+    for step, (g, e) in enumerate(zip(got_steps, expected_steps), start=1):
+        for key in ("loss", "grad_norm", "reward", "reward_std", "kl", "entropy", "num_tokens",
+                    "aux_loss", "clip_ratio/region_mean", "completions/mean_length"):  # fmt: skip
+            if key not in e:
+                continue
+            close = abs(g[key] - e[key]) <= REL * abs(e[key]) + (ABS if key == "loss" else 0)
+            assert close, (step, key, g[key], e[key])
+        assert g.keys() == e.keys(), (step, sorted(set(g) ^ set(e)))
+    assert len({round(s["grad_norm"], 4) for s in expected_steps}) > 1  # training moved
+
+
+@pytest.mark.parametrize(
+    "family, grid, flags, overrides", CASES, ids=[f"{c[0]}-u{c[1][0]}r{c[1][1]}" for c in CASES]
+)
+def test_four_ranks_give_the_stock_trainers_steps(distributed, workdir, family, grid, flags,
+                                                   overrides):  # fmt: skip
+    overrides = {"learning_rate": 1e-3, **overrides}
+    expected = workdir / f"ref-{family}-{'-'.join(flags)}"
+    status = rl_cases.run_example_alone(
+        "trl_grpo", [*argv(workdir, family, flags, expected, BATCH), "--no-usp"],
+        overrides=overrides,
+    )  # fmt: skip
+    assert status == 0
+    dp = 4 // (grid[0] * grid[1])
+    got = workdir / f"usp-{family}-u{grid[0]}r{grid[1]}"
+    results = distributed.run(
+        rl_cases.run_example_on_ranks, "trl_grpo", argv(workdir, family, flags, got, BATCH // dp),
+        *grid, overrides=overrides, world_size=4, timeout=900,
+    )  # fmt: skip
+    assert [status for status, _ in results] == [0, 0, 0, 0]
+    check_same_steps(got, expected)
+    if family == "qwen3_moe":  # the router's load-balancing loss is in the loss
+        assert all(s["aux_loss"] > 0 for s in tc.steps_of(got))
