@@ -13,8 +13,9 @@ replica's, its gradient divided by ``dp`` (FSDP2 sums where DDP averages).
 
 The reference log-probs come from a reference model prepared like the policy (USP
 attention, its own FSDP2 shards) or, with ``precompute_ref_log_probs``, are computed
-before training under the same SP (every rank over the whole data set, in order) and
-added to it as TRL's ``ref_chosen_logps`` / ``ref_rejected_logps`` columns.
+before training under the same SP (every rank over the whole data set, in order, by a
+copy of the initial policy that is dropped afterwards) and added to it as TRL's
+``ref_chosen_logps`` / ``ref_rejected_logps`` columns.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ except ImportError:  # pragma: no cover - the message is the point
     raise ImportError(
         "usp.integrations.transformers.UspDPOTrainer needs TRL: pip install usp[trl]"
     ) from None
+
+import copy
 
 import torch
 from torch.utils.data import DataLoader
@@ -77,8 +80,16 @@ class UspDPOTrainer(UspTrainerMixin, trl.DPOTrainer):
             raise TypeError("UspDPOTrainer takes its arguments after args by keyword")
         check_dpo_arguments(args, kwargs)
         self._usp_heads_added = False
+        precompute = bool(getattr(args, "precompute_ref_log_probs", False))
+        if precompute and ref_model is None and isinstance(model, torch.nn.Module):
+            # the reference is the policy before training: a copy taken before usp shards
+            # the policy (TRL fingerprints the reference's weights, which needs them whole),
+            # sharded like it for the precomputation and dropped after it
+            ref_model = copy.deepcopy(model)
         super().__init__(model, args, plan=plan, levers=levers, ref_model=ref_model, **kwargs)
         self._usp_add_heads()
+        if self.precompute_ref_logps:
+            self.ref_model = None  # the data set holds its log-probs now
         # TRL's DPO loss is a mean per micro-batch: HF divides it by the accumulation
         # steps (the mixin's default is a loss normalised by the step's label count)
         self.loss_is_scaled_for_ga = False
