@@ -106,3 +106,62 @@ def test_four_ranks_give_the_stock_trainers_steps(distributed, workdir, family, 
     check_same_steps(got, expected)
     if family == "qwen3_moe":  # the router's load-balancing loss is in the loss
         assert all(s["aux_loss"] > 0 for s in tc.steps_of(got))
+
+
+def test_real_generation_runs_and_every_sp_rank_trains_on_the_same_completions(
+    distributed, workdir
+):
+    """dp2 x r2, transformers' own sampling on each rank's copy of the policy: the two SP
+    ranks of a replica compute their losses on the same completions; the replicas on
+    different ones."""
+    out = workdir / "real-generation"
+    flags = argv(workdir, "qwen3", ["--loss-type", "grpo"], out, BATCH // 2)
+    results = distributed.run(
+        rl_cases.run_example_on_ranks, "trl_grpo", flags, 1, 2, fake_generation=False,
+        spy=True, world_size=4, timeout=900,
+    )  # fmt: skip
+    assert [status for status, _ in results] == [0, 0, 0, 0]
+    rows = [steps for _, steps in results]
+    assert len(rows[0]) == STEPS and all(len(r) == STEPS for r in rows)
+    assert rows[0] == rows[1] and rows[2] == rows[3]  # SP ranks (0, 1) and (2, 3)
+    assert rows[0] != rows[2]  # the two replicas generate for different prompts
+    completions = [tuple(ids) for step in rows[0] for ids in step[0]]
+    assert len(set(completions)) > 1  # sampled, not one completion repeated
+    assert len(tc.steps_of(out)) == STEPS
+
+
+def run_expecting_an_error(flags):
+    """The example with a reward function that fails on one prompt; returns (error class,
+    message) and an all-reduce of the ranks' numbers afterwards."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        rl_cases.run_example_on_ranks("trl_grpo", flags, 1, 2)
+        outcome = None
+    except Exception as err:  # noqa: BLE001 - the outcome is what the test compares
+        outcome = (type(err).__name__, str(err))
+    total = torch.tensor([dist.get_rank()], dtype=torch.int64)
+    dist.all_reduce(total)
+    return outcome, int(total)
+
+
+def test_a_reward_function_failing_on_one_rank_fails_every_rank(distributed, workdir):
+    """The first prompt (target 6) is scored by one rank only (its group is generated
+    there): its ValueError is every rank's error, and the group still works after it."""
+    reward = workdir / "failing_reward.py"
+    reward.write_text(
+        "def score(prompts, completions, target, **kwargs):\n"
+        "    if 6 in target:\n"
+        "        raise ValueError('reward exploded on purpose')\n"
+        "    return [0.0] * len(prompts)\n"
+    )
+    flags = argv(workdir, "qwen3", [], workdir / "failing", BATCH // 2)
+    flags[flags.index("--reward") + 1] = f"{reward}:score"
+    results = distributed.run(run_expecting_an_error, flags, world_size=4, timeout=600)
+    outcomes = [outcome for outcome, _ in results]
+    assert all(o is not None and o[0] == "RankDisagreementError" for o in outcomes), outcomes
+    assert len({o[1] for o in outcomes}) == 1, outcomes  # one message on every rank
+    assert "usp: the reward functions failed on rank 0 of 4" in outcomes[0][1]
+    assert "reward exploded on purpose" in outcomes[0][1]
+    assert all(total == 0 + 1 + 2 + 3 for _, total in results)

@@ -32,11 +32,12 @@ import copy
 import torch
 from torch.utils.data import DataLoader
 
-from usp.errors import ConfigError
+from usp.errors import ConfigError, UspError
 from usp.integrations.hf_setup import prepare_model
 from usp.integrations.hf_trainer import UspTrainerMixin
 from usp.integrations.trl_head import add_sp_fused_head
 from usp.models import DEFAULT_LOSS_CHUNK_TOKENS, Levers
+from usp.rl import row_spans
 
 #: DPO's loss types whose SP path is tested (examples/trl_dpo.py)
 LOSS_TYPES = ("sigmoid",)
@@ -138,6 +139,12 @@ class UspDPOTrainer(UspTrainerMixin, trl.DPOTrainer):
         divided by ``dp``: FSDP2 sums the replicas' gradients where TRL's DDP averages."""
         if return_outputs:
             raise ConfigError("usp's DPOTrainer computes the loss only (no logits)")
+        error = None
+        try:  # rows usp cannot place: refused on every replica before any collective
+            row_spans(inputs["attention_mask"])
+        except UspError as err:
+            error = err
+        self._usp_agree_replicas("usp: this micro-batch", error)
         loss = trl.DPOTrainer.compute_loss(self, model, inputs)
         return loss * (self.usp_model.loss_scale / self.usp_plan.topology.dp_degree)
 

@@ -40,13 +40,15 @@ from torch import nn
 from trl.data_utils import is_conversational
 from trl.trainer.utils import identity, nanstd, pad, split_tensor_dict
 
-from usp.errors import ConfigError
+from usp.comm.agreement import agree, can_agree
+from usp.errors import ConfigError, UspError
 from usp.integrations import trl_rollouts as rollouts
 from usp.integrations.hf_setup import launch_plan, prepare_model
-from usp.integrations.hf_trainer import UspTrainerMixin, _EpochDataLoader
+from usp.integrations.hf_trainer import _AGREED_ERRORS, UspTrainerMixin, _EpochDataLoader
 from usp.integrations.trl_head import add_sp_fused_head
 from usp.models import DEFAULT_LOSS_CHUNK_TOKENS, Levers
 from usp.models.hf_inputs import HFInputError
+from usp.rl import row_spans
 from usp.sp.plan import as_plan
 
 #: the loss types whose SP path is tested against TRL (usp.rl.policy, examples/trl_grpo.py)
@@ -189,6 +191,12 @@ class UspGRPOTrainer(UspTrainerMixin, trl.GRPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss of this replica's micro-batch (its log-probs from the SP head),
         divided by ``dp``: FSDP2 sums the replicas' gradients where TRL's DDP averages."""
+        error = None
+        try:  # rows usp cannot place: refused on every replica before any collective
+            row_spans(torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1))
+        except UspError as err:
+            error = err
+        self._usp_agree_replicas("usp: this micro-batch", error)
         loss = trl.GRPOTrainer.compute_loss(self, model, inputs, return_outputs)
         return loss * (self.usp_model.loss_scale / self._usp_dp)
 
@@ -207,26 +215,48 @@ class UspGRPOTrainer(UspTrainerMixin, trl.GRPOTrainer):
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
         mine = self._usp_my_rows(len(inputs))
         self._usp_rollout.sync(self.model)
-        completion_ids = []
-        if mine.stop > mine.start:
-            completion_ids = self._usp_rollout.generate(
+
+        def generate():
+            if mine.stop == mine.start:
+                return []
+            return self._usp_rollout.generate(
                 [list(p) for p in prompt_ids[mine]], generation_config=self.generation_config,
                 pad_token_id=self._tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids,
                 pad_to_multiple_of=self.pad_to_multiple_of, device=device,
             )  # fmt: skip
+
+        completion_ids = self._usp_on_every_rank("usp: generating completions", generate)
         conversational = is_conversational({"prompt": prompts[0]})
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
         completions = (
             [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         )
-        rewards = rollouts.evaluate_rewards(
-            self, inputs[mine], prompts[mine], completions, completion_ids
-        ).cpu()
+        rewards = self._usp_on_every_rank(
+            "usp: the reward functions",
+            lambda: rollouts.evaluate_rewards(
+                self, inputs[mine], prompts[mine], completions, completion_ids
+            ).cpu(),
+        )
         parts = rollouts.gather_objects((completion_ids, rewards.tolist()), self._usp_sp_group)
         completion_ids = [ids for part in parts for ids in part[0]]
         rewards_local = torch.tensor([r for part in parts for r in part[1]], dtype=torch.float32)
         return self._usp_score(inputs, prompts, prompt_ids, completion_ids,
                                rewards_local.view(len(inputs), -1).to(device))  # fmt: skip
+
+    def _usp_on_every_rank(self, what: str, call):
+        """``call()`` (user code: generation, reward functions) on this rank; an exception
+        on any rank is raised on every rank (the others would wait in the next
+        collective)."""
+        error, result = None, None
+        try:
+            result = call()
+        except Exception as err:  # any failure of user code is shared
+            error = err
+        if dist.is_initialized() and dist.get_world_size() > 1 and can_agree(dist.group.WORLD):
+            agree(dist.group.WORLD, what, [], error, _AGREED_ERRORS)
+        if error is not None:
+            raise error
+        return result
 
     def _usp_my_rows(self, rows: int) -> slice:
         group = self._usp_sp_group

@@ -77,7 +77,7 @@ def group_slices(rows: int, first_row: int, group_size: int, parts: int) -> list
     cuts = [0]
     for part in range(1, parts):
         target = part * rows / parts
-        cut = min(boundaries, key=lambda b: (abs(b - target), b))
+        cut = min(boundaries, key=lambda b: (abs(b - target), -b))  # ties: the later cut
         cuts.append(max(cut, cuts[-1]))
     cuts.append(rows)
     return [slice(a, b) for a, b in zip(cuts, cuts[1:])]
