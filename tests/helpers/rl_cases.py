@@ -19,17 +19,13 @@ FIRST_CHAR, LAST_CHAR = len(tc.SPECIALS), len(tc.SPECIALS) + len(tc.CHARS)
 EOS_ID, PAD_ID = 2, 0
 
 
-def write_prompts(path: Path, count: int, *, seed: int = 0, equal_lengths: bool = False) -> Path:
-    """``count`` conversational prompt records of 1-3 words (``equal_lengths``: all of
-    9 characters, so that no prompt is left-padded), each with a ``target`` column the
-    test reward reads."""
+def write_prompts(path: Path, count: int, *, seed: int = 0) -> Path:
+    """``count`` conversational prompt records of 1-3 words (so prompts are left-padded
+    to different lengths), each with a ``target`` column the test reward reads."""
     rng = random.Random(seed)
     rows = []
     for index in range(count):
-        if equal_lengths:
-            text = "".join(rng.choice("abcdefgh") for _ in range(9))
-        else:
-            text = " ".join(rng.choice(tc.WORDS) for _ in range(rng.randint(1, 3)))
+        text = " ".join(rng.choice(tc.WORDS) for _ in range(rng.randint(1, 3)))
         rows.append({"prompt": [{"role": "user", "content": text}], "target": 6 + index % 5})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
