@@ -36,11 +36,15 @@ CASES = [
     ("qwen3", (2, 2), ["--loss-type", "grpo", "--beta", "0.05",
                        "--importance-sampling-level", "sequence"], {"num_iterations": 2}),
     # two replicas, each half the batch; TRL's global token count (dapo)
-    ("qwen3", (1, 2), ["--loss-type", "dapo", "--sampling", "shuffled"], {}),
+    # (and a sampling temperature in TRL's and usp's heads)
+    ("qwen3", (1, 2), ["--loss-type", "dapo", "--sampling", "shuffled"], {"temperature": 0.7}),
     # the router's aux loss (Qwen3-MoE's output_router_logits) on a ring of 4
     ("qwen3_moe", (1, 4), ["--loss-type", "dr_grpo", "--beta", "0.02"], {}),
     # Gated DeltaNet layers (left-padded prompts: transformers' layers mask the pads)
-    ("qwen3_5", (2, 2), ["--loss-type", "bnpo", "--importance-sampling-level", "sequence"],
+    # ... with usp's levers: recomputed layers (their collectives again in backward), head
+    # chunks of 3 tokens
+    ("qwen3_5", (2, 2), ["--loss-type", "bnpo", "--importance-sampling-level", "sequence",
+                         "--activation-checkpointing", "on", "--loss-chunk-tokens", "3"],
      {"num_iterations": 2}),
 ]  # fmt: skip
 
@@ -119,18 +123,19 @@ def test_four_ranks_give_the_stock_trainers_steps(distributed, workdir, family, 
 def test_real_generation_runs_and_every_sp_rank_trains_on_the_same_completions(
     distributed, workdir
 ):
-    """dp2 x r2, transformers' own sampling on each rank's copy of the policy: the two SP
-    ranks of a replica compute their losses on the same completions; the replicas on
-    different ones."""
+    """dp2 x r2, transformers' own sampling on each rank's copy of the policy, two
+    micro-batches per step (the generation batch shuffled by one permutation per
+    replica, then split): the two SP ranks of a replica compute their losses on the same
+    completions; the replicas on different ones."""
     out = workdir / "real-generation"
     flags = argv(workdir, "qwen3", ["--loss-type", "grpo"], out, BATCH // 2)
     results = distributed.run(
         rl_cases.run_example_on_ranks, "trl_grpo", flags, 1, 2, fake_generation=False,
-        spy=True, world_size=4, timeout=900,
+        spy=True, overrides={"gradient_accumulation_steps": 2}, world_size=4, timeout=900,
     )  # fmt: skip
     assert [status for status, _ in results] == [0, 0, 0, 0]
     rows = [steps for _, steps in results]
-    assert len(rows[0]) == STEPS and all(len(r) == STEPS for r in rows)
+    assert all(len(r) == 2 * STEPS for r in rows)  # micro-batches
     assert rows[0] == rows[1] and rows[2] == rows[3]  # SP ranks (0, 1) and (2, 3)
     assert rows[0] != rows[2]  # the two replicas generate for different prompts
     completions = [tuple(ids) for step in rows[0] for ids in step[0]]

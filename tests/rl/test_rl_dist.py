@@ -172,7 +172,17 @@ LOSS_CASES = [
                              "steps_per_generation": 4}),
     ("grpo", "sequence", 0.04, {"epsilon": 0.3, "use_bias_correction_kl": True, "delta": 1.2}),
     ("bnpo", "token", 0.0, {"gradient_accumulation_steps": 3}),
+    # inputs of other shapes ("input:" keys): no old policy (ratio 1), per-token advantages
+    # [B, C], no entropies for the metrics
+    ("dapo", "token", 0.04, {"input:no_old": True, "input:token_advantages": True}),
+    ("grpo", "sequence", 0.0, {"input:no_old": True, "input:no_entropy": True}),
 ]  # fmt: skip
+
+
+def config_of(extra: dict) -> dict:
+    return {k: v for k, v in extra.items() if not k.startswith("input:")}
+
+
 MAX_COMPLETION = 7
 #: TRL computes its clip ratios from float32 indicators (``.float()``)
 METRIC_TOL = 1e-6
@@ -193,7 +203,9 @@ def loss_inputs(seed=5):
     zero = completion_mask == 0
     logp, old, ref, entropy = (x.masked_fill(zero, 0.0) for x in (logp, old, ref, entropy))
     advantages = torch.tensor([0.9, -1.2, 0.3, -0.4], dtype=torch.float64)
+    token_advantages = torch.randn(shape, generator=gen, dtype=torch.float64).masked_fill(zero, 0)
     return {
+        "token_advantages": token_advantages,
         "ids": ids, "mask": mask, "labels": labels, "prompt": prompt,
         "completion_mask": completion_mask, "logp": logp, "old": old, "ref": ref,
         "entropy": entropy, "advantages": advantages,
@@ -206,7 +218,7 @@ def trl_loss(inputs, rows, loss_type, level, beta, extra, *, processes=1):
     ``processes`` processes sees them: (loss, d loss / d logp [B, C], metrics)."""
     from trl import GRPOTrainer
 
-    options = {**PolicyLossConfig().__dict__, **extra}
+    options = {**PolicyLossConfig().__dict__, **config_of(extra)}
     logp = inputs["logp"][rows].clone().requires_grad_()
     entropy = inputs["entropy"][rows]
     accelerator = types.SimpleNamespace(
@@ -241,9 +253,15 @@ def trl_loss(inputs, rows, loss_type, level, beta, extra, *, processes=1):
         "ref_per_token_logps": inputs["ref"][rows],
         "num_items_in_batch": torch.tensor(float(inputs["num_items"]), dtype=torch.float64),
     }  # fmt: skip
+    if extra.get("input:no_old"):
+        del batch["old_per_token_logps"]
+    if extra.get("input:token_advantages"):
+        batch["advantages"] = inputs["token_advantages"][rows]
     loss = GRPOTrainer._compute_loss(fake, None, batch)
     loss.backward()
     metrics = {k: v[0] for k, v in fake._metrics["train"].items()}
+    if extra.get("input:no_entropy"):
+        del metrics["entropy"]
     return loss.item(), logp.grad, metrics
 
 
@@ -261,15 +279,18 @@ def run_policy_losses(inputs, cases, grid):
     for loss_type, level, beta, extra in cases:
         config = PolicyLossConfig(
             loss_type=loss_type, importance_sampling_level=level, beta=beta,
-            max_completion_length=MAX_COMPLETION, **extra,
+            max_completion_length=MAX_COMPLETION, **config_of(extra),
         )  # fmt: skip
+        advantages = inputs["token_advantages" if extra.get("input:token_advantages") else
+                            "advantages"][share]  # fmt: skip
         logp_rows = inputs["logp"][share].clone().requires_grad_()
         local = shard.take(logp_rows)  # this rank's tokens' log-probs
         result = policy_loss(
-            local, shard, advantages=inputs["advantages"][share],
+            local, shard, advantages=advantages,
             completion_mask=inputs["completion_mask"][share], config=config,
-            old_logprobs=inputs["old"][share], ref_logprobs=inputs["ref"][share],
-            entropy=shard.take(inputs["entropy"][share]),
+            old_logprobs=None if extra.get("input:no_old") else inputs["old"][share],
+            ref_logprobs=inputs["ref"][share],
+            entropy=None if extra.get("input:no_entropy") else shard.take(inputs["entropy"][share]),
             num_items_in_batch=inputs["num_items"], num_replicas=t.dp_degree,
             dp_group=t.dp_group if t.dp_degree > 1 else None,
         )  # fmt: skip

@@ -70,6 +70,23 @@ def test_token_stats_equal_autograd_through_the_full_logits(chunk):
     assert stats.logprobs.dtype == torch.float64
 
 
+def test_another_ignore_index():
+    """``ignore_index=-1`` marks the tokens without a target for the log-probs, the rows
+    and DPO's labels."""
+    gen = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(4, 3, generator=gen), torch.randn(7, 3, generator=gen)
+    targets = torch.tensor([2, -1, 5, -100])
+    with pytest.raises(InputError, match="token ids in"):  # -100 is a target now
+        token_logprobs(hidden, weight, targets, ignore_index=-1)
+    stats = token_logprobs(hidden, weight, targets.clamp(min=-1), ignore_index=-1)
+    assert stats.logprobs[1] == 0 and stats.logprobs[0] != 0
+    ids = torch.tensor([[5, 6, 7, 8]])
+    labels = completion_labels(ids, torch.tensor([[0, 0, 1, 1]]), ignore_index=-1)
+    assert labels.tolist() == [[-1, -1, 7, 8]]
+    shard = shard_rows(usp.Plan(None), ids, labels=labels, ignore_index=-1)
+    assert shard.targets.tolist() == [[-1, 7, 8, -1]] and shard.index.tolist() == [[-1, 1, 2, -1]]
+
+
 def test_log_probs_alone_and_float32():
     """Without optional outputs only the log-probs come back; float32 hidden states give
     float32 values (the loss's dtype) within float32 rounding of float64."""

@@ -120,6 +120,7 @@ class UspGRPOTrainer(UspTrainerMixin, trl.GRPOTrainer):
         rollout = rollouts.RolloutModel(model) if isinstance(model, nn.Module) else None
         super().__init__(model, args, plan=plan, levers=levers, reward_funcs=reward_funcs,
                          **kwargs)  # fmt: skip
+        # TRL's generation settings over the model's own (as its generation context does)
         rollout.model.generation_config.update(**self.generation_kwargs)
         rollout.check_names(self.model)
         self._usp_rollout = rollout

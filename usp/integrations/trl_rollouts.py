@@ -89,19 +89,16 @@ def parameter_names(model: torch.nn.Module) -> list[str]:
 
 class RolloutModel:
     """The model that generates: a full-weight copy of the policy taken before usp
-    prepared it (transformers' own layers), with ``attention`` (sdpa, or eager for a
-    model without it) and TRL's generation settings (``generation_kwargs``) in its
-    generation config."""
+    prepared it (transformers' own layers), with sdpa attention (eager for a model
+    without it) and a KV cache."""
 
-    def __init__(self, policy: torch.nn.Module, generation_kwargs: dict | None = None):
+    def __init__(self, policy: torch.nn.Module):
         self.model = copy.deepcopy(policy)
         self.model.requires_grad_(False)
         self.model.eval()
         attention = "sdpa" if getattr(self.model, "_supports_sdpa", False) else "eager"
         self.model.set_attn_implementation(attention)
         self.model.config.use_cache = True
-        if generation_kwargs:
-            self.model.generation_config.update(**generation_kwargs)
 
     def check_names(self, policy: torch.nn.Module) -> None:
         """The prepared policy's parameters must be the copy's, name for name."""
