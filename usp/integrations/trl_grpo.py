@@ -209,11 +209,18 @@ class UspGRPOTrainer(UspTrainerMixin, trl.GRPOTrainer):
         """TRL's generation batch (prompts to padded rows, rewards, advantages, the old
         and reference log-probs, metrics) for this replica's ``inputs``; see the module
         docstring for how the SP ranks share the work."""
-        if any("image" in x or "images" in x for x in inputs):
-            raise HFInputError("usp's GRPOTrainer trains on text prompts (no images yet)")
         device = self.accelerator.device
-        prompts = [x["prompt"] for x in inputs]
-        prompt_ids, _, _ = self._tokenize_prompts(prompts)
+        prompts = [x.get("prompt") for x in inputs]
+
+        def tokenize():  # a replica's bad record fails every replica, not only its own
+            if any("image" in x or "images" in x or "prompt" not in x for x in inputs):
+                raise HFInputError(
+                    "usp's GRPOTrainer trains on text prompts: every record needs a 'prompt' "
+                    "(a string or a message list) and no images"
+                )
+            return self._tokenize_prompts(prompts)[0]
+
+        prompt_ids = self._usp_on_every_rank("usp: the prompts", tokenize)
         mine = self._usp_my_rows(len(inputs))
         self._usp_rollout.sync(self.model)
 
