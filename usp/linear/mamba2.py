@@ -34,11 +34,13 @@ import torch
 import torch.distributed as dist
 
 from usp.comm.agreement import Field, agree, can_agree, stable_hash
+from usp.comm.call_check import documents_field, grad_field, grad_mask
 from usp.errors import InputError, ShardingError
 from usp.linear.block import ConvCall, RingPeers
 from usp.linear.choice import plan_choice
 from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError, select_conv_kernel
 from usp.linear.heads import (
+    document_bounds,
     documents_of,
     hashed,
     rank_channels,
@@ -165,6 +167,16 @@ class _Checked:
 
 
 def _check_inputs(x, b, c, dt, a, d, weight, bias, activation, chunk_size):
+    named = {"x": x, "b": b, "c": c, "dt": dt, "a": a, "conv_weight": weight}
+    named.update({} if d is None else {"d": d})
+    named.update({} if bias is None else {"conv_bias": bias})
+    wrong = [
+        n for n, t in named.items() if not (isinstance(t, torch.Tensor) and t.is_floating_point())
+    ]
+    if wrong:
+        raise Mamba2Error(
+            f"{', '.join(wrong)} must be floating-point tensors (d, conv_bias: or None)"
+        )
     if x.dim() != 4 or b.dim() != 4 or c.shape != b.shape or b.shape[:2] != x.shape[:2]:
         raise Mamba2Error(
             f"x must be [B, S, H, P] and b, c [B, S, G, N] of one shape; got x "
@@ -192,8 +204,13 @@ def _check_inputs(x, b, c, dt, a, d, weight, bias, activation, chunk_size):
         )
     if activation not in ACTIVATIONS:
         raise Mamba2Error(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise Mamba2Error(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if weight.shape[1] < 1:
+        raise Mamba2Error(f"conv_weight's kernel size must be >= 1, got {tuple(weight.shape)}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise Mamba2Error(
+            f"chunk_size must be a positive int (the kernel's chunk length, e.g. 64), got "
+            f"{chunk_size!r}"
+        )
 
 
 def _checked(x, b, c, dt, a, d, plan, weight, bias, activation, packed, chunk_size, scan, conv):
@@ -224,8 +241,11 @@ def _checked(x, b, c, dt, a, d, plan, weight, bias, activation, packed, chunk_si
     except (InputError, HeadLayoutError) as err:
         error = err
     if plan is not None and plan.sp_degree > 1 and can_agree(plan.sp_group):
-        agree(plan.sp_group, "mamba2_usp", _fields(x, b, dt, weight, bias, activation,
-              chunk_size, documents, scan[0], conv[0]), error, _ERRORS)  # fmt: skip
+        fields = _fields(x, b, dt, weight, bias, activation, chunk_size, documents, scan[0],
+                         conv[0])  # fmt: skip
+        grad = grad_mask(x, b, c, dt, a, d, weight, bias)  # which backward each rank runs
+        fields.append(grad_field(grad, ("x", "b", "c", "dt", "a", "d", "conv_weight", "conv_bias")))
+        agree(plan.sp_group, "mamba2_usp", fields, error, _ERRORS)
     if error is not None:
         raise error
     return _Checked(times, documents, impl, conv_impl)
@@ -239,15 +259,22 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 def _fields(x, b, dt, weight, bias, activation, chunk_size, documents, kernel, conv_kernel):
-    """What the SP ranks must agree on before the first collective."""
-    shapes = (*x.shape, *b.shape, *weight.shape, bias is None,
+    """What the SP ranks must agree on before the first collective (robust to invalid
+    inputs: what is not a tensor shows as -1)."""
+    shapes = (*_shape(x), *_shape(b), *_shape(weight), bias is None,
               ACTIVATIONS.index(activation) if activation in ACTIVATIONS else -1,
-              chunk_size if isinstance(chunk_size, int) else -1)  # fmt: skip
-    dtypes = tuple(_DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1 for t in (x, dt))
+              chunk_size if type(chunk_size) is int else -1)  # fmt: skip
+    dtypes = tuple(_DTYPES.index(t.dtype) if getattr(t, "dtype", None) in _DTYPES else -1
+                   for t in (x, dt))  # fmt: skip
     return [
-        Field("shapes and options", stable_hash(shapes), hashed),
-        Field("dtypes", stable_hash(dtypes), hashed),
-        Field("documents", 0 if documents is None else stable_hash(documents.lengths), hashed),
+        Field("shapes and options", stable_hash(shapes), hashed, f"{shapes}"),
+        Field(
+            "dtypes of x and dt",
+            stable_hash(dtypes),
+            hashed,
+            f"{[str(getattr(t, 'dtype', None)) for t in (x, dt)]}",
+        ),
+        documents_field(document_bounds(documents), "documents"),
         Field(
             "scan kernel (auto, torch or fla)",
             _index(kernel, LINEAR_BACKENDS),
@@ -259,6 +286,10 @@ def _fields(x, b, dt, weight, bias, activation, chunk_size, documents, kernel, c
             lambda i: CONV_KERNELS[i] if i >= 0 else "unknown",
         ),  # fmt: skip
     ]
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else (-1,)
 
 
 def _index(name, names) -> int:

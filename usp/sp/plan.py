@@ -26,6 +26,7 @@ import weakref
 import torch
 
 from usp.comm.agreement import Field, agree, can_agree, stable_hash
+from usp.comm.call_check import documents_field  # noqa: F401 - re-exported here
 from usp.comm.traced import TracedGroup
 from usp.config import UspConfig, build_topology_from_config, check_topology_matches, load_config
 from usp.kernels.backends.registry import KernelRegistry
@@ -287,7 +288,7 @@ class Plan:
             error = err
         group = self.sp_group
         if agree_ranks and group is not None and self.sp_degree > 1 and can_agree(group):
-            fields = [documents_field(0 if packed is None else packed.fingerprint)]
+            fields = [documents_field(None if packed is None else packed.bounds, "cu_seqlens")]
             if batch_fingerprint is not None:
                 fields.append(batch_field(batch_fingerprint))
             agree(group, "Plan.pack", fields, error, (ShardingError,))
@@ -428,7 +429,7 @@ class Plan:
             fields += [Field(f"tensor {i} shape[{d}]", n) for d, n in enumerate(shape)]
             fields.append(Field(f"tensor {i} dtype", _dtype_id(t.dtype), _show_dtype_id))
         if packed is not None:
-            fields.append(documents_field(self.packed_sequence(packed).fingerprint))
+            fields.append(documents_field(self.packed_sequence(packed).bounds, "cu_seqlens"))
         agree(group, "Plan.verify_batch", fields)
 
     # ------------------------------------------------------------------ lifecycle
@@ -465,16 +466,6 @@ _DTYPE_NAMES = {
 
 def _show_dtype_id(code: int) -> str:
     return _DTYPE_NAMES.get(code, "another dtype")
-
-
-def _show_hash(value: int) -> str:
-    return "dense" if value == 0 else f"boundaries with hash {value}"
-
-
-def documents_field(fingerprint: int) -> Field:
-    """The agreement entry of a batch's packed documents (a PackedSequence's
-    ``fingerprint``; 0: dense, or none that could be packed)."""
-    return Field("cu_seqlens", fingerprint, _show_hash)
 
 
 def batch_field(fingerprint: int) -> Field:
