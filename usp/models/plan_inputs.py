@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from usp.process_groups.degrees import kv_replication_for
-from usp.sp.plan import PackedSequence, Plan
+from usp.sp.plan import PackedSequence, PlacedSequence, Plan
 
 #: the keyword arguments a model takes besides its config and plan (``usp.Plan.with_options``)
 ATTENTION_OPTIONS = ("layout", "ring_impl", "backend", "linear_backend", "linear_conv_backend")
@@ -90,8 +90,10 @@ def pack_once(plan: Plan, cu_seqlens, input_ids: torch.Tensor) -> PackedSequence
             f"packed sequences (cu_seqlens) need batch size 1, got input_ids of shape "
             f"{tuple(input_ids.shape)}"
         )
-    global_len = input_ids.shape[1] * plan.sp_degree
-    if isinstance(cu_seqlens, PackedSequence):
-        return plan.packed_sequence(cu_seqlens, seq_len=global_len)
+    local_len = input_ids.shape[1]
+    if isinstance(cu_seqlens, (PackedSequence, PlacedSequence)):
+        return plan.shard_packing(cu_seqlens, local_len)
     # a collective (the SP ranks agree on the boundaries), once per forward
-    return plan.pack(cu_seqlens, device=input_ids.device, seq_len=global_len)
+    if plan.placement == "documents":  # ranks hold different counts: the boundaries' end
+        return plan.shard_packing(plan.pack(cu_seqlens, device=input_ids.device), local_len)
+    return plan.pack(cu_seqlens, device=input_ids.device, seq_len=local_len * plan.sp_degree)
