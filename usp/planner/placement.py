@@ -77,7 +77,7 @@ def place_row(
 
 def row_bytes(
     row: PlacedRow, model, *, ring: int, ulysses: int, layout: str, ring_impl: str,
-    item_bytes: int, acc_bytes: int = 4,
+    item_bytes: int, acc_bytes: int = 4, gate_bytes: int = 4, state_bytes: int = 4,
 ) -> list[dict[str, int]]:  # fmt: skip
     """Bytes each SP rank sends for the row in one forward and backward of every layer,
     by collective kind (``all_to_all``, ``p2p``, ``all_gather``, ``reduce_scatter``):
@@ -88,6 +88,8 @@ def row_bytes(
     if not row.split_lengths:
         return [{} for _ in range(sp)]
     seqlen = sum(row.split_lengths)
+    # one split document is placed as a dense sequence (usp.ring.placement)
+    documents = row.split_lengths if len(row.split_lengths) > 1 else None
     windows = _attention_windows(model)
     per_ring_rank = []
     for ring_rank in range(ring):
@@ -98,7 +100,7 @@ def row_bytes(
                        model.attention_head_dim),
                 batch=1, seqlen=seqlen, ulysses=ulysses, ring=ring, ring_impl=ring_impl,
                 item_bytes=item_bytes, acc_bytes=acc_bytes, window=window, layout=layout,
-                doc_lengths=row.split_lengths, rank=ring_rank,
+                doc_lengths=documents, rank=ring_rank,
             )  # fmt: skip
             _add(sent, traffic, layers)
         linear_layers = list(getattr(model, "layer_types", None) or ()).count("linear_attention")
@@ -108,8 +110,8 @@ def row_bytes(
                 key_heads=model.linear_num_key_heads, heads=model.linear_num_value_heads,
                 key_dim=model.linear_key_head_dim, value_dim=model.linear_value_head_dim,
                 kernel=model.linear_conv_kernel_dim, layout=layout,
-                documents=len(row.split_lengths), item_bytes=item_bytes, gate_bytes=4,
-                state_bytes=4,
+                documents=len(row.split_lengths), item_bytes=item_bytes,
+                gate_bytes=gate_bytes, state_bytes=state_bytes,
             )  # fmt: skip
             _add(sent, traffic, linear_layers)
         per_ring_rank.append(sent)
