@@ -61,17 +61,14 @@ def place_row(
         )  # fmt: skip
         split = tuple(assignment.lengths[d] for d in assignment.split)
         whole = [tuple(assignment.lengths[d] for d in docs) for docs in assignment.whole]
-    tokens, linear_work, attention_work = [], [], []
-    for rank in range(sp):
-        share = [0.0, 0.0]
-        for n in split:
-            share[0] += linear.split_shares(n, ring, ulysses, layout)[rank]
-            share[1] += pairs.split_shares(n, ring, ulysses, layout)[rank]
-        share[0] += sum(linear.whole(n) for n in whole[rank])
-        share[1] += sum(pairs.whole(n) for n in whole[rank])
-        tokens.append(sum(split) // sp + sum(whole[rank]))
-        linear_work.append(share[0])
-        attention_work.append(share[1])
+    linear_work = [sum(linear.whole(n) for n in docs) for docs in whole]
+    attention_work = [sum(pairs.whole(n) for n in docs) for docs in whole]
+    for n in split:  # every rank's share of each split document, computed once
+        for rank, (a, b) in enumerate(zip(linear.split_shares(n, ring, ulysses, layout),
+                                          pairs.split_shares(n, ring, ulysses, layout))):  # fmt: skip
+            linear_work[rank] += a
+            attention_work[rank] += b
+    tokens = [sum(split) // sp + sum(docs) for docs in whole]
     return PlacedRow(placement, split, tuple(tokens), tuple(linear_work), tuple(attention_work))
 
 
