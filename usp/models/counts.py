@@ -75,7 +75,6 @@ class ModelCounts:
         linear = 3 * self.linear_flops_per_token * tokens
         return 6 * self.matmul * tokens + self.attention_flops(square) + linear
 
-
     def document_cost(self) -> DocumentCost:
         """What ``placement="documents"`` balances for this model
         (:class:`usp.sp.assignment.DocumentCost`), in the units of
