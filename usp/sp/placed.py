@@ -130,7 +130,10 @@ def check_placed_fits(plan, placed: PlacedSequence, seq_len: int | None) -> None
         )
     if seq_len is not None and placed.seq_len != seq_len:
         raise ShardingError(
-            f"the packed sequence has {placed.seq_len} tokens, but the tensors hold {seq_len}"
+            f"the packed sequence has {placed.seq_len} tokens, but the tensors hold {seq_len}; "
+            "under placement='documents' the SP ranks hold different numbers of tokens, so "
+            "a global length is not a rank's times the SP degree (plan.shard_packing(packed, "
+            "local_len) checks a rank's share)"
         )
 
 
