@@ -25,8 +25,8 @@ import argparse
 import json
 import sys
 
-from usp.models import document_cost, preset
-from usp.planner.placement import PLACEMENTS, pack_lengths, place_row, row_bytes, step_seconds
+from usp.models import preset
+from usp.planner.placement import PLACEMENTS, mix_steps, mix_totals
 from usp.sp.sharding import required_multiple
 
 
@@ -57,43 +57,13 @@ def measure(lengths, *, ulysses, ring, seq_len, model="llama3.1-8b", layout="zig
         raise SystemExit(
             f"--seq-len {seq_len} must be a multiple of {multiple} on u{ulysses}xr{ring}"
         )
-    config = preset(model)
-    cost = document_cost(config)
-    steps = []
-    for row_lengths in pack_lengths(lengths, seq_len, multiple):
-        step = {"documents_in_step": len(row_lengths)}
-        for placement in PLACEMENTS:
-            row = place_row(
-                row_lengths, placement, ring=ring, ulysses=ulysses, layout=layout, cost=cost
-            )
-            kinds = row_bytes(row, config, ring=ring, ulysses=ulysses, layout=layout,
-                              ring_impl=ring_impl, item_bytes=2)  # fmt: skip
-            sent = [sum(by_kind.values()) for by_kind in kinds]
-            seconds = step_seconds(row, kinds, ulysses=ulysses, ring=ring)
-            step[placement] = {
-                "bytes": sent, "linear": row.linear_work, "attention": row.attention_work,
-                "work": row.work, "tokens": row.tokens, "split": len(row.split_lengths),
-                "step_s": max(seconds),
-            }  # fmt: skip
-        steps.append(step)
+    steps = mix_steps(lengths, model=preset(model), ulysses=ulysses, ring=ring, seq_len=seq_len,
+                      layout=layout, ring_impl=ring_impl)  # fmt: skip
+    totals = mix_totals(steps)
+    for t in totals.values():
+        del t["tokens_max"]  # the JSON totals: the four the issue names
     return {"model": model, "ulysses": ulysses, "ring": ring, "seq_len": seq_len,
-            "documents": len(lengths), "steps": steps, "totals": totals(steps)}  # fmt: skip
-
-
-def totals(steps) -> dict:
-    out = {}
-    for placement in PLACEMENTS:
-        ranks = len(steps[0][placement]["bytes"])
-        per_rank = [sum(s[placement]["bytes"][r] for s in steps) for r in range(ranks)]
-        busiest = sum(max(s[placement]["work"]) for s in steps)
-        mean = sum(sum(s[placement]["work"]) / ranks for s in steps)
-        out[placement] = {
-            "bytes_max": max(per_rank),
-            "bytes_mean": sum(per_rank) / ranks,
-            "work_max_over_mean": busiest / mean,
-            "step_s": sum(s[placement]["step_s"] for s in steps),
-        }
-    return out
+            "documents": len(lengths), "steps": steps, "totals": totals}  # fmt: skip
 
 
 def text(result: dict) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from usp.models import model_counts
 from usp.planner.hardware import (
     ATTENTION_TFLOPS,
     DEFAULT_INTER_NODE_GBPS,
@@ -198,3 +199,56 @@ def pack_lengths(lengths, seq_len: int, multiple: int) -> list[list[int]]:
     if row:
         rows.append(row + ([seq_len - used] if used < seq_len else []))
     return rows
+
+
+def mix_steps(lengths, *, model, ulysses: int, ring: int, seq_len: int, layout: str = "zigzag",
+              ring_impl: str = "p2p", item_bytes: int = 2,
+              machine: Machine = Machine()) -> list[dict]:  # fmt: skip
+    """``lengths`` packed into rows of ``seq_len`` (:func:`pack_lengths`, documents padded
+    to the grid's sequence multiple) and placed both ways: per row and placement, each
+    rank's bytes (one forward and backward of every layer), linear and attention work,
+    tokens, the split documents' count and the row's estimated seconds (its busiest
+    rank's, :func:`step_seconds`). ``model``: a usp model config."""
+    multiple = required_multiple(ring, ulysses, layout)
+    cost = DocumentCost() if model is None else _cost_of(model)
+    steps = []
+    for row_lengths in pack_lengths(lengths, seq_len, multiple):
+        step = {"documents_in_step": len(row_lengths)}
+        for placement in PLACEMENTS:
+            row = place_row(row_lengths, placement, ring=ring, ulysses=ulysses, layout=layout,
+                            cost=cost)  # fmt: skip
+            kinds = row_bytes(row, model, ring=ring, ulysses=ulysses, layout=layout,
+                              ring_impl=ring_impl, item_bytes=item_bytes)  # fmt: skip
+            seconds = step_seconds(row, kinds, ulysses=ulysses, ring=ring, machine=machine)
+            step[placement] = {
+                "bytes": [sum(by_kind.values()) for by_kind in kinds],
+                "linear": row.linear_work, "attention": row.attention_work, "work": row.work,
+                "tokens": row.tokens, "split": len(row.split_lengths), "step_s": max(seconds),
+            }  # fmt: skip
+        steps.append(step)
+    return steps
+
+
+def mix_totals(steps: list[dict]) -> dict:
+    """Over all rows, per placement: ``bytes_max`` / ``bytes_mean`` (per rank, summed over
+    the rows), ``work_max_over_mean`` (the busiest rank's work summed over the rows, over
+    the mean's), ``step_s`` (the rows' estimated seconds, summed) and ``tokens_max`` (the
+    most tokens a rank holds in one row)."""
+    out = {}
+    for placement in PLACEMENTS:
+        ranks = len(steps[0][placement]["bytes"])
+        per_rank = [sum(s[placement]["bytes"][r] for s in steps) for r in range(ranks)]
+        busiest = sum(max(s[placement]["work"]) for s in steps)
+        mean = sum(sum(s[placement]["work"]) / ranks for s in steps)
+        out[placement] = {
+            "bytes_max": max(per_rank),
+            "bytes_mean": sum(per_rank) / ranks,
+            "work_max_over_mean": busiest / mean,
+            "step_s": sum(s[placement]["step_s"] for s in steps),
+            "tokens_max": max(max(s[placement]["tokens"]) for s in steps),
+        }
+    return out
+
+
+def _cost_of(model) -> DocumentCost:
+    return model_counts(model).document_cost()
