@@ -64,7 +64,7 @@ from usp.process_groups import HeadLayoutError, degrees
 from usp.ring.documents import Documents
 from usp.sp.attend import stand_in_packed
 from usp.sp.packing import PackedSequence
-from usp.sp.placed import run_placed
+from usp.sp.placed import run_placed, shard_packing_or_error
 from usp.sp.sharding import sequence_documents
 from usp.sp.ulysses import UlyssesHeadError, to_head_sharded, to_sequence_sharded
 
@@ -247,7 +247,7 @@ def _placed(q, k, v, g, beta, plan, options) -> torch.Tensor:
             "placement='documents' runs eagerly: call it without torch.compile"
         )
     conv_weights, activation, packed, *rest = options
-    placed = plan.shard_packing(packed, v.shape[1], device=v.device)
+    placed, error = shard_packing_or_error(plan, packed, v.shape[1], v.device, _ERRORS)
     names = ("scale", "use_qk_l2norm", "chunk_size", "kernel", "kernels", "conv_kernel",
              "conv_kernels")  # fmt: skip
     keywords = dict(zip(names, rest), conv_weights=conv_weights, activation=activation)
@@ -260,7 +260,7 @@ def _placed(q, k, v, g, beta, plan, options) -> torch.Tensor:
 
     return run_placed(
         plan, placed, [q, k, v, g, beta], call, what="gated_deltanet_usp (whole documents)",
-        check_whole=check_whole, errors=_ERRORS, verify=None,
+        check_whole=check_whole, errors=_ERRORS, verify=None, error=error,
     )  # fmt: skip
 
 

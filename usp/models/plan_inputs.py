@@ -9,7 +9,8 @@ import warnings
 import torch
 
 from usp.process_groups.degrees import kv_replication_for
-from usp.sp.plan import PackedSequence, PlacedSequence, Plan
+from usp.sp.placed import placed_packing
+from usp.sp.plan import PackedSequence, Plan
 
 #: the keyword arguments a model takes besides its config and plan (``usp.Plan.with_options``)
 ATTENTION_OPTIONS = ("layout", "ring_impl", "backend", "linear_backend", "linear_conv_backend")
@@ -91,9 +92,9 @@ def pack_once(plan: Plan, cu_seqlens, input_ids: torch.Tensor) -> PackedSequence
             f"{tuple(input_ids.shape)}"
         )
     local_len = input_ids.shape[1]
-    if isinstance(cu_seqlens, (PackedSequence, PlacedSequence)):
+    if plan.placement == "documents":  # ranks hold different counts: agreed where verified
+        return placed_packing(plan, cu_seqlens, local_len, input_ids.device)
+    if isinstance(cu_seqlens, PackedSequence):
         return plan.shard_packing(cu_seqlens, local_len)
     # a collective (the SP ranks agree on the boundaries), once per forward
-    if plan.placement == "documents":  # ranks hold different counts: the boundaries' end
-        return plan.shard_packing(plan.pack(cu_seqlens, device=input_ids.device), local_len)
     return plan.pack(cu_seqlens, device=input_ids.device, seq_len=local_len * plan.sp_degree)

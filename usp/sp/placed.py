@@ -39,7 +39,7 @@ from usp.sp.sharding import (
     validated_bounds,
 )
 
-__all__ = ["PlacedSequence", "attend_placed", "build_placed", "run_placed"]
+__all__ = ["PlacedSequence", "attend_placed", "build_placed", "placed_packing", "run_placed"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -190,7 +190,7 @@ def attend_placed(
             "placement='documents' runs eagerly: compile a plan that places by sequence, "
             "or call the model without torch.compile"
         )
-    placed = plan.shard_packing(packed, q.shape[1], device=q.device)
+    placed, error = shard_packing_or_error(plan, packed, q.shape[1], q.device, USP_ERRORS)
 
     def call(part_plan, parts, part):
         return attend(
@@ -206,38 +206,67 @@ def attend_placed(
         )  # fmt: skip
 
     return run_placed(
-        plan, placed, [q, k, v], call, what="usp_attention (whole documents)",
-        check_whole=check_whole, errors=USP_ERRORS, verify=verify,
+        plan, placed, [q, k, v], call, what="usp_attention (placed documents)",
+        check_whole=check_whole, errors=USP_ERRORS, verify=verify, error=error,
     )  # fmt: skip
 
 
-def run_placed(
-    plan, placed: PlacedSequence, tensors, call, *, what: str, check_whole, errors, verify
-):
+def shard_packing_or_error(plan, packed, local_len: int, device, errors):
+    """``plan.shard_packing(packed, local_len)``, or (None, the error) for an error of
+    ``errors`` (raised on every rank by :func:`run_placed` after the ranks agree)."""
+    try:
+        return plan.shard_packing(packed, local_len, device=device), None
+    except tuple(errors) as err:
+        return None, err
+
+
+def placed_packing(plan, packed, local_len: int, device) -> PlacedSequence:
+    """A forward's packing under ``placement="documents"``: ``packed`` (cu_seqlens, packed
+    here with the SP ranks' agreement, or a PlacedSequence) checked to give this rank
+    ``local_len`` tokens; with the plan's ``verify_calls`` (None: on for gloo) the ranks
+    agree on that check, so tokens sharded for another placement on some rank are one
+    error on every rank."""
+    if not isinstance(packed, PlacedSequence):
+        packed = plan.pack(packed, device=device)  # a collective: agreed boundaries
+    placed, error = shard_packing_or_error(
+        plan, packed, local_len, device, (ShardingError, PlanError)
+    )
+    group = plan.sp_group
+    verify = verify_by_default(group) if plan.verify_calls is None else plan.verify_calls
+    if verify and group is not None and plan.sp_degree > 1 and can_agree(group):
+        agree(group, "the forward's placed documents", [Field("documents", packed.fingerprint)],
+              error, (ShardingError, PlanError))  # fmt: skip
+    if error is not None:
+        raise error
+    return placed
+
+
+def run_placed(plan, placed, tensors, call, *, what: str, check_whole, errors, verify, error=None):
     """A token mixer over a placed sequence: ``call(plan, parts, packed)`` on the split
     rows (the plan placing by sequence, ``placed.split``) and on the whole documents' rows (the plan's
     one-process plan, ``placed.whole``), concatenated along the sequence dim (1).
 
     ``check_whole(whole_parts)``: validates the whole documents' call on this rank
     without running it; with ``verify`` (None: on for gloo) the SP ranks agree on its
-    outcome first, so an input only one rank's documents cannot serve fails on every
-    rank before the split call communicates."""
-    m = placed.split_len
-    split_parts = [None if t is None else t[:, :m] for t in tensors]
-    whole_parts = [None if t is None else t[:, m:] for t in tensors]
+    outcome and on ``error`` (this rank's tensors not fitting the placement: ``placed``
+    None) first, so an input only some ranks cannot serve fails on every rank before the
+    split call communicates."""
     group = plan.sp_group
     if verify is None:
         verify = verify_by_default(group)
-    error = None
-    if placed.whole is not None:
+    if error is None and placed.whole is not None:
         try:
-            check_whole(whole_parts)
+            check_whole([None if t is None else t[:, placed.split_len :] for t in tensors])
         except tuple(errors) as err:  # shared below: raised on every rank
             error = err
     if verify and group is not None and plan.sp_degree > 1 and can_agree(group):
-        agree(group, what, [Field("documents", placed.fingerprint)], error, errors)
+        fingerprint = 0 if placed is None else placed.fingerprint
+        agree(group, what, [Field("documents", fingerprint)], error, errors)
     if error is not None:
         raise error
+    m = placed.split_len
+    split_parts = [None if t is None else t[:, :m] for t in tensors]
+    whole_parts = [None if t is None else t[:, m:] for t in tensors]
     outputs = []
     if placed.split is not None:
         outputs.append(call(plan.split_plan, split_parts, placed.split))
