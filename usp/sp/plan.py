@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from usp.comm.agreement import Field, agree, can_agree, stable_hash
+from usp.comm.agreement import Field, agree, can_agree
 from usp.comm.traced import TracedGroup
 from usp.config import UspConfig, build_topology_from_config, check_topology_matches, load_config
 from usp.kernels.backends.registry import KernelRegistry
@@ -49,7 +49,15 @@ from usp.ring.documents import Documents
 from usp.ring.placement import packed_placement
 from usp.sp.assignment import DocumentCost
 from usp.sp.attend import TraceCache, attend
-from usp.sp.packing import PackedSequence, PlanError, check_packed_fits
+from usp.sp.packing import (
+    PackedSequence,
+    PlanError,
+    batch_field,
+    check_packed_fits,
+    documents_field,
+    dtype_id,
+    show_dtype_id,
+)
 from usp.sp.placed import (
     PlacedSequence,
     attend_placed,
@@ -516,7 +524,7 @@ class Plan:
         for i, t in enumerate(tensors):
             shape = list(t.shape)[:4] + [-1] * (4 - min(t.dim(), 4))
             fields += [Field(f"tensor {i} shape[{d}]", n) for d, n in enumerate(shape)]
-            fields.append(Field(f"tensor {i} dtype", _dtype_id(t.dtype), _show_dtype_id))
+            fields.append(Field(f"tensor {i} dtype", dtype_id(t.dtype), show_dtype_id))
         if packed is not None:
             fields.append(documents_field(self.packed_sequence(packed).fingerprint))
         agree(group, "Plan.verify_batch", fields)
@@ -542,40 +550,6 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan({self.describe()})"
-
-
-def _dtype_id(dtype: torch.dtype) -> int:
-    return stable_hash(list(str(dtype).encode()))
-
-
-_DTYPE_NAMES = {
-    _dtype_id(d): str(d)
-    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
-}
-
-
-def _show_dtype_id(code: int) -> str:
-    return _DTYPE_NAMES.get(code, "another dtype")
-
-
-def _show_hash(value: int) -> str:
-    return "dense" if value == 0 else f"boundaries with hash {value}"
-
-
-def documents_field(fingerprint: int) -> Field:
-    """The agreement entry of a batch's packed documents (a PackedSequence's
-    ``fingerprint``; 0: dense, or none that could be packed)."""
-    return Field("cu_seqlens", fingerprint, _show_hash)
-
-
-def batch_field(fingerprint: int) -> Field:
-    """The agreement entry of a global batch's fingerprint (what the SP ranks shard)."""
-    return Field(
-        "the global batch they shard (every SP rank must be given the same tokens and labels: "
-        "load batches by data-parallel rank, not by rank)",
-        fingerprint,
-        lambda value: f"batch with hash {value}",
-    )
 
 
 def as_plan(topology_or_plan, **attention_options) -> Plan:
