@@ -43,6 +43,16 @@ def test_documents_halve_the_bytes_with_balanced_work(finetune, capsys):
     assert "documents / sequence: bytes" in text and text.count("documents ") >= len(steps)
 
 
+def test_another_model_and_its_gated_deltanet_layers():
+    """``--model``: Qwen3.5-9B's Gated DeltaNet layers add their traffic (a row of one
+    long document: the same split under both placements, the same bytes)."""
+    result = placement.measure([65536], ulysses=2, ring=4, seq_len=65536, model="qwen3.5-9b")
+    llama = placement.measure([65536], ulysses=2, ring=4, seq_len=65536)
+    seq, doc = result["totals"]["sequence"], result["totals"]["documents"]
+    assert seq["bytes_max"] == doc["bytes_max"] > 0 and result["model"] == "qwen3.5-9b"
+    assert seq["bytes_max"] != llama["totals"]["sequence"]["bytes_max"]
+
+
 def test_lengths_file_is_checked(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("12\n-3\n")

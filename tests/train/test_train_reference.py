@@ -224,7 +224,7 @@ def write_rows(path, rows: int):
 def test_documents_placement_matches_the_reference_loop(distributed, tmp_path):
     """``usp train``'s plan (build_plan: the model's cost model) places each row's
     documents by length; every step's loss and gradient norm and the final weights equal
-    the hand-written one-process loop's."""
+    the hand-written one-process loop's, also after a stop and ``--resume``."""
     config = placement_config(write_rows(tmp_path / "rows.jsonl", STEPS * 4))
     job = train_config_from_dict(config)
     _, dataset = components.build_dataset(job, components.model_source(job), 4)
@@ -242,6 +242,24 @@ def test_documents_placement_matches_the_reference_loop(distributed, tmp_path):
     )
     assert all(r == results[0] for r in results), "every rank logs the same numbers"
     assert_matches_reference(results[0], (config, losses, norms, model), out)
+    # stopped after step 2 and resumed: step 3 is the reference's (the data position is
+    # the loader's state; each row is placed again from its boundaries)
+    resumed_config = dict(config, train={**config["train"], "checkpoint_interval": 1})
+    resumed = distributed.run(
+        _stop_then_resume, resumed_config, str(tmp_path / "resumed"), world_size=4,
+        timeout=TIMEOUT,
+    )[0]  # fmt: skip
+    assert [row[0] for row in resumed] == [3]
+    assert abs(resumed[0][1] - losses[2]) <= 1e-5 * losses[2], (resumed, losses)
+    assert abs(resumed[0][2] - norms[2]) <= 1e-5 * norms[2], (resumed, norms)
+
+
+def _stop_then_resume(config, out):
+    job = train_config_from_dict(config)
+    plan = components.build_plan(job, topology(2, 2))
+    train(job, plan, output_dir=out, stop_after=2, stream=io.StringIO())
+    result = train(job, plan, output_dir=out, resume=True, stream=io.StringIO())
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in result.metrics]
 
 
 def _train_with_plan_of_config(config, out):
