@@ -76,6 +76,7 @@ from usp.process_groups import HeadLayoutError, degrees
 from usp.ring.documents import Documents
 from usp.sp.attend import stand_in_packed
 from usp.sp.packing import PackedSequence
+from usp.sp.placed import run_placed, shard_packing_or_error
 from usp.sp.ulysses import UlyssesHeadError, to_sequence_sharded
 
 __all__ = ["LinearAttentionError", "gated_deltanet_usp"]
@@ -125,11 +126,12 @@ def gated_deltanet_usp(
     ``GdnKernelError`` / ``ConvKernelError`` for a kernel that cannot run) on every SP
     rank, before any data moves, for what it cannot compute.
     """
+    options = (conv_weights, activation, packed, scale, use_qk_l2norm, chunk_size, kernel,
+               kernels, conv_kernel, conv_kernels)  # fmt: skip
+    if packed is not None and getattr(plan, "placement", None) == "documents":
+        return _placed(q, k, v, g, beta, plan, options)
     if torch.compiler.is_compiling():
-        return _compiled(
-            q, k, v, g, beta, plan, conv_weights, activation, packed, scale, use_qk_l2norm,
-            chunk_size, kernel, kernels, conv_kernel, conv_kernels,
-        )  # fmt: skip
+        return _compiled(q, k, v, g, beta, plan, *options)
     u = 1 if plan is None else plan.ulysses_degree
     r = 1 if plan is None else plan.ring_degree
     grad = inputs_grad_mask(q, k, v, g, beta, conv_weights)
@@ -153,6 +155,32 @@ def gated_deltanet_usp(
     if u > 1:  # [B, S/r, H/u, dv] -> [B, S/P, H, dv]
         out = to_sequence_sharded(out, ulysses, stats)
     return out
+
+
+def _placed(q, k, v, g, beta, plan, options) -> torch.Tensor:
+    """placement="documents" (:mod:`usp.sp.placed`): the split documents' rows under SP,
+    the rank's whole documents in one process (the plan's ``whole_plan``, same kernels),
+    concatenated."""
+    if torch.compiler.is_compiling():
+        raise LinearAttentionError(
+            "placement='documents' runs eagerly: call it without torch.compile"
+        )
+    conv_weights, activation, packed, *rest = options
+    placed, error = shard_packing_or_error(plan, packed, v.shape[1], v.device, _ERRORS)
+    names = ("scale", "use_qk_l2norm", "chunk_size", "kernel", "kernels", "conv_kernel",
+             "conv_kernels")  # fmt: skip
+    keywords = dict(zip(names, rest), conv_weights=conv_weights, activation=activation)
+
+    def call(part_plan, parts, part):
+        return gated_deltanet_usp(*parts, part_plan, packed=part, **keywords)
+
+    def check_whole(parts):
+        _checked(*parts, plan.whole_plan, conv_weights, activation, placed.whole, *rest)
+
+    return run_placed(
+        plan, placed, [q, k, v, g, beta], call, what="gated_deltanet_usp (whole documents)",
+        check_whole=check_whole, errors=_ERRORS, verify=None, error=error,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
