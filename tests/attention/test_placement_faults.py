@@ -85,6 +85,7 @@ def test_faults_are_one_error_on_every_rank(distributed):
         message = first[name]
         assert message.startswith("ShardingError") and "failed on rank 1 of 2" in message, name
         assert "placement='documents' gives SP rank 1 14 of these documents" in message, name
-    assert first["cost"].startswith("RankDisagreementError") and "cu_seqlens" in first["cost"]
+    assert first["cost"].startswith("RankDisagreementError")
+    assert "the documents' placement" in first["cost"] and "placement_cost" in first["cost"]
     assert first["multiple"].startswith("ShardingError")
     assert "document 0 (30 tokens)" in first["multiple"] and "multiple of 4" in first["multiple"]

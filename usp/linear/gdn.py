@@ -175,7 +175,8 @@ def _placed(q, k, v, g, beta, plan, options) -> torch.Tensor:
         return gated_deltanet_usp(*parts, part_plan, packed=part, **keywords)
 
     def check_whole(parts):
-        _checked(*parts, plan.whole_plan, conv_weights, activation, placed.whole, *rest)
+        grad = inputs_grad_mask(*parts, conv_weights)
+        _checked(*parts, plan.whole_plan, conv_weights, activation, placed.whole, *rest, grad)
 
     return run_placed(
         plan, placed, [q, k, v, g, beta], call, what="gated_deltanet_usp (whole documents)",

@@ -85,6 +85,19 @@ class PlacedSequence:
         object.__setattr__(self, "local_len", self.token_indices.numel())
 
 
+def placement_field(packed) -> Field:
+    """The agreement entry of where ``placement="documents"`` puts each document (0 for a
+    sequence placed as usual): equal boundaries do not make equal assignments when the
+    ranks balance by different cost models (``placement_cost``)."""
+    value = packed.fingerprint if isinstance(packed, PlacedSequence) else 0
+    return Field(
+        "the documents' placement (placement='documents' must balance with the same "
+        "placement_cost on every rank)",
+        value,
+        lambda v: "placed by sequence" if v == 0 else f"an assignment with hash {v}",
+    )
+
+
 def build_placed(plan, cu_seqlens, device, seq_len: int | None) -> PlacedSequence:
     """``cu_seqlens`` placed by documents on ``plan``'s ranks, for this rank (no
     collective: :meth:`usp.Plan.pack` agrees on the result's fingerprint)."""

@@ -64,6 +64,7 @@ from usp.sp.placed import (
     build_placed,
     check_placed_fits,
     gather_placed,
+    placement_field,
 )
 from usp.sp.sharding import (
     ShardingError,
@@ -337,7 +338,10 @@ class Plan:
             error = err
         group = self.sp_group
         if agree_ranks and group is not None and self.sp_degree > 1 and can_agree(group):
-            fields = [documents_field(None if packed is None else packed.bounds, "cu_seqlens")]
+            fields = [
+                documents_field(None if packed is None else packed.bounds, "cu_seqlens"),
+                placement_field(packed),  # which rank computes which document
+            ]
             if batch_fingerprint is not None:
                 fields.append(batch_field(batch_fingerprint))
             agree(group, "Plan.pack", fields, error, (ShardingError,))
