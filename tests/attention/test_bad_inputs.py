@@ -127,6 +127,10 @@ def _call(name: str, plan, rank: int):
         _mamba2(plan, mamba_inputs(1, 32, 4, 2, 4, 4, 4, seed=2)[0], chunk_size=True)
     elif name == "pack_documents_differ":
         plan.pack(torch.tensor([0, 8 if rank == 0 else 16, 32], dtype=torch.int32))
+    elif name == "mamba2_placed_documents":  # placement by length: not for Mamba-2 yet
+        placed = usp.Plan(plan.topology, placement="documents")
+        cu = torch.tensor([0, 8, 32], dtype=torch.int32)
+        _mamba2(placed, mamba_inputs(1, 32, 4, 2, 4, 4, 4, seed=2)[0], packed=cu)
     else:
         raise AssertionError(f"unknown case {name}")
 
@@ -228,6 +232,11 @@ REFUSALS = {
         (1, 2),
         "RankDisagreementError: Plan.pack: the ranks of the group disagree on cu_seqlens "
         "(rank 0: cu_seqlens [0, 8, 32]; rank 1: cu_seqlens [0, 16, 32])",
+    ),
+    "mamba2_placed_documents": (
+        (1, 2),
+        "Mamba2Error: mamba2_usp does not place documents by length yet: use a plan with "
+        'placement="sequence"',
     ),
 }
 

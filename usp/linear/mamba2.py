@@ -109,6 +109,11 @@ def mamba2_usp(
             "mamba2_usp runs eagerly: compile the model around its Mamba-2 layers "
             "(torch.compiler.disable on the layer), or run the model eagerly"
         )
+    if getattr(plan, "placement", "sequence") == "documents":  # a plan option: every rank's
+        raise Mamba2Error(
+            "mamba2_usp does not place documents by length yet: use a plan with "
+            'placement="sequence" (the default) for models with Mamba-2 layers'
+        )
     u = 1 if plan is None else plan.ulysses_degree
     r = 1 if plan is None else plan.ring_degree
     checked = _checked(
