@@ -87,5 +87,9 @@ def destroyed_topology():
 
 
 def test_a_destroyed_topology_lets_go_of_its_groups(distributed):
-    for destroyed, *references in distributed.run(destroyed_topology, world_size=4, timeout=120):
-        assert destroyed and references == [{}, None, None, None]
+    for destroyed, groups, *meshes in distributed.run(
+        destroyed_topology, world_size=4, timeout=120
+    ):
+        assert destroyed and meshes == [None, None, None]
+        assert set(groups) == {"ulysses", "ring", "dp", "sp", "dp_sp"}
+        assert all(group is None for group in groups.values())

@@ -262,7 +262,7 @@ class Topology:
                 seen.add(id(group))
                 dist.destroy_process_group(group)
             self._barrier()
-        self._groups = {}
+        self._groups = dict.fromkeys(self._groups)  # the names stay, for the errors
         self._mesh = self._sp_mesh = self._dp_sp_mesh = None
 
     def _barrier(self) -> None:
