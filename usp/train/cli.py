@@ -6,10 +6,13 @@ device).
 Flags override the file (``--steps``, ``--output``, ``--ulysses/--ring/--dp``,
 ``--device``, and ``--set SECTION.KEY=VALUE`` for any field); ``--resume`` continues from
 the newest checkpoint in the output directory. Under torchrun each failing rank also
-leaves its error line for the launcher (:mod:`usp.train.error_file`).
-Without torchrun's environment a single process runs (a world of 1). The process group is
-set up here, the topology built from the config (its shape checked against the launch),
-and everything is torn down through ``Topology.destroy()`` at the end, also after an error.
+leaves its error line for the launcher (:mod:`usp.train.error_file`), and a rank whose
+run finished says so before it tears down (should it die at exit, the launcher reports a
+finished run). Without torchrun's environment a single process runs (a world of 1). The
+process group is set up here, the topology built from the config (its shape checked
+against the launch), and everything is torn down through
+:func:`usp.process_groups.shutdown.shutdown` at the end (threads quiet, the topology's
+groups, then the default group), also after an error that every rank shares.
 Exit status (``usp.train.guard.EXIT_STATUS``): 0 done; 2 a config, data or checkpoint
 error or an output directory in use (printed once per node); 3 the run diverged
 (non-finite loss, gradient norm or weights); 4 a collective failed or timed out (a peer
