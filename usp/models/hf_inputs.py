@@ -73,6 +73,7 @@ class PackedInputs:
         every SP rank alike). In one process without documents, position_ids that restart
         fail the check (they would be packed documents, which need a description)."""
         plan, name = self.plan, self.name
+        refuse_cache(plan, kwargs, local_len, name)  # a Python bool: decided while tracing
         usp_packed = kwargs.get(PACKED_KWARG)
         cu = [kwargs.get(k) for k in CU_KWARGS]
         positions = _positions_2d(kwargs.get("position_ids"), batch, local_len, name)
@@ -115,19 +116,19 @@ class PackedInputs:
     def _resolve_eager(self, batch: int, local_len: int, device, kwargs: dict):
         sources = (kwargs.get(PACKED_KWARG), *(kwargs.get(k) for k in CU_KWARGS))
         positions = kwargs.get("position_ids")
-        key = (batch, local_len, device, *sources, positions)
+        key = (batch, local_len, device, bool(kwargs.get("use_cache")), *sources, positions)
         versions = tuple(getattr(x, "_version", None) for x in (*sources, positions))
         cached = self._key
         if (
             cached is not None
-            and cached[0] == key[:3]
-            and all(a is b for a, b in zip(cached[1], key[3:]))
+            and cached[0] == key[:4]
+            and all(a is b for a, b in zip(cached[1], key[4:]))
             and cached[2] == versions
         ):
             return self._value
         self._key = None
         value = self.agreed(lambda: self._local(batch, local_len, device, kwargs))
-        self._key, self._value = (key[:3], key[3:], versions), value
+        self._key, self._value = (key[:4], key[4:], versions), value
         return value
 
     def agreed(self, local) -> PackedSequence | None:
@@ -155,6 +156,7 @@ class PackedInputs:
         """This rank's verdict, without collectives."""
         plan, name = self.plan, self.name
         total = local_len * plan.sp_degree
+        refuse_cache(plan, kwargs, local_len, name)
         usp_packed = kwargs.get(PACKED_KWARG)
         cu_q, cu_k = (kwargs.get(k) for k in CU_KWARGS)
         positions = _positions_2d(kwargs.get("position_ids"), batch, local_len, name)
@@ -214,6 +216,19 @@ def traced_documents(
         packed = (found, _position_reference(inputs.plan, local_len * inputs.plan.sp_degree, found))
         inputs.traced.put(key, packed)
     return packed
+
+
+def refuse_cache(plan, kwargs: dict, local_len: int, name: str) -> None:
+    """Under SP a KV cache (``use_cache=True``, transformers' default) would hold this
+    rank's shard of the keys and values only: refused (in one process a cache is exact)."""
+    if plan.sp_degree > 1 and kwargs.get("use_cache"):
+        raise HFInputError(
+            f"attn_implementation={name!r}: use_cache=True under sequence parallelism "
+            f"({plan.sp_degree} SP ranks): the KV cache would hold this rank's {local_len} "
+            f"of {local_len * plan.sp_degree} tokens only. Call the model with "
+            "use_cache=False (ShardedBatch.hf_kwargs() gives it), or set "
+            "model.config.use_cache = False"
+        )
 
 
 def _values(x):
