@@ -152,3 +152,21 @@ def test_a_cache_and_a_bidirectional_window_are_refused_by_name(distributed):
         assert error == "HFInputError", (model_type, message)
         assert "is_causal=False with sliding_window=4" in message, message
         assert "leave is_causal at True" in message, message
+
+
+# --------------------------------------------------------- is_causal=False, one process
+def test_a_decoder_marked_bidirectional_is_never_computed_bidirectional():
+    """BigBird-Pegasus's decoder self-attention is marked is_causal=False and gets its
+    causal mask from transformers (eager applies it); its decoder also builds a
+    bidirectional mask (for cross-attention), so which one a layer gets cannot be told:
+    refused, in one process too, before any attention ran."""
+    plan = usp.Plan(None)
+    calls = []
+    attention = plan.attention
+    plan.attention = lambda *args, **kwargs: calls.append(1) or attention(*args, **kwargs)
+    name = usp_hf.register(plan, name="usp_bigbird_one_process")
+    model = build("bigbird_pegasus", attn_implementation=name)
+    ids = token_ids(model.config)
+    with pytest.raises(usp.UspError, match="marked is_causal=False, and this forward built both"):
+        model(input_ids=ids, use_cache=False)
+    assert not calls

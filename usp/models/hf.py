@@ -2,8 +2,8 @@
 ``AttentionInterface`` and the loss an HF user needs.
 
     plan = usp.Plan(topology)
-    name = usp.models.hf.register(plan)               # before building the model
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    name = usp.models.hf.register(plan, model=model)  # checks it, switches its attention
     batch = usp.models.shard_batch(plan, input_ids)   # global -> this rank's shard
     logits = model(**batch.hf_kwargs()).logits        # [B, S/P, V]
     loss = usp.models.hf.sp_loss(logits, batch.labels, plan)
@@ -12,10 +12,13 @@
 
 Every model that calls attention through ``AttentionInterface`` (Llama, Qwen2/3,
 Mistral, Gemma 3 and gpt-oss with their sliding windows, gpt-oss's attention sinks
-(``s_aux``), ...) runs this way, if nothing else in
-it mixes tokens: under SP a hybrid model (Mamba, linear attention, short convolutions) is
-refused before its first forward computes anything (:mod:`usp.models.hf_mixers`). What the model must
-be given: this rank's ``input_ids`` shard, the tokens' global ``position_ids`` (HF would
+(``s_aux``), ...) runs this way, if nothing else in it mixes tokens: under SP any other
+model (Mamba, linear attention, short convolutions, attention code of its own, absolute
+positions it numbers per shard) is refused before its first forward computes anything
+(:mod:`usp.models.hf_mixers`), whatever the order of the recipe: the model given to
+``register``, or one built with the name afterwards (``from_pretrained(path,
+attn_implementation=name)``: :mod:`usp.models.hf_watch` sees transformers build it). What
+the model must be given: this rank's ``input_ids`` shard, the tokens' global ``position_ids`` (HF would
 otherwise number the shard 0..S/P-1), ``use_cache=False``, and for packed documents
 ``usp_packed=plan.pack(cu_seqlens)`` or the global ``cu_seq_lens_q/k`` (forwarded to
 every attention call). Do not pass ``labels=`` to the HF model under SP: its loss shifts
@@ -152,6 +155,8 @@ def _attention_function(plan, name: str, seen: PaddingSeen, check: MixerCheck):
     ):
         """query [B, H, S/P, D], key/value [B, Hkv, S/P, D] (after RoPE) ->
         (out [B, S/P, H, D], None)."""
+        causal = seen.causal(module, is_causal, name)  # from the masks built before
+        seen.close_group()  # the layers of this forward have started
         check(getattr(module, "config", None))  # the model mixes tokens only here (SP)
         unsupported = {
             "a 4-D attention_mask (or another prepared mask)": attention_mask is not None,
@@ -172,8 +177,6 @@ def _attention_function(plan, name: str, seen: PaddingSeen, check: MixerCheck):
                 f"USP attention got {query.shape[2]} query tokens but {key.shape[2]} key "
                 "tokens: call the model with use_cache=False (no KV cache under SP)"
             )
-        causal = seen.causal(module, is_causal, name)
-        seen.attention_called()
         if sliding_window is not None and not causal:
             raise HFInputError(
                 f"attn_implementation={name!r} (USP attention) computes sliding windows of "
@@ -189,7 +192,8 @@ def _attention_function(plan, name: str, seen: PaddingSeen, check: MixerCheck):
                 "without padding, or pack them (DataCollatorWithFlattening, usp_packed)",
             )
         batch, _, local_len, _ = query.shape
-        use_cache = bool(kwargs.get("use_cache")) or check.cache_requested  # refused under SP
+        config = getattr(module, "config", None)  # use_cache is refused under SP
+        use_cache = bool(kwargs.get("use_cache")) or check.cache_requested(config)
         packed = packed_inputs(batch, local_len, query.device, {**kwargs, "use_cache": use_cache})
         # [B, H, S/P, D] -> [B, S/P, H, D]; under autocast in its dtype, as sdpa is
         q, k, v, autocast_off = _as_sdpa_casts(query, key, value)

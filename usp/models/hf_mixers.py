@@ -262,8 +262,8 @@ class MixerCheck:
         #: config id -> (config, the model built on it): inspected in place of a meta build
         self._built: dict[int, tuple[object, weakref.ref]] = {}
         self._watched: weakref.WeakSet = weakref.WeakSet()
-        #: whether the watched forward under way asked for a KV cache
-        self.cache_requested = False
+        #: config id -> (config, whether its model's last forward asked for a KV cache)
+        self._cache_requested: dict[int, tuple[object, bool]] = {}
 
     def watch(self, model: nn.Module) -> None:
         """A transformers model built with this check's attention name
@@ -279,17 +279,23 @@ class MixerCheck:
         if model not in self._watched:
             self._watched.add(model)
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-            model.register_forward_hook(self._after_forward, always_call=True)
 
     def _before_forward(self, model: nn.Module, args, kwargs) -> None:
         self(model.config)
+        if torch.compiler.is_compiling():  # a compiled forward: use_cache reaches attention
+            return
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = getattr(model.config, "use_cache", False)
-        self.cache_requested = bool(use_cache)
+        self._cache_requested[id(model.config)] = (model.config, bool(use_cache))
 
-    def _after_forward(self, model: nn.Module, args, output) -> None:
-        self.cache_requested = False
+    def cache_requested(self, config) -> bool:
+        """Whether the last forward of the watched model of ``config`` asked for a KV
+        cache (eager forwards; the attention function refuses it under SP)."""
+        if torch.compiler.is_compiling():
+            return False
+        known = self._cache_requested.get(id(config))
+        return known is not None and known[0] is config and known[1]
 
     def accept(self, model: nn.Module) -> None:
         """Check ``model`` itself (raising as :func:`check_model`) and keep the verdict

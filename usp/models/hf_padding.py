@@ -161,14 +161,15 @@ class PaddingSeen:
     def __init__(self):
         self.padded = False
         self.mask_kinds: frozenset[str] = frozenset()
-        self._attended = True  # an attention call came after the last mask call
+        self._closed = True  # an attention call (or a refusal) came after the last mask call
 
     def mask_built(self, kind: str) -> None:
-        kinds = frozenset() if self._attended else self.mask_kinds
-        self.mask_kinds, self._attended = kinds | {kind}, False
+        kinds = frozenset() if self._closed else self.mask_kinds
+        self.mask_kinds, self._closed = kinds | {kind}, False
 
-    def attention_called(self) -> None:
-        self._attended = True
+    def close_group(self) -> None:
+        """An attention call (or a refusal) ends the group of mask calls before it."""
+        self._closed = True
 
     def causal(self, module, is_causal: bool | None, name: str) -> bool:
         """Whether ``module``'s attention call is causal, as transformers decides it: the
@@ -187,6 +188,7 @@ class PaddingSeen:
             return causal
         if self.mask_kinds == {"causal"}:
             return True
+        self.close_group()
         raise HFInputError(
             f"attn_implementation={name!r} (USP attention): {type(module).__name__} is marked "
             "is_causal=False, and this forward built both causal and bidirectional masks, so "
@@ -213,7 +215,14 @@ def padding_mask_function(plan, name: str, seen: PaddingSeen, check_model_of=Non
     behind the config (:class:`usp.models.hf_mixers.MixerCheck`)."""
     from transformers.masking_utils import bidirectional_mask_function
 
-    def usp_padding_mask(*args, attention_mask=None, config=None, mask_function=None, **kwargs):
+    def usp_padding_mask(*args, **kwargs):
+        try:
+            return checked_mask(*args, **kwargs)
+        except Exception:
+            seen.close_group()  # a refused forward: the next mask call starts a new one
+            raise
+
+    def checked_mask(*args, attention_mask=None, config=None, mask_function=None, **kwargs):
         if check_model_of is not None:
             check_model_of(config)
         problem = None
