@@ -278,7 +278,13 @@ class MixerCheck:
         self._built[id(model.config)] = (model.config, weakref.ref(model))
         if model not in self._watched:
             self._watched.add(model)
-            model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+
+            def before_forward(model, args, kwargs, check=self):
+                # a function, not a bound method: copy.deepcopy(model) (TRL's reference
+                # models) shares it instead of copying the check and its plan's groups
+                check._before_forward(model, args, kwargs)
+
+            model.register_forward_pre_hook(before_forward, with_kwargs=True)
 
     def _before_forward(self, model: nn.Module, args, kwargs) -> None:
         self(model.config)
