@@ -172,12 +172,18 @@ def reference(model_type: str, ids) -> dict:
     return {"logits": logits.detach(), "grads": grads}
 
 
-def under_sp(model_type: str, plan, name: str, ids) -> dict:
-    """The README's recipe on this rank: the model built with usp's attention, its shard
-    of the batch, the gathered logits and the SP-summed gradients."""
+def under_sp(model_type: str, plan, name: str, ids, *, given: bool) -> dict:
+    """The README's recipe on this rank: the model built, then given to
+    ``register(plan, model=model)`` (``given``), or built with the name ``register(plan)``
+    returned; its shard of the batch, the gathered logits and the SP-summed gradients."""
+    from usp.models import hf as usp_hf
     from usp.models import shard_batch
 
-    model = build(model_type, attn_implementation=name)
+    if given:
+        model = build(model_type)
+        usp_hf.register(plan, name=f"{name}_given", model=model)
+    else:
+        model = build(model_type, attn_implementation=name)
     batch = shard_batch(plan, ids)
     logits = model(**batch.hf_kwargs()).logits  # [1, S/P, V]
     _loss(logits, batch.labels).backward()
@@ -216,11 +222,12 @@ def _quiet():
     return stack
 
 
-def outcome(model_type: str, plan, name: str, rank_of_reference: bool):
+def outcome(model_type: str, plan, name: str, rank_of_reference: bool, given: bool):
     """This type's outcome on this rank (every SP rank calls it; the rank given
     ``rank_of_reference`` also computes the one-process reference and the verdict,
-    the others return ``None`` for a model that ran). A type whose reference fails is
-    skipped on every rank (the ranks share that before the plug-in's collectives)."""
+    the others return ``None`` for a model that ran; ``given``: see :func:`under_sp`).
+    A type whose reference fails is skipped on every rank (the ranks share that before
+    the plug-in's collectives)."""
     from usp.errors import UspError
 
     with _quiet():
@@ -236,7 +243,7 @@ def outcome(model_type: str, plan, name: str, rank_of_reference: bool):
         if any(s is not None for s in skips):
             return ("skipped", next(s for s in skips if s is not None))
         try:
-            got = under_sp(model_type, plan, name, ids)
+            got = under_sp(model_type, plan, name, ids, given=given)
         except UspError as err:
             return ("refused", type(err).__name__, str(err))
         except Exception as err:  # noqa: BLE001 - reported: neither exact nor refused
@@ -248,13 +255,21 @@ def outcome(model_type: str, plan, name: str, rank_of_reference: bool):
     return ("exact" if exact else "wrong", found)
 
 
+def given_to_register(index: int) -> bool:
+    """Whether the sweep's ``index``-th type is built first and given to ``register``
+    (odd), or built with the name (even): both orders of the recipe, half the types each."""
+    return index % 2 == 1
+
+
 def sweep_outcomes(plan, name: str, model_types) -> dict:
     """Every type's outcome, the same dict on every SP rank: the ranks take turns at the
     one-process references and share their verdicts."""
     mine = {}
     sp_rank = dist.get_rank(plan.sp_group)
     for index, model_type in enumerate(model_types):
-        mine[model_type] = outcome(model_type, plan, name, index % plan.sp_degree == sp_rank)
+        mine[model_type] = outcome(
+            model_type, plan, name, index % plan.sp_degree == sp_rank, given_to_register(index)
+        )
     everyone = [None] * plan.sp_degree
     dist.all_gather_object(everyone, mine, group=plan.sp_group)
     merged = {}

@@ -26,6 +26,7 @@ from usp_cases import topology
 transformers = pytest.importorskip("transformers", minversion="5.24")
 
 import usp  # noqa: E402
+from usp.errors import ModelConfigError  # noqa: E402
 from usp.models import hf as usp_hf  # noqa: E402
 from usp.models import shard_batch  # noqa: E402
 
@@ -170,3 +171,13 @@ def test_a_decoder_marked_bidirectional_is_never_computed_bidirectional():
     with pytest.raises(usp.UspError, match="marked is_causal=False, and this forward built both"):
         model(input_ids=ids, use_cache=False)
     assert not calls
+
+
+@pytest.mark.parametrize("model_type, cls", [("git", "GitModel"), ("gpt_neo", "GPTNeoModel")])
+def test_an_attention_table_of_its_own_is_refused_while_built(model_type, cls):
+    """In one process too: transformers would raise a bare KeyError for the name."""
+    name = usp_hf.register(usp.Plan(None), name="usp_own_table")
+    with pytest.raises(ModelConfigError) as err:
+        build(model_type, attn_implementation=name)
+    assert f"{cls} (model_type {model_type!r}) picks its attention from a table" in str(err.value)
+    assert "attn_implementation='sdpa' or 'eager'" in str(err.value)
