@@ -131,6 +131,10 @@ def _call(name: str, plan, rank: int):
         placed = usp.Plan(plan.topology, placement="documents")
         cu = torch.tensor([0, 8, 32], dtype=torch.int32)
         _mamba2(placed, mamba_inputs(1, 32, 4, 2, 4, 4, 4, seed=2)[0], packed=cu)
+    elif name == "hf_register_placed_documents":  # the plug-in shards by sequence only
+        from usp.models import hf as usp_hf
+
+        usp_hf.register(usp.Plan(plan.topology, placement="documents"), name="usp_placed")
     else:
         raise AssertionError(f"unknown case {name}")
 
@@ -237,6 +241,11 @@ REFUSALS = {
         (1, 2),
         "Mamba2Error: mamba2_usp does not place documents by length yet: use a plan with "
         'placement="sequence"',
+    ),
+    "hf_register_placed_documents": (
+        (1, 2),
+        'ValueError: usp.models.hf.register: a plan with placement="documents" (documents '
+        "placed whole by length) is not supported by the HF plug-in yet",
     ),
 }
 

@@ -111,11 +111,20 @@ def register(plan, *, name: str = "usp", model=None, **attention_options) -> str
     one switched to the name later, at its first mask or attention call, from a
     meta-device build of its config. Qwen3.5's Gated DeltaNet layers are computed by usp
     once :func:`swap_linear_attention` put its module in their place; pass that model
-    here (the config alone describes transformers' layers, which are refused)."""
+    here (the config alone describes transformers' layers, which are refused). A plan
+    with ``placement="documents"`` is refused (the plug-in shards along the sequence)."""
     transformers = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
 
     plan = as_plan(plan, **attention_options)
+    if plan.placement == "documents":  # a plan option: the same refusal on every rank
+        raise ValueError(
+            'usp.models.hf.register: a plan with placement="documents" (documents placed '
+            "whole by length) is not supported by the HF plug-in yet: its batches, labels "
+            "and positions are sharded along the sequence; build the plan with "
+            'placement="sequence" (the default), or train a usp model family (usp train, '
+            "usp.models.from_pretrained), which places documents"
+        )
     if not isinstance(name, str) or not name or name.startswith(_BUILTIN_PREFIXES):
         raise ValueError(
             f"name {name!r} would shadow one of transformers' own attention implementations "
