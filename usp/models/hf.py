@@ -148,6 +148,7 @@ def register(plan, *, name: str = "usp", model=None, **attention_options) -> str
             check(config)
 
     mask_function = padding_mask_function(plan, name, seen, check_model_of)
+    mask_function.usp_check = check  # what models built with the name meet (hf_watch)
     AttentionMaskInterface.register(name, multimodal.wrap_mask_function(mask_function))
     transformers.AttentionInterface.register(
         name, _attention_function(plan, name, seen, check, multimodal)
