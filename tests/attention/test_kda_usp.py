@@ -148,6 +148,11 @@ def run_refusals():
             q, k, v.clone().requires_grad_(rank == 2), g, beta, plan
         ),
         "scale": lambda: kda_usp(*local, plan, scale=float("nan")),
+        "placed_documents": lambda: kda_usp(
+            *local,
+            usp.Plan(topo, layout="contiguous", placement="documents"),
+            packed=torch.tensor([0, 4, 16], dtype=torch.int32),
+        ),  # fmt: skip
     }
     messages = {}
     for name, call in calls.items():
@@ -169,8 +174,9 @@ EXPECTED = {
     "heads": ("UlyssesHeadError", "cannot split 3 KDA value heads"),
     "shape_on_one_rank": ("RankDisagreementError", "disagree on shapes of q, k, v, g, beta"),
     "kernel": ("GdnKernelError", "KDA kernel 'fla' cannot run this call (cpu"),
-    "grad_on_one_rank": ("RankDisagreementError", "rank 2: gradients of v"),
+    "grad_on_one_rank": ("RankDisagreementError", "disagree on needs_grad", "rank 2: v requires"),
     "scale": ("KdaError", "scale must be a finite number > 0"),
+    "placed_documents": ("KdaError", "kda_usp does not place documents by length yet"),
 }
 
 

@@ -130,6 +130,15 @@ def run_refusals():
         "shape_on_one_rank": lambda: mamba1_usp(
             x, dt, a, b[..., :2] if rank == 3 else b, c[..., :2] if rank == 3 else c, plan
         ),  # fmt: skip
+        "placed_documents": lambda: mamba1_usp(
+            x,
+            dt,
+            a,
+            b,
+            c,
+            usp.Plan(topo, layout="zigzag", placement="documents"),
+            packed=torch.tensor([0, 4, 16], dtype=torch.int32),
+        ),  # fmt: skip
     }
     messages = {}
     for name, call in calls.items():
@@ -149,6 +158,7 @@ EXPECTED = {
     "a": ("Mamba1Error", "a must be [D, N] = (8, 5)"),
     "kernel": ("Mamba1Error", "no fla kernel is mapped for it"),
     "shape_on_one_rank": ("Mamba1Error", "mamba1_usp failed on rank 3 of 4"),
+    "placed_documents": ("Mamba1Error", "mamba1_usp does not place documents by length yet"),
 }
 
 

@@ -142,6 +142,12 @@ def run_refusals():
             local, plan, weight=weight, bias=bias if rank == 1 else None
         ),  # fmt: skip
         "kernel": lambda: short_conv_usp(local, plan, weight=weight, conv_kernel="causal_conv1d"),
+        "placed_documents": lambda: short_conv_usp(
+            local,
+            usp.Plan(topo, layout="zigzag", placement="documents"),
+            weight=weight,
+            packed=torch.tensor([0, 4, 16], dtype=torch.int32),
+        ),  # fmt: skip
     }
     messages = {}
     for name, call in calls.items():
@@ -162,6 +168,7 @@ EXPECTED = {
     "shape_on_one_rank": ("RankDisagreementError", "disagree on shapes of x, weight and bias"),
     "bias_on_one_rank": ("RankDisagreementError", "disagree on shapes of x, weight and bias"),
     "kernel": ("ConvKernelError", "conv kernel 'causal_conv1d' cannot run this call (cpu"),
+    "placed_documents": ("ShortConvError", "short_conv_usp does not place documents by length"),
 }
 
 

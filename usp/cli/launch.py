@@ -1,4 +1,5 @@
-"""``usp train CONFIG --nproc-per-node N``: torchrun's launcher, run in this process.
+"""``usp train CONFIG --nproc-per-node N`` (and ``usp eval TARGET ... --nproc-per-node N``):
+torchrun's launcher, run in this process.
 
 The same machinery as ``torchrun --nproc-per-node N -m usp train CONFIG`` (torch's
 ``torch.distributed.run``: rendezvous, worker processes, their environment), with one
@@ -6,7 +7,9 @@ difference at the end: when a worker fails, torchrun prints its failure table an
 traceback of its own, so the one useful line sits ~40 lines up; here the first failing
 rank's usp error (:mod:`usp.train.error_file`) is the last line printed, and the exit
 status is that rank's (2 a config or data error, 3 diverged, 4 a collective failed, ...;
-128+N for a rank killed by signal N).
+128+N for a rank killed by signal N). A rank that dies after its run finished (every
+failed rank recorded that it had finished) is not a failed run: the last line says the
+run finished and which rank died at exit, and the status is 0.
 
 Multi-node: ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port`` as
 torchrun has them; for anything else (elastic rendezvous, restarts) use torchrun itself.
@@ -54,14 +57,16 @@ def wants_launcher(args: argparse.Namespace) -> bool:
 
 
 def worker_argv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """The command line a worker runs (``train CONFIG`` and every flag given, but the
-    launcher's), rebuilt from ``parser``'s own options so no flag is forgotten."""
+    """The command line a worker runs (the command's positional and every flag given, but
+    the launcher's), rebuilt from ``parser``'s own options so no flag is forgotten: a
+    list of values (``nargs``) as its items, a tuple a flag's type made from one
+    comma-separated value (``--lengths 256,1024``) joined back."""
     argv: list[str] = []
     for action in parser._actions:  # noqa: SLF001 - argparse has no public list
         if isinstance(action, argparse._HelpAction) or action.dest in LAUNCH_DESTS:
             continue
         value = getattr(args, action.dest, None)
-        if not action.option_strings:  # the positional config path
+        if not action.option_strings:  # the positional path (config, target)
             argv.append(str(value))
             continue
         flag = action.option_strings[-1]
@@ -70,6 +75,10 @@ def worker_argv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
         elif isinstance(action, argparse._AppendAction):
             for item in value or ():
                 argv += [flag, str(item)]
+        elif isinstance(value, list) and action.nargs in ("+", "*"):
+            argv += [flag, *(str(item) for item in value)]
+        elif isinstance(value, tuple):
+            argv += [flag, ",".join(str(item) for item in value)]
         elif value is not None:
             argv += [flag, str(value)]
     return argv
@@ -89,12 +98,15 @@ def _torchrun_args(args: argparse.Namespace, command: list[str]) -> list[str]:
     return [*launch, "--module", "usp", *command]
 
 
-def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """Run ``usp train`` under torchrun's launcher here; the exit status (see module doc)."""
+def launch(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, command: str = "train"
+) -> int:
+    """Run ``usp COMMAND`` (train, eval) under torchrun's launcher here; the exit status
+    (see module doc)."""
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
         print(
-            "usp train: error: --nproc-per-node starts the workers itself; under torchrun "
-            "(which already did) leave it out",
+            f"usp {command}: error: --nproc-per-node starts the workers itself; under "
+            "torchrun (which already did) leave it out",
             file=sys.stderr,
         )
         return 2
@@ -103,16 +115,25 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
-    command = ["train", *worker_argv(parser, args)]
+    worker = [command, *worker_argv(parser, args)]
     try:
-        torchrun(get_args_parser().parse_args(_torchrun_args(args, command)))
+        torchrun(get_args_parser().parse_args(_torchrun_args(args, worker)))
     except ChildFailedError as err:
-        line, status = first_failure(err.failures)
+        line = died_after_finishing(err.failures, command)
+        if line is not None:  # the outputs are complete: not a failed run
+            sys.stdout.flush()
+            print(line, file=sys.stderr, flush=True)
+            return 0
+        line, status = first_failure(err.failures, command)
     except SignalException as err:  # the launcher was signalled; torchrun stopped the workers
         signal = int(err.sigval)
         line = (
-            f"usp train: the launcher got {err.sigval.name}; the workers were sent it too "
-            "(any checkpoint they saved is named above; --resume continues from it)"
+            f"usp {command}: the launcher got {err.sigval.name}; the workers were sent it too"
+            + (
+                " (any checkpoint they saved is named above; --resume continues from it)"
+                if command == "train"
+                else ""
+            )
         )
         status = 128 + signal
     else:
@@ -122,26 +143,48 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return status
 
 
-def first_failure(failures: dict) -> tuple[str, int]:
+def died_after_finishing(failures: dict, command: str = "train") -> str | None:
+    """The line for a run that finished, and whose failed ranks died only afterwards (at
+    exit): every failed rank recorded that its run had finished
+    (:data:`usp.train.error_file.FINISHED`) before tearing down; the ranks that did not
+    fail exited 0. None when some failed rank had not finished."""
+    recorded = [read_error_data(f.error_file_data) for f in failures.values()]
+    if not failures or not all(r is not None and r.finished for r in recorded):
+        return None
+    died = "; ".join(_what_happened(rank, failures[rank]) for rank in sorted(failures))
+    return (
+        f"usp {command}: the run finished on every rank (its summary above says where the "
+        f"outputs are); afterwards, at exit, {died}. Its outputs are complete; please "
+        "report the rank's output above"
+    )
+
+
+def _what_happened(rank: int, failure) -> str:
+    """What torchrun saw of a rank: the signal that killed it or its exit status."""
+    if failure.exitcode < 0:
+        return (
+            f"rank {rank} (pid {failure.pid}) was killed by signal {-failure.exitcode} "
+            f"({failure.signal_name()})"
+        )
+    return f"rank {rank} (pid {failure.pid}) exited with status {failure.exitcode}"
+
+
+def first_failure(failures: dict, command: str = "train") -> tuple[str, int]:
     """The line and exit status of the rank that failed first (``failures``: torchrun's
-    ``{global rank: ProcessFailure}``): usp's recorded error where a rank wrote one, else
-    what torchrun saw (a signal, an exit status)."""
+    ``{global rank: ProcessFailure}``): usp's recorded error where a rank wrote one (a
+    finished rank's record is not an error), else what torchrun saw (a signal, an exit
+    status)."""
     recorded = {rank: read_error_data(f.error_file_data) for rank, f in failures.items()}
-    with_line = {rank: r for rank, r in recorded.items() if r is not None}
+    with_line = {rank: r for rank, r in recorded.items() if r is not None and not r.finished}
     if with_line:
         rank = min(with_line, key=lambda r: (with_line[r].time, r))
         return with_line[rank].message, with_line[rank].status
     rank = min(failures, key=lambda r: (failures[r].timestamp, r))
     failure = failures[rank]
+    what = _what_happened(rank, failure)
     if failure.exitcode < 0:
-        signal = failure.signal_name()
         return (
-            f"usp train: error: rank {rank} (pid {failure.pid}) was killed by signal "
-            f"{-failure.exitcode} ({signal}); its output above says what it was doing",
+            f"usp {command}: error: {what}; its output above says what it was doing",
             128 - failure.exitcode,
         )
-    return (
-        f"usp train: error: rank {rank} (pid {failure.pid}) exited with status "
-        f"{failure.exitcode}; its output above says why",
-        failure.exitcode or 1,
-    )
+    return f"usp {command}: error: {what}; its output above says why", failure.exitcode or 1

@@ -16,10 +16,12 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from usp.comm import call_check
 from usp.comm.agreement import Field, agree, can_agree, stable_hash
 from usp.errors import InputError, ShardingError
+from usp.linear.choice import GDN_HEADS
 from usp.linear.conv import select_conv_kernel
-from usp.linear.heads import documents_of, hashed
+from usp.linear.heads import document_bounds, documents_of, hashed
 from usp.process_groups import HeadLayoutError, degrees
 from usp.sp.ulysses import UlyssesHeadError
 
@@ -63,12 +65,20 @@ def checked_call(
     return result
 
 
-def eager_only(entry: str, layers: str, error: type[InputError]) -> None:
-    """Refuse ``entry`` inside a compiled graph (its checks and ring block run eagerly)."""
+def eager_only(entry: str, layers: str, error: type[InputError], plan=None) -> None:
+    """Refuse ``entry`` inside a compiled graph (its checks and ring block run eagerly),
+    and under a ``plan`` that places documents by length (``placement="documents"``: the
+    mixers beside Gated DeltaNet read the sequence's layout only). Both are the same on
+    every rank (a plan option, the compile state), so no agreement is needed."""
     if torch.compiler.is_compiling():
         raise error(
             f"{entry} runs eagerly: compile the model around its {layers} layers "
             "(torch.compiler.disable on the layer), or run the model eagerly"
+        )
+    if getattr(plan, "placement", "sequence") == "documents":
+        raise error(
+            f"{entry} does not place documents by length yet: use a plan with "
+            f'placement="sequence" (the default) for models with {layers} layers'
         )
 
 
@@ -99,7 +109,7 @@ def delta_rule_call(q, k, v, conv_weights, plan, packed, kernel, conv_kernel, *,
     r = 1 if plan is None else plan.ring_degree
     heads, key_heads, dk, dv = v.shape[2], q.shape[2], q.shape[3], v.shape[3]
     times = degrees.kv_replication_for(
-        heads, key_heads, u, u * r, error=UlyssesHeadError,
+        heads, key_heads, u, u * r, error=UlyssesHeadError, names=GDN_HEADS,
         subject=f"cannot split {heads} {what} value heads / {key_heads} key heads over "
         f"ulysses={u}",
     )  # fmt: skip
@@ -142,10 +152,10 @@ def shape_field(name: str, values) -> Field:
 
 
 def documents_field(documents) -> Field:
-    """The documents' lengths (a :class:`usp.ring.documents.Documents`, or None where the
-    check failed) as one hashed field."""
-    lengths = () if documents is None else documents.lengths
-    return Field("documents", stable_hash(lengths), lambda v: f"{hashed(v)} of lengths")
+    """The documents (a :class:`usp.ring.documents.Documents`, or None where the check
+    failed) as :func:`usp.comm.call_check.documents_field` shows them: their boundaries
+    when the ranks disagree."""
+    return call_check.documents_field(document_bounds(documents), "documents")
 
 
 def choice_field(name: str, choice, names: Sequence[str]) -> Field:
@@ -155,12 +165,7 @@ def choice_field(name: str, choice, names: Sequence[str]) -> Field:
 
 
 def grad_field(names: Sequence[str], tensors) -> Field:
-    """Which of ``tensors`` require grad, as a bit mask: ranks whose inputs differ here
-    would run different backwards (one waits in a reduce-scatter its peer never enters)."""
-    mask = sum(1 << i for i, t in enumerate(tensors) if getattr(t, "requires_grad", False))
-
-    def show(value: int) -> str:
-        needing = [n for i, n in enumerate(names) if value >> i & 1]
-        return "gradients of " + (", ".join(needing) or "none")
-
-    return Field("inputs requiring grad", mask, show)
+    """Which of ``tensors`` require grad (:func:`usp.comm.call_check.grad_mask`): ranks
+    whose inputs differ here would run different backwards (one waits in a reduce-scatter
+    its peer never enters)."""
+    return call_check.grad_field(call_check.grad_mask(*tensors), names)

@@ -50,98 +50,28 @@ from dataclasses import dataclass
 
 import torch
 
-from usp.comm.agreement import Field, float_bits, stable_hash
 from usp.comm.traced import TracedGroup
 from usp.compile_marks import constant_result
-from usp.errors import InputError
-from usp.linear.agreed import ACTIVATIONS, COMMON_ERRORS, checked_call, delta_rule_call
-from usp.linear.backends import GDN_KERNELS, GdnKernel, GdnKernelError, select_gdn_kernel
+from usp.linear.agreed import COMMON_ERRORS, checked_call, delta_rule_call
+from usp.linear.backends import GdnKernel, GdnKernelError, select_gdn_kernel
 from usp.linear.block import BlockOptions, RingPeers, ring_block
 from usp.linear.choice import plan_choice
 from usp.linear.compiled import gdn_ring_block
-from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError
-from usp.linear.heads import delta_rule_heads, hashed
+from usp.linear.conv import ConvKernel, ConvKernelError
+from usp.linear.gdn_checks import (
+    LinearAttentionError,
+    agreed_fields,
+    check_inputs,
+    inputs_grad_mask,
+)
+from usp.linear.heads import delta_rule_heads
 from usp.ring.documents import Documents
 from usp.sp.attend import stand_in_packed
 from usp.sp.packing import PackedSequence
+from usp.sp.placed import run_placed, shard_packing_or_error
 from usp.sp.ulysses import to_sequence_sharded
 
 __all__ = ["LinearAttentionError", "gated_deltanet_usp"]
-
-
-class LinearAttentionError(InputError):
-    """Inputs or options the Gated DeltaNet path cannot compute."""
-
-
-def _check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale):
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4:
-        raise LinearAttentionError(
-            f"q and k must be [B, S, Hk, dk] of one shape and v [B, S, H, dv]; got q "
-            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if v.shape[:2] != q.shape[:2] or g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
-        raise LinearAttentionError(
-            f"g and beta must be [B, S, H] = {tuple(v.shape[:3])} and q, v share [B, S]; got "
-            f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, q {tuple(q.shape)}"
-        )
-    if len({q.dtype, k.dtype, v.dtype}) != 1 or g.dtype != beta.dtype:
-        raise LinearAttentionError(
-            f"q, k, v must share a dtype and g, beta another; got {q.dtype}, {k.dtype}, "
-            f"{v.dtype} and {g.dtype}, {beta.dtype}"
-        )
-    if v.shape[2] % q.shape[2]:
-        raise LinearAttentionError(
-            f"{v.shape[2]} value heads are not a multiple of {q.shape[2]} key heads"
-        )
-    if activation not in ACTIVATIONS:
-        raise LinearAttentionError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise LinearAttentionError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise LinearAttentionError(f"scale must be a number or None, got {scale!r}")
-    if conv_weights is not None:
-        expected = [q.shape[2] * q.shape[3], k.shape[2] * k.shape[3], v.shape[2] * v.shape[3]]
-        ws = list(conv_weights)
-        if len(ws) != 3 or any(w.dim() != 2 for w in ws):
-            raise LinearAttentionError("conv_weights must be (wq, wk, wv), each [channels, kernel]")
-        got = [w.shape[0] for w in ws]
-        kernels = {w.shape[1] for w in ws}
-        if got != expected or len(kernels) != 1:
-            raise LinearAttentionError(
-                f"conv_weights must be [channels, kernel] with channels {expected} and one "
-                f"kernel size; got {[tuple(w.shape) for w in ws]}"
-            )
-
-
-_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-
-
-def _fields(q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents, choices):
-    """What the SP ranks must agree on before the first collective."""
-    kernel = -1 if conv_weights is None else conv_weights[0].shape[1]
-    dtype = _DTYPES.index(v.dtype) if v.dtype in _DTYPES else len(_DTYPES)
-    options = (ACTIVATIONS.index(activation) if activation in ACTIVATIONS else -1,
-               float_bits(-1.0 if scale is None else scale), int(use_qk_l2norm))  # fmt: skip
-    docs = 0 if documents is None else stable_hash(documents.lengths)
-    return [
-        Field("q shape", stable_hash(q.shape), hashed),
-        Field("v shape", stable_hash(v.shape), hashed),
-        Field("dtype", dtype, lambda i: str(_DTYPES[i]) if i < len(_DTYPES) else "other"),
-        Field("conv kernel", kernel),
-        Field("chunk_size", chunk_size if isinstance(chunk_size, int) else -1),
-        Field("activation, scale, use_qk_l2norm", stable_hash(options), hashed),
-        Field("documents", docs, hashed),
-        Field(
-            "GDN kernel (auto, torch or fla)",
-            GDN_KERNELS.index(choices[0]) if choices[0] in GDN_KERNELS else -1,
-            lambda i: GDN_KERNELS[i] if i >= 0 else "unknown",
-        ),
-        Field(
-            "conv kernel (auto, torch or causal_conv1d)",
-            CONV_KERNELS.index(choices[1]) if choices[1] in CONV_KERNELS else -1,
-            lambda i: CONV_KERNELS[i] if i >= 0 else "unknown",
-        ),
-    ]
 
 
 def gated_deltanet_usp(
@@ -188,15 +118,17 @@ def gated_deltanet_usp(
     ``GdnKernelError`` / ``ConvKernelError`` for a kernel that cannot run) on every SP
     rank, before any data moves, for what it cannot compute.
     """
+    options = (conv_weights, activation, packed, scale, use_qk_l2norm, chunk_size, kernel,
+               kernels, conv_kernel, conv_kernels)  # fmt: skip
+    if packed is not None and getattr(plan, "placement", None) == "documents":
+        return _placed(q, k, v, g, beta, plan, options)
     if torch.compiler.is_compiling():
-        return _compiled(
-            q, k, v, g, beta, plan, conv_weights, activation, packed, scale, use_qk_l2norm,
-            chunk_size, kernel, kernels, conv_kernel, conv_kernels,
-        )  # fmt: skip
+        return _compiled(q, k, v, g, beta, plan, *options)
     u = 1 if plan is None else plan.ulysses_degree
+    grad = inputs_grad_mask(q, k, v, g, beta, conv_weights)
     checked = _checked(
         q, k, v, g, beta, plan, conv_weights, activation, packed, scale, use_qk_l2norm,
-        chunk_size, kernel, kernels, conv_kernel, conv_kernels,
+        chunk_size, kernel, kernels, conv_kernel, conv_kernels, grad,
     )  # fmt: skip
     stats = None if plan is None else plan.comm_stats
     ulysses = None if u == 1 else plan.ulysses_group
@@ -214,6 +146,33 @@ def gated_deltanet_usp(
     return out
 
 
+def _placed(q, k, v, g, beta, plan, options) -> torch.Tensor:
+    """placement="documents" (:mod:`usp.sp.placed`): the split documents' rows under SP,
+    the rank's whole documents in one process (the plan's ``whole_plan``, same kernels),
+    concatenated."""
+    if torch.compiler.is_compiling():
+        raise LinearAttentionError(
+            "placement='documents' runs eagerly: call it without torch.compile"
+        )
+    conv_weights, activation, packed, *rest = options
+    placed, error = shard_packing_or_error(plan, packed, v.shape[1], v.device, _ERRORS)
+    names = ("scale", "use_qk_l2norm", "chunk_size", "kernel", "kernels", "conv_kernel",
+             "conv_kernels")  # fmt: skip
+    keywords = dict(zip(names, rest), conv_weights=conv_weights, activation=activation)
+
+    def call(part_plan, parts, part):
+        return gated_deltanet_usp(*parts, part_plan, packed=part, **keywords)
+
+    def check_whole(parts):
+        grad = inputs_grad_mask(*parts, conv_weights)
+        _checked(*parts, plan.whole_plan, conv_weights, activation, placed.whole, *rest, grad)
+
+    return run_placed(
+        plan, placed, [q, k, v, g, beta], call, what="gated_deltanet_usp (whole documents)",
+        check_whole=check_whole, errors=_ERRORS, verify=None, error=error,
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class _Checked:
     """A call checked on this rank and agreed by the SP ranks: the key heads' repeat
@@ -227,16 +186,21 @@ class _Checked:
 
 def _checked(
     q, k, v, g, beta, plan, conv_weights, activation, packed, scale, use_qk_l2norm,
-    chunk_size, kernel, kernels, conv_kernel, conv_kernels,
+    chunk_size, kernel, kernels, conv_kernel, conv_kernels, grad: int,
 ) -> _Checked:  # fmt: skip
     """Everything that could fail, checked on this rank and agreed across the SP ranks
-    (the same error on every rank) before the first collective
-    (:func:`usp.linear.agreed.checked_call`)."""
+    (the same error on every rank) before the first collective (:mod:`usp.linear.
+    gdn_checks`, :func:`usp.linear.agreed.checked_call`); ``grad``: which inputs require
+    grad (a grad mask, agreed too)."""
     kernel = plan_choice(kernel, plan, "linear_backend")
     conv_kernel = plan_choice(conv_kernel, plan, "linear_conv_backend")
 
     def check() -> _Checked:
-        _check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale)
+        check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale)
+        if not isinstance(use_qk_l2norm, bool):
+            raise LinearAttentionError(
+                f"use_qk_l2norm must be True or False, got {use_qk_l2norm!r}"
+            )
         return _Checked(*delta_rule_call(
             q, k, v, conv_weights, plan, packed, (kernel, kernels), (conv_kernel, conv_kernels),
             select=select_gdn_kernel, what="GDN", entry="gated_deltanet_usp",
@@ -244,9 +208,10 @@ def _checked(
         ))  # fmt: skip
 
     def fields(checked: _Checked | None):
-        documents = None if checked is None else checked.documents
-        return _fields(q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm,
-                       documents, (kernel, conv_kernel))  # fmt: skip
+        return agreed_fields(
+            (q, k, v, g, beta), conv_weights, activation, chunk_size, scale, use_qk_l2norm,
+            None if checked is None else checked.documents, (kernel, conv_kernel), grad,
+        )  # fmt: skip
 
     return checked_call(plan, "gated_deltanet_usp", check, fields, _ERRORS)
 
@@ -298,6 +263,7 @@ def _compiled(
         plan_type, topology, choices, tensors, ws_sig, activation, packed_sig, scale,
         use_qk_l2norm, chunk_size, kernel, conv_kernel,
         kernels is not None or conv_kernels is not None,
+        inputs_grad_mask(q, k, v, g, beta, conv_weights),
     )  # fmt: skip
     u = 1 if call.ulysses is None else call.ulysses.size
     q, k, v_local, g, beta, ws = delta_rule_heads(
@@ -333,7 +299,7 @@ def _stand_in(signature):
 @constant_result
 def traced_gdn(
     plan_type, topology, choices, tensors, ws_sig, activation, packed_sig, scale,
-    use_qk_l2norm, chunk_size, kernel, conv_kernel, own_kernels,
+    use_qk_l2norm, chunk_size, kernel, conv_kernel, own_kernels, grad=0,
 ) -> TracedGdn:  # fmt: skip
     """The checked call of a compiled graph, run eagerly while Dynamo traces: the eager
     checks and agreement (:func:`_checked`) on stand-ins of the tensors (``tensors``: the
@@ -354,11 +320,11 @@ def traced_gdn(
         )
     plan = None if plan_type is None else plan_type.lasting(topology, *choices)
     key = ("gated_deltanet_usp", tensors, ws_sig, activation, packed_sig, scale, use_qk_l2norm,
-           chunk_size, kernel, conv_kernel)  # fmt: skip
+           chunk_size, kernel, conv_kernel, grad)  # fmt: skip
     call = None if plan is None else plan.traced_calls.get(key)
     if call is None:
         call = _traced_call(plan, tensors, ws_sig, activation, packed_sig, scale,
-                            use_qk_l2norm, chunk_size, kernel, conv_kernel)  # fmt: skip
+                            use_qk_l2norm, chunk_size, kernel, conv_kernel, grad)  # fmt: skip
         if plan is not None:
             plan.traced_calls.put(key, call)
     return call
@@ -366,7 +332,7 @@ def traced_gdn(
 
 def _traced_call(
     plan, tensors, ws_sig, activation, packed_sig, scale, use_qk_l2norm, chunk_size, kernel,
-    conv_kernel,
+    conv_kernel, grad,
 ) -> TracedGdn:  # fmt: skip
     """:func:`traced_gdn`'s checks, on stand-ins, and what the graph takes from them."""
     q, k, v, g, beta = (_stand_in(s) for s in tensors)
@@ -374,7 +340,7 @@ def _traced_call(
     packed = None if packed_sig is None or plan is None else stand_in_packed(plan, packed_sig)
     checked = _checked(
         q, k, v, g, beta, plan, ws, activation, packed, scale, use_qk_l2norm, chunk_size,
-        kernel, None, conv_kernel, None,
+        kernel, None, conv_kernel, None, grad,
     )  # fmt: skip
     u = 1 if plan is None else plan.ulysses_degree
     r = 1 if plan is None else plan.ring_degree

@@ -20,8 +20,8 @@ from usp.sp.sharding import sequence_documents
 from usp.sp.ulysses import to_head_sharded, to_sequence_sharded
 
 __all__ = [
-    "channels_to_block", "channels_to_shard", "delta_rule_heads", "documents_of", "hashed",
-    "rank_channels", "replicated_channels", "to_head_sharded_by_dtype",
+    "channels_to_block", "channels_to_shard", "delta_rule_heads", "document_bounds",
+    "documents_of", "hashed", "rank_channels", "replicated_channels", "to_head_sharded_by_dtype",
 ]  # fmt: skip
 
 
@@ -37,6 +37,17 @@ def documents_of(plan, seq_len: int, packed) -> Documents:
         if packed is not None:
             return packed.documents
     return sequence_documents(seq_len, plan.ring_degree, plan.ulysses_degree, plan.layout, packed)
+
+
+def document_bounds(documents: Documents | None) -> list[int] | None:
+    """The boundaries (cu_seqlens) of ``documents``, for an agreement field that shows
+    them (:func:`usp.comm.call_check.documents_field`); None for none."""
+    if documents is None:
+        return None
+    bounds = [0]
+    for length in documents.lengths:
+        bounds.append(bounds[-1] + length)
+    return bounds
 
 
 def hashed(value: int) -> str:

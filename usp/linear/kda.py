@@ -107,7 +107,7 @@ def kda_usp(
     ``GdnKernelError`` / ``ConvKernelError`` for a kernel that cannot run) on every SP
     rank, before any data moves, for what it cannot compute.
     """
-    eager_only("kda_usp", "KDA", KdaError)
+    eager_only("kda_usp", "KDA", KdaError, plan)
     u = 1 if plan is None else plan.ulysses_degree
     choices = (plan_choice(kernel, plan, "linear_backend"),
                plan_choice(conv_kernel, plan, "linear_conv_backend"))  # fmt: skip

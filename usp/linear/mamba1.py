@@ -93,7 +93,7 @@ def mamba1_usp(
     Raises :class:`Mamba1Error` / ``ShardingError`` on every SP rank, before any data
     moves, for what it cannot compute (channels that u does not divide among them).
     """
-    eager_only("mamba1_usp", "Mamba", Mamba1Error)
+    eager_only("mamba1_usp", "Mamba", Mamba1Error, plan)
     u = 1 if plan is None else plan.ulysses_degree
     choice = kernel if kernel is not None else "auto" if plan is None else plan.linear_backend
     inputs = (x, dt, a, b, c, d)

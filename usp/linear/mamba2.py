@@ -109,7 +109,7 @@ def mamba2_usp(
     ``ScanKernelError`` / ``ConvKernelError`` for a kernel that cannot run) on every SP
     rank, before any data moves, for what it cannot compute.
     """
-    eager_only("mamba2_usp", "Mamba-2", Mamba2Error)
+    eager_only("mamba2_usp", "Mamba-2", Mamba2Error, plan)
     u = 1 if plan is None else plan.ulysses_degree
     checked = _checked(
         x, b, c, dt, a, d, plan, conv_weight, conv_bias, activation, packed, chunk_size,
@@ -165,6 +165,16 @@ class _Checked:
 
 
 def _check_inputs(x, b, c, dt, a, d, weight, bias, activation, chunk_size):
+    named = {"x": x, "b": b, "c": c, "dt": dt, "a": a, "conv_weight": weight}
+    named.update({} if d is None else {"d": d})
+    named.update({} if bias is None else {"conv_bias": bias})
+    wrong = [
+        n for n, t in named.items() if not (isinstance(t, torch.Tensor) and t.is_floating_point())
+    ]
+    if wrong:
+        raise Mamba2Error(
+            f"{', '.join(wrong)} must be floating-point tensors (d, conv_bias: or None)"
+        )
     if x.dim() != 4 or b.dim() != 4 or c.shape != b.shape or b.shape[:2] != x.shape[:2]:
         raise Mamba2Error(
             f"x must be [B, S, H, P] and b, c [B, S, G, N] of one shape; got x "
@@ -192,8 +202,13 @@ def _check_inputs(x, b, c, dt, a, d, weight, bias, activation, chunk_size):
         )
     if activation not in ACTIVATIONS:
         raise Mamba2Error(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise Mamba2Error(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if weight.shape[1] < 1:
+        raise Mamba2Error(f"conv_weight's kernel size must be >= 1, got {tuple(weight.shape)}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise Mamba2Error(
+            f"chunk_size must be a positive int (the kernel's chunk length, e.g. 64), got "
+            f"{chunk_size!r}"
+        )
 
 
 def _checked(x, b, c, dt, a, d, plan, weight, bias, activation, packed, chunk_size, scan, conv):

@@ -44,10 +44,11 @@ def scalar_decay_padded(
     already (q scaled by the caller when it is to be).
 
     q, k [N, L, H, dk]; v [N, L, H, dv]; g (log decay, <= 0) [N, L, H]. Returns
-    (o [N, L, H, dv], final state [N, H, dk, dv])."""
+    (o [N, L, H, dv], final state [N, H, dk, dv]). ``chunk_size`` is bounded by L (a
+    longer chunk only pads the rows with [C, C] work, for the same result)."""
     n, length, heads, dk = k.shape
     dv = v.shape[-1]
-    c = chunk_size
+    c = max(1, min(chunk_size, length))
     pad = (-length) % c
     if pad:  # zero keys and g = 0 after the end: the state is left as it was
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))

@@ -85,7 +85,7 @@ def short_conv_usp(
     kernel that cannot run) on every SP rank, before any data moves, for what it cannot
     compute (channels that u does not divide among them).
     """
-    eager_only("short_conv_usp", "conv", ShortConvError)
+    eager_only("short_conv_usp", "conv", ShortConvError, plan)
     u = 1 if plan is None else plan.ulysses_degree
     choice = plan_choice(conv_kernel, plan, "linear_conv_backend")
     checked = checked_call(

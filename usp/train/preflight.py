@@ -17,11 +17,12 @@ from usp.train.evaluate import prepare_held_out
 
 
 def grid_of(resolved) -> SimpleNamespace:
-    """What the length checks read of a Plan (``layout``, the degrees,
+    """What the length checks read of a Plan (``layout``, ``placement``, the degrees,
     ``sequence_multiple``), for a resolved config without building its process groups."""
     layout = resolved.config.attention.layout
     return SimpleNamespace(
         layout=layout,
+        placement=resolved.config.parallel.token_placement,
         ring_degree=resolved.ring,
         ulysses_degree=resolved.ulysses,
         sequence_multiple=required_multiple(resolved.ring, resolved.ulysses, layout),

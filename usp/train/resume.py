@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from usp.comm.agreement import Field, agree, stable_hash
 from usp.errors import CheckpointError, RankDisagreementError
 from usp.models.rope_config import POSITION_FIELDS
-from usp.train.checkpoint import CheckpointShapeError
 from usp.train.checkpoint_integrity import CheckpointDamagedError
+from usp.train.checkpoint_shape import CheckpointShapeError
 from usp.train.checksums import file_sha256
 from usp.train.schedule import WarmupCosine
 
