@@ -1,10 +1,13 @@
 """fla's real Triton kernels through usp's mappings, on CPU under Triton's interpreter
-(issue 57 item 4; ``tests/helpers/fla_interpreter.py``): ``gated_deltanet_usp`` and
-``mamba2_usp`` with ``kernel="fla"`` on u1 x r2 (2 gloo ranks, packed documents: the
-ring's [0 | I] start states reach fla's initial states) against ``kernel="torch"``,
-output and every gradient within 1e-4 relative; the kernels' self-checks run first, as
-before any first use. Interpreted Triton is slow: the smallest shapes that exercise the
-mapping (two documents, two heads, dims of 16)."""
+(issue 57 items 4 and 6; ``tests/helpers/fla_interpreter.py``): ``gated_deltanet_usp``
+(fla's chunk_gated_delta_rule), ``mamba2_usp`` (fla's simple-GLA chunk kernel) and
+``kda_usp`` (fla's chunk_kda) with ``kernel="fla"`` on u1 x r2, all three in one spawned
+launch (2 gloo ranks, packed documents: the ring's [0 | I] start states reach fla's
+initial states) against ``kernel="torch"``, output and every gradient within 1e-4
+relative; the kernels' self-checks run first, as before any first use. Interpreted Triton
+is slow, and most of this test's time is those self-checks (fixed shapes, once per
+kernel and rank): the calls themselves take the smallest shapes that exercise the mapping
+(two documents over 16 tokens, one value head, dims of 16, one chunk of 16)."""
 
 from __future__ import annotations
 
@@ -13,12 +16,13 @@ import importlib.util
 import pytest
 import torch
 from gdn_cases import gdn_inputs
+from kda_cases import kda_inputs
 from mamba_cases import mamba_inputs
 from reference import relative_error
 from usp_cases import topology
 
 import usp
-from usp.linear import gated_deltanet_usp
+from usp.linear import gated_deltanet_usp, kda_usp
 from usp.linear.mamba2 import mamba2_usp
 
 # looked up, not imported: fla must first be imported under the interpreter (in the ranks)
@@ -50,20 +54,27 @@ def run_fla_interpreted():
     seq = int(cu[-1])
     errors = {}
     # fla is imported in here, under the interpreter (fla_interpreter.interpreted_ranks)
-    inputs, ws, dout = gdn_inputs(1, seq, 1, 2, 16, 16, 4, seed=3, dtype=torch.float32)
+    inputs, ws, dout = gdn_inputs(1, seq, 1, 1, 16, 16, 4, seed=3, dtype=torch.float32)
 
     def gdn(q, k, v, g, beta, *weights, kernel):
         return gated_deltanet_usp(q, k, v, g, beta, plan, conv_weights=weights, packed=cu,
                                   chunk_size=16, kernel=kernel, conv_kernel="torch")  # fmt: skip
 
     errors["gdn"] = _both_kernels(gdn, inputs + ws, plan, cu, dout)
-    m_inputs, m_dout = mamba_inputs(1, seq, 2, 1, 16, 16, 4, seed=4, dtype=torch.float32)
+    m_inputs, m_dout = mamba_inputs(1, seq, 1, 1, 16, 16, 4, seed=4, dtype=torch.float32)
 
     def mamba(x, b, c, dt, a, d, weight, bias, *, kernel):
         return mamba2_usp(x, b, c, dt, a, plan, d=d, conv_weight=weight, conv_bias=bias,
                           packed=cu, chunk_size=16, kernel=kernel, conv_kernel="torch")  # fmt: skip
 
     errors["mamba2"] = _both_kernels(mamba, m_inputs, plan, cu, m_dout)
+    k_inputs, k_ws, k_dout = kda_inputs(1, seq, 1, 1, 16, 16, 4, seed=5, dtype=torch.float32)
+
+    def kda(q, k, v, g, beta, *weights, kernel):
+        return kda_usp(q, k, v, g, beta, plan, conv_weights=weights, packed=cu, chunk_size=16,
+                       kernel=kernel, conv_kernel="torch")  # fmt: skip
+
+    errors["kda"] = _both_kernels(kda, k_inputs + k_ws, plan, cu, k_dout)
     return errors, seq
 
 
@@ -74,5 +85,6 @@ def test_fla_kernels_through_usp_equal_the_torch_kernels():
         results = ranks.run(run_fla_interpreted, timeout=1500)
     for rank, (errors, seq) in enumerate(results):
         assert seq == 16, seq  # two documents padded for 2 x 2 zigzag chunks
+        assert set(errors) == {"gdn", "mamba2", "kda"}, errors
         for mixer, errs in errors.items():
             assert all(e < TOL for e in errs), (rank, mixer, errs)
