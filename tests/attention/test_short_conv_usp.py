@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from reference import relative_error
+from refusal_cases import assert_same_refusals, refusal_messages
 from usp_cases import topology
 
 import usp
@@ -149,15 +150,7 @@ def run_refusals():
             packed=torch.tensor([0, 4, 16], dtype=torch.int32),
         ),  # fmt: skip
     }
-    messages = {}
-    for name, call in calls.items():
-        topo.comm_stats.reset()
-        try:
-            call()
-            messages[name] = "no error"
-        except Exception as err:  # noqa: BLE001 - the test compares type and text
-            messages[name] = f"{type(err).__name__}: {err}"
-        assert topo.comm_stats.total_sent == 0, (name, topo.comm_stats.snapshot())
+    messages = refusal_messages(calls, topo.comm_stats)
     dist.barrier()
     return messages
 
@@ -174,9 +167,4 @@ EXPECTED = {
 
 def test_refusals_are_the_same_on_every_rank_before_any_traffic(distributed):
     results = distributed.run(run_refusals, world_size=4, timeout=60)
-    for name, parts in EXPECTED.items():
-        messages = {messages[name] for messages in results}
-        assert len(messages) == 1, f"{name}: ranks raised different errors: {messages}"
-        message = messages.pop()
-        for part in parts:
-            assert part in message, message
+    assert_same_refusals(results, EXPECTED)
