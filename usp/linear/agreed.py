@@ -5,7 +5,8 @@ moves (:mod:`usp.comm.agreement`).
 
 :func:`checked_call` is that preamble; the rest are the checks and agreement fields the
 entry points (:func:`usp.linear.gated_deltanet_usp`, :func:`usp.linear.mamba2_usp`,
-:func:`usp.linear.kda_usp`, :func:`usp.linear.short_conv_usp`) share.
+:func:`usp.linear.kda_usp`, :func:`usp.linear.short_conv_usp`,
+:func:`usp.linear.mamba1_usp`) share.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from usp.process_groups import HeadLayoutError, degrees
 from usp.sp.ulysses import UlyssesHeadError
 
 __all__ = [
-    "ACTIVATIONS", "COMMON_ERRORS", "DTYPES", "checked_call", "eager_only", "choice_field", "delta_rule_call", "documents_field", "dtype_field",
-    "grad_field", "ring_order_problem", "shape_field",
+    "ACTIVATIONS", "COMMON_ERRORS", "DTYPES", "checked_call", "choice_field", "delta_rule_call",
+    "documents_field", "dtype_field", "eager_only", "grad_field", "ring_order_problem",
+    "shape_field",
 ]  # fmt: skip
 
 T = TypeVar("T")
