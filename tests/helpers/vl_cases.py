@@ -1,8 +1,9 @@
-"""Tiny transformers vision-language models (Qwen3-VL, Qwen3.5 with images and videos,
-Gemma 3 with images) built from their config classes, and global batches for them: text
-around image (and video) placeholders, with what each model's processor would give
-(``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``, ``token_type_ids``, ...).
-Everything builds and runs on CPU in well under a second (no hub downloads).
+"""Tiny transformers vision-language models (Qwen3-VL and its MoE variant, Qwen3.5 with
+images and videos, Gemma 3 with images) built from their config classes, and global
+batches for them: text around image (and video) placeholders, with what each model's
+processor would give (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``,
+``token_type_ids``, ...). Everything builds and runs on CPU in well under a second (no
+hub downloads).
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def qwen3_vl_config(**text_changes):
     return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **QWEN_TOKENS)
 
 
+def qwen3_vl_moe_config(**text_changes):
+    vision = dict(QWEN_VISION, deepstack_visual_indexes=[0])
+    text = dict(TEXT, rope_parameters=MROPE, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16, decoder_sparse_step=1, **text_changes)  # fmt: skip
+    return transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **QWEN_TOKENS)
+
+
 def qwen3_5_config(**text_changes):
     text = dict(
         TEXT, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
@@ -60,9 +68,13 @@ def gemma3_config(**text_changes):
     )  # fmt: skip
 
 
-CONFIGS = {"qwen3_vl": qwen3_vl_config, "qwen3_5": qwen3_5_config, "gemma3": gemma3_config}
+CONFIGS = {
+    "qwen3_vl": qwen3_vl_config, "qwen3_vl_moe": qwen3_vl_moe_config, "qwen3_5": qwen3_5_config,
+    "gemma3": gemma3_config,
+}  # fmt: skip
 MODEL_CLASSES = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
 }

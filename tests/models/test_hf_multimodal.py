@@ -1,8 +1,9 @@
 """``usp.models.hf.shard_multimodal``: tiny Qwen3-VL, Qwen3.5 (multimodal, Gated DeltaNet
 swapped; images and a video) and Gemma 3 (multimodal: bidirectional image blocks) on 4
-gloo ranks (u2 x r2 zigzag, u1 x r4 contiguous) and in one process (``Plan(None)``),
-dense and with packed documents holding images, against transformers' own model in one
-process on the whole batch (document by document when packed), float32:
+gloo ranks (u2 x r2 zigzag, u1 x r4 contiguous; Qwen3-VL-MoE u2 x r2) and in one process
+(``Plan(None)``), on one row, on two documents holding images packed in one row and on
+two rows, against transformers' own model in one process on the whole batch (document
+by document when packed), float32:
 
 * the gathered logits within 1e-4 of transformers';
 * ``sp_loss`` equal to the reference loss (1e-5 relative), the labels masked at the
@@ -16,6 +17,7 @@ The references are computed once in the test process and handed to the ranks.
 from __future__ import annotations
 
 import warnings
+from datetime import timedelta
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from usp_cases import topology
 transformers = pytest.importorskip("transformers", minversion="5.25")
 
 import usp  # noqa: E402
+from usp.errors import UspError  # noqa: E402
 from usp.models import hf as usp_hf  # noqa: E402
 from usp.models import shift_labels  # noqa: E402
 
@@ -41,7 +44,10 @@ CASES = {
     "gemma3": ([2, ("image",), 4, ("image",), 5, ("image",), 3],
                [[3, ("image",), 7], [1, ("image",), 1, ("image",), 2]]),
 }  # fmt: skip
+CASES["qwen3_vl_moe"] = CASES["qwen3_vl"]  # the MoE variant: the same code, experts
 GRIDS = {"u2r2": ((2, 2), "zigzag"), "u1r4": ((1, 4), "contiguous")}
+SP_CASES = [(k, g) for k in ("gemma3", "qwen3_5", "qwen3_vl") for g in GRIDS]
+SP_CASES.append(("qwen3_vl_moe", "u2r2"))
 
 
 def _quiet():
@@ -53,22 +59,33 @@ def _labels(ids):
     return ids.masked_fill(placeholders, -100)
 
 
-def global_batch(kind: str, packed: bool) -> dict:
-    """The global batch: input_ids, labels, the processor's outputs, and the documents'
-    bounds (a batch of each document concatenated when packed)."""
-    dense, docs = CASES[kind]
-    if not packed:
-        inputs = vl_cases.batch(kind, dense, seed=1)
-        inputs["bounds"] = [0, inputs["input_ids"].shape[1]]
-        return inputs
-    parts = [vl_cases.batch(kind, doc, seed=2 + i) for i, doc in enumerate(docs)]
-    inputs = {"bounds": [0]}
-    for part in parts:
-        inputs["bounds"].append(inputs["bounds"][-1] + part["input_ids"].shape[1])
+PER_TOKEN = ("input_ids", "mm_token_type_ids", "token_type_ids")
+
+
+def _joined(parts: list[dict], token_dim: int) -> dict:
+    """Batches joined: per-token inputs along ``token_dim``, media one after the other."""
+    inputs = {}
     for key in sorted({key for part in parts for key in part}):
-        dim = 1 if key in ("input_ids", "mm_token_type_ids", "token_type_ids") else 0
+        dim = token_dim if key in PER_TOKEN else 0
         inputs[key] = torch.cat([p[key] for p in parts if key in p], dim=dim)
     return inputs
+
+
+def global_batch(kind: str, case: str) -> dict:
+    """The global batch of ``case``: "dense" (one row of 32 tokens), "packed" (two
+    documents of 16 in one row) or "rows" (both as two rows): input_ids, the processor's
+    outputs, and the documents' bounds."""
+    dense, docs = CASES[kind]
+    first = vl_cases.batch(kind, dense, seed=1)
+    parts = [vl_cases.batch(kind, doc, seed=2 + i) for i, doc in enumerate(docs)]
+    lengths = [p["input_ids"].shape[1] for p in parts]
+    inputs = {
+        "dense": lambda: first,
+        "packed": lambda: _joined(parts, 1),
+        "rows": lambda: _joined([first, _joined(parts, 1)], 0),
+    }[case]()
+    bounds = [0, lengths[0], sum(lengths)] if case == "packed" else [0, 32]
+    return {**inputs, "bounds": bounds}
 
 
 def _document(kind, inputs, a, b):
@@ -107,11 +124,12 @@ def _document(kind, inputs, a, b):
     return doc
 
 
-def reference(kind: str, packed: bool) -> dict:
+def reference(kind: str, case: str) -> dict:
     """transformers in one process (sdpa, float32): logits, the mean loss over the
     globally shifted labels (per document), every parameter's gradient."""
     _quiet()
-    inputs = global_batch(kind, packed)
+    inputs = global_batch(kind, case)
+    packed = case == "packed"
     model = vl_cases.build(kind)
     bounds = inputs["bounds"]
     logits = []
@@ -120,7 +138,7 @@ def reference(kind: str, packed: bool) -> dict:
         doc = {k: v for k, v in doc.items() if k != "bounds"}
         logits.append(model(**doc, use_cache=False).logits)
     logits = torch.cat(logits, dim=1)
-    cu = torch.tensor(bounds, dtype=torch.int32)
+    cu = torch.tensor(bounds, dtype=torch.int32) if packed else None
     labels = shift_labels(_labels(inputs["input_ids"]), cu_seqlens=cu)
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
     loss.backward()
@@ -128,7 +146,7 @@ def reference(kind: str, packed: bool) -> dict:
     return {"logits": logits.detach(), "loss": loss.item(), "grads": grads}
 
 
-def sp_run(plan, kind, packed, expected, chunked: bool = False) -> dict:
+def sp_run(plan, kind, case, expected, chunked: bool = False) -> dict:
     """One case on this rank: shard_multimodal, the forward, sp_loss (``chunked``: the
     chunked loss inside the model's forward, no logits), the backward; the errors
     against ``expected``."""
@@ -138,10 +156,10 @@ def sp_run(plan, kind, packed, expected, chunked: bool = False) -> dict:
     if kind == "qwen3_5":
         assert usp_hf.swap_linear_attention(model, plan) == 1
     usp_hf.register(plan, name=name, model=model)
-    inputs = global_batch(kind, packed)
+    inputs = global_batch(kind, case)
     bounds = inputs.pop("bounds")
     ids = inputs.pop("input_ids")
-    cu = torch.tensor(bounds, dtype=torch.int32) if packed else None
+    cu = torch.tensor(bounds, dtype=torch.int32) if case == "packed" else None
     batch = usp_hf.shard_multimodal(plan, model, ids, labels=_labels(ids), cu_seqlens=cu,
                                     **inputs)  # fmt: skip
     if chunked:
@@ -178,29 +196,106 @@ def _failures(label, errors) -> list[str]:
     ]
 
 
+BATCHES = ("dense", "packed", "rows")
+
+
 @pytest.mark.parametrize("kind", sorted(CASES))
 def test_shard_multimodal_in_one_process(kind):
-    """Dense and packed with the logits' loss; packed with the chunked loss too."""
+    """Every batch with the logits' loss; packed with the chunked loss too."""
     failures = []
-    for packed, chunked in ((False, False), (True, False), (True, True)):
-        errors = sp_run(usp.Plan(None), kind, packed, reference(kind, packed), chunked)
-        failures += _failures(f"{kind} packed={packed} chunked={chunked}", errors)
+    for case, chunked in (*((c, False) for c in BATCHES), ("packed", True)):
+        errors = sp_run(usp.Plan(None), kind, case, reference(kind, case), chunked)
+        failures += _failures(f"{kind} {case} chunked={chunked}", errors)
     assert not failures, "\n".join(failures)
 
 
 def run_grid(kind, grid, expected):
     (u, r), layout = GRIDS[grid]
     plan = usp.Plan(topology(u, r), layout=layout)
-    return [sp_run(plan, kind, packed, expected[packed]) for packed in (False, True)]
+    return [sp_run(plan, kind, case, expected[case]) for case in BATCHES]
 
 
-@pytest.mark.parametrize("grid", sorted(GRIDS))
-@pytest.mark.parametrize("kind", sorted(CASES))
+@pytest.mark.parametrize("kind, grid", SP_CASES, ids=[f"{k}-{g}" for k, g in SP_CASES])
 def test_shard_multimodal_under_sp_matches_transformers(distributed, kind, grid):
-    expected = {packed: reference(kind, packed) for packed in (False, True)}
+    expected = {case: reference(kind, case) for case in BATCHES}
     results = distributed.run(run_grid, kind, grid, expected, world_size=4, timeout=600)
     failures = []
     for rank, cases in enumerate(results):
-        for packed, errors in zip((False, True), cases):
-            failures += _failures(f"rank {rank} {kind} {grid} packed={packed}", errors)
+        for case, errors in zip(BATCHES, cases):
+            failures += _failures(f"rank {rank} {kind} {grid} {case}", errors)
     assert not failures, "\n".join(failures)
+
+
+def test_ignore_index_and_a_mask_of_ones_in_one_process():
+    """``ignore_index`` other than -100 and an all-ones ``attention_mask`` (what a
+    processor returns): the same loss as the reference."""
+    _quiet()
+    expected = reference("qwen3_vl", "dense")["loss"]
+    plan = usp.Plan(None)
+    name = usp_hf.register(plan, name="usp_mm_ignore")
+    model = vl_cases.build("qwen3_vl", attn_implementation=name)
+    inputs = global_batch("qwen3_vl", "dense")
+    inputs.pop("bounds")
+    ids = inputs.pop("input_ids")
+    labels = _labels(ids).masked_fill(_labels(ids) == -100, -7)
+    batch = usp_hf.shard_multimodal(plan, model, ids, labels=labels, ignore_index=-7,
+                                    attention_mask=torch.ones_like(ids), **inputs)  # fmt: skip
+    assert int((batch.labels == -7).sum()) == int((_labels(ids) == -100).sum()) + 1
+    logits = model(**batch.hf_kwargs()).logits
+    loss = usp_hf.sp_loss(logits, batch.labels, plan, ignore_index=-7)
+    assert abs(loss.item() - expected) <= LOSS_TOL * abs(expected)
+
+
+def run_refusals():
+    """Bad inputs given to shard_multimodal (on every rank, or on one): the same error
+    on every rank before anything else is exchanged; the group stays usable."""
+    _quiet()
+    plan = usp.Plan(topology(2, 2))
+    name = usp_hf.register(plan, name="usp_mm_refusals")
+    model = vl_cases.build("qwen3_vl", attn_implementation=name)
+    sdpa = vl_cases.build("qwen3_vl")
+    inputs = global_batch("qwen3_vl", "dense")
+    inputs.pop("bounds")
+    ids = inputs.pop("input_ids")
+    rank = dist.get_rank(plan.sp_group)
+    other_pixels = dict(inputs, pixel_values=inputs["pixel_values"] + float(rank == 1))
+    padded = torch.ones_like(ids).index_fill(1, torch.tensor([31]), int(rank != 2))
+    cases = {
+        "media differ": (model, other_pixels),
+        "unplaced output": (model, dict(inputs, image_sizes=torch.ones(3, 2))),
+        "tokens and pixels": (model, dict(inputs, image_grid_thw=inputs["image_grid_thw"][:2],
+                                          pixel_values=inputs["pixel_values"][:24])),
+        "padding on rank 2": (model, dict(inputs, attention_mask=padded)),
+        "not usp's attention": (sdpa, inputs),
+    }  # fmt: skip
+    plan.sp_group.set_timeout(timedelta(seconds=30))  # a missed agreement fails fast
+    messages = {}
+    try:
+        for case, (which, given) in cases.items():
+            try:
+                usp_hf.shard_multimodal(plan, which, ids, **given)
+            except UspError as err:
+                messages[case] = f"{type(err).__name__}: {err}"
+    finally:
+        plan.sp_group.set_timeout(timedelta(seconds=600))
+    check = torch.ones(1)
+    dist.all_reduce(check, group=plan.sp_group)
+    return messages, float(check)
+
+
+def test_bad_inputs_are_one_error_on_every_rank(distributed):
+    results = distributed.run(run_refusals, world_size=4, timeout=300)
+    expected = {  # the error's class and what its message says
+        "media differ": ("RankDisagreementError", "disagree on media"),
+        "unplaced output": ("HFInputError", "failed on ranks 0, 1, 2, 3 of 4: shard_multimodal "
+                            "got image_sizes"),
+        "tokens and pixels": ("HFInputError", "the batch has 8 image placeholder tokens (id 60) but its pixel_values make 6"),
+        "padding on rank 2": ("HFInputError", "failed on rank 2 of 4: shard_multimodal got an "
+                              "attention_mask with padding"),
+        "not usp's attention": ("HFInputError", "attention is 'sdpa', not USP attention"),
+    }  # fmt: skip
+    assert [c for _, c in results] == [4.0] * 4
+    for rank, (messages, _) in enumerate(results):
+        assert messages.keys() == expected.keys(), (rank, messages)
+        for case, (kind, says) in expected.items():
+            assert messages[case].startswith(kind) and says in messages[case], (rank, case)

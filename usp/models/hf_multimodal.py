@@ -40,7 +40,7 @@ from usp.models.hf_multimodal_checks import IMAGE_BLOCKS_KWARG
 from usp.models.hf_multimodal_models import PIXEL_KEYS, Unit, family_of
 from usp.models.hf_padding import HFInputError
 from usp.models.labels import IGNORE_INDEX
-from usp.sp.plan import as_plan
+from usp.sp.plan import PackedSequence, as_plan
 
 #: the keyword of ``model(...)`` that carries a batch's media (:class:`MediaInputs`)
 MEDIA_KWARG = "usp_media"
@@ -103,7 +103,7 @@ def shard_multimodal(
     every rank, before anything else is exchanged). Any other processor output is
     refused, never dropped."""
     plan = as_plan(plan)
-    error, family, units, fingerprint, checks = None, None, [], 0, None
+    error, family, units, fingerprint, checks, positions = None, None, [], 0, None, None
     try:
         family = family_of(model)
         checks = _registration(plan, model, family)
@@ -111,6 +111,8 @@ def shard_multimodal(
         units = family.units(processor_outputs)
         _check_tokens(family, input_ids, units)
         fingerprint = _media_fingerprint(processor_outputs)
+        bounds = _bounds(cu_seqlens)
+        positions = family.positions(model, input_ids, processor_outputs, bounds)  # [3, B, S]
     except (HFInputError, ShardingError, InputError) as err:
         error = err
     group = plan.sp_group
@@ -123,7 +125,6 @@ def shard_multimodal(
     packed = batch.packed
     bounds = None if packed is None else list(packed.bounds)
     inputs: dict = {}
-    positions = family.positions(model, input_ids, processor_outputs, bounds)
     if positions is not None:  # [3, B, S] -> [4, B, S/P]: the text row, then t/h/w
         local = plan.shard(positions, dim=2, packed=packed).to(batch.position_ids.device)
         inputs["position_ids"] = torch.cat([batch.position_ids[None], local])
@@ -138,6 +139,15 @@ def shard_multimodal(
             inputs[IMAGE_BLOCKS_KWARG] = blocks
     add_media_forward(model)
     return MultimodalBatch(**_fields(batch), model_inputs=inputs)
+
+
+def _bounds(cu_seqlens) -> list[int] | None:
+    """The documents' global boundaries (a tensor or a PackedSequence's), None: dense."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, PackedSequence):
+        return list(cu_seqlens.bounds)
+    return [int(b) for b in cu_seqlens.tolist()]
 
 
 def _fields(batch: ShardedBatch) -> dict:

@@ -35,9 +35,10 @@ GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 
 
 class QwenVL:
-    """Qwen3-VL and Qwen3.5 (images and videos; Qwen3-VL's deepstack features)."""
+    """Qwen3-VL (and its MoE variant) and Qwen3.5 (images and videos; Qwen3-VL's
+    deepstack features)."""
 
-    model_types = ("qwen3_vl", "qwen3_5")
+    model_types = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")
     media_keys = (
         "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
         "mm_token_type_ids",
