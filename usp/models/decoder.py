@@ -438,7 +438,7 @@ class CausalLM(nn.Module):
         the MoE layers ([2E + 1], :func:`usp.models.moe.router_stats`; nothing without
         experts)."""
         packed = pack_once(self.plan, cu_seqlens, input_ids)
-        global_len = input_ids.shape[1] * self.plan.sp_degree
+        global_len = input_ids.shape[1] * self.plan.sp_degree if packed is None else packed.seq_len
         if self.config.attention_window is not None:
             self._check_window(global_len, packed)
         if position_ids is None:

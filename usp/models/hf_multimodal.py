@@ -329,6 +329,16 @@ def expand_media(model, kwargs: dict) -> dict:
     return kwargs
 
 
+def loss_body(model, kwargs: dict):
+    """What the chunked loss's forward runs (:func:`usp.models.hf.add_loss_forward`), and
+    its kwargs: with a batch's media (:func:`expand_media`), the base model, which places
+    their features; otherwise the decoder (it takes the embeddings)."""
+    kwargs = expand_media(model, kwargs)
+    if "mm_encoder_outputs" in kwargs:
+        return getattr(model, model.base_model_prefix), kwargs
+    return model.get_decoder(), kwargs
+
+
 def add_media_forward(model):
     """Give ``model``'s forward the keyword :data:`MEDIA_KWARG` (:func:`expand_media`
     before the model's own forward). In place, idempotent; returns the model."""

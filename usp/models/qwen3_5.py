@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from usp.errors import ModelConfigError
-from usp.linear.choice import GdnShape, forced_kernel_refusal
+from usp.linear.choice import GDN_HEADS, GdnShape, forced_kernel_refusal
 from usp.linear.module import GatedDeltaNet
 from usp.models.config import DecoderConfig
 from usp.models.decoder import MLP, Attention, CausalLM, pad_row_embedding, with_router_stats
@@ -430,7 +430,7 @@ def check_linear_heads(plan, config: Qwen3_5Config) -> None:
     values, keys = config.linear_num_value_heads, config.linear_num_key_heads
     kv_replication_for(
         values, keys, plan.ulysses_degree, plan.sp_degree,
-        plan.topology.rank_map.ranks_per_node,
+        plan.topology.rank_map.ranks_per_node, names=GDN_HEADS,
         subject=f"this model's {values} GDN value heads / {keys} key heads cannot be split "
         f"over ulysses={plan.ulysses_degree}",
     )  # fmt: skip

@@ -57,11 +57,18 @@ def partial_grads(dout, out, lse, p_out, p_lse) -> tuple[torch.Tensor, torch.Ten
     return d_p_out.to(p_out.dtype), d_p_lse.to(p_lse.dtype)
 
 
-def check_partial(partial, spec, value_dim: int) -> None:
+def check_partial(partial, spec, value_dim: int, *, eager: bool = True, mla: bool = False) -> None:
     """``partial``: None, or (out [B, S/P, H, Dv], lse [B, S/P, H]) floating-point tensors
-    on q's device: attention over more keys per row, merged in (:mod:`usp.ring.partial`)."""
+    on q's device: attention over more keys per row, merged in (:mod:`usp.ring.partial`);
+    only in an ``eager`` call (not while a compiled graph is traced), and not with a value
+    head size of its own (``mla``: the kernels' padded head size)."""
     if partial is None:
         return
+    if not eager or mla:
+        raise AttentionInputError(
+            "partial results are merged eagerly and at one head size: not under "
+            "torch.compile, not with a value head size of its own (MLA)"
+        )
     if not isinstance(partial, tuple) or len(partial) != 2:
         raise AttentionInputError("partial must be a tuple (out, lse) of tensors")
     out, lse = partial
