@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from usp.errors import ModelConfigError
-from usp.models.hf_multimodal_checks import is_encoder_config
 
 #: a modeling file's own table of attention classes, indexed by the implementation name
 _ATTENTION_TABLE = re.compile(r"\b([A-Z0-9_]*ATTENTION_CLASSES)\s*\[")
@@ -51,9 +50,7 @@ def watch_construction() -> None:
             return None
         mask_function = AttentionMaskInterface._global_mapping.get(implementation)
         check = getattr(mask_function, "usp_check", None)
-        # a vision-language model's encoder attends over its own patches, never the
-        # sequence's shard: usp.models.hf_multimodal_checks owns it (not a token mixer)
-        if check is not None and not is_encoder_config(config):
+        if check is not None:
             refuse_attention_table(type(module), implementation)
             check.watch(module)
         return None
