@@ -16,6 +16,7 @@ The references are computed once in the test process and handed to the ranks.
 
 from __future__ import annotations
 
+import types
 import warnings
 from datetime import timedelta
 
@@ -298,7 +299,10 @@ def run_refusals():
     rank = dist.get_rank(plan.sp_group)
     other_pixels = dict(inputs, pixel_values=inputs["pixel_values"] + float(rank == 1))
     padded = torch.ones_like(ids).index_fill(1, torch.tensor([31]), int(rank != 2))
+    # Qwen3.5's MoE variant, not placed yet (what shard_multimodal reads first: its config)
+    moe = types.SimpleNamespace(config=transformers.Qwen3_5MoeConfig())
     cases = {
+        "another model type": (moe, inputs),
         "media differ": (model, other_pixels),
         "unplaced output": (model, dict(inputs, image_sizes=torch.ones(3, 2))),
         "tokens and pixels": (model, dict(inputs, image_grid_thw=inputs["image_grid_thw"][:2],
@@ -324,6 +328,8 @@ def run_refusals():
 def test_bad_inputs_are_one_error_on_every_rank(distributed):
     results = distributed.run(run_refusals, world_size=4, timeout=300)
     expected = {  # the error's class and what its message says
+        "another model type": ("HFInputError", "does not know SimpleNamespace (model_type "
+                               "'qwen3_5_moe'); it computes qwen3_vl, qwen3_vl_moe, qwen3_5"),
         "media differ": ("RankDisagreementError", "disagree on media"),
         "unplaced output": ("HFInputError", "failed on ranks 0, 1, 2, 3 of 4: shard_multimodal "
                             "got image_sizes"),
