@@ -7,6 +7,9 @@ norms (1e-4 relative) and, with SGD, the same final weights (within 1e-5 of the 
 weight), the vision tower's included. u2 x r2 with the
 logits' loss; dp2 x r2 with gradient accumulation 2 and the chunked loss.
 
+``UspTrainer`` (no TRL) on padded Gemma 3 rows with images and the model's own collated
+inputs, u2 x r2 against transformers' ``Trainer`` in one process: every step's loss.
+
 Also the batch conversion itself (one process): TRL's padded rows become documents, the
 token types packed with their tokens, the pixels as they are.
 """
@@ -108,3 +111,77 @@ def test_padded_rows_with_images_become_documents():
         batch.media["token_type_ids"][0], torch.cat([r["token_type_ids"][0] for r in rows])
     )
     assert batch.media["pixel_values"] is inputs["pixel_values"]
+
+
+# ------------------------------------------------------------------ UspTrainer, no TRL
+ROW_PARTS = [[2, ("image",), 3], [1, ("image",), 1, ("image",), 2], [4, ("image",), 1],
+             [3, ("image",), 5]] * 2  # fmt: skip
+
+
+def _image_rows() -> list[dict]:
+    """Gemma 3 rows of processor outputs (token types, pixels), one record each."""
+    rows = []
+    for seed, parts in enumerate(ROW_PARTS):
+        row = vl_cases.batch("gemma3", parts, seed=seed)
+        rows.append({"input_ids": row["input_ids"][0], "token_type_ids": row["token_type_ids"][0],
+                     "pixel_values": row["pixel_values"]})  # fmt: skip
+    return rows
+
+
+def _collate(records: list[dict]) -> dict:
+    """Right-padded rows (pad id 0), labels masked at padding and image tokens."""
+    width = max(len(r["input_ids"]) for r in records)
+
+    def padded(key):
+        return torch.stack([torch.nn.functional.pad(r[key], (0, width - len(r[key])))
+                            for r in records])  # fmt: skip
+
+    mask = torch.stack([torch.arange(width) < len(r["input_ids"]) for r in records])
+    ids = padded("input_ids")
+    return {
+        "input_ids": ids, "attention_mask": mask.long(), "token_type_ids": padded("token_type_ids"),
+        "pixel_values": torch.cat([r["pixel_values"] for r in records]),
+        "labels": ids.masked_fill(~mask | (ids == vl_cases.IMAGE), -100),
+    }  # fmt: skip
+
+
+def _train(trainer_class, out, **extra) -> list[float]:
+    import transformers
+
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=BATCH,
+        learning_rate=0.5, optim="sgd", logging_steps=1, report_to=[], disable_tqdm=True,
+        train_sampling_strategy="sequential", remove_unused_columns=False, save_strategy="no",
+        dataloader_pin_memory=False,
+    )  # fmt: skip
+    model = vl_cases.build("gemma3")
+    trainer = trainer_class(model=model, args=args, train_dataset=_image_rows(),
+                            data_collator=_collate, **extra)  # fmt: skip
+    trainer.train()
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+def run_usp_trainer(out):
+    from usp_cases import topology
+
+    from usp.integrations.transformers import UspTrainer
+
+    plan = usp.Plan(topology(2, 2))
+    with tc.accelerate_world():
+        return _train(UspTrainer, out, plan=plan)
+
+
+def test_usp_trainer_on_image_rows_gives_the_stock_trainer_run(distributed, tmp_path):
+    """UspTrainer (no TRL) on padded Gemma 3 rows with images, u2 x r2: every step's loss
+    within 1e-4 of transformers' Trainer in one process (sdpa)."""
+    import transformers
+
+    expected = _train(transformers.Trainer, tmp_path / "stock")
+    results = distributed.run(run_usp_trainer, tmp_path / "usp", world_size=4, timeout=600)
+    assert len(expected) == STEPS and len(set(expected)) > 1  # training moved
+    for losses in results:
+        assert len(losses) == STEPS
+        for got, want in zip(losses, expected):
+            assert abs(got - want) <= LOSS_TOL * abs(want), (losses, expected)
+    worst = max(abs(g - w) / abs(w) for losses in results for g, w in zip(losses, expected))
+    print(f"UspTrainer u2xr2 against the stock Trainer: losses {expected}, worst {worst:.3g}")
