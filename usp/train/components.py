@@ -242,7 +242,7 @@ def check_compile(job: TrainJobConfig, source: ModelSource, plan) -> None:
     (the plan's choices are the same on every rank) and before any collective, rather
     than at the first forward's trace."""
     family = family_of(source.config)
-    refusal = family.compile_refusal(plan) if job.train.compile else None
+    refusal = family.compile_refusal(plan, source.config) if job.train.compile else None
     if refusal is not None:
         raise job.error(
             f"[train] compile = true does not support {family.name} models here yet: "
