@@ -8,8 +8,9 @@
 #                  paths (test_new_paths_device.py): sliding windows, attention sinks and
 #                  a value head size of its own through usp_attention on each backend, the
 #                  MoE experts' grouped GEMM against the loop, the gated delta rule kernel
-#                  against its recurrence; with usp[fla] installed, fla's gated delta rule
-#                  and causal-conv1d's short conv against usp's torch path (a self-check
+#                  against its recurrence; with usp[fla] installed, fla's gated delta rule,
+#                  fla's simple GLA under Mamba-2 (mamba2_usp, kernel="fla") and
+#                  causal-conv1d's short conv against usp's torch path (a self-check
 #                  failure fails; skipped without the packages)
 #   cuda_tests     every other test marked @pytest.mark.cuda (none yet is fine)
 #   plan_check     benchmarks/plan_check.py: usp plan's fake-tensor memory estimate of 4
@@ -37,6 +38,10 @@
 #                  experts at 512 tokens, the per-expert loop against torch._grouped_mm
 #                  (and the sorted segments); ms and ratios; fails when a variant differs
 #                  from the loop by more than 5e-2 (relative, bf16)
+#   placement      benchmarks/placement_device.py --device auto: one rank's attention layer
+#                  (bf16, 32/8 heads of 128, fake group) on a mixed-length 128k row of the
+#                  fine-tuning mix, token placement "sequence" against "documents" on u1xr8
+#                  and u8xr1: ms and bytes; fails when the bytes differ from the formula
 #
 #   bash benchmarks/gpu_check.sh [RESULTS_DIR]     # default: results/
 #
@@ -137,6 +142,8 @@ script_step cuda_graph 150 benchmarks/cuda_graph_check.py benchmarks/cuda_graph_
     --cases 2 --out "$OUT"
 script_step moe_experts 60 benchmarks/moe_experts.py benchmarks/moe_experts.py --device auto \
     --dtype bfloat16 --shapes qwen3-30b-a3b --repeats 5 --max-error 5e-2 --out "$OUT"
+script_step placement 60 benchmarks/placement_device.py benchmarks/placement_device.py \
+    --device auto --out "$OUT"
 
 # ------------------------------------------------------------------ summary
 json_string() { # a JSON string literal of $1

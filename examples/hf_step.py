@@ -3,9 +3,11 @@
     torchrun --nproc-per-node 4 examples/hf_step.py
     torchrun --nproc-per-node 4 examples/hf_step.py --model /path/to/Llama-3.2-1B --device cuda
 
-``usp.models.hf.register(plan)`` puts USP attention into transformers'
-``AttentionInterface``; the model is then built with ``attn_implementation=<name>``
-and called with this rank's shard of the tokens, their global ``position_ids``,
+The model is built as transformers builds it, then ``usp.models.hf.register(plan,
+model=model)`` puts USP attention into transformers' ``AttentionInterface``, checks the
+model (under SP, one that mixes tokens outside attention is refused before anything
+runs) and switches it to USP attention. It is called with this rank's shard of the
+tokens, their global ``position_ids``,
 ``use_cache=False`` and, for packed documents, ``usp_packed=plan.pack(cu_seqlens)``
 (``ShardedBatch.hf_kwargs()`` gives all four). The loss comes from
 ``usp.models.hf.sp_loss`` (never HF's ``labels=``: it shifts inside the shard and
@@ -80,9 +82,9 @@ def main() -> int:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     plan = usp.Plan.from_config(args.config)
     path, temporary = checkpoint_path(args)
-    name = usp_hf.register(plan)  # before the model is built: transformers checks the name
     device = plan.default_device()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    name = usp_hf.register(plan, model=model)  # checks the model, switches it to USP attention
     model.to(device).train()
     batch = byte_batch(plan, model.config.vocab_size)
     kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.hf_kwargs().items()}

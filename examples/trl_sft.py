@@ -15,8 +15,10 @@ world data-parallel; ``--batch-size`` conversations per replica per micro-batch.
 levers are ``usp.models.Levers`` (``--activation-checkpointing``, ``--mlp-tile-tokens``,
 ``--attention-head-chunks``, ``--loss-chunk-tokens``). ``--no-usp`` runs the unmodified
 SFTTrainer (one process, sdpa; eager for a model without it, e.g. gpt-oss): the
-reference the usp runs are compared with (gpt-oss: with ``--padded``; transformers 5.24's
-own padding-free gpt-oss attends across the flattened conversations, usp's does not).
+reference the usp runs are compared with; a stock model whose attention lets flattened
+conversations see each other (gpt-oss's eager attention in transformers 5.24-5.25) is
+refused padding-free, naming ``--padded`` (a one-forward probe decides; usp's padding-free
+run keeps them apart).
 
 Leaves ``DIR/trainer_state.json`` (the loss and grad norm of every step in
 ``log_history``) and the final model in ``DIR``. ``--plan-config FILE`` writes the run
@@ -101,6 +103,27 @@ def reference_attention(model) -> str:
     return "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
 
 
+def attends_across_documents(model) -> float:
+    """How far the model's stock attention lets one flattened conversation see another in
+    a padding-free row (position_ids restarting per conversation, as TRL's collator gives
+    them): the largest logit difference of a second conversation with and without a
+    first one before it (0: kept apart). A tiny forward, no gradients."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    first, second = (torch.randint(0, vocab, (1, n), generator=gen) for n in (5, 4))
+    positions = torch.cat([torch.arange(5), torch.arange(4)])[None]
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            alone = model(input_ids=second, use_cache=False).logits
+            flat = model(input_ids=torch.cat([first, second], 1), position_ids=positions,
+                         use_cache=False).logits[:, 5:]  # fmt: skip
+    finally:
+        model.train(training)
+    return float((flat - alone).abs().max())
+
+
 def main(argv=None, *, plan=None) -> int:
     """``plan``: an already built ``usp.Plan`` (default: the launch's, from the flags)."""
     args = parse_args(argv)
@@ -120,6 +143,15 @@ def main(argv=None, *, plan=None) -> int:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise SystemExit("--no-usp is the one-process reference: run it without torchrun")
         model.set_attn_implementation(reference_attention(model))
+        leak = 0.0 if args.padded else attends_across_documents(model)
+        if leak > 1e-4:  # the stock padding-free reference would be wrong, not usp's run
+            raise SystemExit(
+                f"--no-usp: the stock {model.config.model_type} "
+                f"({model.config._attn_implementation} attention) lets a flattened "
+                f"conversation attend to the one before it in a padding-free batch (logits "
+                f"differ by {leak:.3g}), so it is no reference; add --padded (usp's "
+                "padding-free run equals the padded reference)"
+            )
         trainer = trl.SFTTrainer(
             model=model, args=sft_config(args), train_dataset=dataset, processing_class=tokenizer
         )

@@ -39,6 +39,11 @@ class DataError(ConfigError):
     """Training data that cannot be read, tokenised or packed as asked."""
 
 
+class MissingDataFile(DataError):
+    """A data, held-out or tokenizer file a config names is not on this machine (``usp
+    topo`` checks a cluster's config on a laptop: it notes these and goes on)."""
+
+
 class ModelConfigError(ConfigError):
     """A model configuration this package cannot serve, or an inconsistent one."""
 

@@ -23,7 +23,13 @@ LINEAR_BACKENDS: tuple[str, ...] = (AUTO_BACKEND, "torch", "fla")
 #: its short conv's kernels (see :mod:`usp.linear.conv`)
 LINEAR_CONV_BACKENDS: tuple[str, ...] = (AUTO_BACKEND, "torch", "causal_conv1d")
 
+#: how a packed sequence's documents go to the SP ranks: every document split over the
+#: group (``"sequence"``), or short ones whole on one rank (``"documents"``, see
+#: :mod:`usp.sp.placed`)
+TOKEN_PLACEMENTS: tuple[str, ...] = ("sequence", "documents")
+
 DEFAULT_LAYOUT = "zigzag"
+DEFAULT_TOKEN_PLACEMENT = "sequence"
 DEFAULT_RING_IMPL = "p2p"
 DEFAULT_BACKEND = AUTO_BACKEND
 DEFAULT_LINEAR_BACKEND = DEFAULT_LINEAR_CONV_BACKEND = AUTO_BACKEND

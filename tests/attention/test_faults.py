@@ -148,7 +148,7 @@ def run_disagreement(kind):
         ("layout", "disagree on layout (rank 0: 'zigzag'; rank 1: 'contiguous')"),
         ("ring_impl", "disagree on ring_impl (rank 0: 'p2p'; rank 1: 'allgather')"),
         ("scale", "disagree on softmax_scale (rank 0: 0.5; rank 1: default (head_dim**-0.5))"),
-        ("grad", "disagree on needs_grad (rank 0: requires grad; rank 1: no grad)"),
+        ("grad", "disagree on needs_grad (rank 0: q requires grad; rank 1: no grad)"),
     ],
 )
 def test_ranks_that_disagree_get_the_same_error(distributed, kind, expected):

@@ -119,8 +119,13 @@ def run_gdn_case(
     instead; ``lengths``: the documents before padding."""
     fla = standin_kernel() if kernel == "fla" else None
     kernels = None if fla is None else GdnKernels(TorchGdnKernel(), fla)
-    conv = standin_conv_kernel(channel_multiple=1) if kernel == "fla" else None
-    conv_kernels = None if conv is None else {"torch": TorchConvKernel(), "causal_conv1d": conv}
+    # ``conv`` (the case: with a short conv) is not this (fla's stand-in conv kernel)
+    conv_standin = standin_conv_kernel(channel_multiple=1) if kernel == "fla" else None
+    conv_kernels = (
+        None
+        if conv_standin is None
+        else {"torch": TorchConvKernel(), "causal_conv1d": conv_standin}
+    )
     topo = topology(ulysses, ring, placement)
     plan = usp.Plan(topo, layout=layout)
     hk, heads = (1, 4) if ulysses == 4 else (2, 4)  # u4: key heads repeated for the split
@@ -148,7 +153,8 @@ def run_gdn_case(
         call, packed = compiled, None if cu is None else plan.pack(cu)
     out = call(
         *local, plan, conv_weights=my_ws, packed=packed, activation=activation, chunk_size=3,
-        kernel=kernel, kernels=kernels, conv_kernel="causal_conv1d" if conv else "auto",
+        kernel=kernel, kernels=kernels,
+        conv_kernel="causal_conv1d" if conv and conv_standin else "auto",
         conv_kernels=conv_kernels,
     )  # fmt: skip
     forward_bytes = topo.comm_stats.snapshot()
@@ -170,7 +176,8 @@ def run_gdn_case(
     if fla is not None:  # what reached fla's function: the ring's [0 | I] start states
         call = fla._function.calls[-1]
         shape["fla_state"] = tuple(call["initial_state"].shape)
-        shape["conv_context"] = tuple(conv._function.calls[-1]["initial_states"].shape)
+        if conv:
+            shape["conv_context"] = tuple(conv_standin._function.calls[-1]["initial_states"].shape)
     return errors, forward_bytes, backward_bytes, shape
 
 

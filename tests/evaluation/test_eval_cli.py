@@ -422,3 +422,22 @@ def test_a_forced_gdn_kernel_that_cannot_run_is_refused_in_one_line(
     )
     assert 'set linear_backend = "auto"' in stderr, stderr
     assert not (tmp_path / "e" / "eval.json").exists()
+
+
+def test_eval_output_goes_beside_an_hf_directory_never_into_it(tmp_path):
+    """The default --output: eval/ in a training output, eval/step_N for one checkpoint,
+    and for an HF directory (a run's hf/ export, a downloaded model) DIR-eval beside it, so
+    the model directory holds what its writer put there."""
+    from argparse import Namespace
+
+    from usp.evaluation.cli import output_dir
+    from usp.evaluation.target import Target
+
+    run = tmp_path / "run"
+    default = Namespace(output=None)
+    hf = Target(run / "hf", None, hf_dir=run / "hf", model_dir=run / "hf")
+    assert output_dir(default, hf) == run / "hf-eval"
+    step = run / "checkpoints" / "step_000002"
+    assert output_dir(default, Target(step, None, checkpoint=step)) == run / "eval" / step.name
+    assert output_dir(default, Target(run, None, checkpoint=step)) == run / "eval"
+    assert output_dir(Namespace(output=str(tmp_path / "x")), hf) == tmp_path / "x"

@@ -123,7 +123,8 @@ class CausalConv1dStandIn:
         if initial_states is None:
             initial_states = x.new_zeros(batch, dim, width - 1)
         full = torch.cat([initial_states, x], dim=-1)
-        out = torch.nn.functional.conv1d(full, weight.to(x.dtype)[:, None], groups=dim)
+        bias = None if bias is None else bias.to(x.dtype)
+        out = torch.nn.functional.conv1d(full, weight.to(x.dtype)[:, None], bias, groups=dim)
         if activation in ("silu", "swish") and self.defect != "ignores activation":
             out = torch.nn.functional.silu(out)
         return out.to(x.dtype)

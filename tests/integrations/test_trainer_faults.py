@@ -8,10 +8,12 @@ every rank (its class and message), and the process groups stay usable after it.
   was fed correctly and learns of replica 0's error through the replicas' agreement);
 * a model feature USP attention cannot compute exactly: attention dropout (refused when
   the trainer is built; sliding windows and sinks are computed: test_trainer_dist.py);
-* a hybrid model usp does not compute (Bamba: Mamba layers beside attention) under SP,
+* a hybrid model usp does not compute (MiniMax: lightning attention beside softmax
+  attention) under SP,
   refused when ``UspTrainer`` / ``UspSFTTrainer`` is built, with the model type, the
-  layers and the fix, on every rank (Qwen3.5's Gated DeltaNet layers are computed by
-  usp's module: test_trainer_dist.py's qwen3_5 case).
+  layers and the fix, on every rank (Qwen3.5's Gated DeltaNet layers and Bamba's Mamba-2
+  layers are computed by usp's modules: test_trainer_dist.py's qwen3_5 case,
+  test_hf_mamba2_swap.py).
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer_faults")
     tc.write_checkpoint(root / "llama", "llama")
     tc.write_checkpoint(root / "dropout", "llama", attention_dropout=0.1)
-    hybrid = build("bamba", HYBRID["bamba"], seed=5)
-    hybrid.save_pretrained(root / "bamba")
-    tc.write_tokenizer(root / "bamba")
+    hybrid = build("minimax", HYBRID["minimax"], seed=5)
+    hybrid.save_pretrained(root / "minimax")
+    tc.write_tokenizer(root / "minimax")
     tc.write_token_rows(root / "tokens.jsonl", 16, 32)
     tc.write_texts(root / "texts.jsonl", 16)
     return root
@@ -104,17 +106,17 @@ def test_attention_dropout_is_refused_on_every_rank(distributed, workdir):
 
 @pytest.mark.parametrize("example", ["hf_trainer", "trl_sft"])
 def test_a_hybrid_model_is_refused_when_the_trainer_is_built(distributed, workdir, example):
-    """Bamba's Mamba layers would see only each rank's shard: refused at construction
+    """MiniMax's lightning attention layers would see only each rank's shard: refused at construction
     (an UnsupportedModelError naming the model type, the layers and the fix, not an
     AttributeError), the same on every rank, the groups usable afterwards."""
     data = "texts.jsonl" if example == "hf_trainer" else "chats.jsonl"
     if example == "trl_sft":
         tc.write_chats(workdir / data, 8)
-    argv = flags(workdir, "bamba", data, workdir / f"hybrid-{example}")
+    argv = flags(workdir, "minimax", data, workdir / f"hybrid-{example}")
     results = distributed.run(
         run_expecting_an_error, example, argv, 1, 2, world_size=4, timeout=600
     )
     same_error_everywhere(
-        results, "UnsupportedModelError", "model_type 'bamba'",
-        "layers 0: mamba (BambaMixer", "ulysses 1 x ring 2", "ulysses = ring = 1",
+        results, "UnsupportedModelError", "model_type 'minimax'",
+        "layers 0: self_attn (MiniMaxLightningAttention", "ulysses 1 x ring 2", "ulysses = ring = 1",
     )  # fmt: skip

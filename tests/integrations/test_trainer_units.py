@@ -326,6 +326,10 @@ def test_the_gdn_kernels_are_the_plans_choice(monkeypatch):
         model.load_state_dict(reference.state_dict())
         return model
 
+    # fla as if not installed (the dev extra installs fla-core: its kernels run on CPU only
+    # under Triton's interpreter, tests/kernels/test_fla_interpreted.py)
+    absent = backends.FlaGdnKernel(module="usp_test_no_such_package.ops")
+    monkeypatch.setattr(backends, "DEFAULT", backends.GdnKernels(backends.TorchGdnKernel(), absent))
     refused = (
         r'its Gated DeltaNet layers: linear_backend = "fla" cannot run the Gated DeltaNet '
         r"recurrence here \(cpu, torch.float32, dk=8\): it needs fla .* set linear_backend = "
@@ -622,3 +626,26 @@ def test_the_no_usp_reference_uses_the_attention_transformers_offers(example):
     oss.set_attn_implementation(module.reference_attention(oss))
     with pytest.raises(ValueError, match="scaled_dot_product_attention"):
         oss.set_attn_implementation("sdpa")
+
+
+def test_the_no_usp_reference_refuses_a_stock_model_that_attends_across_conversations(tmp_path):
+    """examples/trl_sft.py --no-usp padding-free: a one-forward probe of the stock model
+    (two conversations flattened with restarting position_ids against the second alone)
+    finds gpt-oss's eager attention and Qwen3.5's Gated DeltaNet layers seeing across them
+    and refuses, naming --padded; Llama's sdpa keeps them apart (0)."""
+    pytest.importorskip("trl", reason="examples/trl_sft.py needs TRL")
+    import trainer_cases
+
+    example = trainer_cases.load_example("trl_sft")
+    leaks = {}
+    for family in ("gpt_oss", "qwen3_5", "llama"):
+        directory = trainer_cases.write_checkpoint(tmp_path / family, family)
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        model.set_attn_implementation(example.reference_attention(model))
+        leaks[family] = example.attends_across_documents(model)
+    assert leaks["gpt_oss"] > 1e-3 and leaks["qwen3_5"] > 1e-3 and leaks["llama"] < 1e-6, leaks
+    chats = trainer_cases.write_chats(tmp_path / "chats.jsonl", 4)
+    argv = ["--model", str(tmp_path / "gpt_oss"), "--data", str(chats), "--output-dir",
+            str(tmp_path / "out"), "--max-steps", "1", "--no-usp", "--no-save-model"]  # fmt: skip
+    with pytest.raises(SystemExit, match=r"gpt_oss \(eager attention\).*add --padded"):
+        trainer_cases.run_example_alone("trl_sft", argv)

@@ -257,3 +257,43 @@ def test_gated_deltanet_usp_runs_the_conv_through_causal_conv1d():
     layer = GatedDeltaNet(16, 2, 4, 8, 6, conv_kernel="causal_conv1d").double()
     with pytest.raises(ConvKernelError, match="conv kernel 'causal_conv1d' cannot run this call"):
         layer(torch.randn(1, 12, 16, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_the_torch_kernel_under_strong_decay_in_float32(chunk_size):
+    """A chunk whose decay sums far past float32's exp range (6-12 nats a token: hundreds
+    of nats in a chunk; exp overflows beyond ~88): the chunked kernel's forward and every
+    gradient stay finite and equal the float64 token-by-token recurrence, packed
+    documents and an initial state included (a kernel that exponentiated the decay
+    differences before masking the upper triangle would give NaN gradients here)."""
+    from usp.linear.kernel import chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(7)
+    seq, hk, heads, dk, dv = 80, 1, 2, 8, 6
+    q, k = (torch.randn(1, seq, hk, dk, generator=gen, dtype=torch.float64) for _ in "qk")
+    v = torch.randn(1, seq, heads, dv, generator=gen, dtype=torch.float64)
+    g = -6 - 6 * torch.rand(1, seq, heads, generator=gen, dtype=torch.float64)
+    g[:, ::7] = -0.05  # a few mild steps, so that the state carries something
+    beta = torch.rand(1, seq, heads, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(2, heads, dk, dv, generator=gen, dtype=torch.float64)
+    dout = torch.randn(1, seq, heads, dv, generator=gen, dtype=torch.float64)
+    bounds = [0, 37, seq]
+    inputs = [q, k, v, g, beta, h0]
+
+    ref = [t.clone().requires_grad_() for t in inputs]
+    outs = [
+        recurrent_gated_delta_rule(*(t[:, a:b] for t in ref[:5]), initial_state=ref[5][i : i + 1],
+                                   use_qk_l2norm=True)[0]
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
+    ]  # fmt: skip
+    expected = torch.cat(outs, dim=1)
+    expected_grads = torch.autograd.grad(expected, ref, dout)
+
+    ours = [t.float().requires_grad_() for t in inputs]
+    out, _ = chunk_gated_delta_rule(*ours[:5], initial_state=ours[5], cu_seqlens=bounds,
+                                    use_qk_l2norm=True, chunk_size=chunk_size)  # fmt: skip
+    grads = torch.autograd.grad(out, ours, dout.float())
+    assert relative_error(out.double(), expected) < 1e-5
+    for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, expected_grads):
+        assert torch.isfinite(got).all(), name
+        assert relative_error(got.double(), want) < 1e-4, name

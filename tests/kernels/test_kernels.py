@@ -408,7 +408,7 @@ def test_bad_inputs_are_explained(tensors, message):
 
 def test_unknown_backend_lists_the_valid_names():
     with pytest.raises(
-        AttentionInputError, match="unknown attention backend 'fast'; valid names: auto, cudnn"
+        AttentionInputError, match="unknown attention backend 'fast'; valid: auto, cudnn"
     ):
         attention_forward(*_good(), backend="fast")
 

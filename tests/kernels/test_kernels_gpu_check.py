@@ -91,6 +91,7 @@ def check_tree(tmp_path):
         "overheads_check.py",
         "cuda_graph_check.py",
         "moe_experts.py",
+        "placement_device.py",
     ):
         (tree / "benchmarks" / name).write_text("# fake\n")
     python = tmp_path / "fake_python"
@@ -126,6 +127,7 @@ STEPS = [
     "host_overhead",
     "cuda_graph",
     "moe_experts",
+    "placement",
 ]
 
 

@@ -309,3 +309,31 @@ def test_causal_conv1d_against_the_torch_conv(dtype):
             tol = out_tol if name == "out" else grad_tol
             err = relative_error(actual.double().cpu(), expected.double().cpu())
             assert err <= tol, (name, activation)
+
+
+@pytest.mark.parametrize("dtype", list(_fla_dtypes()))
+def test_mamba2_on_fla_simple_gla_against_the_torch_kernel(dtype):
+    """Mamba-2's one-process path (conv with bias, groups, D skip, packed documents) with
+    kernel="fla" (fla's simple GLA, usp.linear.scan_backends; its self-check runs first)
+    against kernel="torch" in float64, output and every gradient. Not yet run on a GPU."""
+    from mamba_cases import mamba_inputs
+
+    from usp.linear.mamba2 import mamba2_usp
+
+    device = torch.device("cuda")
+    inputs, dout = mamba_inputs(1, 384, 8, 2, 64, 128, 4, seed=6)  # H 8, G 2, P 64, N 128
+    cu = torch.tensor([0, 100, 101, 384], dtype=torch.int32)
+    results = []
+    for kernel, run_dtype in (("torch", torch.float64), ("fla", dtype)):
+        leaves = [t.to(device, run_dtype).requires_grad_() for t in inputs[:3]]
+        leaves += [t.to(device, compute_dtype(run_dtype)).requires_grad_() for t in inputs[3:]]
+        x, b, c, dt, a, d, weight, bias = leaves
+        out = mamba2_usp(x, b, c, dt, a, None, d=d, conv_weight=weight, conv_bias=bias,
+                         packed=cu.to(device), kernel=kernel)  # fmt: skip
+        grads = torch.autograd.grad(out, leaves, dout.to(device, out.dtype))
+        results.append([out, *grads])
+    out_tol, grad_tol = FLA_TOLERANCE[dtype]
+    names = ["out", "dx", "db", "dc", "ddt", "da", "dd", "dweight", "dbias"]
+    for name, actual, expected in zip(names, *results[::-1]):
+        tol = out_tol if name == "out" else grad_tol
+        assert relative_error(actual.double().cpu(), expected.double().cpu()) <= tol, name

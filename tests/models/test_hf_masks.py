@@ -77,7 +77,13 @@ WINDOW = "a mask of attention limited to {} tokens"
         # served: the layers get sliding_window, which USP attention computes
         ("sliding causal", {"sliding_window": SEQ - 1}, "none", None),
         ("sliding causal", {"sliding_window": 2}, "right", None),
-        ("sliding bidirectional", {"sliding_window": 4}, "ones", WINDOW.format(4)),
+        # what models set is_causal=False reach (gpt-oss, Gemma 3): the message says so
+        (
+            "sliding bidirectional",
+            {"sliding_window": 4},
+            "ones",
+            "is_causal=False with sliding_window=4",
+        ),
         ("chunked", {"attention_chunk_size": SEQ}, "right", None),
         ("chunked", {"attention_chunk_size": 4}, "none", WINDOW.format(4)),
         ("chunked", {"attention_chunk_size": 4}, "left", WINDOW.format(4)),

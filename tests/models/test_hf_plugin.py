@@ -152,21 +152,22 @@ def test_config_and_module_is_causal_false_equal_sdpa(ckpt):
     mask[0, 9:] = 0
     with pytest.raises(HFInputError, match="bidirectional model \\(is_causal=False\\)"):
         model(ids, attention_mask=mask, use_cache=False)
-    # the module's flag, on models whose config does not say (transformers passes a set
-    # config.is_causal down as the is_causal keyword, which wins over the module's)
+    # the module's flag alone, in a model whose config is causal: the model builds a
+    # causal mask, and the mask wins, as in eager attention (sdpa skips an all-ones causal
+    # mask and then follows the module: transformers' two paths disagree): causal, never
+    # bidirectional; right padding then is exact on the real tokens, as for causal layers
     sdpa, model = models(ckpt, spy.name)
-    for m in (sdpa, model):
-        for module in m.modules():
-            if type(module).__name__ == "LlamaAttention":
-                module.is_causal = False  # what an encoder's attention module says
-    assert_same(forward_backward(model, input_ids=ids), bidirectional)
-    assert_same(forward_backward(sdpa, input_ids=ids), bidirectional)
-    with pytest.raises(HFInputError, match="LlamaAttention attends bidirectionally"):
-        model(ids, attention_mask=mask, use_cache=False)  # right padding, bidirectional layers
+    for module in model.modules():
+        if type(module).__name__ == "LlamaAttention":
+            module.is_causal = False  # what an encoder's attention module says
+    assert_same(forward_backward(model, input_ids=ids), forward_backward(sdpa, input_ids=ids))
+    real = (slice(None, 1), slice(None, 9))  # row 0's real tokens
+    padded = dict(input_ids=ids, attention_mask=mask, keep=real)
+    assert_same(forward_backward(model, **padded), forward_backward(sdpa, **padded))
     # the keyword of model(...)
     sdpa, model = models(ckpt, spy.name)
     assert_same(forward_backward(model, input_ids=ids, is_causal=False), bidirectional)
-    assert spy.attention_calls == 4 * LAYERS  # the refused batch never reached a layer
+    assert spy.attention_calls == 5 * LAYERS  # the refused batch never reached a layer
 
 
 # ------------------------------------------------------------------ padding-free packing

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from usp.config import allocator
 from usp.models import Levers
 from usp.models.offload import pinned_bytes
-from usp.planner import overheads, report, search
+from usp.planner import kernels, overheads, report, search
 from usp.planner.footprint import Choice, Extras, Footprint, Phase
 from usp.planner.measure import measure
 from usp.planner.overheads import GIB, attention_workspace, communicators
@@ -65,26 +65,77 @@ def _cpu_kernel_extras(seqlen, heads, kv_heads, dim, dtype) -> tuple[int, int, i
     return forward, backward, q.element_size()
 
 
+@pytest.mark.parametrize("onednn", [True, False])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cpu_workspace_is_what_the_real_kernel_allocates(dtype, threads):
-    """The CPU flash kernel: float32 and every forward exactly, a reduced-precision
-    backward within its GEMM packing allowance (never below)."""
+def test_cpu_workspace_is_what_the_real_kernel_allocates(dtype, threads, onednn):
+    """The CPU flash kernel on this machine's instruction set: a forward takes one of its
+    two paths (packed K/V where oneDNN packs the dtype, AMX; plain elsewhere) and
+    allocates exactly that path's formula; the planned forward is that path's, or the
+    packed one where which path runs is not certain (never below); a reduced-precision
+    backward within its GEMM packing allowance. oneDNN off (``torch.backends.mkldnn``,
+    the switch torch gives) forces the plain path on any CPU."""
     torch.set_num_threads(threads)
     try:
-        for seqlen, heads, kv_heads, dim in CPU_SHAPES:
-            forward, backward, item = _cpu_kernel_extras(seqlen, heads, kv_heads, dim, dtype)
-            shape = dict(batch=1, seqlen_q=seqlen, seqlen_k=seqlen, heads=heads,
-                         kv_heads=kv_heads, head_dim=dim, item_bytes=item,
-                         threads=threads)  # fmt: skip
-            assert attention_workspace("cpu", backward=False, **shape) == forward, shape
-            planned = attention_workspace("cpu", backward=True, **shape)
-            if dtype == torch.float32:
-                assert planned == backward, shape
-            else:
-                assert 0 <= planned - backward <= threads * overheads.CPU_GEMM_PACKING, shape
+        with torch.backends.mkldnn.flags(enabled=onednn):
+            packing = kernels.cpu_packing(dtype)
+            for seqlen, heads, kv_heads, dim in CPU_SHAPES:
+                forward, backward, item = _cpu_kernel_extras(seqlen, heads, kv_heads, dim, dtype)
+                shape = dict(batch=1, seqlen_q=seqlen, seqlen_k=seqlen, heads=heads,
+                             kv_heads=kv_heads, head_dim=dim, item_bytes=item,
+                             threads=threads)  # fmt: skip
+                plain = attention_workspace("cpu", backward=False, **shape)
+                planned = attention_workspace("cpu", backward=False, cpu_packing=packing, **shape)
+                assert forward in (plain, planned), (shape, forward, plain, planned)
+                assert planned >= forward, shape
+                if packing is None or dtype == torch.bfloat16:  # the path is certain
+                    assert planned == forward, shape
+                planned = attention_workspace("cpu", backward=True, cpu_packing=packing, **shape)
+                if dtype == torch.float32:
+                    assert planned == backward, shape
+                else:
+                    assert 0 <= planned - backward <= threads * overheads.CPU_GEMM_PACKING, shape
     finally:
         torch.set_num_threads(1)
+
+
+def test_cpu_packed_forward_is_the_kernels_packed_buffers(monkeypatch):
+    """The packed path (not runnable on a CPU without AMX): on a Sapphire Rapids Xeon
+    (AMX-BF16, AVX512-FP16) torch 2.13's bf16 forward of 64 tokens, 4 heads of 32 was
+    measured at 53,504 bytes (issue 63), 16,640 of them the plain path's buffers and the
+    rest K and V packed [1, 4, 32, 64] + [1, 4, 64, 32] and a transpose buffer [64, 32];
+    the thresholds decide per call; which CPUs pack is read from torch's CPU capability
+    and oneDNN's switch."""
+    bf16 = overheads.CPU_PACKING["bfloat16"]
+    shape = dict(batch=1, seqlen_q=64, seqlen_k=64, heads=4, kv_heads=4, head_dim=32,
+                 item_bytes=2, threads=1, backward=False)  # fmt: skip
+    assert attention_workspace("cpu", **shape) == 16_640
+    assert attention_workspace("cpu", cpu_packing=bf16, **shape) == 53_504
+    short = dict(shape, seqlen_q=63, seqlen_k=63)  # below bf16's 64 tokens: not packed
+    assert attention_workspace("cpu", cpu_packing=bf16, **short) == attention_workspace(
+        "cpu", **short
+    )
+    # odd head dim and odd key count: K, V and the query block padded to even sizes
+    odd = dict(shape, seqlen_q=65, seqlen_k=65, head_dim=33)
+    plain = attention_workspace("cpu", **odd)
+    extra = 2 * (4 * 34 * 65 + 4 * 66 * 33 + 65 * 33 + 32 * 34) + 32 * 1 * 2  # + even reduced
+    assert attention_workspace("cpu", cpu_packing=bf16, **odd) == plain + extra
+    # the per-thread GEMM work must reach 4x the packed size (bf16): 16 heads of 64 tokens
+    # over 64 threads (one query block of 32 each, against 16 heads of K) do not
+    thin = dict(shape, heads=16, kv_heads=16, threads=64)
+    assert attention_workspace("cpu", cpu_packing=bf16, **thin) == attention_workspace(
+        "cpu", **thin
+    )
+
+    amx = {"amx_bf16": True, "amx_fp16": False, "avx512_fp16": True}
+    monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability", lambda: amx)
+    assert kernels.cpu_packing(torch.bfloat16) == bf16
+    assert kernels.cpu_packing(torch.float16) == overheads.CPU_PACKING["float16"]
+    assert kernels.cpu_packing(torch.float32) is None
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert kernels.cpu_packing(torch.bfloat16) is None
+    monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability", lambda: {"avx2": True})
+    assert kernels.cpu_packing(torch.bfloat16) is None
 
 
 def test_cuda_workspaces_are_the_documented_shapes():

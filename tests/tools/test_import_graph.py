@@ -120,7 +120,7 @@ LAYERS = [
     ("usp.kernels",),
     ("usp.ring",),
     ("usp.sp",),
-    ("usp.linear", "usp.models"),
+    ("usp.linear", "usp.models", "usp.rl"),
     ("usp.train", "usp.evaluation", "usp.planner", "usp.integrations", "usp.cli"),
 ]
 

@@ -60,6 +60,18 @@ def test_jsonl_formats(tmp_path):
     assert pair.target.tolist() == [False, False, False, True, True], "the prompt carries no loss"
 
 
+def test_blank_lines_are_counted_in_the_report(tmp_path):
+    """A blank line holds no record: skipped, and said so at start-up, not silently."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "one"}\n\n{"text": "two"}\n   \n{"text": "three"}\n')
+    documents, report = read_jsonl([path], ByteTokenizer())
+    assert len(documents) == 3
+    assert report.blank_lines == 2
+    assert report.describe().endswith("; 2 blank JSONL line(s) skipped")
+    path.write_text('{"text": "one"}\n')
+    assert "blank" not in read_jsonl([path], ByteTokenizer())[1].describe()
+
+
 @pytest.mark.parametrize(
     "line, message",
     [

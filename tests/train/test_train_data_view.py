@@ -132,6 +132,30 @@ def test_text_view_marks_spans_and_counts_files(job_file, tmp_path, capsys):
     assert files["text.jsonl"]["records"] == 1 and files["text.jsonl"]["documents"] == 1
 
 
+def test_documents_placement_shows_where_each_document_goes(job_file, tmp_path, capsys):
+    """``[parallel] token_placement = "documents"``: each document (and the padding
+    document) names the SP rank that computes it whole, or says it is split; the
+    default placement adds nothing."""
+    out = tmp_path / "out"
+    # short documents (a few tokens each) and a longer one: some stay whole
+    rows = [{"text": "Hi."}] * 9 + [{"text": "Hello, world! " * 4}]
+    (tmp_path / "short.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    files = ("--set", f'data.files=["{tmp_path / "short.jsonl"}"]')
+    plain = data_json(capsys, job_file, "--rows", 1, "--output", out, *files)
+    assert plain["token_placement"] == "sequence"
+    assert all("placed" not in d for d in plain["rows"][0]["documents"])
+    setting = (*files, "--set", "parallel.token_placement=documents")
+    view = data_json(capsys, job_file, "--rows", 1, "--output", out, *setting)
+    assert view["token_placement"] == "documents" and view["sp"] == 2
+    for row in view["rows"]:
+        places = [d["placed"] for d in row["documents"]] + row["padding_placed"]
+        assert set(places) <= {"split", 0, 1} and {0, 1} <= set(places), places
+    code = main(["data", str(job_file), "--rows", "1", "--output", str(out), *setting])
+    text = capsys.readouterr().out
+    assert code == 0 and "[whole on SP rank 0]" in text and "[whole on SP rank 1]" in text
+    assert "token_placement 'documents' over 2 SP ranks" in text
+
+
 def test_errors_exit_2(job_file, capsys):
     assert main(["data", str(job_file), "--set", "data.files=missing.jsonl"]) == 2
     assert "usp data: error:" in capsys.readouterr().err

@@ -4,14 +4,22 @@ is the first failing rank's usp error, with that rank's exit status (usp.cli.lau
 from __future__ import annotations
 
 import json
+import os
 import sys
 from types import SimpleNamespace
 
+import torch
 from launch_cases import run_agents
 
 from usp.cli import build_parser, main
-from usp.cli.launch import LAUNCH_DESTS, _torchrun_args, first_failure, worker_argv
-from usp.train.error_file import read_error_data, write_error_file
+from usp.cli.launch import (
+    LAUNCH_DESTS,
+    _torchrun_args,
+    died_after_finishing,
+    first_failure,
+    worker_argv,
+)
+from usp.train.error_file import ENV, FINISHED, read_error_data, write_error_file
 
 JOB = """
 [cluster]
@@ -105,3 +113,76 @@ def test_the_earliest_recorded_error_wins(tmp_path, monkeypatch):
     assert status == 137 and "rank 0 (pid 1000) was killed by signal 9 (SIGKILL)" in line
     line, status = first_failure({1: _failure(1, exitcode=1)})
     assert status == 1 and "rank 1 (pid 1001) exited with status 1" in line
+
+
+def _process_failure(tmp_path, rank, exitcode, record=None):
+    """torchrun's record of a failed rank, reading the error file the rank left."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / f"error{rank}.json"
+    if record is not None:
+        os.environ[ENV] = str(path)
+        try:
+            write_error_file(*record)
+        finally:
+            del os.environ[ENV]
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_a_rank_that_dies_after_the_run_finished_is_no_failed_run(tmp_path, monkeypatch, capsys):
+    """Every failed rank recorded that its run finished (usp train does, before its
+    teardown): the launcher says so, names the rank that died at exit, and exits 0."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    finished = (
+        "usp train [rank 2]: the run finished (steps 1-4; checkpoint step_000004)",
+        FINISHED,
+    )
+    failures = {
+        2: _process_failure(tmp_path, 2, -6, finished),
+        3: _process_failure(tmp_path, 3, -15, (finished[0].replace("2", "3", 1), FINISHED)),
+    }
+    line = died_after_finishing(failures)
+    assert line.startswith("usp train: the run finished on every rank"), line
+    assert "rank 2 (pid 1002) was killed by signal 6 (SIGABRT)" in line, line
+    assert "rank 3 (pid 1003) was killed by signal 15 (SIGTERM)" in line, line
+
+    def torchrun_that_fails(_):
+        raise ChildFailedError("usp", failures)
+
+    monkeypatch.setattr("torch.distributed.run.run", torchrun_that_fails)
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", "job.toml", "--nproc-per-node", "4"]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1] == line
+
+    # a rank that had not finished (its own error, or nothing recorded): a failed run,
+    # and a finished rank's record is never taken for the error
+    error = ("usp train [rank 1]: error: a collective failed", 4)
+    mixed = {**failures, 1: _process_failure(tmp_path, 1, 4, error)}
+    assert died_after_finishing(mixed) is None
+    assert first_failure(mixed) == error
+    unrecorded = {**failures, 0: _process_failure(tmp_path, 0, -9)}
+    assert died_after_finishing(unrecorded) is None
+    line, status = first_failure(unrecorded)
+    assert status == 137 and "rank 0 (pid 1000) was killed by signal 9" in line, line
+
+
+def test_usp_train_records_that_its_run_finished(tmp_path, monkeypatch):
+    """The record a rank leaves before its teardown (here: one process, in-process)."""
+    config = tmp_path / "job.toml"
+    config.write_text(JOB.replace("gpus_per_node = 2", 'gpus_per_node = "auto"'))
+    (tmp_path / "train.jsonl").write_text('{"text": "hello there"}\n' * 8)
+    monkeypatch.setenv(ENV, str(tmp_path / "error.json"))
+    monkeypatch.delenv("RANK", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        argv = ["train", str(config), "--output", str(tmp_path / "out"), "--device", "cpu",
+                "--ulysses", "1", "--ring", "1", "--steps", "1"]  # fmt: skip
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)  # the command shares the machine's cores out
+    record = read_error_data(json.loads((tmp_path / "error.json").read_text()))
+    assert record.finished and record.status == FINISHED == 0
+    assert (
+        record.message == "usp train [rank 0]: the run finished (steps 1-1; checkpoint step_000001)"
+    )

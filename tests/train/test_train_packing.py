@@ -80,3 +80,50 @@ def test_a_long_document_is_cut_at_the_sequence_length():
         1, 4
     )
     assert seqs[2].tokens.tolist() == tokens_of(0, 70)[64:] + [0, 0] + tokens_of(1, 4) + [0] * 20
+
+
+def test_auto_document_multiple_follows_the_grid_and_the_header_says_so(tmp_path):
+    """[data] document_multiple = "auto" pads to what the grid needs (2 x ring for zigzag):
+    a u2 x r2 run and a one-process run pack different sequences from the same records, and
+    each start-up says which value it chose; the same explicit value gives both the same
+    sequences (the docs' recipe for comparing losses across grids)."""
+    import json
+    from types import SimpleNamespace
+
+    from train_cases import base_config
+
+    from usp.train import components
+    from usp.train.config import train_config_from_dict
+    from usp.train.metrics.header import packing_line
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": "x" * n}) + "\n" for n in (9, 7, 8, 3)))
+    grids = {"u2r2": SimpleNamespace(layout="zigzag", ring_degree=2, ulysses_degree=2,
+                                     sequence_multiple=8),
+             "one": SimpleNamespace(layout="zigzag", ring_degree=1, ulysses_degree=1,
+                                    sequence_multiple=2)}  # fmt: skip
+
+    def packed(grid, multiple):
+        config = base_config(seq_len=32)
+        config["data"] = {"source": "jsonl", "files": [str(data)], "tokenizer": "byte",
+                          "document_multiple": multiple, "shuffle": False}  # fmt: skip
+        job = train_config_from_dict(config, source=str(tmp_path / "job.toml"))
+        m = components.check_lengths(job, grids[grid])
+        dataset = components.load_dataset(
+            job, components.prepare_data(job, components.model_source(job), m)
+        )
+        rows = [dataset.sequence(g) for g in range(3)]
+        return packing_line(job, grids[grid], dataset), [
+            (r.lengths, r.tokens.tolist()) for r in rows
+        ]
+
+    line4, four = packed("u2r2", "auto")
+    line1, one = packed("one", "auto")
+    assert "multiples of 4" in line4 and "ring 2" in line4 and "another grid" in line4, line4
+    assert "multiples of 2" in line1 and "ring 1" in line1, line1
+    # 11, 9 and 10 tokens (with BOS and EOS): padded to 12 + 10 + 10 they share a sequence
+    # of 32 on one process; to 12 + 12 + 12 they do not on u2 x r2
+    assert [lengths for lengths, _ in one][:1] == [(12, 10, 10)], one
+    assert four != one  # the same records, packed differently: losses would differ
+    assert packed("u2r2", 4)[1] == packed("one", 4)[1] == four
+    assert "multiples of 4 ([data] document_multiple)" in packed("one", 4)[0]

@@ -12,6 +12,7 @@ causal-conv1d (their CPU stand-ins) is what the layers run."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 
@@ -52,11 +53,17 @@ def _job(checkpoint) -> dict:
 #: the MoE job's [attention]: its GDN kernels forced to usp's torch code (on every run)
 TORCH_KERNELS = {"linear_backend": "torch", "linear_conv_backend": "torch"}
 #: what a forced fla on this CPU is refused with (every rank, before the model is built)
+#: (the dev extra installs fla-core, whose kernels run on a CPU only under Triton's
+#: interpreter: then the reason is the device)
+_FLA_REASON = (
+    "it runs on cuda, not cpu"
+    if importlib.util.find_spec("fla") is not None
+    else "it needs fla (pip install 'usp[fla]') and a CUDA device, which is not installed"
+)
 FLA_REFUSED = (
     '[attention] linear_backend = "fla" cannot run the Gated DeltaNet recurrence here (cpu, '
-    "torch.float32, dk=8): it needs fla (pip install 'usp[fla]') and a CUDA device, which is "
-    'not installed; set linear_backend = "auto" (fla where it can run, else usp\'s torch '
-    'kernel) or "torch"'
+    f'torch.float32, dk=8): {_FLA_REASON}; set linear_backend = "auto" (fla where it can '
+    'run, else usp\'s torch kernel) or "torch"'
 )
 
 

@@ -10,14 +10,15 @@ the trainer -- a per-rank or per-micro-batch mean, FSDP averaging instead of sum
 logging one micro-batch's loss, a missing factor of the SP degree -- does not cancel out
 as it does against a one-process run of the same trainer.
 
-Checked for one process, u2 x r2 (zigzag) and dp2 x r2 (contiguous, allgather ring) on 4
-gloo ranks: every step's loss and gradient norm to 1e-5 relative and the exported final
+Checked for one process, u2 x r2 (zigzag), dp2 x r2 (contiguous, allgather ring) and u2 x
+r2 with ``[parallel] token_placement = "documents"`` on 4 gloo ranks: every step's loss and gradient norm to 1e-5 relative and the exported final
 weights to 2e-5 absolute (observed: at most 2.2e-7 relative and 6e-6 absolute).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import math
 
 import pytest
@@ -26,6 +27,8 @@ import torch.nn.functional as F
 from train_cases import base_config
 from usp_cases import topology
 
+from usp.models import document_cost
+from usp.sp.assignment import assign_documents
 from usp.sp.plan import Plan
 from usp.train import components
 from usp.train.config import train_config_from_dict
@@ -186,6 +189,85 @@ def test_dp2_r2_contiguous_matches_the_reference_loop(reference, distributed, tm
     )
     assert all(r == results[0] for r in results), "every rank logs the same numbers"
     assert_matches_reference(results[0], reference, tmp_path)
+
+
+# ----------------------------------------------------------------------------- placement
+#: one packed row of 128 tokens: on 4 ranks (32 tokens each) the 47 (padded to 48) is
+#: split, the others computed whole (20, 20, 16 + 4 and 12 + 8 on the four ranks)
+ROW = [47, 20, 19, 16, 12, 7, 4]
+
+
+def placement_config(data_file) -> dict:
+    """``[parallel] token_placement = "documents"`` on u2 x r2: rows of :data:`ROW`
+    (documents padded to 4, the sequence multiple), in file order."""
+    config = base_config(
+        steps=STEPS, global_batch=4, seq_len=128, micro_batch=1, grad_clip=0.5, seed=5,
+        checkpoint_interval=0, export=True,
+    )  # fmt: skip
+    config["data"] = {"source": "jsonl", "files": [str(data_file)], "tokenizer": "byte",
+                      "shuffle": False, "document_multiple": 4}  # fmt: skip
+    config["parallel"] = {"ulysses": 2, "ring": 2, "dp": 1, "token_placement": "documents"}
+    return config
+
+
+def write_rows(path, rows: int):
+    gen = torch.Generator().manual_seed(11)  # counting sequences: learnable, the loss falls
+    starts = torch.randint(0, 50, (rows * len(ROW),), generator=gen).tolist()
+    lines = [
+        json.dumps({"input_ids": [3 + (start + i) % 50 for i in range(n)]})
+        for start, n in zip(starts, ROW * rows)
+    ]  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_documents_placement_matches_the_reference_loop(distributed, tmp_path):
+    """``usp train``'s plan (build_plan: the model's cost model) places each row's
+    documents by length; every step's loss and gradient norm and the final weights equal
+    the hand-written one-process loop's, also after a stop and ``--resume``."""
+    config = placement_config(write_rows(tmp_path / "rows.jsonl", STEPS * 4))
+    job = train_config_from_dict(config)
+    _, dataset = components.build_dataset(job, components.model_source(job), 4)
+    mixed = 0
+    for g in range(STEPS * 4):
+        bounds = micro_batch_of([dataset.sequence(g)]).cu_seqlens.tolist()
+        a = assign_documents(bounds, ring=2, ulysses=2, layout="zigzag", multiple=4,
+                             cost=document_cost(components.model_source(job).config))  # fmt: skip
+        mixed += bool(a.split) and any(a.whole)
+    assert mixed == STEPS * 4, "every row has split and whole documents"
+    losses, norms, model = reference_run(config)
+    out = tmp_path / "out"
+    results = distributed.run(
+        _train_with_plan_of_config, config, str(out), world_size=4, timeout=TIMEOUT
+    )
+    assert all(r == results[0] for r in results), "every rank logs the same numbers"
+    assert_matches_reference(results[0], (config, losses, norms, model), out)
+    # stopped after step 2 and resumed: step 3 is the reference's (the data position is
+    # the loader's state; each row is placed again from its boundaries)
+    resumed_config = dict(config, train={**config["train"], "checkpoint_interval": 1})
+    resumed = distributed.run(
+        _stop_then_resume, resumed_config, str(tmp_path / "resumed"), world_size=4,
+        timeout=TIMEOUT,
+    )[0]  # fmt: skip
+    assert [row[0] for row in resumed] == [3]
+    assert abs(resumed[0][1] - losses[2]) <= 1e-5 * losses[2], (resumed, losses)
+    assert abs(resumed[0][2] - norms[2]) <= 1e-5 * norms[2], (resumed, norms)
+
+
+def _stop_then_resume(config, out):
+    job = train_config_from_dict(config)
+    plan = components.build_plan(job, topology(2, 2))
+    train(job, plan, output_dir=out, stop_after=2, stream=io.StringIO())
+    result = train(job, plan, output_dir=out, resume=True, stream=io.StringIO())
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in result.metrics]
+
+
+def _train_with_plan_of_config(config, out):
+    job = train_config_from_dict(config)
+    plan = components.build_plan(job, topology(2, 2))
+    assert plan.placement == "documents" and plan.placement_cost.token_flops > 0
+    result = train(job, plan, output_dir=out, stream=io.StringIO())
+    return [(r["loss"], r["grad_norm"], r["lr"]) for r in result.metrics]
 
 
 # ----------------------------------------------------------------------------- clipping

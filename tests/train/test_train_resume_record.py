@@ -149,3 +149,30 @@ def test_resume_in_one_process_refuses_another_global_batch(tmp_path):
                     stream=stream)  # fmt: skip
     assert [r["step"] for r in resumed.metrics] == [2]
     assert "changed since the checkpoint: micro_batch 2 -> 1, steps 1 -> 2" in stream.getvalue()
+    assert "the learning-rate schedule is re-planned over 2 steps: step 2 runs at lr" in (
+        stream.getvalue()
+    )
+
+
+def test_a_resume_that_changes_the_schedule_says_what_the_next_step_runs_at():
+    """``--resume --steps 40`` after a 30-step run: the cosine is re-planned over 40
+    steps, so step 31 runs at a higher lr than the one the first run ended with; the note
+    gives both (values from the schedule's closed form, not from usp)."""
+    import math
+
+    from usp.train.resume import schedule_note
+
+    saved = {"lr": 1e-3, "steps": 30, "warmup_steps": 5, "min_lr_ratio": 0.1}
+    longer = dict(saved, steps=40)
+    new_lr = 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (30 - 5) / (35 - 1))))
+    note = schedule_note(saved, longer, 30)
+    assert note == (
+        f"the learning-rate schedule is re-planned over 40 steps: step 31 runs at lr "
+        f"{new_lr:.3g} (the checkpoint's run ended at step 30 with {1e-4:.3g})"
+    )
+    mid = schedule_note(saved, dict(saved, lr=2e-3), 10)  # a run not yet ended
+    old_lr = 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (10 - 5) / (25 - 1))))
+    assert mid.endswith(f"step 11 runs at lr {2 * old_lr:.3g} (the checkpoint's run would "
+                        f"have used {old_lr:.3g})")  # fmt: skip
+    assert schedule_note(saved, dict(saved, log_interval=5), 10) is None
+    assert schedule_note(saved, longer, None) is None  # a record without its step

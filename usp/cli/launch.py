@@ -6,7 +6,9 @@ difference at the end: when a worker fails, torchrun prints its failure table an
 traceback of its own, so the one useful line sits ~40 lines up; here the first failing
 rank's usp error (:mod:`usp.train.error_file`) is the last line printed, and the exit
 status is that rank's (2 a config or data error, 3 diverged, 4 a collective failed, ...;
-128+N for a rank killed by signal N).
+128+N for a rank killed by signal N). A rank that dies after its run finished (every
+failed rank recorded that it had finished) is not a failed run: the last line says the
+run finished and which rank died at exit, and the status is 0.
 
 Multi-node: ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port`` as
 torchrun has them; for anything else (elastic rendezvous, restarts) use torchrun itself.
@@ -107,6 +109,11 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         torchrun(get_args_parser().parse_args(_torchrun_args(args, command)))
     except ChildFailedError as err:
+        line = died_after_finishing(err.failures)
+        if line is not None:  # the outputs are complete: not a failed run
+            sys.stdout.flush()
+            print(line, file=sys.stderr, flush=True)
+            return 0
         line, status = first_failure(err.failures)
     except SignalException as err:  # the launcher was signalled; torchrun stopped the workers
         signal = int(err.sigval)
@@ -122,26 +129,48 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return status
 
 
+def died_after_finishing(failures: dict) -> str | None:
+    """The line for a run that finished, and whose failed ranks died only afterwards (at
+    exit): every failed rank recorded that its run had finished
+    (:data:`usp.train.error_file.FINISHED`) before tearing down; the ranks that did not
+    fail exited 0. None when some failed rank had not finished."""
+    recorded = [read_error_data(f.error_file_data) for f in failures.values()]
+    if not failures or not all(r is not None and r.finished for r in recorded):
+        return None
+    died = "; ".join(_what_happened(rank, failures[rank]) for rank in sorted(failures))
+    return (
+        "usp train: the run finished on every rank (its summary above says where the "
+        f"outputs are); afterwards, at exit, {died}. Its outputs are complete; please "
+        "report the rank's output above"
+    )
+
+
+def _what_happened(rank: int, failure) -> str:
+    """What torchrun saw of a rank: the signal that killed it or its exit status."""
+    if failure.exitcode < 0:
+        return (
+            f"rank {rank} (pid {failure.pid}) was killed by signal {-failure.exitcode} "
+            f"({failure.signal_name()})"
+        )
+    return f"rank {rank} (pid {failure.pid}) exited with status {failure.exitcode}"
+
+
 def first_failure(failures: dict) -> tuple[str, int]:
     """The line and exit status of the rank that failed first (``failures``: torchrun's
-    ``{global rank: ProcessFailure}``): usp's recorded error where a rank wrote one, else
-    what torchrun saw (a signal, an exit status)."""
+    ``{global rank: ProcessFailure}``): usp's recorded error where a rank wrote one (a
+    finished rank's record is not an error), else what torchrun saw (a signal, an exit
+    status)."""
     recorded = {rank: read_error_data(f.error_file_data) for rank, f in failures.items()}
-    with_line = {rank: r for rank, r in recorded.items() if r is not None}
+    with_line = {rank: r for rank, r in recorded.items() if r is not None and not r.finished}
     if with_line:
         rank = min(with_line, key=lambda r: (with_line[r].time, r))
         return with_line[rank].message, with_line[rank].status
     rank = min(failures, key=lambda r: (failures[r].timestamp, r))
     failure = failures[rank]
+    what = _what_happened(rank, failure)
     if failure.exitcode < 0:
-        signal = failure.signal_name()
         return (
-            f"usp train: error: rank {rank} (pid {failure.pid}) was killed by signal "
-            f"{-failure.exitcode} ({signal}); its output above says what it was doing",
+            f"usp train: error: {what}; its output above says what it was doing",
             128 - failure.exitcode,
         )
-    return (
-        f"usp train: error: rank {rank} (pid {failure.pid}) exited with status "
-        f"{failure.exitcode}; its output above says why",
-        failure.exitcode or 1,
-    )
+    return f"usp train: error: {what}; its output above says why", failure.exitcode or 1

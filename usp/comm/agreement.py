@@ -3,8 +3,8 @@
 Every rank of a group describes its call as a few named integers (shapes, dtype,
 options, a hash of the document boundaries) plus, if its local validation failed, its
 error. One all-gather of that fingerprint (one more for the error text, only when some
-rank failed) lets every rank see the same picture and raise the *same* error, before any
-data moved: the group stays usable for the next call, and no rank hangs in a collective
+rank failed or the ranks disagree) lets every rank see the same picture and raise the
+*same* error, before any data moved: the group stays usable for the next call, and no rank hangs in a collective
 its peers never enter. Every rank always makes the same collectives here, whatever its
 own inputs, so the check itself cannot deadlock.
 
@@ -28,11 +28,16 @@ _MESSAGE_BYTES = 1024
 
 @dataclass(frozen=True)
 class Field:
-    """One entry of a fingerprint: a name, its value as an int64, and how to show it."""
+    """One entry of a fingerprint: a name, its value as an int64, and how to show it.
+
+    ``detail``: this rank's value in words where the int64 is only a hash of it (a
+    document's boundaries, a tensor's values), shown instead of ``show(value)`` when the
+    ranks disagree on this field (exchanged then only: no cost while they agree)."""
 
     name: str
     value: int
     show: Callable[[int], str] = str
+    detail: str | None = None
 
 
 def float_bits(value: float) -> int:
@@ -102,12 +107,14 @@ def agree(
         raise _shared_error(group, what, codes, error, kinds, device) from error
     for index, f in enumerate(fields, start=1):
         values = [row[index] for row in rows]
-        if len(set(values)) > 1:
+        if len(set(values)) > 1:  # every rank sees it: the same exchange everywhere
+            details = _exchange_texts(group, f.detail or "", device)
             groups: dict[int, list[int]] = {}
             for rank, value in enumerate(values):
                 groups.setdefault(value, []).append(rank)
             described = "; ".join(
-                f"{_describe_ranks(ranks)}: {f.show(value)}" for value, ranks in groups.items()
+                f"{_describe_ranks(ranks)}: {details[ranks[0]] or f.show(value)}"
+                for value, ranks in groups.items()
             )
             raise RankDisagreementError(
                 f"{what}: the ranks of the group disagree on {f.name} ({described}); every "
@@ -115,19 +122,24 @@ def agree(
             )
 
 
-def _shared_error(group, what, codes, error, kinds, device) -> BaseException:
-    """Exchange the failing ranks' messages; build the error every rank raises."""
-    text = "" if error is None else f"{error}"
+def _exchange_texts(group, text: str, device) -> list[str]:
+    """Every rank's ``text`` (its first :data:`_MESSAGE_BYTES` bytes), in group-rank order."""
     encoded = text.encode("utf-8")[:_MESSAGE_BYTES]
     mine = torch.zeros((1, _MESSAGE_BYTES), dtype=torch.uint8, device=device)  # zero-padded
     if encoded:
         mine[0, : len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-    size = len(codes)
-    every = torch.empty((size, _MESSAGE_BYTES), dtype=torch.uint8, device=device)
+    every = torch.empty(
+        (dist.get_world_size(group), _MESSAGE_BYTES), dtype=torch.uint8, device=device
+    )
     all_gather_uncounted(every, mine, group)
+    return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in every.cpu().tolist()]
+
+
+def _shared_error(group, what, codes, error, kinds, device) -> BaseException:
+    """Exchange the failing ranks' messages; build the error every rank raises."""
+    messages = _exchange_texts(group, "" if error is None else f"{error}", device)
     failing = [rank for rank, code in enumerate(codes) if code]
     first = failing[0]
-    message = bytes(every[first].cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace")
     code = codes[first]
     kind = kinds[code - 1] if code <= len(kinds) else RankDisagreementError
-    return kind(f"{what} failed on {_describe_ranks(failing)} of {size}: {message}")
+    return kind(f"{what} failed on {_describe_ranks(failing)} of {len(codes)}: {messages[first]}")

@@ -25,7 +25,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from usp.comm.agreement import Field, agree, bits_float, float_bits
+from usp.comm.agreement import Field, agree, bits_float, float_bits, stable_hash
 
 T = TypeVar("T")
 
@@ -68,20 +68,24 @@ def _show_scale(bits: int) -> str:
 def call_fields(
     q,
     k,
+    v,
     *,
     causal,
     softmax_scale,
     options: dict[str, tuple[object, Sequence[str]]],
-    documents_hash: int,
-    needs_grad: bool,
+    documents: Field,
+    grad: Field,
 ) -> list[Field]:
-    """The fingerprint of an attention call; robust to invalid inputs (they show as -1)."""
+    """The fingerprint of an attention call; robust to invalid inputs (they show as -1).
+    Shapes come first, so a rank whose tensors differ hears of its tensors, not of what
+    the call derives from them (MLA's default scale follows v's head size).
+    ``documents``: :func:`documents_field`; ``grad``: :func:`grad_field`."""
     fields = [
-        *(Field(f"q.shape[{i}]", n) for i, n in enumerate(_shape(q))),
-        *(Field(f"k.shape[{i}]", n) for i, n in enumerate(_shape(k))),
+        *(Field(f"{name}.shape[{i}]", n) for name, t in (("q", q), ("k", k), ("v", v))
+          for i, n in enumerate(_shape(t))),
         Field("dtype", _dtype_code(q), _show_dtype),
         Field("causal", int(causal) if isinstance(causal, bool) else -1),
-    ]
+    ]  # fmt: skip
     for name, (value, choices) in options.items():
         encode, show = _choice(choices)
         fields.append(Field(name, encode(value), show))
@@ -90,21 +94,50 @@ def call_fields(
     except (TypeError, ValueError):
         scale = float("nan")
     fields.append(Field("softmax_scale", float_bits(scale), _show_scale))
-    fields.append(
-        Field(
-            "documents (cu_seqlens)", documents_hash, lambda h: "dense" if h == 0 else f"hash {h}"
-        )
+    return [*fields, documents, grad]
+
+
+def documents_field(bounds: Sequence[int] | None, name: str = "documents (cu_seqlens)") -> Field:
+    """The agreement entry of a call's packed documents: their boundaries' hash (0:
+    dense), shown as the boundaries themselves when the ranks disagree."""
+    if bounds is None:
+        return Field(name, 0, lambda _: "dense", "dense")
+    bounds = [int(b) for b in bounds]
+    return Field(name, stable_hash(bounds), lambda h: f"hash {h}", bounds_text(bounds))
+
+
+def bounds_text(bounds: Sequence[int], most: int = 12) -> str:
+    """``cu_seqlens [0, 8, 32]`` (the first ``most`` boundaries and the count beyond)."""
+    shown = ", ".join(map(str, bounds[:most]))
+    more = f", ... ({len(bounds) - 1} documents, last boundary {bounds[-1]})"
+    return f"cu_seqlens [{shown}{more if len(bounds) > most else ''}]"
+
+
+def grad_mask(*tensors) -> int:
+    """Bit ``i`` set when gradients are enabled and ``tensors[i]`` requires grad: which
+    inputs a call's backward reads (the ranks' backwards make the same collectives, and
+    sum the same gradients, only when this is the same everywhere)."""
+    if not torch.is_grad_enabled():
+        return 0
+    return sum(
+        1 << i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad
     )
-    fields.append(
-        Field("needs_grad", int(needs_grad), lambda b: "requires grad" if b else "no grad")
-    )
-    return fields
+
+
+def grad_field(mask: int, names: Sequence[str]) -> Field:
+    """The agreement entry of :func:`grad_mask` over inputs called ``names``."""
+
+    def show(value: int) -> str:
+        named = [name for i, name in enumerate(names) if value >> i & 1]
+        if not named:
+            return "no grad"
+        return f"{', '.join(named)} require{'s' if len(named) == 1 else ''} grad"
+
+    return Field("needs_grad", mask, show)
 
 
 def needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
-    )
+    return grad_mask(*tensors) != 0
 
 
 def checked_call(

@@ -12,6 +12,7 @@ Format (see ``examples/configs/`` for commented files)::
     dp = 1                        # int or "auto" (= the rest of the world); default "auto"
     placement = "ulysses-in-node" # or "ring-in-node"
     allow_cross_node_ulysses = false
+    token_placement = "sequence"  # or "documents": short documents whole on one rank
 
     [attention]                   # optional
     layout = "zigzag"             # or "contiguous"

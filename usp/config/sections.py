@@ -9,7 +9,15 @@ from dataclasses import dataclass
 from usp.config.fields import check_bool, check_choice, check_int, is_number
 from usp.config.toml import AUTO, toml_repr
 from usp.errors import ConfigError
-from usp.options import BACKENDS, LAYOUTS, LINEAR_BACKENDS, LINEAR_CONV_BACKENDS, RING_IMPLS
+from usp.options import (
+    BACKENDS,
+    DEFAULT_TOKEN_PLACEMENT,
+    LAYOUTS,
+    LINEAR_BACKENDS,
+    LINEAR_CONV_BACKENDS,
+    RING_IMPLS,
+    TOKEN_PLACEMENTS,
+)
 from usp.process_groups.rank_math import PLACEMENTS, ULYSSES_IN_NODE, describe_uniform_nodes
 
 
@@ -66,12 +74,16 @@ class ParallelConfig:
     dp: int | str = AUTO
     placement: str = ULYSSES_IN_NODE
     allow_cross_node_ulysses: bool = False
+    #: how a packed batch's documents go to the SP ranks (``usp.Plan``'s ``placement``;
+    #: this name because ``placement`` already places the ranks on nodes)
+    token_placement: str = DEFAULT_TOKEN_PLACEMENT
 
     def __post_init__(self) -> None:
         for key in ("ulysses", "ring", "dp"):
             check_int("parallel", key, getattr(self, key), auto=True)
         check_choice("parallel", "placement", self.placement, PLACEMENTS)
         check_bool("parallel", "allow_cross_node_ulysses", self.allow_cross_node_ulysses)
+        check_choice("parallel", "token_placement", self.token_placement, TOKEN_PLACEMENTS)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ device: every rank holds the model, the sequence is split over ulysses x ring).
 Set-up (resolving TARGET, the tokenizer, the held-out data, the lengths, the weights)
 runs on every rank and ends in an agreement, so an error on one rank is the same error
 on every rank (exit status 2, printed once per node). Rank 0 writes ``eval.json`` (and
-the plots) into ``--output`` (default ``TARGET/eval``) and prints the table, or the JSON
-with ``--json``.
+the plots) into ``--output`` (default ``TARGET/eval`` for a training output, ``TARGET-eval``
+beside an HF directory) and prints the table, or the JSON with ``--json``.
 """
 
 from __future__ import annotations
@@ -244,11 +244,15 @@ def _topology_config(args, job):
 
 
 def output_dir(args, target) -> Path:
-    """``--output``, else ``eval/`` in the training output or the HF directory."""
+    """``--output``, else ``eval/`` in the training output directory (``eval/step_N``
+    for one checkpoint), and for an HF directory ``DIR-eval`` beside it: a model
+    directory stays what it was (it may be copied, uploaded or loaded as it is)."""
     if args.output:
         return Path(args.output)
     if target.checkpoint is not None and target.path == target.checkpoint:  # a step_N
         return target.checkpoint.parent.parent / "eval" / target.checkpoint.name
+    if target.hf_dir is not None:
+        return target.path.parent / f"{target.path.name}-eval"
     return target.path / "eval"
 
 

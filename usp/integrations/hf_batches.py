@@ -32,6 +32,7 @@ from torch.utils.data import Sampler
 import usp.models.hf as usp_hf
 from usp.models import IGNORE_INDEX, ShardedBatch, shard_batch, shift_labels
 from usp.models.hf_inputs import HFInputError
+from usp.models.hf_multimodal_checks import multimodal_inputs
 from usp.sp.plan import Plan
 
 
@@ -83,6 +84,13 @@ def global_batch(inputs: Mapping, plan: Plan) -> GlobalBatch:
             "usp's Trainer integration needs batches with integer input_ids [B, S] (a causal "
             f"LM's collator), got {type(ids).__name__}"
             + (f" of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else "")
+        )
+    media = multimodal_inputs(inputs)
+    if media:
+        raise HFInputError(
+            f"this batch has a vision-language model's processor outputs ({', '.join(media)}), "
+            "which usp's Trainer integration does not train yet: it would drop them and "
+            "train on the placeholder tokens"
         )
     labels = inputs.get("labels")
     labels = ids if labels is None else labels

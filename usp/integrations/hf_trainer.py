@@ -133,7 +133,10 @@ class UspTrainerMixin:
             model, self.usp_plan, levers, name=attention_name,
             use_cpu=bool(getattr(args, "use_cpu", False)),
         )  # fmt: skip
-        super().__init__(model, args, *more, **kwargs)
+        if more:  # the Trainer's positional order (model, args, data_collator, ...)
+            super().__init__(model, args, *more, **kwargs)
+        else:  # by keyword: TRL's GRPO and DPO trainers take other arguments second
+            super().__init__(model, args=args, **kwargs)
         check_training_arguments(self.args, levers=self.usp_model.levers)
         # the loss is normalised by the label count of the whole step (see compute_loss)
         self.loss_is_scaled_for_ga = True

@@ -10,7 +10,9 @@ parallelism (Ulysses x ring), with FSDP2 and usp's memory levers; no DeepSpeed.
                          data_collator=collator, plan=plan,
                          levers=Levers(activation_checkpointing=True))
     trainer.train()
-    # TRL: UspSFTTrainer(model=model, args=SFTConfig(padding_free=True, ...), ...)
+    # TRL: UspSFTTrainer(model=model, args=SFTConfig(padding_free=True, ...), ...),
+    # UspGRPOTrainer(model=model, reward_funcs=f, args=GRPOConfig(...), ...) and
+    # UspDPOTrainer(model=model, args=DPOConfig(...), ...): docs/post-training.md
 
 What it does (:mod:`usp.integrations.hf_trainer`): USP attention registered and the
 model sharded over ``dp x sp`` with summed gradients; batches sampled by data-parallel
@@ -18,8 +20,9 @@ replica and sharded per SP rank (padding-free batches by their global documents,
 ranks agreeing on every batch's fingerprint); the loss exact over SP, gradient
 accumulation and data parallelism; the global loss logged. Limits: see docs/integrations.md.
 
-Needs transformers and accelerate (``pip install usp[trainer]``); ``UspSFTTrainer`` also
-TRL (``usp[trl]``), imported when the name is first used.
+Needs transformers and accelerate (``pip install usp[trainer]``); ``UspSFTTrainer``,
+``UspGRPOTrainer`` and ``UspDPOTrainer`` also TRL (``usp[trl]``), imported when the name
+is first used.
 """
 
 from __future__ import annotations
@@ -61,6 +64,14 @@ def __getattr__(name: str):
         from usp.integrations.hf_trl import UspSFTTrainer
 
         return UspSFTTrainer
+    if name == "UspGRPOTrainer":
+        from usp.integrations.trl_grpo import UspGRPOTrainer
+
+        return UspGRPOTrainer
+    if name == "UspDPOTrainer":
+        from usp.integrations.trl_dpo import UspDPOTrainer
+
+        return UspDPOTrainer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from usp.kernels.backends import registry
 from usp.kernels.backends.base import Backend, BackendFailure
 from usp.kernels.backends.registry import KernelRegistry
 from usp.kernels.selfcheck import spec_verdict
 from usp.kernels.spec import AttentionInputError, AttentionSpec, BackendUnavailableError
+from usp.options import AUTO_BACKEND
 
 logger = logging.getLogger("usp.kernels")
+K = TypeVar("K")
 
 #: Off the CPU, ``auto`` falls back to ``math`` only for calls of at most this many
 #: scores (B * H * Sq * Sk; for packed calls Tq * Tk bounds the per-document ones).
@@ -53,24 +57,70 @@ def select_backend(
     name and BackendUnavailableError (with every backend's reason) when nothing fits.
     """
     kernels = registry.DEFAULT if kernels is None else kernels
-    if backend == "auto":
-        return _select_auto(spec, kernels)
-    if backend not in registry.BACKEND_NAMES:
-        raise AttentionInputError(
-            f"unknown attention backend {backend!r}; valid names: "
-            f"{', '.join(('auto',) + registry.BACKEND_NAMES)}"
-        )
-    impl = kernels.get(backend)
-    reason = unsupported_reason(impl, spec)
-    if reason is not None:
-        able = [
+    order = registry.auto_order(spec.device)
+    if spec.varlen:  # native varlen kernels first; others loop over documents
+        order = sorted(order, key=lambda name: not kernels.get(name).supports_varlen)
+
+    def able() -> str:
+        names = [
             n for n in registry.BACKEND_NAMES if unsupported_reason(kernels.get(n), spec) is None
         ]
-        raise BackendUnavailableError(
-            f"attention backend {backend!r} cannot run {_describe(spec)}: it {reason}. "
-            f"Backends that can: {', '.join(able) or 'none'}"
-        )
-    return impl
+        return f"Backends that can: {', '.join(names) or 'none'}"
+
+    return choose(
+        backend, registry.BACKEND_NAMES, kernels.get,
+        lambda name, impl: _auto_reason(name, spec, kernels) if backend == "auto"
+        else unsupported_reason(impl, spec),
+        order=order, kind="attention backend", call=_describe(spec), log=logger,
+        unknown=AttentionInputError, unable=BackendUnavailableError, fix=able,
+    )  # fmt: skip
+
+
+def choose(
+    requested: str,
+    names: Sequence[str],
+    get: Callable[[str], K],
+    reason_of: Callable[[str, K], str | None],
+    *,
+    kind: str,
+    call: str,
+    log: logging.Logger,
+    unknown: type[Exception],
+    unable: type[Exception],
+    fix: Callable[[], str],
+    order: Sequence[str] | None = None,
+) -> K:
+    """The one way usp picks a kernel (attention backends, the linear mixers' recurrence
+    and conv kernels): ``requested`` is ``"auto"`` or one of ``names``; ``get`` gives a
+    name's kernel; ``reason_of(name, kernel)`` says why it cannot run the call (its stated
+    limits, then its cached self-check verdict), or None.
+
+    ``auto`` takes the first of ``order`` (default ``names``) that can, and says once per
+    process what it passed over (:func:`report_auto_skip`: logged; a
+    :class:`BackendFailure` warned about too); when none can it raises ``unable`` with
+    every reason. A named kernel that cannot run raises ``unable`` with its reason and
+    ``fix()`` (what to choose instead); an unknown name raises ``unknown``. ``kind``
+    ("GDN kernel") and ``call`` ("this call (cpu, torch.float32, dk=8)") word the
+    messages. Callers raise inside their checks, so the SP ranks agree on the refusal
+    before the first collective (:mod:`usp.comm.agreement`)."""
+    if requested == AUTO_BACKEND:
+        skipped: list[tuple[str, str]] = []
+        for name in names if order is None else order:
+            kernel = get(name)
+            reason = reason_of(name, kernel)
+            if reason is None:
+                for passed, why in skipped:
+                    report_auto_skip(kind, passed, why, name, log, context=call, stacklevel=4)
+                return kernel
+            skipped.append((name, reason))
+        raise unable(f"no {kind} can run {call}. " + "; ".join(f"{n}: it {r}" for n, r in skipped))
+    if requested not in names:
+        raise unknown(f"unknown {kind} {requested!r}; valid: {', '.join((AUTO_BACKEND, *names))}")
+    kernel = get(requested)
+    reason = reason_of(requested, kernel)
+    if reason is not None:
+        raise unable(f"{kind} {requested!r} cannot run {call}: it {reason}. {fix()}")
+    return kernel
 
 
 def _auto_reason(name: str, spec: AttentionSpec, kernels: KernelRegistry) -> str | None:
@@ -84,29 +134,6 @@ def _auto_reason(name: str, spec: AttentionSpec, kernels: KernelRegistry) -> str
                 f"{MATH_AUTO_MAX_SCORES} (backend='math' forces it)"
             )
     return reason
-
-
-def _select_auto(spec: AttentionSpec, kernels: KernelRegistry) -> Backend:
-    order = registry.auto_order(spec.device)
-    if spec.varlen:  # native varlen kernels first; others loop over documents
-        order = sorted(order, key=lambda name: not kernels.get(name).supports_varlen)
-    skipped = []
-    for name in order:
-        reason = _auto_reason(name, spec, kernels)
-        if reason is None:
-            for skipped_name, skipped_reason in skipped:
-                _report_skip(skipped_name, skipped_reason, name, spec)
-            return kernels.get(name)
-        skipped.append((name, reason))
-    raise BackendUnavailableError(
-        f"no attention backend can run {_describe(spec)}. "
-        + "; ".join(f"{name}: it {reason}" for name, reason in skipped)
-    )
-
-
-def _report_skip(name: str, reason: str, chosen: str, spec: AttentionSpec) -> None:
-    report_auto_skip("attention backend", name, reason, chosen, logger,
-                     context=_describe(spec), stacklevel=4)  # fmt: skip
 
 
 def report_auto_skip(

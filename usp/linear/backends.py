@@ -31,17 +31,14 @@ tests/kernels/test_new_paths_device.py).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import inspect
 import logging
 
 import torch
 
-from usp.compile_marks import compiler_disabled
 from usp.errors import InputError
-from usp.kernels.backends.base import BackendFailure
-from usp.kernels.selection import report_auto_skip
+from usp.kernels.optional import Kernel, PackageKernel, compare_results
+from usp.kernels.selection import choose
+from usp.linear.fla_rows import run_packed
 from usp.linear.kernel import compute_dtype, gated_delta_rule_padded
 from usp.options import LINEAR_BACKENDS
 
@@ -56,8 +53,6 @@ __all__ = [
     "select_gdn_kernel",
 ]
 
-logger = logging.getLogger("usp.linear")
-
 #: the names ``kernel=`` takes (``auto`` picks one per call): ``[attention] linear_backend``'s
 GDN_KERNELS: tuple[str, ...] = LINEAR_BACKENDS
 
@@ -70,19 +65,9 @@ class GdnKernelError(InputError):
     """A gated delta rule kernel that is unknown or cannot run the call here."""
 
 
-class GdnKernel:
-    """One implementation of the seam (see the module's docstring)."""
-
-    name: str = ""
-
-    def limits_reason(self, device: torch.device, dtype: torch.dtype, dk: int) -> str | None:
-        """None if this kernel can run calls of this device, activation dtype and key head
-        dim (before any self-check), else why not."""
-        return None
-
-    def verdict(self, device, dtype, dk: int, dv: int) -> str | None:
-        """None if the kernel passed its self-check for these (cached), else why not."""
-        return None
+class GdnKernel(Kernel):
+    """One implementation of the seam (see the module's docstring); its limits read the
+    key head dim, its self-check (dk, dv)."""
 
     def run(self, q, k, v, g, beta, *, lengths, initial_state, chunk_size, io_dtype):
         raise NotImplementedError
@@ -99,161 +84,50 @@ class TorchGdnKernel(GdnKernel):
         )
 
 
-def _packed_rows(lengths: list[int], length: int, device) -> torch.Tensor | None:
-    """The flat row indices ([N * L] layout) of the valid tokens; None when every row
-    is full (the padded tensor is then the packed one)."""
-    if all(n == length for n in lengths):
-        return None
-    offsets = torch.arange(length)
-    valid = offsets[None, :] < torch.tensor(lengths, dtype=torch.int64)[:, None]  # [N, L]
-    return valid.reshape(-1).nonzero().squeeze(1).to(device)
-
-
-class FlaGdnKernel(GdnKernel):
+class FlaGdnKernel(PackageKernel, GdnKernel):
     """fla's ``chunk_gated_delta_rule``, imported lazily from ``module`` (or the given
-    ``function``, which takes fla's signature: tests hand in a stand-in)."""
+    ``function``, which takes fla's signature: tests hand in a stand-in). A Triton
+    kernel: on CPU tensors under Triton's interpreter (:mod:`usp.kernels.optional`)."""
 
     name = "fla"
+    attribute = "chunk_gated_delta_rule"
+    install = "fla (pip install 'usp[fla]')"
+    error = GdnKernelError
+    interpretable = True
 
-    def __init__(
-        self,
-        function=None,
-        *,
-        module: str = "fla.ops.gated_delta_rule",
-        device_types: tuple[str, ...] = ("cuda",),
-        dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16),
-        max_key_dim: int = 256,  # fla's chunk kernels assert K <= 256
-    ):
-        self._function = function
-        self.module = module
-        self.device_types = device_types
-        self.dtypes = dtypes
+    def __init__(self, function=None, *, module="fla.ops.gated_delta_rule", max_key_dim=256,
+                 **limits):  # fmt: skip
+        """``max_key_dim``: fla's chunk kernels assert K <= 256; ``limits``: device_types,
+        dtypes (:class:`PackageKernel`)."""
+        super().__init__(function, module=module, **limits)
         self.max_key_dim = max_key_dim
-        self._import_error: str | None = None
-        self._installed: bool | None = None  # looked up once: auto asks on every call
-        self._verdicts: dict[tuple, str | None] = {}
 
-    def installed(self) -> bool:
-        if self._installed is None:
-            found = importlib.util.find_spec(self.module.split(".")[0]) is not None
-            self._installed = self._function is not None or found
-        return self._installed
-
-    def function(self):
-        """fla's function (imported on first use); raises GdnKernelError if it fails."""
-        if self._function is None and self._import_error is None:
-            try:
-                self._function = importlib.import_module(self.module).chunk_gated_delta_rule
-            except Exception as err:  # a broken install fails at import in many ways
-                self._import_error = f"{type(err).__name__}: {str(err)[:300]}"
-        if self._function is None:
-            raise GdnKernelError(f"{self.module} does not import ({self._import_error})")
-        return self._function
-
-    def limits_reason(self, device, dtype, dk):
-        if not self.installed():
-            where = "" if device.type in self.device_types else " and a CUDA device"
-            return f"needs fla (pip install 'usp[fla]'){where}, which is not installed"
-        if device.type not in self.device_types:
-            return f"runs on {'/'.join(self.device_types)}, not {device.type}"
-        if dtype not in self.dtypes:
-            return f"runs {', '.join(str(d) for d in self.dtypes)}, not {dtype}"
+    def own_limits(self, dk, dv=None):
         if dk > self.max_key_dim:
             return f"takes key head dims up to {self.max_key_dim}, not {dk}"
-        try:
-            self.function()
-        except GdnKernelError as err:
-            return BackendFailure(f"is installed but {err}")
         return None
 
-    def verdict(self, device, dtype, dk, dv):
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        key = (device, dtype, dk, dv)
-        if key not in self._verdicts:
-            self._verdicts[key] = _self_check(self, device, dtype, dk, dv)
-        return self._verdicts[key]
+    def describe_shape(self, dk, dv):
+        return [f"dk={dk}", f"dv={dv}"]
+
+    def check(self, device, dtype, dk, dv):
+        return _compare_with_torch(self, device, dtype, dk, dv)
 
     def run(self, q, k, v, g, beta, *, lengths, initial_state, chunk_size, io_dtype):
-        fn = self.function()
-        n, length, heads, _ = q.shape
         compute = v.dtype
         low = io_dtype if io_dtype in (torch.bfloat16, torch.float16) else compute
-        rows = _packed_rows(lengths, length, q.device)
-
-        def packed(t, dtype):  # [N, L, ...] -> [1, T, ...]: the valid tokens, row after row
-            flat = t.reshape(n * length, *t.shape[2:])
-            return (flat if rows is None else flat.index_select(0, rows))[None].to(dtype)
-
-        # fla wants every sequence non-empty; an empty row's final state is its initial one
-        full = [i for i, count in enumerate(lengths) if count > 0]
-        if not full:  # no token at all: nothing to run
-            state = (
-                initial_state
-                if initial_state is not None
-                else q.new_zeros(n, heads, *q.shape[3:], v.shape[3])
-            )
-            return v.new_zeros(v.shape), state
-        bounds = [0]
-        for i in full:
-            bounds.append(bounds[-1] + lengths[i])
-        h0 = initial_state
-        if h0 is not None and len(full) < n:
-            h0 = h0.index_select(0, torch.tensor(full, device=h0.device))
-        extra = {}
-        if _takes(fn, "cu_seqlens_cpu"):  # fla 0.6: the chunk indices without a host sync
-            extra["cu_seqlens_cpu"] = torch.tensor(bounds, dtype=torch.int64)
-        o, final = fn(
-            packed(q, low),
-            packed(k, low),
-            packed(v, low),
-            packed(g, compute),  # float32 (float64 only off fla: stand-ins)
-            packed(beta, low),
-            scale=1.0,
-            initial_state=h0,
-            output_final_state=True,
-            cu_seqlens=torch.tensor(bounds, dtype=torch.int64, device=q.device),
-            chunk_size=chunk_size if chunk_size in (16, 32, 64) else 64,
-            **extra,
-        )  # o [1, T, H, dv], final [len(full), H, dk, dv]
-        o = o[0].to(compute)
-        if rows is not None:
-            o = o.new_zeros(n * length, *o.shape[1:]).index_copy(0, rows, o)
-        final = final.to(compute)
-        if len(full) < n:
-            base = (
-                initial_state if initial_state is not None else final.new_zeros(n, *final.shape[1:])
-            )
-            final = base.index_copy(0, torch.tensor(full, device=final.device), final)
-        return o.reshape(n, length, heads, -1), final
-
-
-def _takes(fn, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # no signature to read: pass only what every release takes
-        return False
+        # the decay in float32 (float64 only off fla: stand-ins)
+        inputs = [(q, low), (k, low), (v, low), (g, compute), (beta, low)]
+        return run_packed(
+            self.function(), inputs, compute=compute, lengths=lengths, initial_state=initial_state,
+            state_shape=(q.shape[2], q.shape[3], v.shape[3]),
+            scale=1.0, chunk_size=chunk_size if chunk_size in (16, 32, 64) else 64,
+        )  # fmt: skip
 
 
 # ------------------------------------------------------------------ self-check
 _CHECK_LENGTHS = (40, 23, 0, 17)  # unequal rows, one empty, none a multiple of 16
 _CHECK_HEADS = 2
-
-
-@compiler_disabled
-def _self_check(kernel: GdnKernel, device, dtype, dk, dv) -> str | None:
-    try:
-        # the check differentiates: also when the first call comes under no_grad (eval)
-        no_autocast = torch.autocast(device.type, enabled=False)
-        with torch.inference_mode(False), torch.enable_grad(), no_autocast:
-            problem = _compare_with_torch(kernel, device, dtype, dk, dv)
-    except Exception as err:  # any failure means: do not use this kernel here
-        problem = f"{type(err).__name__}: {str(err)[:300]}"
-    if problem is None:
-        return None
-    return BackendFailure(
-        f"failed its self-check on {device}, {dtype}, dk={dk}, dv={dv} ({problem})"
-    )
 
 
 def _check_inputs(device, dk, dv):
@@ -295,29 +169,16 @@ def _outputs_and_grads(kernel, tensors, dtype):
     return [o[keep], final, *(grad[keep] for grad in grads[:5]), grads[5]]
 
 
-def _relative_error(actual, expected) -> float:
-    actual, expected = actual.double(), expected.double()
-    if not bool(torch.isfinite(actual).all()):
-        return float("inf")
-    scale = max(expected.abs().max().item(), 1e-6)
-    return (actual - expected).abs().max().item() / scale
-
-
 def _compare_with_torch(kernel, device, dtype, dk, dv) -> str | None:
+    """A small call through ``kernel``'s mapping against the torch kernel in float64 on
+    the same device: rows of unequal lengths and an empty one, a non-zero initial state,
+    chunk size 16, forward and the backward of both outputs."""
     tensors = _check_inputs(device, dk, dv)
     expected = _outputs_and_grads(TorchGdnKernel(), tensors, torch.float64)
     actual = _outputs_and_grads(kernel, tensors, dtype)
     names = ("o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
-    for name, a, e in zip(names, actual, expected):
-        if a.shape != e.shape:
-            return f"{name} has shape {tuple(a.shape)}, expected {tuple(e.shape)}"
-        err = _relative_error(a, e)
-        if not err <= _TOLERANCE[dtype]:
-            return (
-                f"{name} off by {err:.2g} relative (bound {_TOLERANCE[dtype]:g}); rows of "
-                f"lengths {_CHECK_LENGTHS}, an initial state, chunk size 16"
-            )
-    return None
+    note = f"; rows of lengths {_CHECK_LENGTHS}, an initial state, chunk size 16"
+    return compare_results(names, actual, expected, _TOLERANCE[dtype], note)
 
 
 # ------------------------------------------------------------------ choice
@@ -347,20 +208,11 @@ def select_gdn_kernel(
     ``auto`` fla where it can, else torch. Runs no kernel but fla's one-time self-check.
     Raises :class:`GdnKernelError` for an unknown name or a forced kernel that cannot run."""
     kernels = DEFAULT if kernels is None else kernels
-    if name not in GDN_KERNELS:
-        raise GdnKernelError(f"unknown GDN kernel {name!r}; valid: {', '.join(GDN_KERNELS)}")
-    if name != "auto":
-        kernel = kernels.get(name)
-        reason = _reason(kernel, device, dtype, dk, dv)
-        if reason is not None:
-            raise GdnKernelError(
-                f"GDN kernel {name!r} cannot run this call ({device.type}, {dtype}, dk={dk}, "
-                f"dv={dv}): it {reason}. kernel='auto' or 'torch' runs it with usp's torch kernel"
-            )
-        return kernel
-    fla = kernels.get("fla")
-    reason = _reason(fla, device, dtype, dk, dv)
-    if reason is None:
-        return fla
-    report_auto_skip("GDN kernel", fla.name, reason, "torch", logger, stacklevel=3)
-    return kernels.get("torch")
+    return choose(
+        name, ("torch", "fla"), kernels.get,
+        lambda _, kernel: _reason(kernel, device, dtype, dk, dv),
+        order=("fla", "torch"), kind="GDN kernel",
+        call=f"this call ({device.type}, {dtype}, dk={dk}, dv={dv})", log=logging.getLogger(__name__),
+        unknown=GdnKernelError, unable=GdnKernelError,
+        fix=lambda: "kernel='auto' or 'torch' runs it with usp's torch kernel",
+    )  # fmt: skip

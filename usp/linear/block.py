@@ -18,7 +18,7 @@ from usp.linear.kernel import compute_dtype, from_padded, l2norm, segment_rows, 
 from usp.linear.ring import Segments, conv_contexts, ring_all_gather, segment_tails, start_states
 from usp.ring.documents import Documents
 
-__all__ = ["BlockOptions", "RingPeers", "ring_block"]
+__all__ = ["BlockOptions", "ConvCall", "RingPeers", "conv_segments", "ring_block"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,43 @@ class RingPeers:
     group: object  # the ring's process group (None: a ring of one)
     stats: object  # the CommStats the all-gathers count in
     rank: int
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[..] -> [r, ..]: every ring rank's (zigzag with r = 1: this rank's)."""
+        return x[None] if self.group is None else ring_all_gather(x, self.group, self.stats)
+
+
+@dataclass(frozen=True)
+class ConvCall:
+    """A causal depthwise conv of a rank's channels: weight [C, K], bias [C] or None,
+    its kernel (:mod:`usp.linear.conv`), activation (None or "silu") and the activations'
+    dtype (what the kernel may run in)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    kernel: ConvKernel
+    activation: str | None
+    io_dtype: torch.dtype
+
+
+def conv_segments(x: torch.Tensor, conv: ConvCall, segments: Segments, ring: RingPeers,
+                  rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The conv of a rank's ring block x [B, S/r, C] (compute dtype) per segment, each
+    reading the last ``K - 1`` inputs of its document before it (one all-gather of the
+    segments' tails over the ring; zeros at a document's start) -> [B * N, L, C] in the
+    padded layout of ``rows`` / ``valid`` (:func:`usp.linear.kernel.segment_rows`; values
+    past a segment's end are not zero)."""
+    batch = x.shape[0]
+    x_pad = to_padded(x, rows, valid)  # [B*N, L, C]
+    width = conv.weight.shape[1] - 1
+    if segments.documents.chunks_per_doc == 1 or width == 0:
+        context = x_pad.new_zeros(x_pad.shape[0], width, x_pad.shape[2])
+    else:
+        tails = segment_tails(x_pad, segments, batch, width)  # [B, N, K-1, C]
+        every = ring.gather(tails)  # [r, B, N, K-1, C]
+        context = conv_contexts(every, segments, width).flatten(0, 1)
+    return conv.kernel.run(x_pad, conv.weight, context, conv.activation, io_dtype=conv.io_dtype,
+                           bias=conv.bias)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -48,24 +85,13 @@ def ring_block(tensors, documents: Documents, ring: RingPeers, ws, options: Bloc
     chained = documents.chunks_per_doc > 1  # a document's chunks follow one another
     chunk = options.chunk_size
 
-    def gather(x):  # [..] -> [r, ..]: every ring rank's (zigzag with r = 1: this rank's)
-        return x[None] if ring.group is None else ring_all_gather(x, ring.group, ring.stats)
-
     rows, valid, _ = segment_rows(segments.bounds)
     dtype = compute_dtype(v.dtype)
     mask = valid.repeat(batch, 1).to(v.device)[..., None, None]  # [B*N, L, 1, 1]
     if ws is not None:
         x = torch.cat([t.flatten(2) for t in (q, k, v)], dim=-1).to(dtype)  # [B, S/r, C]
-        x_pad = to_padded(x, rows, valid)  # [B*N, L, C]
-        width = ws[0].shape[1] - 1
-        if not chained or width == 0:
-            context = x_pad.new_zeros(x_pad.shape[0], width, x_pad.shape[2])
-        else:
-            tails = segment_tails(x_pad, segments, batch, width)  # [B, N, K-1, C]
-            every = gather(tails)  # [r, B, N, K-1, C]
-            context = conv_contexts(every, segments, width).flatten(0, 1)
-        weight = torch.cat(ws, 0)  # [C, K]
-        y = options.conv.run(x_pad, weight, context, options.activation, io_dtype=v.dtype)
+        conv = ConvCall(torch.cat(ws, 0), None, options.conv, options.activation, v.dtype)
+        y = conv_segments(x, conv, segments, ring, rows, valid)  # [B*N, L, C]
         qp, kp, vp = y.split([hk * dk, hk * dk, heads * dv], dim=-1)
         qp, kp = (t.unflatten(-1, (hk, dk)) for t in (qp, kp))
         vp = vp.unflatten(-1, (heads, dv))
@@ -95,7 +121,7 @@ def ring_block(tensors, documents: Documents, ring: RingPeers, ws, options: Bloc
         vp = torch.cat([vp, vp.new_zeros(*vp.shape[:3], dk)], dim=-1)
         o, maps = recurrence(vp, start)
         maps = maps.reshape(batch, segments.count, *maps.shape[1:])
-        every = gather(maps)  # [r, B, N, h, dk, dv + dk]
+        every = ring.gather(maps)  # [r, B, N, h, dk, dv + dk]
         s0 = start_states(every, segments, dv).flatten(0, 1)  # [B*N, h, dk, dv]
         o = o[..., :dv] + torch.einsum("nlhk,nhkv->nlhv", o[..., dv:], s0)
     return from_padded(o, valid, batch).to(v.dtype)

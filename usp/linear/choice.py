@@ -33,6 +33,11 @@ def plan_choice(given: str | None, plan, name: str) -> str:
     return AUTO_BACKEND if plan is None else getattr(plan, name)
 
 
+#: what head-split messages call Gated DeltaNet's two head counts (value heads over
+#: Ulysses; key heads repeated as attention's KV heads are)
+GDN_HEADS = ("value heads", "key heads")
+
+
 @dataclass(frozen=True)
 class GdnShape:
     """A Gated DeltaNet layer's heads and conv, as its kernels see them."""

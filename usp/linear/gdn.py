@@ -51,116 +51,35 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from usp.comm.agreement import Field, agree, can_agree, float_bits, stable_hash
+from usp.comm.agreement import agree, can_agree
 from usp.comm.traced import TracedGroup
 from usp.compile_marks import constant_result
 from usp.errors import InputError, ShardingError
-from usp.linear.backends import GDN_KERNELS, GdnKernel, GdnKernelError, select_gdn_kernel
+from usp.linear.backends import GdnKernel, GdnKernelError, select_gdn_kernel
 from usp.linear.block import BlockOptions, RingPeers, ring_block
-from usp.linear.choice import plan_choice
+from usp.linear.choice import GDN_HEADS, plan_choice
 from usp.linear.compiled import gdn_ring_block
-from usp.linear.conv import CONV_KERNELS, ConvKernel, ConvKernelError, select_conv_kernel
+from usp.linear.conv import ConvKernel, ConvKernelError, select_conv_kernel
+from usp.linear.gdn_checks import (
+    LinearAttentionError,
+    agreed_fields,
+    check_inputs,
+    inputs_grad_mask,
+)
+from usp.linear.heads import (
+    documents_of,
+    rank_channels,
+    replicated_channels,
+    to_head_sharded_by_dtype,
+)  # fmt: skip
 from usp.process_groups import HeadLayoutError, degrees
 from usp.ring.documents import Documents
 from usp.sp.attend import stand_in_packed
 from usp.sp.packing import PackedSequence
-from usp.sp.sharding import sequence_documents
-from usp.sp.ulysses import UlyssesHeadError, to_head_sharded, to_sequence_sharded
+from usp.sp.placed import run_placed, shard_packing_or_error
+from usp.sp.ulysses import UlyssesHeadError, to_sequence_sharded
 
 __all__ = ["LinearAttentionError", "gated_deltanet_usp"]
-
-ACTIVATIONS = (None, "silu")
-
-
-class LinearAttentionError(InputError):
-    """Inputs or options the Gated DeltaNet path cannot compute."""
-
-
-def _check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale):
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4:
-        raise LinearAttentionError(
-            f"q and k must be [B, S, Hk, dk] of one shape and v [B, S, H, dv]; got q "
-            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if v.shape[:2] != q.shape[:2] or g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
-        raise LinearAttentionError(
-            f"g and beta must be [B, S, H] = {tuple(v.shape[:3])} and q, v share [B, S]; got "
-            f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, q {tuple(q.shape)}"
-        )
-    if len({q.dtype, k.dtype, v.dtype}) != 1 or g.dtype != beta.dtype:
-        raise LinearAttentionError(
-            f"q, k, v must share a dtype and g, beta another; got {q.dtype}, {k.dtype}, "
-            f"{v.dtype} and {g.dtype}, {beta.dtype}"
-        )
-    if v.shape[2] % q.shape[2]:
-        raise LinearAttentionError(
-            f"{v.shape[2]} value heads are not a multiple of {q.shape[2]} key heads"
-        )
-    if activation not in ACTIVATIONS:
-        raise LinearAttentionError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise LinearAttentionError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise LinearAttentionError(f"scale must be a number or None, got {scale!r}")
-    if conv_weights is not None:
-        expected = [q.shape[2] * q.shape[3], k.shape[2] * k.shape[3], v.shape[2] * v.shape[3]]
-        ws = list(conv_weights)
-        if len(ws) != 3 or any(w.dim() != 2 for w in ws):
-            raise LinearAttentionError("conv_weights must be (wq, wk, wv), each [channels, kernel]")
-        got = [w.shape[0] for w in ws]
-        kernels = {w.shape[1] for w in ws}
-        if got != expected or len(kernels) != 1:
-            raise LinearAttentionError(
-                f"conv_weights must be [channels, kernel] with channels {expected} and one "
-                f"kernel size; got {[tuple(w.shape) for w in ws]}"
-            )
-
-
-def _documents(plan, seq_len: int, packed) -> Documents:
-    if plan is None:
-        if isinstance(packed, PackedSequence):
-            packed = packed.cu_seqlens
-        return sequence_documents(seq_len, 1, 1, "contiguous", packed)
-    if isinstance(packed, PackedSequence) or packed is None:
-        packed = plan.packed_sequence(packed, seq_len=seq_len)
-        if packed is not None:
-            return packed.documents
-    return sequence_documents(seq_len, plan.ring_degree, plan.ulysses_degree, plan.layout, packed)
-
-
-_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-
-
-def _fields(q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents, choices):
-    """What the SP ranks must agree on before the first collective."""
-    kernel = -1 if conv_weights is None else conv_weights[0].shape[1]
-    dtype = _DTYPES.index(v.dtype) if v.dtype in _DTYPES else len(_DTYPES)
-    options = (ACTIVATIONS.index(activation) if activation in ACTIVATIONS else -1,
-               float_bits(-1.0 if scale is None else scale), int(use_qk_l2norm))  # fmt: skip
-    docs = 0 if documents is None else stable_hash(documents.lengths)
-    return [
-        Field("q shape", stable_hash(q.shape), _hashed),
-        Field("v shape", stable_hash(v.shape), _hashed),
-        Field("dtype", dtype, lambda i: str(_DTYPES[i]) if i < len(_DTYPES) else "other"),
-        Field("conv kernel", kernel),
-        Field("chunk_size", chunk_size if isinstance(chunk_size, int) else -1),
-        Field("activation, scale, use_qk_l2norm", stable_hash(options), _hashed),
-        Field("documents", docs, _hashed),
-        Field(
-            "GDN kernel (auto, torch or fla)",
-            GDN_KERNELS.index(choices[0]) if choices[0] in GDN_KERNELS else -1,
-            lambda i: GDN_KERNELS[i] if i >= 0 else "unknown",
-        ),
-        Field(
-            "conv kernel (auto, torch or causal_conv1d)",
-            CONV_KERNELS.index(choices[1]) if choices[1] in CONV_KERNELS else -1,
-            lambda i: CONV_KERNELS[i] if i >= 0 else "unknown",
-        ),
-    ]
-
-
-def _hashed(value: int) -> str:
-    return f"hash {value & 0xFFFFFFFF:08x}"
 
 
 def gated_deltanet_usp(
@@ -207,16 +126,18 @@ def gated_deltanet_usp(
     ``GdnKernelError`` / ``ConvKernelError`` for a kernel that cannot run) on every SP
     rank, before any data moves, for what it cannot compute.
     """
+    options = (conv_weights, activation, packed, scale, use_qk_l2norm, chunk_size, kernel,
+               kernels, conv_kernel, conv_kernels)  # fmt: skip
+    if packed is not None and getattr(plan, "placement", None) == "documents":
+        return _placed(q, k, v, g, beta, plan, options)
     if torch.compiler.is_compiling():
-        return _compiled(
-            q, k, v, g, beta, plan, conv_weights, activation, packed, scale, use_qk_l2norm,
-            chunk_size, kernel, kernels, conv_kernel, conv_kernels,
-        )  # fmt: skip
+        return _compiled(q, k, v, g, beta, plan, *options)
     u = 1 if plan is None else plan.ulysses_degree
     r = 1 if plan is None else plan.ring_degree
+    grad = inputs_grad_mask(q, k, v, g, beta, conv_weights)
     checked = _checked(
         q, k, v, g, beta, plan, conv_weights, activation, packed, scale, use_qk_l2norm,
-        chunk_size, kernel, kernels, conv_kernel, conv_kernels,
+        chunk_size, kernel, kernels, conv_kernel, conv_kernels, grad,
     )  # fmt: skip
     stats = None if plan is None else plan.comm_stats
     ulysses = None if u == 1 else plan.ulysses_group
@@ -236,6 +157,33 @@ def gated_deltanet_usp(
     return out
 
 
+def _placed(q, k, v, g, beta, plan, options) -> torch.Tensor:
+    """placement="documents" (:mod:`usp.sp.placed`): the split documents' rows under SP,
+    the rank's whole documents in one process (the plan's ``whole_plan``, same kernels),
+    concatenated."""
+    if torch.compiler.is_compiling():
+        raise LinearAttentionError(
+            "placement='documents' runs eagerly: call it without torch.compile"
+        )
+    conv_weights, activation, packed, *rest = options
+    placed, error = shard_packing_or_error(plan, packed, v.shape[1], v.device, _ERRORS)
+    names = ("scale", "use_qk_l2norm", "chunk_size", "kernel", "kernels", "conv_kernel",
+             "conv_kernels")  # fmt: skip
+    keywords = dict(zip(names, rest), conv_weights=conv_weights, activation=activation)
+
+    def call(part_plan, parts, part):
+        return gated_deltanet_usp(*parts, part_plan, packed=part, **keywords)
+
+    def check_whole(parts):
+        grad = inputs_grad_mask(*parts, conv_weights)
+        _checked(*parts, plan.whole_plan, conv_weights, activation, placed.whole, *rest, grad)
+
+    return run_placed(
+        plan, placed, [q, k, v, g, beta], call, what="gated_deltanet_usp (whole documents)",
+        check_whole=check_whole, errors=_ERRORS, verify=None, error=error,
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class _Checked:
     """A call checked on this rank and agreed by the SP ranks: the key heads' repeat
@@ -249,23 +197,28 @@ class _Checked:
 
 def _checked(
     q, k, v, g, beta, plan, conv_weights, activation, packed, scale, use_qk_l2norm,
-    chunk_size, kernel, kernels, conv_kernel, conv_kernels,
+    chunk_size, kernel, kernels, conv_kernel, conv_kernels, grad: int,
 ) -> _Checked:  # fmt: skip
     """Everything that could fail, checked on this rank and agreed across the SP ranks
-    (the same error on every rank) before the first collective."""
+    (the same error on every rank) before the first collective (:mod:`usp.linear.
+    gdn_checks`); ``grad``: which inputs require grad (a grad mask, agreed too)."""
     u = 1 if plan is None else plan.ulysses_degree
     r = 1 if plan is None else plan.ring_degree
     kernel = plan_choice(kernel, plan, "linear_backend")
     conv_kernel = plan_choice(conv_kernel, plan, "linear_conv_backend")
     error, documents, times, impl, conv_impl = None, None, 1, None, None
     try:
-        _check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale)
+        check_inputs(q, k, v, g, beta, conv_weights, activation, chunk_size, scale)
+        if not isinstance(use_qk_l2norm, bool):
+            raise LinearAttentionError(
+                f"use_qk_l2norm must be True or False, got {use_qk_l2norm!r}"
+            )
         times = degrees.kv_replication_for(
-            v.shape[2], q.shape[2], u, u * r, error=UlyssesHeadError,
+            v.shape[2], q.shape[2], u, u * r, error=UlyssesHeadError, names=GDN_HEADS,
             subject=f"cannot split {v.shape[2]} GDN value heads / {q.shape[2]} key heads "
             f"over ulysses={u}",
         )  # fmt: skip
-        documents = _documents(plan, v.shape[1] * u * r, packed)
+        documents = documents_of(plan, v.shape[1] * u * r, packed)
         dk, dv = q.shape[3], v.shape[3]
         if documents.chunks_per_doc > 1:  # the ring's state pass adds d_k value columns
             dv += dk
@@ -285,9 +238,9 @@ def _checked(
     except (InputError, HeadLayoutError) as err:
         error = err
     if plan is not None and plan.sp_degree > 1 and can_agree(plan.sp_group):
-        fields = _fields(
-            q, v, conv_weights, activation, chunk_size, scale, use_qk_l2norm, documents,
-            (kernel, conv_kernel),
+        fields = agreed_fields(
+            (q, k, v, g, beta), conv_weights, activation, chunk_size, scale, use_qk_l2norm,
+            documents, (kernel, conv_kernel), grad,
         )  # fmt: skip
         agree(plan.sp_group, "gated_deltanet_usp", fields, error, _ERRORS)
     if error is not None:
@@ -307,45 +260,16 @@ def _to_heads(q, k, v, g, beta, conv_weights, times, ulysses, stats, ulysses_ran
     group, its TracedGroup in a compiled graph, or None (u = 1)."""
     if times > 1:  # key heads repeated so that u ranks split them
         q, k = (t.repeat_interleave(times, dim=2) for t in (q, k))
-    ws = None if conv_weights is None else _replicated_weights(conv_weights, q, k, times)
+    ws = None
+    if conv_weights is not None:  # the key heads' channels repeated as the heads are
+        ws = [*replicated_channels(conv_weights[:2], q.shape[2] // times, times), conv_weights[2]]
     tensors = [q, k, v, g[..., None], beta[..., None]]
     if u > 1:
-        tensors = _to_head_sharded(tensors, ulysses, stats)
+        tensors = to_head_sharded_by_dtype(tensors, ulysses, stats)
         if ws is not None:
-            ws = _rank_weights(ws, u, ulysses_rank)
+            ws = rank_channels(ws, u, ulysses_rank)
     q, k, v, g, beta = tensors
     return q, k, v, g[..., 0], beta[..., 0], ws
-
-
-def _to_head_sharded(tensors, group, stats):
-    """One all-to-all per dtype (the decay may be float32 next to bfloat16 q, k, v: an
-    all-to-all moves one dtype, and casting the decay would lose it)."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(index)
-    out = list(tensors)
-    for indices in by_dtype.values():
-        moved = to_head_sharded([tensors[i] for i in indices], group, stats)
-        for i, t in zip(indices, moved):
-            out[i] = t
-    return out
-
-
-def _replicated_weights(conv_weights, q, k, times):
-    wq, wk, wv = conv_weights
-    if times == 1:
-        return [wq, wk, wv]
-    heads = q.shape[2] // times
-    return [
-        w.reshape(heads, -1, w.shape[-1]).repeat_interleave(times, 0).reshape(-1, w.shape[-1])
-        for w in (wq, wk)
-    ] + [wv]
-
-
-def _rank_weights(ws, u, rank):
-    """The channels of this Ulysses rank's heads (rank j holds the j-th 1/u of the heads;
-    channels are head-major)."""
-    return [w[rank * (w.shape[0] // u) : (rank + 1) * (w.shape[0] // u)] for w in ws]
 
 
 # ------------------------------------------------------------------ compiled graphs
@@ -392,6 +316,7 @@ def _compiled(
         plan_type, topology, choices, tensors, ws_sig, activation, packed_sig, scale,
         use_qk_l2norm, chunk_size, kernel, conv_kernel,
         kernels is not None or conv_kernels is not None,
+        inputs_grad_mask(q, k, v, g, beta, conv_weights),
     )  # fmt: skip
     u = 1 if call.ulysses is None else call.ulysses.size
     q, k, v_local, g, beta, ws = _to_heads(
@@ -427,7 +352,7 @@ def _stand_in(signature):
 @constant_result
 def traced_gdn(
     plan_type, topology, choices, tensors, ws_sig, activation, packed_sig, scale,
-    use_qk_l2norm, chunk_size, kernel, conv_kernel, own_kernels,
+    use_qk_l2norm, chunk_size, kernel, conv_kernel, own_kernels, grad=0,
 ) -> TracedGdn:  # fmt: skip
     """The checked call of a compiled graph, run eagerly while Dynamo traces: the eager
     checks and agreement (:func:`_checked`) on stand-ins of the tensors (``tensors``: the
@@ -448,11 +373,11 @@ def traced_gdn(
         )
     plan = None if plan_type is None else plan_type.lasting(topology, *choices)
     key = ("gated_deltanet_usp", tensors, ws_sig, activation, packed_sig, scale, use_qk_l2norm,
-           chunk_size, kernel, conv_kernel)  # fmt: skip
+           chunk_size, kernel, conv_kernel, grad)  # fmt: skip
     call = None if plan is None else plan.traced_calls.get(key)
     if call is None:
         call = _traced_call(plan, tensors, ws_sig, activation, packed_sig, scale,
-                            use_qk_l2norm, chunk_size, kernel, conv_kernel)  # fmt: skip
+                            use_qk_l2norm, chunk_size, kernel, conv_kernel, grad)  # fmt: skip
         if plan is not None:
             plan.traced_calls.put(key, call)
     return call
@@ -460,7 +385,7 @@ def traced_gdn(
 
 def _traced_call(
     plan, tensors, ws_sig, activation, packed_sig, scale, use_qk_l2norm, chunk_size, kernel,
-    conv_kernel,
+    conv_kernel, grad,
 ) -> TracedGdn:  # fmt: skip
     """:func:`traced_gdn`'s checks, on stand-ins, and what the graph takes from them."""
     q, k, v, g, beta = (_stand_in(s) for s in tensors)
@@ -468,7 +393,7 @@ def _traced_call(
     packed = None if packed_sig is None or plan is None else stand_in_packed(plan, packed_sig)
     checked = _checked(
         q, k, v, g, beta, plan, ws, activation, packed, scale, use_qk_l2norm, chunk_size,
-        kernel, None, conv_kernel, None,
+        kernel, None, conv_kernel, None, grad,
     )  # fmt: skip
     u = 1 if plan is None else plan.ulysses_degree
     r = 1 if plan is None else plan.ring_degree

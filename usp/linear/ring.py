@@ -136,19 +136,43 @@ def conv_contexts(tails: torch.Tensor, segments: Segments, width: int) -> torch.
 
 
 def start_states(pairs: torch.Tensor, segments: Segments, dv: int) -> torch.Tensor:
-    """Each local segment's start state from every segment's affine map.
+    """Each local segment's start state from every segment's affine map (the delta rule).
 
     ``pairs`` [r, B, N, H, dk, dv + dk]: segment maps computed from the state [0 | I]
     (columns :dv are B, the rest M: S_end = M S_start + B). Returns [B, N, H, dk, dv]."""
+    zero = pairs[0, :, : segments.num_docs, ..., :dv] * 0  # in the graph on every rank
+    return compose_in_chunk_order(
+        pairs, segments, zero, lambda pair, state: pair[..., dv:] @ state + pair[..., :dv]
+    )
+
+
+def scalar_start_states(maps: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """Each local segment's start state from every segment's map under a scalar decay
+    per head (Mamba-2): ``maps`` [r, B, N, H, X + 1], the state a segment reaches from
+    zero (X numbers: dk * dv, flattened) and its decay product exp(sum g):
+    S_end = decay S_start + B. Returns [B, N, H, X]."""
+    zero = maps[0, :, : segments.num_docs, :, :-1] * 0
+    return compose_in_chunk_order(
+        maps, segments, zero, lambda m, state: m[..., -1:] * state + m[..., :-1]
+    )
+
+
+def compose_in_chunk_order(maps: torch.Tensor, segments: Segments, zero, step) -> torch.Tensor:
+    """The prefix scan of segment maps in chunk order, on every rank: ``maps`` [r, B, N, ..]
+    (every ring rank's segments), ``zero`` [B, docs, ..] a document's start state (a
+    tensor computed from ``maps``, so that every rank's gathered maps are in its graph and
+    every rank enters the backward's reduce-scatter, see :func:`conv_contexts`), ``step``
+    (map [B, docs, ..], state) -> the state after that chunk. Returns each local
+    segment's start state [B, N, ..]."""
     docs = segments.num_docs
     chunks = segments.documents.chunks_per_doc
     needed = max(segments.chunk(s) for s in range(segments.count))
-    state = pairs[0, :, :docs, ..., :dv] * 0  # in the graph on every rank (see above)
+    state = zero
     before = [state]  # before[c]: every document's state at the start of chunk c
     for c in range(min(needed, chunks)):
         sources = [segments.source(c, d) for d in range(docs)]
-        pair = torch.stack([pairs[rank, :, index] for rank, index in sources], dim=1)
-        state = pair[..., dv:] @ state + pair[..., :dv]
+        chunk_maps = torch.stack([maps[rank, :, index] for rank, index in sources], dim=1)
+        state = step(chunk_maps, state)
         before.append(state)
     return torch.stack(
         [before[segments.chunk(s)][:, segments.doc(s)] for s in range(segments.count)], dim=1

@@ -25,7 +25,7 @@ from pathlib import Path
 from usp.models.batch import ShardedBatch, shard_batch
 from usp.models.checkpoint import CheckpointError, checkpoint_dir
 from usp.models.config import DecoderConfig, ModelConfigError, read_config_json
-from usp.models.counts import ModelCounts, model_counts, training_flops
+from usp.models.counts import ModelCounts, document_cost, model_counts, training_flops
 from usp.models.decoder import CausalLM
 from usp.models.family import (
     FAMILIES,
@@ -110,6 +110,7 @@ __all__ = [
     "count_labels",
     "cross_entropy_sum",
     "decoder_layers",
+    "document_cost",
     "family_for_hf",
     "family_named",
     "family_of",

@@ -104,7 +104,7 @@ def shard_batch(
         packed = plan.packed_sequence(cu_seqlens, seq_len=input_ids.shape[1])
         cu_seqlens = packed.cu_seqlens
         if fingerprint is not None:
-            fields = [documents_field(packed.fingerprint), batch_field(fingerprint)]
+            fields = [documents_field(packed.bounds, "cu_seqlens"), batch_field(fingerprint)]
             agree(plan.sp_group, "shard_batch", fields)
     elif cu_seqlens is not None:  # one exchange agrees on the boundaries and the batch
         packed = plan.pack(cu_seqlens, device=device, batch_fingerprint=fingerprint)

@@ -86,6 +86,7 @@ class DecoderConfig:
     shape_fields: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         for name in (*REQUIRED_KEYS, "num_key_value_heads"):
@@ -359,3 +360,37 @@ def merge_alias(config: dict[str, Any], keep: str, alias: str, *, source: str) -
         raise ModelConfigError(
             f"{source}: {named[0][0]}({named[0][1]}) and {named[1][0]}({named[1][1]}) differ"
         )
+
+
+#: scalar annotations :func:`check_field_types` checks, and what they take
+_SCALARS = {
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": (
+        "a number",
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    ),
+}
+
+
+def check_field_types(config) -> None:
+    """A ModelConfigError naming the first field of ``config`` (a dataclass) whose value
+    is not of its annotated scalar type (``bool``, ``int``, ``float``, each optionally
+    ``| None``): ``output_router_logits = "false"`` is a string, and truthy, so it would
+    turn the auxiliary loss on."""
+    for f in dataclasses.fields(config):
+        kind = f.type.removesuffix(" | None") if isinstance(f.type, str) else None
+        if kind not in _SCALARS:
+            continue
+        value = getattr(config, f.name)
+        if value is None and f.type.endswith(" | None"):
+            continue
+        expected, fits = _SCALARS[kind]
+        if not fits(value):
+            optional = " or null" if f.type.endswith(" | None") else ""
+            got = (
+                f"the string {value!r} (write it without quotes)"
+                if isinstance(value, str)
+                else repr(value)
+            )
+            raise ModelConfigError(f"{f.name} must be {expected}{optional}, got {got}")

@@ -15,6 +15,7 @@ from torch import nn
 
 from usp.models.family import decoder_layers, family_of
 from usp.models.mixers import ATTENTION, MIXER_OF_KIND, MIXERS
+from usp.sp.assignment import DocumentCost
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,28 @@ class ModelCounts:
         linear = 3 * self.linear_flops_per_token * tokens
         return 6 * self.matmul * tokens + self.attention_flops(square) + linear
 
+    def document_cost(self) -> DocumentCost:
+        """What ``placement="documents"`` balances for this model
+        (:class:`usp.sp.assignment.DocumentCost`), in the units of
+        :meth:`training_flops`: ``6 * matmul`` + 3x the linear-attention recurrence per
+        token; per (query, key) pair and softmax-attention layer ``12 * H * head_dim``
+        (:meth:`attention_flops` counts ``n^2`` for the ``n^2 / 2`` pairs), grouped by
+        sliding window; a split document's recurrence once more per token on a ring (its
+        state pass adds d_k value columns: about 2x the kernel for d_k = d_v)."""
+        per_pair = 12 * self.heads * self.head_dim
+        if self.windows:
+            groups: dict[int | None, int] = {}
+            for window in self.windows:
+                groups[window] = groups.get(window, 0) + 1
+            attention = tuple((w, per_pair * n) for w, n in groups.items())
+        else:
+            layers = self.layers if self.attention_layers is None else self.attention_layers
+            attention = ((None, per_pair * layers),) if layers else ()
+        linear = 3 * self.linear_flops_per_token
+        return DocumentCost(
+            token_flops=6 * self.matmul + linear, attention=attention, linear_ring_flops=linear
+        )
+
 
 def _window_square(lengths: list[int], window: int | None) -> int:
     """What ``n^2`` stands for in :meth:`ModelCounts.attention_flops` (twice the visible
@@ -132,6 +155,12 @@ def model_counts(config) -> ModelCounts:
             MIXERS[m].flops_per_token(config) for m in mixers if MIXERS[m].flops_per_token
         ),
     )
+
+
+def document_cost(config) -> DocumentCost:
+    """:meth:`ModelCounts.document_cost` of ``config``: pass it to
+    ``usp.Plan(..., placement="documents", placement_cost=...)``."""
+    return model_counts(config).document_cost()
 
 
 def training_flops(config, document_lengths: list[int]) -> float:

@@ -313,7 +313,7 @@ class CausalLM(nn.Module):
         the MoE layers ([2E + 1], :func:`usp.models.moe.router_stats`; nothing without
         experts)."""
         packed = pack_once(self.plan, cu_seqlens, input_ids)
-        global_len = input_ids.shape[1] * self.plan.sp_degree
+        global_len = input_ids.shape[1] * self.plan.sp_degree if packed is None else packed.seq_len
         if position_ids is None:
             position_ids = self.plan.position_ids(
                 global_len, packed=packed, device=input_ids.device

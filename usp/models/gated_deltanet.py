@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from usp.linear.choice import GdnShape, forced_kernel_refusal
+from usp.linear.choice import GDN_HEADS, GdnShape, forced_kernel_refusal
 from usp.linear.module import GatedDeltaNet
 from usp.process_groups.degrees import kv_replication_for
 
@@ -39,7 +39,7 @@ def check_linear_heads(plan, config) -> None:
     values, keys = config.linear_num_value_heads, config.linear_num_key_heads
     kv_replication_for(
         values, keys, plan.ulysses_degree, plan.sp_degree,
-        plan.topology.rank_map.ranks_per_node,
+        plan.topology.rank_map.ranks_per_node, names=GDN_HEADS,
         subject=f"this model's {values} GDN value heads / {keys} key heads cannot be split "
         f"over ulysses={plan.ulysses_degree}",
     )  # fmt: skip

@@ -2,8 +2,8 @@
 ``AttentionInterface`` and the loss an HF user needs.
 
     plan = usp.Plan(topology)
-    name = usp.models.hf.register(plan)               # before building the model
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    name = usp.models.hf.register(plan, model=model)  # checks it, switches its attention
     batch = usp.models.shard_batch(plan, input_ids)   # global -> this rank's shard
     logits = model(**batch.hf_kwargs()).logits        # [B, S/P, V]
     loss = usp.models.hf.sp_loss(logits, batch.labels, plan)
@@ -12,10 +12,13 @@
 
 Every model that calls attention through ``AttentionInterface`` (Llama, Qwen2/3,
 Mistral, Gemma 3 and gpt-oss with their sliding windows, gpt-oss's attention sinks
-(``s_aux``), ...) runs this way, if nothing else in
-it mixes tokens: under SP a hybrid model (Mamba, linear attention, short convolutions) is
-refused before its first forward computes anything (:mod:`usp.models.hf_mixers`). What the model must
-be given: this rank's ``input_ids`` shard, the tokens' global ``position_ids`` (HF would
+(``s_aux``), ...) runs this way, if nothing else in it mixes tokens: under SP any other
+model (Mamba, linear attention, short convolutions, attention code of its own, absolute
+positions it numbers per shard) is refused before its first forward computes anything
+(:mod:`usp.models.hf_mixers`), whatever the order of the recipe: the model given to
+``register``, or one built with the name afterwards (``from_pretrained(path,
+attn_implementation=name)``: :mod:`usp.models.hf_watch` sees transformers build it). What
+the model must be given: this rank's ``input_ids`` shard, the tokens' global ``position_ids`` (HF would
 otherwise number the shard 0..S/P-1), ``use_cache=False``, and for packed documents
 ``usp_packed=plan.pack(cu_seqlens)`` or the global ``cu_seq_lens_q/k`` (forwarded to
 every attention call). Do not pass ``labels=`` to the HF model under SP: its loss shifts
@@ -28,7 +31,9 @@ padding-free packing (``cu_seq_lens_q/k``, or in one process ``position_ids`` th
 restart per document) becomes usp's packed documents; ``is_causal`` (the module's, the
 config's or a keyword) is respected; under ``torch.autocast`` q/k/v are computed in the
 autocast dtype, as sdpa computes them; a module's ``head_chunks`` (set by
-``usp.models.Levers``) goes to the ring. :func:`shard_flattened` turns a
+``usp.models.Levers``) goes to the ring; a vision-language model's encoders, multimodal
+positions and mask overlays are computed or refused (:mod:`usp.models.hf_multimodal_checks`).
+:func:`shard_flattened` turns a
 ``DataCollatorWithFlattening`` batch into this rank's part (documents padded to the
 layout, labels shifted per document, ``usp_packed``).
 """
@@ -60,6 +65,8 @@ from usp.models.hf_mixers import (  # noqa: F401
     check_model,
     swap_linear_attention,
 )
+from usp.models.hf_multimodal_checks import MultimodalChecks, is_encoder_config
+from usp.models.hf_watch import watch_construction
 from usp.models.labels import IGNORE_INDEX
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, loss_dtype, sp_cross_entropy, sp_normalise
 from usp.sp.plan import as_plan
@@ -80,11 +87,15 @@ def _transformers():
 
 def register(plan, *, name: str = "usp", model=None, **attention_options) -> str:
     """Register USP attention in ``transformers.AttentionInterface`` under ``name`` and
-    return the name (give it as ``attn_implementation=``; register before building the
-    model). ``plan``: a Plan (or a Topology, or None for one process, made into a Plan
-    here); ``attention_options`` (``layout``, ``ring_impl``, ``backend``) go into the
+    return the name. ``plan``: a Plan (or a Topology, or None for one process, made into a
+    Plan here); ``attention_options`` (``layout``, ``ring_impl``, ``backend``) go into the
     plan. Registering a name again replaces it (transformers keeps one global table):
     use one name per plan.
+
+    ``model`` (an already built model, the recipe's way): it is checked here and switched
+    to the name (``model.set_attn_implementation(name)``). Without it, give the name as
+    ``attn_implementation=`` to a model built afterwards (transformers checks the name
+    when it builds the model).
 
     Also registers a usp mask function under ``name`` in transformers'
     ``AttentionMaskInterface`` (:func:`usp.models.hf_inputs.padding_mask_function`): it
@@ -92,17 +103,28 @@ def register(plan, *, name: str = "usp", model=None, **attention_options) -> str
     mask function is refused.
 
     Under SP (more than one SP rank) a model that mixes tokens outside attention (Mamba,
-    linear attention, short convolutions: :mod:`usp.models.hf_mixers`) is refused with a
+    linear attention, short convolutions, attention code of its own, absolute positions
+    it numbers per shard: :mod:`usp.models.hf_mixers`) is refused with a
     :class:`~usp.models.hf_mixers.TokenMixerError` before its first forward computes
-    anything: here when ``model`` (an already built model) is given, else at the first
-    attention or mask call, from a meta-device build of the model's config. Qwen3.5's
-    Gated DeltaNet layers are computed by usp once :func:`swap_linear_attention` put its
-    module in their place; pass that model here (the config alone describes
-    transformers' layers, which are refused)."""
+    anything, whatever the order: here when ``model`` is given; for a model built with
+    the name, at its first call (:mod:`usp.models.hf_watch` sees it being built); for
+    one switched to the name later, at its first mask or attention call, from a
+    meta-device build of its config. Qwen3.5's Gated DeltaNet layers are computed by usp
+    once :func:`swap_linear_attention` put its module in their place; pass that model
+    here (the config alone describes transformers' layers, which are refused). A plan
+    with ``placement="documents"`` is refused (the plug-in shards along the sequence)."""
     transformers = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
 
     plan = as_plan(plan, **attention_options)
+    if plan.placement == "documents":  # a plan option: the same refusal on every rank
+        raise ValueError(
+            'usp.models.hf.register: a plan with placement="documents" (documents placed '
+            "whole by length) is not supported by the HF plug-in yet: its batches, labels "
+            "and positions are sharded along the sequence; build the plan with "
+            'placement="sequence" (the default), or train a usp model family (usp train, '
+            "usp.models.from_pretrained), which places documents"
+        )
     if not isinstance(name, str) or not name or name.startswith(_BUILTIN_PREFIXES):
         raise ValueError(
             f"name {name!r} would shadow one of transformers' own attention implementations "
@@ -119,12 +141,27 @@ def register(plan, *, name: str = "usp", model=None, **attention_options) -> str
     if model is not None:
         check.accept(model)
     seen = PaddingSeen()
-    AttentionMaskInterface.register(name, padding_mask_function(plan, name, seen, check))
-    transformers.AttentionInterface.register(name, _attention_function(plan, name, seen, check))
+    multimodal = MultimodalChecks(plan, name)  # encoders, multimodal positions, overlays
+
+    def check_model_of(config):
+        if not is_encoder_config(config):  # an encoder's masks: over its own patches
+            check(config)
+
+    mask_function = padding_mask_function(plan, name, seen, check_model_of)
+    mask_function.usp_check = check  # what models built with the name meet (hf_watch)
+    AttentionMaskInterface.register(name, multimodal.wrap_mask_function(mask_function))
+    transformers.AttentionInterface.register(
+        name, _attention_function(plan, name, seen, check, multimodal)
+    )
+    watch_construction()  # models built with the name meet the check before their forward
+    if model is not None:
+        model.set_attn_implementation(name)
     return name
 
 
-def _attention_function(plan, name: str, seen: PaddingSeen, check: MixerCheck):
+def _attention_function(
+    plan, name: str, seen: PaddingSeen, check: MixerCheck, multimodal: MultimodalChecks
+):
     packed_inputs = PackedInputs(plan, name)  # one PackedSequence per forward
 
     def usp_attention_forward(
@@ -142,6 +179,14 @@ def _attention_function(plan, name: str, seen: PaddingSeen, check: MixerCheck):
     ):
         """query [B, H, S/P, D], key/value [B, Hkv, S/P, D] (after RoPE) ->
         (out [B, S/P, H, D], None)."""
+        if is_encoder_config(getattr(module, "config", None)):  # a vision/audio tower
+            return multimodal.encoder_attention(
+                module, query, key, value, attention_mask, packed_inputs.agreed,
+                dropout=dropout, scaling=scaling, is_causal=is_causal,
+                sliding_window=sliding_window, softcap=softcap, **kwargs,
+            )  # fmt: skip
+        causal = seen.causal(module, is_causal, name)  # from the masks built before
+        seen.close_group()  # the layers of this forward have started
         check(getattr(module, "config", None))  # the model mixes tokens only here (SP)
         unsupported = {
             "a 4-D attention_mask (or another prepared mask)": attention_mask is not None,
@@ -162,7 +207,6 @@ def _attention_function(plan, name: str, seen: PaddingSeen, check: MixerCheck):
                 f"USP attention got {query.shape[2]} query tokens but {key.shape[2]} key "
                 "tokens: call the model with use_cache=False (no KV cache under SP)"
             )
-        causal = _is_causal(module, is_causal)
         if sliding_window is not None and not causal:
             raise HFInputError(
                 f"attn_implementation={name!r} (USP attention) computes sliding windows of "
@@ -177,8 +221,13 @@ def _attention_function(plan, name: str, seen: PaddingSeen, check: MixerCheck):
                 "(is_causal=False): every real token would attend to the pads; give rows "
                 "without padding, or pack them (DataCollatorWithFlattening, usp_packed)",
             )
+        problem = multimodal.layer_problem(module, kwargs, causal)  # images, overlays
         batch, _, local_len, _ = query.shape
-        packed = packed_inputs(batch, local_len, query.device, kwargs)
+        config = getattr(module, "config", None)  # use_cache is refused under SP
+        use_cache = bool(kwargs.get("use_cache")) or check.cache_requested(config)
+        packed = packed_inputs(
+            batch, local_len, query.device, {**kwargs, "use_cache": use_cache}, problem=problem
+        )
         # [B, H, S/P, D] -> [B, S/P, H, D]; under autocast in its dtype, as sdpa is
         q, k, v, autocast_off = _as_sdpa_casts(query, key, value)
         with autocast_off:
@@ -207,14 +256,6 @@ def _as_sdpa_casts(query, key, value):
     dtype = torch.get_autocast_dtype(device_type)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     return q, k, v, torch.autocast(device_type, enabled=False)
-
-
-def _is_causal(module, is_causal: bool | None) -> bool:
-    """As sdpa decides it: the keyword, else ``module.is_causal``; a config with
-    ``is_causal=False`` makes the model bidirectional whatever the module says."""
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    config = getattr(module, "config", None)
-    return bool(causal) and bool(getattr(config, "is_causal", True))
 
 
 def shard_flattened(
@@ -352,7 +393,7 @@ def causal_lm_loss(
 def check_chunked_loss(model) -> None:
     """A ValueError when ``model``'s logits are more than ``lm_head(hidden)`` (softcapping,
     scaling, a bias), which the chunked loss would leave out."""
-    config = model.config
+    config = model.config.get_text_config()  # a vision-language model's: its text part's
     for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(config, attr, None) not in (None, 1, 1.0):
             raise ValueError(

@@ -58,10 +58,14 @@ class PackedInputs:
         #: the documents the traces of compiled graphs resolved (see traced_documents)
         self.traced = TraceCache()
 
-    def __call__(self, batch: int, local_len: int, device, kwargs: dict):
+    def __call__(self, batch: int, local_len: int, device, kwargs: dict, problem=None):
+        """``problem``: a refusal the caller found for this call (a message, raised as an
+        HFInputError after the SP ranks agreed, so that every rank raises it)."""
         if torch.compiler.is_compiling():
+            if problem is not None:  # a verdict of what the trace sees: the same on every rank
+                raise HFInputError(problem)
             return self.in_graph(batch, local_len, device, kwargs)
-        return self._resolve_eager(batch, local_len, device, kwargs)
+        return self._resolve_eager(batch, local_len, device, kwargs, problem)
 
     def in_graph(self, batch: int, local_len: int, device, kwargs: dict):
         """The same verdicts inside a compiled graph. Documents (``usp_packed`` or
@@ -73,6 +77,7 @@ class PackedInputs:
         every SP rank alike). In one process without documents, position_ids that restart
         fail the check (they would be packed documents, which need a description)."""
         plan, name = self.plan, self.name
+        refuse_cache(plan, kwargs, local_len, name)  # a Python bool: decided while tracing
         usp_packed = kwargs.get(PACKED_KWARG)
         cu = [kwargs.get(k) for k in CU_KWARGS]
         positions = _positions_2d(kwargs.get("position_ids"), batch, local_len, name)
@@ -112,22 +117,29 @@ class PackedInputs:
             traced.require(ok, _positions_message(plan, packed, source, name), group)
         return packed
 
-    def _resolve_eager(self, batch: int, local_len: int, device, kwargs: dict):
+    def _resolve_eager(self, batch: int, local_len: int, device, kwargs: dict, problem=None):
         sources = (kwargs.get(PACKED_KWARG), *(kwargs.get(k) for k in CU_KWARGS))
         positions = kwargs.get("position_ids")
-        key = (batch, local_len, device, *sources, positions)
+        use_cache = bool(kwargs.get("use_cache"))
+        key = ((batch, local_len, device, use_cache, problem), *sources, positions)
         versions = tuple(getattr(x, "_version", None) for x in (*sources, positions))
         cached = self._key
         if (
             cached is not None
-            and cached[0] == key[:3]
-            and all(a is b for a, b in zip(cached[1], key[3:]))
+            and cached[0] == key[0]
+            and all(a is b for a, b in zip(cached[1], key[1:]))
             and cached[2] == versions
         ):
             return self._value
         self._key = None
-        value = self.agreed(lambda: self._local(batch, local_len, device, kwargs))
-        self._key, self._value = (key[:3], key[3:], versions), value
+
+        def local():
+            if problem is not None:
+                raise HFInputError(problem)
+            return self._local(batch, local_len, device, kwargs)
+
+        value = self.agreed(local)
+        self._key, self._value = (key[0], key[1:], versions), value
         return value
 
     def agreed(self, local) -> PackedSequence | None:
@@ -155,6 +167,7 @@ class PackedInputs:
         """This rank's verdict, without collectives."""
         plan, name = self.plan, self.name
         total = local_len * plan.sp_degree
+        refuse_cache(plan, kwargs, local_len, name)
         usp_packed = kwargs.get(PACKED_KWARG)
         cu_q, cu_k = (kwargs.get(k) for k in CU_KWARGS)
         positions = _positions_2d(kwargs.get("position_ids"), batch, local_len, name)
@@ -214,6 +227,19 @@ def traced_documents(
         packed = (found, _position_reference(inputs.plan, local_len * inputs.plan.sp_degree, found))
         inputs.traced.put(key, packed)
     return packed
+
+
+def refuse_cache(plan, kwargs: dict, local_len: int, name: str) -> None:
+    """Under SP a KV cache (``use_cache=True``, transformers' default) would hold this
+    rank's shard of the keys and values only: refused (in one process a cache is exact)."""
+    if plan.sp_degree > 1 and kwargs.get("use_cache"):
+        raise HFInputError(
+            f"attn_implementation={name!r}: use_cache=True under sequence parallelism "
+            f"({plan.sp_degree} SP ranks): the KV cache would hold this rank's {local_len} "
+            f"of {local_len * plan.sp_degree} tokens only. Call the model with "
+            "use_cache=False (ShardedBatch.hf_kwargs() gives it), or set "
+            "model.config.use_cache = False"
+        )
 
 
 def _values(x):

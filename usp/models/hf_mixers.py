@@ -8,26 +8,34 @@ attention recurrence (Gated DeltaNet, lightning attention) or a short convolutio
 sequence breaks that, and would run without an error and give wrong results.
 
 The rule, which does not depend on remembering architectures: every module inside the
-decoder (``model.get_decoder()``) must be one of
+decoder (:func:`decoder_of`: ``model.get_decoder()``, or the transformers model inside a
+causal LM whose ``get_decoder()`` is itself, as Llama 4's) must be one of
 
 - known token-local building blocks: ``nn.Linear`` (and transformers' ``Conv1D``, a
   linear layer), ``nn.Embedding``, ``nn.Dropout``, ``nn.Identity``, ``nn.LayerNorm``,
   activations (``torch.nn`` and ``transformers.activations``), and classes whose names
-  end in a token-local role (:data:`TOKEN_LOCAL_SUFFIXES`: norms, MLPs, MoE blocks,
-  experts, routers, rotary embeddings) — their children are checked too;
+  end in a token-local role (:data:`TOKEN_LOCAL_SUFFIXES`: norms, MLPs and FFNs, MoE
+  blocks, experts, routers and gates, rotary embeddings) — their children are checked too;
 - an attention module whose ``forward`` calls attention through transformers'
   ``ALL_ATTENTION_FUNCTIONS`` (the call usp computes);
-- the decoder itself, its layer list, and the layers in it (their own code only adds
-  and routes what their children return).
-
+- the decoder itself and its layers (:func:`layer_stack`: the members of its module
+  lists that are layers; their own code only adds and routes what their children
+  return), also decoder layers nested in a layer (class names ending in
+  ``DecoderLayer``: Zamba2's hybrid layer holds a Mamba and a shared attention decoder
+  layer), and containers (``nn.Sequential`` chains its children, which are checked).
+  Any other member of a list (XLM's ``attentions``, ``ffns``) is inspected;
 - a token mixer usp computes exactly under SP itself (:data:`USP_MIXERS`: usp's Gated
-  DeltaNet, which :func:`swap_linear_attention` puts in place of transformers' Qwen3.5 and
-  Qwen3-Next layers); a layer kind (``linear_attention``) is accepted where such a module computes it.
+  DeltaNet and Mamba-2, which :func:`swap_linear_attention` puts in place of
+  transformers' layers, :mod:`usp.models.hf_swap`); a layer kind (``linear_attention``)
+  is accepted where such a module computes it.
 
 A convolution or recurrent module (``nn.Conv1d``, ``nn.RNN``, ...) mixes tokens; any other
-module is *unknown* and refused, not trusted. The config's per-layer kinds
-(``layer_types``, ``layers_block_type``, ``block_types``) that are not attention are
-refused too. In one process (SP degree 1) nothing is refused: there is no shard.
+module is *unknown* and refused, not trusted: attention written in a model's own code
+(outside transformers' interface) is refused so. Absolute position embeddings are refused
+where the decoder's ``forward`` takes no ``position_ids`` (:func:`position_mixers`: it
+numbers each shard from 0). The config's per-layer kinds (``layer_types``,
+``layers_block_type``, ``block_types``) that are not attention are refused too. In one
+process (SP degree 1) nothing is refused: there is no shard.
 """
 
 from __future__ import annotations
@@ -35,29 +43,21 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from dataclasses import dataclass
+import weakref
 
 import torch
 from torch import nn
 
 from usp.compile_marks import constant_result
 from usp.errors import ModelConfigError
-from usp.linear.module import GatedDeltaNet, GatedDeltaNetQkvz
-from usp.sp.plan import as_plan
-
-#: token mixers usp computes exactly under SP (their children are not checked)
-USP_MIXERS = (GatedDeltaNet,)
-#: transformers' classes :func:`swap_linear_attention` replaces (same parameters), and by
-SWAPPABLE_GDN = {
-    "Qwen3_5GatedDeltaNet": GatedDeltaNet,
-    "Qwen3_5MoeGatedDeltaNet": GatedDeltaNet,
-    "Qwen3NextGatedDeltaNet": GatedDeltaNetQkvz,
-}
+from usp.models.hf_structure import Mixer, decoder_of, layer_stack, position_mixers
+from usp.models.hf_swap import USP_MIXERS, swap_linear_attention  # noqa: F401 (its old home)
 
 #: class-name endings of modules that act on each token alone (their children are checked)
 TOKEN_LOCAL_SUFFIXES = (
-    "Norm", "NormGated", "MLP", "Mlp", "FeedForward", "Experts", "MoE", "Moe", "MoeBlock",
-    "MoEBlock", "SparseMoeBlock", "Router", "TopKRouter", "Gate", "RotaryEmbedding",
+    "Norm", "NormGated", "MLP", "Mlp", "GLU", "FeedForward", "FFN", "Experts", "Expert", "MoE", "Moe",
+    "MoeBlock", "MoEBlock", "SparseMoeBlock", "MoELayer", "MoA", "MoeStatics", "Router",
+    "TopKRouter", "Gate", "Gating", "RotaryEmbedding",
 )  # fmt: skip
 #: leaf modules that act on each token alone
 TOKEN_LOCAL_TYPES = (nn.Linear, nn.Embedding, nn.Dropout, nn.Identity, nn.LayerNorm)
@@ -76,31 +76,25 @@ class TokenMixerError(ModelConfigError):
     """An HF model mixes tokens outside the attention call USP computes, under SP."""
 
 
-@dataclass(frozen=True)
-class Mixer:
-    """One module that mixes tokens (or may): its path in the decoder, its class, why."""
-
-    path: str
-    cls: str
-    why: str
-
-
 def sequence_mixers(model: nn.Module) -> list[Mixer]:
     """The modules of ``model``'s decoder that are not token-local and not the attention
-    usp computes (outermost first; a flagged module's children are not listed), then the
+    usp computes (outermost first; a flagged module's children are not listed), its
+    absolute position embeddings that the global positions cannot reach, then the
     config's non-attention layer kinds. Empty when the model is exact under SP."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    structural = {id(decoder)}
-    for child in decoder.children():
-        if isinstance(child, nn.ModuleList):  # the layer stack: layers, h, blocks
-            structural.update(id(layer) for layer in child)
+    decoder = decoder_of(model)
+    structural = {id(decoder)} | {id(layer) for layer in layer_stack(decoder)}
     found: list[Mixer] = []
     flagged: list[str] = []  # flagged or computed by usp: their children are not listed
     computed_layers: set[int] = set()  # layer indices whose mixer usp computes
     for path, module in decoder.named_modules():
         if any(path.startswith(prefix + ".") for prefix in flagged):
             continue
-        if id(module) in structural or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        nested_layer = type(module).__name__.endswith("DecoderLayer")  # e.g. Zamba2's
+        if (
+            id(module) in structural
+            or nested_layer
+            or isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential))
+        ):
             continue
         if isinstance(module, USP_MIXERS):
             flagged.append(path)
@@ -112,39 +106,10 @@ def sequence_mixers(model: nn.Module) -> list[Mixer]:
         if why is not None:
             found.append(Mixer(path, type(module).__name__, why))
             flagged.append(path)
+    found.extend(position_mixers(decoder, skip=flagged))
     kinds = _layer_kind_mixers(getattr(model, "config", None))
     found.extend(m for m in kinds if int(m.path.split(".")[1]) not in computed_layers)
     return found
-
-
-def swap_linear_attention(model: nn.Module, plan, **attention_options) -> int:
-    """Replace transformers' Qwen3.5 / Qwen3.5-MoE / Qwen3-Next Gated DeltaNet layers of
-    ``model`` by usp's (:class:`usp.linear.GatedDeltaNet`: the same parameters, loaded strictly, on the same
-    device and dtype, computing under ``plan``); returns how many. Call it after loading
-    the weights and before ``register(plan, model=model)``, FSDP or an optimizer (the
-    parameters are new tensors). ``attention_options`` go into the plan as
-    :func:`usp.models.hf.register`'s do; the layers' kernels are the plan's
-    ``linear_backend`` / ``linear_conv_backend`` ("auto" unless chosen)."""
-    if attention_options:
-        plan = as_plan(plan, **attention_options)
-    replaced = 0
-    for path, module in list(model.named_modules()):
-        if type(module).__name__ not in SWAPPABLE_GDN:
-            continue
-        parent_path, _, attr = path.rpartition(".")
-        parent = model.get_submodule(parent_path) if parent_path else model
-        weight = module.conv1d.weight
-        usp_module = SWAPPABLE_GDN[type(module).__name__](
-            module.hidden_size, module.num_k_heads, module.num_v_heads, module.head_k_dim,
-            module.head_v_dim, module.conv_kernel_size, module.layer_norm_epsilon,
-            module.activation, plan=plan,
-        )  # fmt: skip
-        usp_module.to(device=weight.device, dtype=weight.dtype)
-        usp_module.load_state_dict(module.state_dict(), strict=True)
-        usp_module.train(module.training)
-        setattr(parent, attr, usp_module)
-        replaced += 1
-    return replaced
 
 
 def _why_mixing(module: nn.Module) -> str | None:
@@ -203,9 +168,10 @@ def mixer_message(model: nn.Module, mixers: list[Mixer], grid: str) -> str:
         f"attention usp computes: {modules}. Under sequence parallelism ({grid}) each rank "
         "would run those modules on its shard of the sequence only, and the results would be "
         "silently wrong. Run it with one SP rank (ulysses = ring = 1; data parallelism is "
-        "fine), train a model family usp computes (usp.models.FAMILIES), or, for Qwen3.5's "
-        "Gated DeltaNet layers, let usp compute them: usp.models.hf.swap_linear_attention("
-        "model, plan), then register(plan, model=model)"
+        "fine), train a model family usp computes (usp.models.FAMILIES), or, for Gated "
+        "DeltaNet (Qwen3.5, Qwen3-Next) and Mamba-2 layers (Bamba, Granite 4 hybrid, "
+        "Nemotron-H, Falcon-H1, Zamba2), let usp compute them: "
+        "usp.models.hf.swap_linear_attention(model, plan), then register(plan, model=model)"
     )
 
 
@@ -262,14 +228,62 @@ class MixerCheck:
     def __init__(self, plan):
         self.plan = plan
         self._verdicts: dict[int, tuple[object, str | None]] = {}
+        #: config id -> (config, the model built on it): inspected in place of a meta build
+        self._built: dict[int, tuple[object, weakref.ref]] = {}
+        self._watched: weakref.WeakSet = weakref.WeakSet()
+        #: config id -> (config, whether its model's last forward asked for a KV cache)
+        self._cache_requested: dict[int, tuple[object, bool]] = {}
+
+    def watch(self, model: nn.Module) -> None:
+        """A transformers model built with this check's attention name
+        (:mod:`usp.models.hf_watch`) or given to ``register``: under SP it is inspected
+        itself at its first call (a forward pre-hook, before anything computes: also for a
+        model that never calls attention), and its config's verdict comes from it rather
+        than from a meta build (the outermost model of a config is built last and is the
+        one inspected). The hook also notes whether the forward asks for a KV cache
+        (``use_cache``, else the config's), which the attention call refuses under SP."""
+        if self.plan.sp_degree == 1:
+            return
+        self._built[id(model.config)] = (model.config, weakref.ref(model))
+        if model not in self._watched:
+            self._watched.add(model)
+
+            def before_forward(model, args, kwargs, check=self):
+                # a function, not a bound method: copy.deepcopy(model) (TRL's reference
+                # models) shares it instead of copying the check and its plan's groups
+                check._before_forward(model, args, kwargs)
+
+            model.register_forward_pre_hook(before_forward, with_kwargs=True)
+
+    def _before_forward(self, model: nn.Module, args, kwargs) -> None:
+        self(model.config)
+        if torch.compiler.is_compiling():  # a compiled forward: use_cache reaches attention
+            return
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(model.config, "use_cache", False)
+        self._cache_requested[id(model.config)] = (model.config, bool(use_cache))
+
+    def cache_requested(self, config) -> bool:
+        """Whether the last forward of the watched model of ``config`` asked for a KV
+        cache (eager forwards; the attention function refuses it under SP)."""
+        if torch.compiler.is_compiling():
+            return False
+        known = self._cache_requested.get(id(config))
+        return known is not None and known[0] is config and known[1]
 
     def accept(self, model: nn.Module) -> None:
         """Check ``model`` itself (raising as :func:`check_model`) and keep the verdict
-        for its config: its calls then need no meta build."""
+        for its config and every sub-config its modules carry (a vision-language model's
+        attention calls carry its text config): its calls then need no meta build."""
         problem = mixer_problem(model, self.plan)
-        self._verdicts[id(model.config)] = (model.config, problem)
+        configs = [model.config] + [getattr(m, "config", None) for m in model.modules()]
+        for config in configs:
+            if config is not None:
+                self._verdicts[id(config)] = (config, problem)
         if problem is not None:
             raise TokenMixerError(problem)
+        self.watch(model)
 
     def problem(self, config) -> str | None:
         if self.plan.sp_degree == 1 or config is None:
@@ -277,7 +291,13 @@ class MixerCheck:
         known = self._verdicts.get(id(config))
         if known is not None and known[0] is config:
             return known[1]
-        verdict = _problem_of_config(config, self.plan)
+        built = self._built.get(id(config))
+        model = built[1]() if built is not None and built[0] is config else None
+        verdict = (
+            _problem_of_config(config, self.plan)
+            if model is None
+            else mixer_problem(model, self.plan)
+        )
         self._verdicts[id(config)] = (config, verdict)  # holds config: its id stays its own
         return verdict
 
@@ -308,7 +328,10 @@ def _problem_of_config(config, plan) -> str | None:
 
 
 def _meta_model(config) -> nn.Module | None:
-    """The transformers model of ``config``, built on the meta device (no memory)."""
+    """The transformers model of ``config``, built on the meta device (no memory) with
+    transformers' default attention (the modules are the same: the plug-in's check reads
+    their classes, not what they call; a model that picks attention classes from a table
+    of its own has no usp entry in it)."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     for auto in (AutoModelForCausalLM, AutoModel):
@@ -316,6 +339,8 @@ def _meta_model(config) -> nn.Module | None:
             auto_class = auto._model_mapping[type(config)]
         except KeyError:
             continue
+        config = copy.deepcopy(config)
+        config._attn_implementation = None  # transformers' own: structure, not usp's name
         with torch.device("meta"):
-            return auto_class._from_config(copy.deepcopy(config))
+            return auto_class._from_config(config)
     return None

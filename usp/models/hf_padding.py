@@ -103,19 +103,31 @@ def padding_in_graph(plan, name: str, attention_mask: torch.Tensor, causal: bool
     return ~all_real
 
 
-def window_problem(plan, local_size, kv_length, kv_offset) -> str | None:
+def window_problem(
+    plan, local_size, kv_length, kv_offset, *, bidirectional_window: int | None = None
+) -> str | None:
     """Why a mask of attention limited to ``local_size`` tokens cannot be served, or None.
 
     transformers' chunked masks (``create_chunked_causal_mask``) and the bidirectional
     sliding window give the mask function ``local_size``; USP attention computes neither
     (its windows are causal sliding windows, :func:`sliding_causal`), so it is exact only
-    when the window holds the whole (global) sequence. Shapes and the config only: the same on
-    every rank, and a plain Python check under ``torch.compile`` too."""
+    when the window holds the whole (global) sequence. ``bidirectional_window``: the
+    config's ``sliding_window`` when the mask is the bidirectional sliding window of a
+    model set ``is_causal=False`` (the message says so). Shapes and the config only: the
+    same on every rank, and a plain Python check under ``torch.compile`` too."""
     if local_size is None:
         return None
     total = (kv_offset + kv_length) * plan.sp_degree
     if local_size >= total:
         return None
+    if bidirectional_window is not None and local_size == bidirectional_window:
+        return (
+            f"is_causal=False with sliding_window={local_size} (a bidirectional sliding "
+            f"window) for a sequence of {total} tokens; USP attention computes sliding "
+            "windows of causal attention (and full bidirectional attention) only: leave "
+            "is_causal at True for this causal LM, give sequences of at most "
+            f"{local_size} tokens, or use attn_implementation='sdpa'"
+        )
     return (
         f"a mask of attention limited to {local_size} tokens (a sliding-window or chunked "
         f"attention layer: config.sliding_window / attention_chunk_size) for a sequence of "
@@ -138,13 +150,52 @@ def sliding_causal(local_size, config, mask_kwargs) -> bool:
 
 
 class PaddingSeen:
-    """Whether the current forward's 2-D mask had (right) padding, set by the mask
-    function before the layers run; the attention function refuses it for a layer
-    that turns out to be bidirectional (``module.is_causal=False``). A bool, or inside a
-    compiled graph a bool tensor (checked on the device, :meth:`refuse_if_padded`)."""
+    """What the mask builders of the current forward asked for, set by the mask function
+    before the layers run. ``padded``: whether the 2-D mask had (right) padding (the
+    attention function refuses it for a layer that turns out to be bidirectional); a
+    bool, or inside a compiled graph a bool tensor (checked on the device,
+    :meth:`refuse_if_padded`). ``mask_kinds``: the kinds of mask ("causal",
+    "bidirectional") built for the layers that follow (the mask calls since the last
+    attention call: an encoder's and a decoder's masks are told apart)."""
 
     def __init__(self):
         self.padded = False
+        self.mask_kinds: frozenset[str] = frozenset()
+        self._closed = True  # an attention call (or a refusal) came after the last mask call
+
+    def mask_built(self, kind: str) -> None:
+        kinds = frozenset() if self._closed else self.mask_kinds
+        self.mask_kinds, self._closed = kinds | {kind}, False
+
+    def close_group(self) -> None:
+        """An attention call (or a refusal) ends the group of mask calls before it."""
+        self._closed = True
+
+    def causal(self, module, is_causal: bool | None, name: str) -> bool:
+        """Whether ``module``'s attention call is causal, as transformers decides it: the
+        keyword, else ``module.is_causal``; a config with ``is_causal=False`` makes the
+        model bidirectional whatever the module says. A module marked ``is_causal=False``
+        that is given a mask follows the mask, as eager attention does (the mask wins):
+        causal when the forward built causal masks only (BigBird-Pegasus's decoder),
+        refused when it built both kinds (which one reaches this layer cannot be told
+        here: usp's mask function builds no mask)."""
+        if is_causal is not None:
+            return bool(is_causal)
+        config = getattr(module, "config", None)
+        causal = bool(getattr(module, "is_causal", True))
+        causal = causal and bool(getattr(config, "is_causal", True))
+        if causal or self.mask_kinds in (frozenset(), frozenset({"bidirectional"})):
+            return causal
+        if self.mask_kinds == {"causal"}:
+            return True
+        self.close_group()
+        raise HFInputError(
+            f"attn_implementation={name!r} (USP attention): {type(module).__name__} is marked "
+            "is_causal=False, and this forward built both causal and bidirectional masks, so "
+            "usp cannot tell which of them this layer is given (usp's mask function builds "
+            "no mask; transformers would apply the one the model passes). Either way could "
+            "be silently wrong: use attn_implementation='sdpa' or 'eager' for this model"
+        )
 
     def refuse_if_padded(self, plan, message: str) -> None:
         if isinstance(self.padded, torch.Tensor):  # compiled: the mask's verdict on the device
@@ -164,7 +215,14 @@ def padding_mask_function(plan, name: str, seen: PaddingSeen, check_model_of=Non
     behind the config (:class:`usp.models.hf_mixers.MixerCheck`)."""
     from transformers.masking_utils import bidirectional_mask_function
 
-    def usp_padding_mask(*args, attention_mask=None, config=None, mask_function=None, **kwargs):
+    def usp_padding_mask(*args, **kwargs):
+        try:
+            return checked_mask(*args, **kwargs)
+        except Exception:
+            seen.close_group()  # a refused forward: the next mask call starts a new one
+            raise
+
+    def checked_mask(*args, attention_mask=None, config=None, mask_function=None, **kwargs):
         if check_model_of is not None:
             check_model_of(config)
         problem = None
@@ -172,13 +230,24 @@ def padding_mask_function(plan, name: str, seen: PaddingSeen, check_model_of=Non
         local_size = kwargs.get("local_size")
         if sliding_causal(local_size, config, kwargs):
             local_size = None  # the attention call gets sliding_window and computes it
+        bidirectional_window = None
+        if "allow_is_bidirectional_skip" in kwargs:  # the bidirectional builders
+            bidirectional_window = getattr(config, "sliding_window", None)
+        # the same on every rank (shapes and config): no agreement needed
         window = window_problem(
-            plan, local_size, kwargs.get("kv_length", 0), kwargs.get("kv_offset", 0)
-        )  # the same on every rank (shapes and config): no agreement needed
+            plan,
+            local_size,
+            kwargs.get("kv_length", 0),
+            kwargs.get("kv_offset", 0),
+            bidirectional_window=bidirectional_window,
+        )
         if window is not None:
             raise HFInputError(_padding_message(name, window))
         causal = bool(getattr(config, "is_causal", True))
         causal = causal and mask_function is not bidirectional_mask_function
+        # transformers' bidirectional builders alone pass allow_is_bidirectional_skip
+        bidirectional = "allow_is_bidirectional_skip" in kwargs or not causal
+        seen.mask_built("bidirectional" if bidirectional else "causal")
         if torch.compiler.is_compiling():  # checked on the device, no host sync
             if attention_mask is not None:
                 seen.padded = padding_in_graph(plan, name, attention_mask, causal)
@@ -195,6 +264,7 @@ def padding_mask_function(plan, name: str, seen: PaddingSeen, check_model_of=Non
         return None
 
     usp_padding_mask.usp_mask_for = name  # marks it as usp's (register may replace it)
+    usp_padding_mask.usp_check = check_model_of  # what models built with the name meet
     return usp_padding_mask
 
 

@@ -282,9 +282,11 @@ class _Stream:
             return
         input_ids = args[0] if args else kwargs["input_ids"]
         batch, local = input_ids.shape
-        plan = model.plan
+        plan, packed = model.plan, kwargs.get("cu_seqlens")
         seq = local * plan.sp_degree  # the global row length
-        in_row = plan.token_indices(seq, packed=kwargs.get("cu_seqlens"), device=input_ids.device)
+        if packed is not None and plan.placement == "documents":  # ranks hold different counts
+            seq = plan.shard_packing(packed, local).seq_len
+        in_row = plan.token_indices(seq, packed=packed, device=input_ids.device)
         rows = torch.arange(batch, dtype=torch.int64, device=input_ids.device)[:, None] * seq
         self.tokens = (rows + in_row[None] + self.next_token).reshape(-1)  # [B * S/P]
         self.next_token += batch * seq

@@ -9,6 +9,7 @@ import warnings
 import torch
 
 from usp.process_groups.degrees import kv_replication_for
+from usp.sp.placed import placed_packing
 from usp.sp.plan import PackedSequence, Plan
 
 #: the keyword arguments a model takes besides its config and plan (``usp.Plan.with_options``)
@@ -90,8 +91,10 @@ def pack_once(plan: Plan, cu_seqlens, input_ids: torch.Tensor) -> PackedSequence
             f"packed sequences (cu_seqlens) need batch size 1, got input_ids of shape "
             f"{tuple(input_ids.shape)}"
         )
-    global_len = input_ids.shape[1] * plan.sp_degree
+    local_len = input_ids.shape[1]
+    if plan.placement == "documents":  # ranks hold different counts: agreed where verified
+        return placed_packing(plan, cu_seqlens, local_len, input_ids.device)
     if isinstance(cu_seqlens, PackedSequence):
-        return plan.packed_sequence(cu_seqlens, seq_len=global_len)
+        return plan.shard_packing(cu_seqlens, local_len)
     # a collective (the SP ranks agree on the boundaries), once per forward
-    return plan.pack(cu_seqlens, device=input_ids.device, seq_len=global_len)
+    return plan.pack(cu_seqlens, device=input_ids.device, seq_len=local_len * plan.sp_degree)

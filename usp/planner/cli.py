@@ -97,6 +97,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="worker processes measuring in parallel (default: min(2, CPUs) = "
         f"{default_jobs()}; 1 measures in this process); the result does not depend on it",
     )
+    p.add_argument(
+        "--lengths",
+        help="a length mix, one document length a line (or 'data': the config's own "
+        "training data): the best layout's step on its rows, both token placements",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
         "--quiet", action="store_true", help="no progress lines on stderr while it measures"
@@ -156,6 +161,7 @@ def _run(args: argparse.Namespace, started: float) -> int:
             jobs=args.jobs,
             sets=getattr(args, "sets", None) or (),
             progress=None if getattr(args, "quiet", False) else _progress,
+            lengths=_lengths(getattr(args, "lengths", None)),
         )
     except UspError as err:
         print(f"usp plan: error: {err}", file=sys.stderr)
@@ -165,6 +171,28 @@ def _run(args: argparse.Namespace, started: float) -> int:
         print(f"usp plan: error: {nothing_fits(result)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _lengths(path: str | None):
+    """``--lengths``: None, ``"data"``, or the file's lengths (one a line)."""
+    if path is None or path == "data":
+        return path
+    try:
+        with open(path) as f:
+            lines = [line.strip() for line in f]
+    except OSError as err:
+        raise UspError(f"--lengths {path}: {err.strerror}") from None
+    out = []
+    for number, text in enumerate(lines, 1):
+        if text and (not text.isdigit() or int(text) < 1):
+            raise UspError(
+                f"--lengths {path}:{number}: expected a document length >= 1, got {text!r}"
+            )
+        if text:
+            out.append(int(text))
+    if not out:
+        raise UspError(f"--lengths {path}: no document lengths")
+    return out
 
 
 def _progress(line: str) -> None:

@@ -34,13 +34,28 @@ from usp.kernels.backends import registry
 from usp.kernels.backends.base import Backend, Grads
 from usp.kernels.masks import lse_for_backward
 from usp.kernels.spec import BackendUnavailableError
-from usp.planner.overheads import attention_workspace
+from usp.planner.overheads import CPU_PACKING, CpuPacking, attention_workspace
 
 #: what ``backend = "auto"`` runs for the trainer's packed calls (it always passes the
 #: document boundaries): the first backend with native varlen kernels on CUDA (torch's
 #: FA2), the CPU flash kernel on the CPU
 AUTO_PACKED = {"cuda": "flash", "cpu": "cpu"}
 _CUDA_NAMES = ("cudnn", "flash_attn", "flash", "efficient")
+
+
+def cpu_packing(dtype: torch.dtype) -> CpuPacking | None:
+    """Whether torch's CPU flash kernel may pack K and V for ``dtype`` on this machine
+    (its oneDNN brgemm path; :class:`usp.planner.overheads.CpuPacking`): bf16 on a CPU
+    with AMX-BF16; fp16 on one with AMX-FP16 (PyTorch's condition) or AVX512-FP16 (a
+    Sapphire Rapids Xeon's fp16 forward was reported above the unpacked formula too: the
+    planner takes the larger path there rather than be optimistic). Never with oneDNN
+    off (``torch.backends.mkldnn.enabled = False``, which makes the kernel skip it)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in CPU_PACKING or not torch.backends.mkldnn.enabled:
+        return None
+    isa = torch._C._cpu._get_cpu_capability()
+    flags = ("amx_bf16",) if name == "bfloat16" else ("amx_fp16", "avx512_fp16")
+    return CPU_PACKING[name] if any(isa.get(flag) for flag in flags) else None
 
 
 def planning_backend(device: str, configured: str) -> str:
@@ -95,6 +110,7 @@ class _Planning(Backend):
             self.name, batch=spec.batch, seqlen_q=spec.seqlen_q, seqlen_k=spec.seqlen_k,
             heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
             item_bytes=q.element_size(), backward=backward, threads=os.cpu_count() or 1,
+            cpu_packing=cpu_packing(q.dtype),
         )  # fmt: skip
         kind = "backward" if backward else "forward"
         self.log.note(

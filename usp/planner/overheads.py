@@ -101,9 +101,28 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+@dataclass(frozen=True)
+class CpuPacking:
+    """When torch's CPU flash kernel packs K and V for oneDNN's brgemm (its ``with_pack``
+    path: a reduced dtype on a CPU whose oneDNN ISA has the matrix units for it, AMX for
+    bf16). It packs a call with at least ``min_len`` queries and keys whose per-thread
+    GEMM work is at least ``gemm_ratio`` times the packed K/V (PyTorch's
+    ``FlashAttentionKernel.cpp``). Which CPUs pack is decided where torch is loaded:
+    :func:`usp.planner.kernels.cpu_packing`."""
+
+    min_len: int
+    gemm_ratio: float
+
+
+#: the packed path's thresholds by dtype (PyTorch's ``cpu_flash_attention``: bf16 from 64
+#: tokens and 4x the packed size in GEMM work, fp16 from 16 tokens and 1x)
+CPU_PACKING = {"bfloat16": CpuPacking(64, 4.0), "float16": CpuPacking(16, 1.0)}
+
+
 def attention_workspace(
     backend: str, *, batch: int, seqlen_q: int, seqlen_k: int, heads: int, kv_heads: int,
     head_dim: int, item_bytes: int, backward: bool, threads: int = 1,
+    cpu_packing: CpuPacking | None = None,
 ) -> int:  # fmt: skip
     """Bytes one attention call allocates beyond its inputs and outputs, from the
     backends' documented allocations (PyTorch 2.6-2.13 sources; CUDA ones not measured
@@ -129,7 +148,11 @@ def attention_workspace(
       plus reduced-precision copies qs x ks (forward) or 2 qs x ks (backward) in the
       input dtype for bf16/fp16, and in a reduced-precision backward up to
       :data:`CPU_GEMM_PACKING` per thread for the GEMM's own packing (measured 225 KiB
-      for bf16, none for fp16; not documented);
+      for bf16, none for fp16, on an AVX2 CPU; not documented). With ``cpu_packing`` (the
+      CPU's oneDNN packs this dtype: AMX) a forward that meets its thresholds also holds
+      the packed K [B, Hkv, D', Sk] and V [B, Hkv, Sk', D] (D', Sk': rounded up to even)
+      and a per-thread transpose buffer [ks, D] in the input dtype (and for an odd D a
+      padded query block per thread): :func:`_cpu_packed_forward`;
     - ``math``: its intermediates are ordinary ops of the step, measured as they are.
     """
     b, sq, sk, h, hk, d = batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim
@@ -157,9 +180,34 @@ def attention_workspace(
             if reduced:
                 per_thread += 2 * qs * ks * item_bytes + CPU_GEMM_PACKING
             return threads * per_thread + 4 * qs
-        per_thread = 4 * (qs * ks + 2 * qs + qs * d) + (qs * ks * item_bytes if reduced else 0)
-        return threads * per_thread
+        packed = _cpu_packed_forward(b, sq, sk, h, hk, d, qs, ks, threads, cpu_packing)
+        ks_even = ks + ks % 2 if packed else ks  # its reduced buffer holds even key blocks
+        per_thread = 4 * (qs * ks + 2 * qs + qs * d) + (qs * ks_even * item_bytes if reduced else 0)
+        return threads * per_thread + packed * item_bytes
     return 0
+
+
+def _cpu_packed_forward(b, sq, sk, h, hk, d, qs, ks, threads, packing) -> int:
+    """Elements (input dtype) the CPU kernel's packed forward adds, 0 when it does not
+    pack: K transposed and V, with odd sizes padded to even (what the brgemm packing
+    takes), one transpose buffer per thread, and for an odd head dim a padded query
+    block per thread. The decision is the kernel's: both lengths at least
+    ``packing.min_len`` and the per-thread GEMM work (query blocks shared over the
+    threads, each against every key: the non-causal count, an upper bound for causal
+    calls) at least ``packing.gemm_ratio`` x the packed K."""
+    if packing is None or min(sq, sk) < packing.min_len:
+        return 0
+    blocks_per_thread = -(-(b * h * -(-sq // qs)) // threads)
+    if blocks_per_thread * qs * sk * d < packing.gemm_ratio * b * hk * sk * d:
+        return 0
+    d_even = d + d % 2
+    v_rows = (sk - 1) // ks * (ks + ks % 2) + _even(sk - (sk - 1) // ks * ks)
+    query_pad = threads * qs * d_even if d % 2 else 0
+    return b * hk * d_even * sk + b * hk * v_rows * d + threads * ks * d + query_pad
+
+
+def _even(x: int) -> int:
+    return x + x % 2
 
 
 # ------------------------------------------------------------------ communicators

@@ -13,11 +13,20 @@ from usp.errors import HeadLayoutError
 from usp.models import model_counts
 from usp.planner import search
 from usp.planner.footprint import Target
-from usp.planner.hardware import MAX_MEMORY_GIB, MAX_ROW_TOKENS, MAX_WORLD
+from usp.planner.hardware import (
+    ATTENTION_TFLOPS,
+    CPU_TFLOPS,
+    GEMM_TFLOPS,
+    MAX_MEMORY_GIB,
+    MAX_ROW_TOKENS,
+    MAX_WORLD,
+)
+from usp.planner.kernels import planning_backend
 from usp.planner.overheads import NCCL_SETTINGS
+from usp.planner.placement import Machine, mix_steps, mix_totals
 from usp.planner.pool import Measurements
 from usp.planner.report import PlanResult, measurement_line, progress_intro
-from usp.train.components import model_source
+from usp.train.components import build_dataset, model_source
 from usp.train.config import load_train_config
 
 
@@ -86,13 +95,17 @@ def plan(
     jobs: int = 1,
     sets: Sequence[str] = (),
     progress: Callable[[str], None] | None = None,
+    lengths: Sequence[int] | str | None = None,
 ) -> PlanResult:
     """Measure and rank every layout of ``config`` (see :mod:`usp.planner.search`), the
     measurements in ``jobs`` worker processes (1: in this one; the result is the same,
     see :mod:`usp.planner.pool`). ``sets``: ``--set SECTION.KEY=VALUE`` settings applied
     to the file; ``progress`` is told, line by line, what is measured (n of m). Raises a
     :class:`usp.errors.UspError` for a config, a cluster or a model no layout can serve;
-    a result without a fitting candidate is returned (``best`` is None)."""
+    a result without a fitting candidate is returned (``best`` is None). ``lengths``: a
+    length mix (document lengths, or ``"data"``: the config's own training data) whose
+    rows the best layout's step time is estimated on, for both token placements
+    (:func:`length_mix`)."""
     started = time.perf_counter() if started is None else started
     # the flags as overrides of the file: one given by a --set too is refused
     job = load_train_config(
@@ -175,7 +188,11 @@ def plan(
             "the same top_k experts) with every expert's weight gradient held, never below "
             "any routing (usp.models.moe_planning); mlp_tile_tokens tiles their routed rows"
         )
+    mix = None
+    if lengths is not None and ranked and ranked[0].fits:
+        mix = length_mix(job, source, ranked[0].choice, cluster, device, lengths)
     return PlanResult(
+        length_mix=mix,
         config=config,
         model_name=job.model.preset or str(source.directory),
         parameters=counts.total,
@@ -216,3 +233,41 @@ def nothing_fits(result: PlanResult) -> str:
         f"no layout fits {result.seq_len:,} tokens per sequence on this cluster, nor any "
         "shorter one tried; use more GPUs (--nodes), or a smaller model"
     )
+
+
+def length_mix(job, source, choice, cluster, device: str, lengths) -> dict:
+    """The length mix packed into rows of ``[train] seq_len`` on ``choice``'s grid
+    (:func:`usp.planner.placement.mix_steps`), both token placements: bytes a rank sends
+    per row, the busiest rank's tokens and work, and the estimated seconds of an
+    optimizer step (a row's mean x the rows one replica trains on per step). The
+    saved traffic is the split-only traffic of ``"documents"``."""
+    if isinstance(lengths, str):  # "data": the training data's own documents
+        _, dataset = build_dataset(job, source, 1)  # the documents' own lengths (tokenised here)
+        lengths = [int(n) for n in dataset.documents.lengths() if n > 0]
+    a = job.topology.attention
+    cuda = device == "cuda"
+    speed = CPU_TFLOPS
+    machine = Machine(
+        gpus_per_node=cluster.gpus_per_node, intra_node_gbps=cluster.intra_node_gbps,
+        inter_node_gbps=cluster.inter_node_gbps,
+        gemm_tflops=GEMM_TFLOPS if cuda else speed,
+        attention_tflops=(
+            ATTENTION_TFLOPS.get(planning_backend("cuda", a.backend), 144.0) if cuda else speed
+        ),
+    )  # fmt: skip
+    steps = mix_steps(
+        lengths, model=source.config, ulysses=choice.ulysses, ring=choice.ring,
+        seq_len=job.train.seq_len, layout=a.layout, ring_impl=a.ring_impl,
+        item_bytes=2 if cuda else 4, machine=machine,
+    )  # fmt: skip
+    rows_per_step = job.train.global_batch // choice.dp
+    out = {"document_count": len(lengths), "rows": len(steps), "grid": (choice.ulysses, choice.ring),
+           "configured": job.topology.parallel.token_placement}  # fmt: skip
+    for placement, t in mix_totals(steps).items():
+        out[placement] = {
+            "bytes_per_rank_per_row": t["bytes_mean"] / len(steps),
+            "tokens_max": t["tokens_max"],
+            "work_max_over_mean": t["work_max_over_mean"],
+            "step_s": t["step_s"] / len(steps) * rows_per_step,
+        }
+    return out

@@ -35,6 +35,9 @@ class PlanResult:
     notes: list[str]
     seconds: float
     at_longest: Candidate | None = None  # max_seq_layout measured at max_seq_len
+    #: ``--lengths``: the best layout's step on a length mix, per token placement
+    #: (:func:`usp.planner.plan.length_mix`); None without one
+    length_mix: dict | None = None
     parameters: int = 0  # the model's (every expert's, for a mixture of experts)
     active_parameters: int = 0  # those one token uses (its routed experts')
 
@@ -113,6 +116,7 @@ def to_json(result: PlanResult) -> dict:
         "max_seq_len_candidate": (
             None if result.at_longest is None else candidate_json(result.at_longest)
         ),
+        "length_mix": result.length_mix,
         "notes": result.notes,
         "seconds": round(result.seconds, 1),
     }
@@ -291,6 +295,31 @@ def _parameters(result: PlanResult) -> str:
     return f"{total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token"
 
 
+def mix_lines(mix: dict) -> list[str]:
+    """The ``--lengths`` section: both token placements on the best layout."""
+    u, r = mix["grid"]
+    lines = [
+        f"length mix: {mix['document_count']:,} documents in {mix['rows']:,} rows, on the best "
+        f"layout's grid u{u} x r{r} ([parallel] token_placement = {mix['configured']!r}):"
+    ]
+    seq = mix["sequence"]
+    for placement in ("sequence", "documents"):
+        m = mix[placement]
+        change = ""
+        if placement == "documents" and seq["step_s"] > 0:
+            change = f" ({m['step_s'] / seq['step_s'] - 1:+.1%} against sequence)"
+        lines.append(
+            f"  {placement:<9}  {m['bytes_per_rank_per_row'] / 1e9:.2f} GB sent a rank per "
+            f"row; busiest rank: {m['work_max_over_mean']:.3f} x the mean work, at most "
+            f"{m['tokens_max']:,} tokens; ~{m['step_s']:.2f} s a step{change}"
+        )
+    lines.append(
+        '  (memory was measured with seq_len / sp tokens a rank; "documents" gives a '
+        "rank up to the tokens shown)"
+    )
+    return lines
+
+
 def text(result: PlanResult) -> str:
     cl = result.cluster
     memory_note = (
@@ -325,6 +354,8 @@ def text(result: PlanResult) -> str:
             paste_lines(best),
             "",
         ]
+    if result.length_mix is not None:
+        lines += [*mix_lines(result.length_mix), ""]
     if result.max_seq_len:
         m = result.max_seq_choice
         lines.append(

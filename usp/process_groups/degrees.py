@@ -19,8 +19,12 @@ from math import lcm
 from usp.errors import HeadLayoutError  # noqa: F401 - re-exported here
 from usp.process_groups.rank_math import TopologyError, check_degree, divisors
 
+#: what messages call the two head counts: attention's (the default) or, e.g., Gated
+#: DeltaNet's ``("value heads", "key heads")``
+HEAD_NAMES = ("query heads", "KV heads")
 
-def _check_heads(num_heads: int, num_kv_heads: int) -> None:
+
+def _check_heads(num_heads: int, num_kv_heads: int, names=HEAD_NAMES) -> None:
     for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
         try:
             check_degree(name, value)
@@ -29,18 +33,19 @@ def _check_heads(num_heads: int, num_kv_heads: int) -> None:
     if num_heads % num_kv_heads != 0:
         raise HeadLayoutError(
             f"num_heads({num_heads}) is not a multiple of num_kv_heads({num_kv_heads}): "
-            "grouped-query attention needs the same number of query heads per KV head"
+            f"grouped-query attention needs the same number of {names[0]} per {names[1][:-1]}"
         )
 
 
-def kv_replication(num_heads: int, num_kv_heads: int, ulysses_degree: int) -> int:
+def kv_replication(num_heads: int, num_kv_heads: int, ulysses_degree: int, names=HEAD_NAMES) -> int:
     """How many times each KV head is repeated so ``ulysses_degree`` ranks split them.
 
     Returns ``lcm(num_kv_heads, u) // num_kv_heads`` (1 when ``u`` divides
     ``num_kv_heads``). Raises :class:`HeadLayoutError` when ``num_heads`` is not a
-    multiple of ``num_kv_heads`` or not divisible by ``u``.
+    multiple of ``num_kv_heads`` or not divisible by ``u``. ``names``: what the messages
+    call the two counts (:data:`HEAD_NAMES`).
     """
-    _check_heads(num_heads, num_kv_heads)
+    _check_heads(num_heads, num_kv_heads, names)
     try:
         u = check_degree("ulysses_degree", ulysses_degree)
     except TopologyError as e:
@@ -48,7 +53,7 @@ def kv_replication(num_heads: int, num_kv_heads: int, ulysses_degree: int) -> in
     if num_heads % u != 0:
         raise HeadLayoutError(
             f"num_heads({num_heads}) is not divisible by ulysses({u}): every Ulysses rank "
-            "must hold the same number of query heads"
+            f"must hold the same number of {names[0]}"
         )
     return lcm(num_kv_heads, u) // num_kv_heads
 
@@ -111,11 +116,16 @@ def format_pairs(pairs: list[tuple[int, int]]) -> str:
 
 
 def _context(
-    num_heads: int | None, num_kv_heads: int | None, sp_size: int, ranks_per_node: int | None
+    num_heads: int | None,
+    num_kv_heads: int | None,
+    sp_size: int,
+    ranks_per_node: int | None,
+    names=HEAD_NAMES,
 ) -> str:
     text = f"sp_size={sp_size}"
     if num_heads is not None:
-        text += f" with {num_heads} heads / {num_kv_heads} KV heads"
+        first = "heads" if names == HEAD_NAMES else names[0]  # attention's: "32 heads"
+        text += f" with {num_heads} {first} / {num_kv_heads} {names[1]}"
     if ranks_per_node is not None:
         text += f" and {ranks_per_node} ranks per node"
     return text
@@ -126,14 +136,13 @@ def describe_valid_pairs(
     num_kv_heads: int | None,
     sp_size: int,
     ranks_per_node: int | None = None,
+    names=HEAD_NAMES,
 ) -> str:
     """E.g. ``valid (ulysses, ring) pairs for sp_size=16 with 32 heads / 8 KV heads and
     8 ranks per node: (1, 16), (2, 8), (4, 4), (8, 2)``, for error messages."""
     pairs = valid_degree_pairs(num_heads, num_kv_heads, sp_size, ranks_per_node)
-    return (
-        f"valid (ulysses, ring) pairs for "
-        f"{_context(num_heads, num_kv_heads, sp_size, ranks_per_node)}: {format_pairs(pairs)}"
-    )
+    context = _context(num_heads, num_kv_heads, sp_size, ranks_per_node, names)
+    return f"valid (ulysses, ring) pairs for {context}: {format_pairs(pairs)}"
 
 
 def kv_replication_for(
@@ -145,18 +154,19 @@ def kv_replication_for(
     *,
     subject: str | None = None,
     error: type[HeadLayoutError] = HeadLayoutError,
+    names=HEAD_NAMES,
 ) -> int:
     """:func:`kv_replication`, or ``error`` saying why the heads do not split and listing
     the (ulysses, ring) pairs that work: the one check of a head split over Ulysses.
     ``subject`` starts the message (default: "cannot split H query heads / Hkv KV heads
-    over ulysses=u")."""
+    over ulysses=u"); ``names``: what it calls the two counts (:data:`HEAD_NAMES`)."""
     try:
-        return kv_replication(num_heads, num_kv_heads, ulysses_degree)
+        return kv_replication(num_heads, num_kv_heads, ulysses_degree, names)
     except HeadLayoutError as err:
         if subject is None:
             subject = (
-                f"cannot split {num_heads} query heads / {num_kv_heads} KV heads over "
+                f"cannot split {num_heads} {names[0]} / {num_kv_heads} {names[1]} over "
                 f"ulysses={ulysses_degree}"
             )
-        pairs = describe_valid_pairs(num_heads, num_kv_heads, sp_size, ranks_per_node)
+        pairs = describe_valid_pairs(num_heads, num_kv_heads, sp_size, ranks_per_node, names)
         raise error(f"{subject}: {err}. {pairs}") from None

@@ -245,22 +245,25 @@ class Topology:
         ``dist.destroy_process_group()`` starts together everywhere). Idempotent. The
         WORLD group is never destroyed, even when an axis spans the whole world and torch
         reused it for that axis. Does nothing collective when the default group is
-        already gone (its destruction took every group with it).
+        already gone (its destruction took every group with it). Then the topology lets
+        go of its groups and meshes: torch ends a group's threads only when its last
+        reference goes (:mod:`usp.process_groups.shutdown`).
         """
         if self._destroyed:
             return
         self._destroyed = True
-        if not dist.is_initialized():
-            return
-        self._barrier()
-        world = dist.group.WORLD
-        seen: set[int] = set()
-        for group in self._groups.values():
-            if group is None or group is world or id(group) in seen:
-                continue
-            seen.add(id(group))
-            dist.destroy_process_group(group)
-        self._barrier()
+        if dist.is_initialized():
+            self._barrier()
+            world = dist.group.WORLD
+            seen: set[int] = set()
+            for group in self._groups.values():
+                if group is None or group is world or id(group) in seen:
+                    continue
+                seen.add(id(group))
+                dist.destroy_process_group(group)
+            self._barrier()
+        self._groups = dict.fromkeys(self._groups)  # the names stay, for the errors
+        self._mesh = self._sp_mesh = self._dp_sp_mesh = None
 
     def _barrier(self) -> None:
         tensorless_barrier(self.device_type)  # why tensorless: see its docstring

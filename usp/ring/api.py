@@ -7,8 +7,14 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from usp.comm.agreement import Field, stable_hash
-from usp.comm.call_check import call_fields, checked_call, needs_grad
+from usp.comm.agreement import Field
+from usp.comm.call_check import (
+    call_fields,
+    checked_call,
+    documents_field,
+    grad_field,
+    grad_mask,
+)
 from usp.comm.stats import CommStats
 from usp.comm.traced import TracedGroup
 from usp.errors import InputError
@@ -211,13 +217,12 @@ def ring_attention(
         )  # fmt: skip
 
     def fields():
-        documents = 0 if bounds is None else stable_hash(bounds)
         options = {"layout": (layout, LAYOUTS), "ring_impl": (ring_impl, RING_IMPLS)}
         options["backend"] = (backend, BACKENDS)
         chunks = kv_head_chunks if type(kv_head_chunks) is int else -1
         return call_fields(
-            q, k, causal=causal, softmax_scale=softmax_scale, options=options,
-            documents_hash=documents, needs_grad=needs_grad(q, k, v),
+            q, k, v, causal=causal, softmax_scale=softmax_scale, options=options,
+            documents=documents_field(bounds), grad=grad_field(grad_mask(q, k, v), "qkv"),
         ) + [Field("kv_head_chunks", chunks)]  # fmt: skip
 
     cfg = checked_call(group, "ring_attention", fields, validate, RING_ERRORS, verify)

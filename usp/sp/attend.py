@@ -25,16 +25,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from usp.comm.agreement import Field
-from usp.comm.call_check import call_fields, checked_call, needs_grad
+from usp.comm.call_check import checked_call, grad_mask
 from usp.comm.traced import TracedGroup
 from usp.compile_marks import constant_result
 from usp.kernels.spec import AttentionInputError, validate_inputs
-from usp.options import BACKENDS, LAYOUTS, RING_IMPLS, layout_chunks
+from usp.options import layout_chunks
 from usp.process_groups import HeadLayoutError
 from usp.ring.api import RING_ERRORS, prepare_ring, ring_placement, run_ring
 from usp.ring.config import PreparedRing
 from usp.ring.kv_message import KVDims
+from usp.sp.call_args import attention_fields, check_sinks, check_window, kernel_window
 from usp.sp.packing import PackedSequence, PlanError, check_packed_fits
 from usp.sp.sharding import ShardingError, check_sequence_length
 from usp.sp.ulysses import (
@@ -68,48 +68,6 @@ def _check_segments(plan, has_segments: bool) -> None:
             "this PackedSequence was packed by a plan with ring_impl='p2p', so it holds no "
             "all-gather indices; pack it with the plan that attends (ring_impl='allgather')"
         )
-
-
-def check_sinks(sinks, spec) -> None:
-    """``sinks``: None, or a floating-point tensor [H] (one logit per query head) on q's
-    device."""
-    if sinks is None:
-        return
-    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
-        what = sinks.dtype if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        raise AttentionInputError(f"sinks must be a floating-point tensor [num_heads], got {what}")
-    if tuple(sinks.shape) != (spec.num_heads,):
-        raise AttentionInputError(
-            f"sinks must have shape [num_heads] = [{spec.num_heads}] (one logit per query "
-            f"head, all heads on every rank), got {tuple(sinks.shape)}"
-        )
-    if sinks.device != spec.device:
-        raise AttentionInputError(f"sinks must be on q's device {spec.device}, got {sinks.device}")
-
-
-def check_window(window, causal) -> None:
-    """``window``: None, or an int >= 1 with ``causal=True``."""
-    if window is None:
-        return
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise AttentionInputError(
-            f"window must be None (full attention) or an int >= 1 (keys i-window+1 .. i), "
-            f"got {window!r}"
-        )
-    if causal is not True:
-        raise AttentionInputError(
-            f"window={window} needs causal=True: usp computes sliding windows of causal "
-            "attention only (keys i-window+1 .. i)"
-        )
-
-
-def kernel_window(window: int | None, longest: int) -> int | None:
-    """transformers' ``sliding_window`` W (keys i-W+1 .. i) as the kernels' left window
-    (W - 1 keys before the query's own); None when no document is longer than W keys
-    (the window changes nothing: plain causal attention)."""
-    if window is None or window >= longest:
-        return None
-    return window - 1
 
 
 def check_call(
@@ -218,7 +176,7 @@ def attend(
         ulysses = call.ulysses
         live = live_placement(packed)
     else:
-        grad = needs_grad(q, k, v, sinks)
+        grad = grad_mask(q, k, v, sinks)
         call = checked(
             plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad, sinks,
             window,
@@ -279,12 +237,13 @@ def _padded_stand_ins(q, k, v):
 
 
 def checked(
-    plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad: bool, sinks=None,
+    plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad: int, sinks=None,
     window=None, compiled=False,
 ) -> CheckedCall:  # fmt: skip
     """The call validated on this rank and, with ``verify``, agreed across the SP ranks
     (the same error on every rank when any rank's call fails); ``grad``: whether the
-    call needs gradients (part of what the ranks agree on)."""
+    call needs gradients (:func:`usp.comm.call_check.grad_mask` of q, k, v, sinks: part
+    of what the ranks agree on)."""
     packed_seq: PackedSequence | None = None
 
     def validate() -> CheckedCall:
@@ -297,40 +256,12 @@ def checked(
         )
 
     def fields():
-        options = {
-            "layout": (plan.layout, LAYOUTS),
-            "ring_impl": (plan.ring_impl, RING_IMPLS),
-            "backend": (plan.backend, BACKENDS),
-        }
-        documents = 0 if packed_seq is None else packed_seq.fingerprint
-        chunks = head_chunks if type(head_chunks) is int else -1
-        return call_fields(
-            q, k, causal=causal, softmax_scale=softmax_scale, options=options,
-            documents_hash=documents, needs_grad=grad,
-        ) + [
-            Field("head_chunks", chunks), Field("sinks", _sinks_code(sinks), _show_sinks),
-            Field("window", -1 if window is None else window if type(window) is int else -2, _show_window),
-            # v's head size (MLA: its own): the all-to-all and ring messages are sized by it
-            Field("v.shape[3]", v.shape[3] if isinstance(v, torch.Tensor) and v.dim() == 4 else -1),
-        ]  # fmt: skip
+        return attention_fields(
+            plan, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=packed_seq,
+            head_chunks=head_chunks, grad=grad, sinks=sinks, window=window, compiled=compiled,
+        )  # fmt: skip
 
     return checked_call(plan.sp_group, "usp_attention", fields, validate, USP_ERRORS, verify)
-
-
-def _sinks_code(sinks) -> int:
-    """What the ranks agree on of ``sinks``: absent (0), given as a tensor (its length +
-    1), or something else (-1)."""
-    if sinks is None:
-        return 0
-    return sinks.numel() + 1 if isinstance(sinks, torch.Tensor) else -1
-
-
-def _show_window(code: int) -> str:
-    return {-2: "not an int", -1: "none"}.get(code, str(code))
-
-
-def _show_sinks(code: int) -> str:
-    return {0: "none", -1: "not a tensor"}.get(code, f"{code - 1} logits")
 
 
 # ------------------------------------------------------------------ compiled graphs
@@ -413,7 +344,7 @@ def _traced(
     return traced_call(
         type(plan), plan.topology, choices, _tensor_signature(q), _tensor_signature(k),
         _tensor_signature(v), causal, softmax_scale, call_signature(packed), verify,
-        head_chunks, needs_grad(q, k, v, sinks), _tensor_signature(sinks), window,
+        head_chunks, grad_mask(q, k, v, sinks), _tensor_signature(sinks), window,
     )  # fmt: skip
 
 

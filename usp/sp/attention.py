@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from usp.kernels.spec import AttentionInputError
-from usp.sp.attend import attend
 from usp.sp.plan import as_plan
 
 
@@ -56,8 +55,8 @@ def usp_attention(
     one piece of the graph, its checks run while tracing (docs/architecture.md, *torch.compile*).
     """
     plan = as_plan(plan, layout=layout, ring_impl=ring_impl, backend=backend)
-    return attend(
-        plan, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=cu_seqlens,
+    return plan.attention(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, packed=cu_seqlens,
         verify=verify, window=window, sinks=sinks,
     )  # fmt: skip
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from usp.comm.agreement import stable_hash
+from usp.comm.agreement import Field, stable_hash
 from usp.errors import InputError
 from usp.ring.documents import Documents
 from usp.ring.placement import RankPlacement
@@ -70,3 +70,27 @@ class PackedSequence:
         object.__setattr__(self, "seq_len", self.bounds[-1])
         object.__setattr__(self, "layout", self.documents.layout)
         object.__setattr__(self, "ring_degree", self.documents.ring_size)
+
+
+def dtype_id(dtype: torch.dtype) -> int:
+    return stable_hash(list(str(dtype).encode()))
+
+
+_DTYPE_NAMES = {
+    dtype_id(d): str(d)
+    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+}
+
+
+def show_dtype_id(code: int) -> str:
+    return _DTYPE_NAMES.get(code, "another dtype")
+
+
+def batch_field(fingerprint: int) -> Field:
+    """The agreement entry of a global batch's fingerprint (what the SP ranks shard)."""
+    return Field(
+        "the global batch they shard (every SP rank must be given the same tokens and labels: "
+        "load batches by data-parallel rank, not by rank)",
+        fingerprint,
+        lambda value: f"batch with hash {value}",
+    )

@@ -25,7 +25,8 @@ import weakref
 
 import torch
 
-from usp.comm.agreement import Field, agree, can_agree, stable_hash
+from usp.comm.agreement import Field, agree, can_agree
+from usp.comm.call_check import documents_field  # noqa: F401 - re-exported here
 from usp.comm.traced import TracedGroup
 from usp.config import UspConfig, build_topology_from_config, check_topology_matches, load_config
 from usp.kernels.backends.registry import KernelRegistry
@@ -36,17 +37,35 @@ from usp.options import (
     DEFAULT_LINEAR_BACKEND,
     DEFAULT_LINEAR_CONV_BACKEND,
     DEFAULT_RING_IMPL,
+    DEFAULT_TOKEN_PLACEMENT,
     LAYOUTS,
     LINEAR_BACKENDS,
     LINEAR_CONV_BACKENDS,
     RING_IMPLS,
+    TOKEN_PLACEMENTS,
     check_choice,
 )
 from usp.process_groups import SingleProcess, Topology, as_topology
 from usp.ring.documents import Documents
 from usp.ring.placement import packed_placement
+from usp.sp.assignment import DocumentCost
 from usp.sp.attend import TraceCache, attend
-from usp.sp.packing import PackedSequence, PlanError, check_packed_fits
+from usp.sp.packing import (
+    PackedSequence,
+    PlanError,
+    batch_field,
+    check_packed_fits,
+    dtype_id,
+    show_dtype_id,
+)
+from usp.sp.placed import (
+    PlacedSequence,
+    attend_placed,
+    build_placed,
+    check_placed_fits,
+    gather_placed,
+    placement_field,
+)
 from usp.sp.sharding import (
     ShardingError,
     check_boundary_tensor,
@@ -61,7 +80,7 @@ def _validated_choice(what: str, value, choices) -> str:
     return check_choice(what, value, choices, PlanError)
 
 
-__all__ = ["PackedSequence", "Plan", "PlanError", "as_plan"]
+__all__ = ["PackedSequence", "PlacedSequence", "Plan", "PlanError", "as_plan"]
 
 
 class Plan:
@@ -78,8 +97,16 @@ class Plan:
         kernel_registry: KernelRegistry | None = None,
         linear_backend: str = DEFAULT_LINEAR_BACKEND,
         linear_conv_backend: str = DEFAULT_LINEAR_CONV_BACKEND,
+        placement: str = DEFAULT_TOKEN_PLACEMENT,
+        placement_cost: DocumentCost | None = None,
     ):
-        """``linear_backend`` / ``linear_conv_backend``: the kernels of the Gated DeltaNet
+        """``placement``: how a packed sequence's documents go to the SP ranks:
+        ``"sequence"`` splits every document over the group; ``"documents"`` computes
+        short documents whole on one rank and splits only those whose work a rank
+        cannot balance (:mod:`usp.sp.placed`; a dense sequence is split either way).
+        ``placement_cost``: the :class:`~usp.sp.assignment.DocumentCost` that
+        ``"documents"`` balances (None: a Llama-3-8B-like model's;
+        :func:`usp.models.document_cost` gives a model's). ``linear_backend`` / ``linear_conv_backend``: the kernels of the Gated DeltaNet
         layers computed under this plan that leave the choice to it (``kernel=None`` /
         ``conv_kernel=None``, the default of :class:`usp.linear.GatedDeltaNet` and
         :func:`usp.linear.gated_deltanet_usp`): ``"auto"``, ``"torch"`` or ``"fla"``, and
@@ -100,9 +127,17 @@ class Plan:
         #: a Topology, or :data:`~usp.process_groups.SINGLE_PROCESS` (``Plan(None)``)
         self.topology = topology
         self.layout = _validated_choice("sequence layout", layout, LAYOUTS)
+        self.placement = _validated_choice("placement", placement, TOKEN_PLACEMENTS)
+        if placement_cost is not None and not isinstance(placement_cost, DocumentCost):
+            raise PlanError(
+                "placement_cost must be None or a usp.sp.assignment.DocumentCost, got "
+                f"{type(placement_cost).__name__}"
+            )
+        self.placement_cost = DocumentCost() if placement_cost is None else placement_cost
         if topology.single_process:
             # one process has nothing to balance: tokens stay in their natural order
             self.layout = "contiguous"
+            self.placement = DEFAULT_TOKEN_PLACEMENT
         self.ring_impl = _validated_choice("ring_impl", ring_impl, RING_IMPLS)
         self.backend = _validated_choice("attention backend", backend, BACKENDS)
         self.linear_backend = _validated_choice("linear_backend", linear_backend, LINEAR_BACKENDS)
@@ -124,6 +159,16 @@ class Plan:
         self.traced_sp_group = None
         if topology.sp_degree > 1:
             self.traced_sp_group = TracedGroup.of(topology.sp_group)
+        #: placement="documents": this plan placing by sequence (what attends to the
+        #: split documents) and the one-process plan that computes a rank's whole
+        #: documents (this plan's kernels, no communication); None otherwise
+        self.split_plan = self.whole_plan = None
+        if self.placement == "documents":
+            self.split_plan = self.with_options(placement="sequence")
+            self.whole_plan = Plan(
+                None, backend=backend, kernel_registry=kernel_registry,
+                linear_backend=linear_backend, linear_conv_backend=linear_conv_backend,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -163,6 +208,7 @@ class Plan:
         a = config.attention
         return cls(
             topology,
+            placement=config.parallel.token_placement,
             layout=a.layout,
             ring_impl=a.ring_impl,
             backend=a.backend,
@@ -179,9 +225,12 @@ class Plan:
         backend: str | None = None,
         linear_backend: str | None = None,
         linear_conv_backend: str | None = None,
+        placement: str | None = None,
+        placement_cost: DocumentCost | None = None,
     ) -> Plan:
         """The same topology with some choices replaced (None keeps this plan's)."""
-        given = (layout, ring_impl, backend, linear_backend, linear_conv_backend)
+        given = (layout, ring_impl, backend, linear_backend, linear_conv_backend, placement,
+                 placement_cost)  # fmt: skip
         if all(choice is None for choice in given):
             return self
         return Plan(
@@ -195,6 +244,8 @@ class Plan:
             linear_conv_backend=(
                 self.linear_conv_backend if linear_conv_backend is None else linear_conv_backend
             ),
+            placement=self.placement if placement is None else placement,
+            placement_cost=self.placement_cost if placement_cost is None else placement_cost,
         )
 
     @classmethod
@@ -287,7 +338,10 @@ class Plan:
             error = err
         group = self.sp_group
         if agree_ranks and group is not None and self.sp_degree > 1 and can_agree(group):
-            fields = [documents_field(0 if packed is None else packed.fingerprint)]
+            fields = [
+                documents_field(None if packed is None else packed.bounds, "cu_seqlens"),
+                placement_field(packed),  # which rank computes which document
+            ]
             if batch_fingerprint is not None:
                 fields.append(batch_field(batch_fingerprint))
             agree(group, "Plan.pack", fields, error, (ShardingError,))
@@ -295,8 +349,15 @@ class Plan:
             raise error
         return packed
 
-    def _build_packed(self, cu_seqlens, device, seq_len) -> PackedSequence:
+    def _build_packed(self, cu_seqlens, device, seq_len) -> PackedSequence | PlacedSequence:
         check_boundary_tensor(cu_seqlens)
+        if self.placement == "documents":
+            return build_placed(self, cu_seqlens, device, seq_len)
+        return self.build_sequence_packing(cu_seqlens, device, seq_len)
+
+    def build_sequence_packing(self, cu_seqlens, device, seq_len) -> PackedSequence:
+        """``cu_seqlens`` placed by sequence (every document split over the SP group), on
+        this rank; no collective."""
         total = int(cu_seqlens[-1]) if seq_len is None else seq_len
         documents = sequence_documents(
             total, self.ring_degree, self.ulysses_degree, self.layout, cu_seqlens
@@ -326,7 +387,15 @@ class Plan:
         ``seq_len`` is given, the global length of the tensors it goes with."""
         if packed is None:
             return None
+        if isinstance(packed, PlacedSequence):
+            check_placed_fits(self, packed, seq_len)
+            return packed
         if isinstance(packed, PackedSequence):
+            if self.placement == "documents":
+                raise PlanError(
+                    "this plan places documents (placement='documents'), but the "
+                    "PackedSequence was packed by sequence; build it with this plan's pack()"
+                )
             check_packed_fits(
                 (packed.ring_degree, packed.ulysses_degree, packed.layout),
                 (self.ring_degree, self.ulysses_degree, self.layout),
@@ -340,6 +409,29 @@ class Plan:
         return self.pack(packed, device=device, seq_len=seq_len, agree_ranks=False)
 
     # ------------------------------------------------------------------ sharding
+    def shard_packing(self, packed, local_len: int, *, device=None):
+        """The packing of tensors of which this rank holds ``local_len`` tokens (what a
+        forward or an attention call has): ``packed`` (cu_seqlens, packed here without a
+        collective, or a PackedSequence / PlacedSequence of this plan) checked to give
+        this rank that many tokens; None stays None."""
+        if packed is None or self.placement == "sequence":
+            return self.packed_sequence(packed, device=device, seq_len=local_len * self.sp_degree)
+        placed = self.packed_sequence(packed, device=device)
+        if placed.local_len != local_len:
+            raise ShardingError(
+                f"this rank holds {local_len} tokens, but placement='documents' gives SP rank "
+                f"{placed.sp_rank} {placed.local_len} of these documents; shard every "
+                "token-aligned tensor with plan.shard(x, packed=plan.pack(cu_seqlens))"
+            )
+        return placed
+
+    def _placed(self, seq_len: int, packed) -> PlacedSequence | None:
+        """placement="documents": ``packed`` as this plan's PlacedSequence (None: dense,
+        or placed by sequence)."""
+        if packed is None or self.placement == "sequence":
+            return None
+        return self.packed_sequence(packed, seq_len=seq_len)
+
     def _documents(self, seq_len: int, packed) -> Documents:
         if isinstance(packed, PackedSequence):
             return self.packed_sequence(packed, seq_len=seq_len).documents
@@ -352,6 +444,9 @@ class Plan:
         (int64 [S/P])."""
         if self.topology.single_process and packed is None:  # dense: natural order
             return torch.arange(seq_len, device=device)
+        placed = self._placed(seq_len, packed)
+        if placed is not None:
+            return placed.token_indices.to(device)
         if isinstance(packed, PackedSequence):  # worked out when it was packed
             return self.packed_sequence(packed, seq_len=seq_len).token_indices.to(device)
         documents = self._documents(seq_len, packed)
@@ -365,8 +460,8 @@ class Plan:
         indices = self.token_indices(seq_len, packed=packed)
         if packed is None:
             return indices.to(device)
-        if not isinstance(packed, PackedSequence):
-            packed = self.pack(packed, agree_ranks=False)
+        if not isinstance(packed, (PackedSequence, PlacedSequence)):
+            packed = self.pack(packed, agree_ranks=False, seq_len=seq_len)
         return packed.position_ids[indices].to(device)
 
     def shard(self, x: torch.Tensor, *, dim: int = 1, packed=None) -> torch.Tensor:
@@ -379,6 +474,8 @@ class Plan:
         """The inverse of :meth:`shard`: the global sequence, on every SP rank. A
         collective over the SP group; the result carries no gradient."""
         dim = dim % x_local.dim()
+        if packed is not None and self.placement == "documents":  # ranks hold different counts
+            return gather_placed(x_local, self, self.shard_packing(packed, x_local.shape[dim]), dim)
         documents = self._documents(x_local.shape[dim] * self.sp_degree, packed)
         if self.topology.single_process:  # packed documents are still reordered on a ring of one
             indices = rank_token_indices(documents, 0, 1, 0).to(x_local.device)
@@ -410,10 +507,15 @@ class Plan:
                 "a Plan with its own kernel_registry cannot run under torch.compile (the "
                 "compiled kernel ops use usp's registry); call it eagerly"
             )
+        verify = self.verify_calls if verify is None else verify
+        if self.placement == "documents" and packed is not None:
+            return attend_placed(
+                self, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=packed,
+                verify=verify, head_chunks=head_chunks, window=window, sinks=sinks,
+            )  # fmt: skip
         return attend(
             self, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=packed,
-            verify=self.verify_calls if verify is None else verify, head_chunks=head_chunks,
-            window=window, sinks=sinks,
+            verify=verify, head_chunks=head_chunks, window=window, sinks=sinks,
         )  # fmt: skip
 
     def verify_batch(self, *tensors: torch.Tensor, packed=None) -> None:
@@ -426,9 +528,9 @@ class Plan:
         for i, t in enumerate(tensors):
             shape = list(t.shape)[:4] + [-1] * (4 - min(t.dim(), 4))
             fields += [Field(f"tensor {i} shape[{d}]", n) for d, n in enumerate(shape)]
-            fields.append(Field(f"tensor {i} dtype", _dtype_id(t.dtype), _show_dtype_id))
+            fields.append(Field(f"tensor {i} dtype", dtype_id(t.dtype), show_dtype_id))
         if packed is not None:
-            fields.append(documents_field(self.packed_sequence(packed).fingerprint))
+            fields.append(documents_field(self.packed_sequence(packed).bounds, "cu_seqlens"))
         agree(group, "Plan.verify_batch", fields)
 
     # ------------------------------------------------------------------ lifecycle
@@ -444,6 +546,7 @@ class Plan:
         text = f"{self.topology.describe()}; layout={self.layout}, ring_impl={self.ring_impl}, backend={self.backend}"
         linear = {"linear_backend": (self.linear_backend, DEFAULT_LINEAR_BACKEND),
                   "linear_conv_backend": (self.linear_conv_backend, DEFAULT_LINEAR_CONV_BACKEND)}  # fmt: skip
+        linear["placement"] = (self.placement, DEFAULT_TOKEN_PLACEMENT)
         for name, (chosen, default) in linear.items():  # named when chosen
             if chosen != default:
                 text += f", {name}={chosen}"
@@ -451,40 +554,6 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan({self.describe()})"
-
-
-def _dtype_id(dtype: torch.dtype) -> int:
-    return stable_hash(list(str(dtype).encode()))
-
-
-_DTYPE_NAMES = {
-    _dtype_id(d): str(d)
-    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
-}
-
-
-def _show_dtype_id(code: int) -> str:
-    return _DTYPE_NAMES.get(code, "another dtype")
-
-
-def _show_hash(value: int) -> str:
-    return "dense" if value == 0 else f"boundaries with hash {value}"
-
-
-def documents_field(fingerprint: int) -> Field:
-    """The agreement entry of a batch's packed documents (a PackedSequence's
-    ``fingerprint``; 0: dense, or none that could be packed)."""
-    return Field("cu_seqlens", fingerprint, _show_hash)
-
-
-def batch_field(fingerprint: int) -> Field:
-    """The agreement entry of a global batch's fingerprint (what the SP ranks shard)."""
-    return Field(
-        "the global batch they shard (every SP rank must be given the same tokens and labels: "
-        "load batches by data-parallel rank, not by rank)",
-        fingerprint,
-        lambda value: f"batch with hash {value}",
-    )
 
 
 def as_plan(topology_or_plan, **attention_options) -> Plan:

@@ -17,6 +17,7 @@ sharded this way (RoPE needs the global positions, or the in-document positions 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from usp.errors import ShardingError  # noqa: F401 - re-exported here
 from usp.kernels.spec import validate_cu_seqlens
 from usp.options import LAYOUTS, check_choice, layout_chunks
 from usp.ring.documents import Documents
+from usp.sp.assignment import split_padding
 
 
 def required_multiple(ring_size: int, ulysses_size: int, layout: str) -> int:
@@ -69,6 +71,12 @@ def _bounds(cu_seqlens, seq_len: int | None = None) -> list[int]:
         return validate_cu_seqlens(cu_seqlens, seq_len, "cu_seqlens")
     except ValueError as err:
         raise ShardingError(str(err)) from None
+
+
+def validated_bounds(cu_seqlens, seq_len: int | None = None) -> list[int]:
+    """The boundaries of ``cu_seqlens`` as ints, validated (ending at ``seq_len``, or
+    wherever they end); :class:`ShardingError` otherwise."""
+    return _bounds(cu_seqlens, seq_len)
 
 
 def sequence_documents(
@@ -209,25 +217,39 @@ def pad_documents(
     if the ring blocks then do not split over the Ulysses ranks, one padding document is
     appended. For causal attention, pads at a document's end change nothing for its real
     tokens (no earlier token attends to them); give their labels the ignore index.
+    A plan with ``placement="documents"`` pads only the documents it splits over the SP
+    group, each to a multiple of its ``sequence_multiple`` (documents computed whole on
+    one rank keep their lengths; nothing is appended).
     """
     layout = getattr(topology, "layout", "zigzag") if layout is None else layout
     _check_layout(layout)
     r, u = topology.ring_degree, topology.ulysses_degree
     bounds = _bounds(cu_seqlens)
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    if getattr(topology, "placement", "sequence") == "documents":
+        padded = split_padding(
+            lengths, ring=r, ulysses=u, layout=layout, multiple=topology.sequence_multiple,
+            cost=topology.placement_cost,
+        )  # fmt: skip
+        return _padding(lengths, padded)
     chunks = layout_chunks(layout, r)
-    old_starts = torch.tensor(bounds[:-1], dtype=torch.int64)
-    lengths = torch.tensor(bounds[1:], dtype=torch.int64) - old_starts
-    padded = -(-lengths // chunks) * chunks
-    new_bounds = [0, *torch.cumsum(padded, 0).tolist()]
+    padded = [-(-n // chunks) * chunks for n in lengths]
     # S/r = sum(padded)/r must be a multiple of u; a padding document of p*chunks tokens
     # adds p*chunks/r to it
-    per_rank, step = new_bounds[-1] // r, chunks // r
+    per_rank, step = sum(padded) // r, chunks // r
     extra = next(p for p in range(u) if (per_rank + p * step) % u == 0)
-    if extra:
-        new_bounds.append(new_bounds[-1] + extra * chunks)
-    new_starts = torch.tensor(new_bounds[: len(bounds) - 1], dtype=torch.int64)
-    total = int(lengths.sum())
-    offsets = torch.repeat_interleave(new_starts - old_starts, lengths, output_size=total)
+    return _padding(lengths, padded + ([extra * chunks] if extra else []))
+
+
+def _padding(lengths: list[int], padded: list[int]) -> DocumentPadding:
+    """Documents of ``lengths`` grown at their ends to ``padded`` (which may add
+    documents after them)."""
+    new_bounds = [0, *itertools.accumulate(padded)]
+    old_starts = torch.tensor([0, *itertools.accumulate(lengths)][:-1], dtype=torch.int64)
+    new_starts = torch.tensor(new_bounds[: len(lengths)], dtype=torch.int64)
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
+    total = sum(lengths)
+    offsets = torch.repeat_interleave(new_starts - old_starts, lengths_t, output_size=total)
     return DocumentPadding(
         cu_seqlens=torch.tensor(new_bounds, dtype=torch.int32),
         destinations=torch.arange(total) + offsets,

@@ -44,6 +44,7 @@ from usp.models import family_of
 from usp.models.lora import lora_of
 from usp.models.lora_export import merged_state, save_peft_adapter
 from usp.train.checkpoint_integrity import DcpLog, record_checksums, verify_checksums
+from usp.train.checkpoint_shape import check_shape, model_shape
 
 META_FILE = "usp_meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -54,16 +55,6 @@ def _state_options():
     ``[model]`` on resume, unchanged. Loading is not strict about the frozen keys the
     checkpoint lacks (``dcp.load`` still requires every trainable one)."""
     return StateDictOptions(ignore_frozen_params=True, strict=False)
-
-
-class CheckpointShapeError(CheckpointError):
-    """A checkpoint written for another model shape (no other checkpoint can help)."""
-
-
-def model_shape(config) -> dict[str, int | bool | str]:
-    """What decides the parameters' shapes: the family and its shape fields
-    (:meth:`usp.models.DecoderConfig.shape`)."""
-    return config.shape()
 
 
 @dataclass(frozen=True)
@@ -122,7 +113,7 @@ class Checkpointer:
 
     def __init__(self, directory: Path, *, model_config, keep: int = 2, run: dict | None = None):
         self.directory = Path(directory)
-        self.shape = model_shape(model_config)
+        self.shape = model_shape(model_config)  # as usp_meta.json records it (JSON's form)
         self.keep = keep
         self.run = run  # what usp_meta.json records about the run (usp.train.resume)
         self.dcp_log = DcpLog(self.directory / "dcp.log")  # DCP's messages, off the console
@@ -253,18 +244,14 @@ class Checkpointer:
             raise CheckpointError(
                 f"{path} is not a complete checkpoint ({META_FILE}: not an object)"
             )
-        saved = dict(meta.get("model", {}))
-        saved.setdefault("family", "llama")  # checkpoints of usp before the family registry
-        if saved != self.shape:
-            diffs = [
-                f"{k} {saved.get(k)!r} (checkpoint) != {v!r} (this run)"
-                for k, v in self.shape.items()
-                if saved.get(k) != v
-            ]
-            raise CheckpointShapeError(
-                f"checkpoint {path} was written for another model shape: {'; '.join(diffs)}. "
-                "Resume with the [model] that wrote it, or write to another --output directory"
+        saved = meta.get("model", {})
+        if not isinstance(saved, dict):
+            raise CheckpointError(
+                f"{path} is not a complete checkpoint ({META_FILE}: its model shape is not an "
+                "object)"
             )
+        saved = {"family": "llama", **saved}  # checkpoints of usp before the family registry
+        check_shape(saved, self.shape, path=path)  # by value: JSON's lists are tuples here
         return meta
 
     def load(self, path: Path, model, optimizer) -> TrainState:

@@ -6,10 +6,13 @@ device).
 Flags override the file (``--steps``, ``--output``, ``--ulysses/--ring/--dp``,
 ``--device``, and ``--set SECTION.KEY=VALUE`` for any field); ``--resume`` continues from
 the newest checkpoint in the output directory. Under torchrun each failing rank also
-leaves its error line for the launcher (:mod:`usp.train.error_file`).
-Without torchrun's environment a single process runs (a world of 1). The process group is
-set up here, the topology built from the config (its shape checked against the launch),
-and everything is torn down through ``Topology.destroy()`` at the end, also after an error.
+leaves its error line for the launcher (:mod:`usp.train.error_file`), and a rank whose
+run finished says so before it tears down (should it die at exit, the launcher reports a
+finished run). Without torchrun's environment a single process runs (a world of 1). The
+process group is set up here, the topology built from the config (its shape checked
+against the launch), and everything is torn down through
+:func:`usp.process_groups.shutdown.shutdown` at the end (threads quiet, the topology's
+groups, then the default group), also after an error that every rank shares.
 Exit status (``usp.train.guard.EXIT_STATUS``): 0 done; 2 a config, data or checkpoint
 error or an output directory in use (printed once per node); 3 the run diverged
 (non-finite loss, gradient norm or weights); 4 a collective failed or timed out (a peer
@@ -32,9 +35,10 @@ from usp.config import AUTO, ConfigError
 from usp.config.allocator import set_allocator_default
 from usp.config.launch import GridSizeError
 from usp.process_groups import SINGLE_PROCESS
+from usp.process_groups.shutdown import shutdown
 from usp.train.components import build_plan, model_source  # a job's Plan, its model
 from usp.train.config import load_train_config
-from usp.train.error_file import write_error_file
+from usp.train.error_file import FINISHED, write_error_file
 from usp.train.guard import EXIT_STATUS, CollectiveFailedError, TrainingDivergedError
 from usp.train.setup import user_errors as user_error_kinds
 from usp.train.trainer import train
@@ -125,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_STATUS["signal"]
         if topology.rank == 0:
             print(summary(result), flush=True)
+        # for the launcher, should this rank die after this (in the teardown, at exit)
+        write_error_file(finished_line(result, os.environ.get("RANK", 0)), FINISHED)
         return EXIT_STATUS["done"]
     except CollectiveFailedError as err:
         # a peer is stalled or gone: leave at once, without waiting for it (not even in
@@ -172,13 +178,18 @@ def _train(job, plan, source, resume: bool, resume_changed: bool = False):
 
 
 def _teardown(topology) -> None:
-    """``Topology.destroy()`` (which synchronises the ranks), then the default group."""
-    if not topology.single_process:
-        topology.destroy()
-    elif dist.is_initialized():
-        dist.barrier()  # no rank closes connections a peer still reads
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Every process group destroyed (``Topology.destroy()`` synchronises the ranks), then
+    the default one, and their threads joined before the interpreter shuts down
+    (:func:`usp.process_groups.shutdown.shutdown`: a rank must not abort at exit)."""
+    shutdown(topology)
+
+
+def finished_line(result, rank) -> str:
+    """What a rank records once its run is done (the launcher's line if it then dies)."""
+    rows = result.metrics
+    steps = f"steps {result.start_step + 1}-{rows[-1]['step']}" if rows else "no steps to do"
+    where = f"; checkpoint {result.checkpoint.name}" if result.checkpoint else ""
+    return f"usp train [rank {rank}]: the run finished ({steps}{where})"
 
 
 def summary(result) -> str:

@@ -23,6 +23,7 @@ from usp.models import (
     ModelConfigError,
     apply_lora,
     config_from_file,
+    document_cost,
     family_of,
     lora_of,
 )
@@ -131,7 +132,11 @@ def build_plan(
     ``init_process_group``); a Topology: that one, whose degrees must match the
     config's; None: one process. ``source``: as in :func:`topology_config`."""
     config = topology_config(job, source) if isinstance(topology, str) else job.topology
-    return Plan.from_config(config, topology=topology, verify_calls=TRAIN_VERIFY_CALLS)
+    plan = Plan.from_config(config, topology=topology, verify_calls=TRAIN_VERIFY_CALLS)
+    if plan.placement == "documents":  # balanced for this model's work
+        source = model_source(job) if source is None else source
+        plan = plan.with_options(placement_cost=document_cost(source.config))
+    return plan
 
 
 # ----------------------------------------------------------------------------- lengths
@@ -146,14 +151,22 @@ def check_lengths(job: TrainJobConfig, plan) -> int:
             f"e.g. seq_len = {fit}"
         )
     need = options.layout_chunks(plan.layout, plan.ring_degree)  # a document's chunks: 2r or r
+    documents = getattr(plan, "placement", "sequence") == "documents"
+    if documents:  # any document may be split over the SP group, which needs this
+        need = multiple
     document_multiple = job.data.document_multiple
     if document_multiple == AUTO:
         return need
     if document_multiple % need:
+        why = (
+            f'a document split over the SP group (placement = "documents") is placed like '
+            f"a dense sequence on ring={plan.ring_degree}, ulysses={plan.ulysses_degree}"
+            if documents
+            else f"every document is cut into {need} chunks by the {plan.layout} layout "
+            f"with ring={plan.ring_degree}"
+        )
         raise job.error(
-            f"[data] document_multiple({document_multiple}) must be a multiple of {need} "
-            f"(every document is cut into {need} chunks by the {plan.layout} layout with "
-            f"ring={plan.ring_degree})"
+            f"[data] document_multiple({document_multiple}) must be a multiple of {need} ({why})"
         )
     if seq_len % document_multiple:
         raise job.error(
@@ -190,7 +203,7 @@ def prepare_data(job: TrainJobConfig, source: ModelSource, document_multiple: in
         else:
             files = tuple(resolve_files(d.files, job.config_dir))
     except DataError as err:
-        raise job.error(str(err)) from None
+        raise job.error(str(err), type(err)) from None
     return DataInputs(
         tokenizer,
         files,
@@ -214,7 +227,7 @@ def load_dataset(
             inputs, shuffle=inputs.shuffle, topology=topology, cache_root=cache_root
         )
     except DataError as err:
-        raise job.error(str(err)) from None
+        raise job.error(str(err), type(err)) from None
     where = describe_files(inputs.files) if inputs.files else "synthetic"
     dataset.notes = [f"from {where}; tokenizer {inputs.tokenizer.describe()}", *built.notes]
     dataset.fingerprint = built.key
@@ -242,6 +255,12 @@ def check_compile(job: TrainJobConfig, source: ModelSource, plan) -> None:
     (the plan's choices are the same on every rank) and before any collective, rather
     than at the first forward's trace."""
     family = family_of(source.config)
+    if job.train.compile and getattr(plan, "placement", "sequence") == "documents":
+        raise job.error(
+            '[train] compile = true does not support [parallel] token_placement = "documents" '
+            "yet (its attention runs eagerly: a split part and a whole-documents part per "
+            'rank); set compile = false, or token_placement = "sequence"'
+        )
     refusal = family.compile_refusal(plan, source.config) if job.train.compile else None
     if refusal is not None:
         raise job.error(

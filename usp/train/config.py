@@ -126,9 +126,9 @@ class TrainJobConfig:
     #: the TOML structure as written, with the applied overrides
     tables: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
-    def error(self, message: str) -> ConfigError:
-        """A :class:`ConfigError` located in this config's file."""
-        return ConfigError(f"{self.source}: {message}" if self.source else message)
+    def error(self, message: str, kind: type[ConfigError] = ConfigError) -> ConfigError:
+        """A :class:`ConfigError` (or the subclass ``kind``) located in this config's file."""
+        return kind(f"{self.source}: {message}" if self.source else message)
 
     @property
     def config_dir(self) -> Path:

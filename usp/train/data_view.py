@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from usp.models import document_cost
+from usp.sp.assignment import assign_documents
 from usp.train import components
 from usp.train.data import IGNORE_INDEX, load_cache, micro_batch_of
 from usp.train.data.corpus import cache_dir
@@ -31,7 +33,8 @@ def view_data(job, *, rows: int, world_size: int | None = None) -> dict[str, Any
     """The first ``rows`` global rows and the counts, as plain JSON types (``usp data
     --json``). ``world_size``: for a config whose ``[cluster]`` leaves it to the launch."""
     resolved = components.topology_config(job).resolve(world_size)
-    document_multiple = components.check_lengths(job, grid_of(resolved))
+    grid = grid_of(resolved)
+    document_multiple = components.check_lengths(job, grid)
     accumulation = job.gradient_accumulation(resolved.dp)
     source = components.model_source(job)
     inputs = components.prepare_data(job, source, document_multiple)
@@ -39,14 +42,29 @@ def view_data(job, *, rows: int, world_size: int | None = None) -> dict[str, Any
     dataset = components.load_dataset(job, inputs, cache_root=cache_root)
     t = job.train
     per_replica = accumulation * t.micro_batch
+    place = None
+    if grid.placement == "documents":  # each row's assignment, as the trainer's plan makes it
+        cost = document_cost(source.config)
+
+        def place(lengths):
+            bounds = [0]
+            for n in lengths:
+                bounds.append(bounds[-1] + n)
+            return assign_documents(
+                bounds, ring=grid.ring_degree, ulysses=grid.ulysses_degree, layout=grid.layout,
+                multiple=grid.sequence_multiple, cost=cost,
+            )  # fmt: skip
+
     shown = [
-        _row(dataset, inputs.tokenizer, g, t.global_batch, per_replica, t.micro_batch)
+        _row(dataset, inputs.tokenizer, g, t.global_batch, per_replica, t.micro_batch, place)
         for g in range(rows)
     ]
     return {
         "config": job.source,
         "seq_len": t.seq_len,
         "document_multiple": document_multiple,
+        "token_placement": grid.placement,
+        "sp": grid.ring_degree * grid.ulysses_degree,
         "global_batch": t.global_batch,
         "dp": resolved.dp,
         "micro_batch": t.micro_batch,
@@ -80,8 +98,12 @@ def _file_counts(dataset, inputs, cache_root) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- rows
-def _row(dataset, tokenizer, index: int, global_batch: int, per_replica: int, micro: int):
+def _row(
+    dataset, tokenizer, index: int, global_batch: int, per_replica: int, micro: int, place=None
+):
     row = dataset.sequence(index)
+    # placement="documents": where each document goes (an SP rank, or "split")
+    owner = None if place is None else _owners(place(row.lengths))
     labels = micro_batch_of([row]).labels[0]
     # token j is trained when the label at j - 1 (what predicts it) carries loss
     trained = [False, *(labels[:-1] != IGNORE_INDEX).tolist()]
@@ -99,6 +121,7 @@ def _row(dataset, tokenizer, index: int, global_batch: int, per_replica: int, mi
                 "padding": padded - length,
                 "trained_tokens": sum(flags),
                 "spans": list(_spans(tokenizer, ids, flags)),
+                **({} if owner is None else {"placed": owner[len(documents)]}),
             }
         )
         offset += padded
@@ -112,7 +135,14 @@ def _row(dataset, tokenizer, index: int, global_batch: int, per_replica: int, mi
         "trained_tokens": sum(trained),
         "padding": len(tokens) - sum(d["tokens"] for d in documents),
         "documents": documents,
+        **({} if owner is None else {"padding_placed": owner[len(documents) :]}),
     }
+
+
+def _owners(assignment) -> list:
+    """Each document's place (a packed row's documents are never empty): its SP rank, or
+    ``"split"`` over the SP group."""
+    return ["split" if rank < 0 else rank for rank in assignment.encoded()]
 
 
 def _spans(tokenizer, ids: list[int], flags: list[bool]) -> Iterator[dict[str, Any]]:
@@ -163,6 +193,13 @@ def _count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
+def _placed(place) -> str:
+    """Where ``token_placement = "documents"`` puts a document (nothing otherwise)."""
+    if place is None:
+        return ""
+    return " [split over the SP group]" if place == "split" else f" [whole on SP rank {place}]"
+
+
 def view_text(view: dict[str, Any], *, full: bool = False) -> str:
     """The text view of :func:`view_data`'s result."""
     lines = [
@@ -170,7 +207,8 @@ def view_text(view: dict[str, Any], *, full: bool = False) -> str:
         f"  rows:  {view['seq_len']:,} tokens each; global_batch {view['global_batch']} = dp "
         f"{view['dp']} x micro_batch {view['micro_batch']} x accumulation "
         f"{view['gradient_accumulation']}; documents padded to multiples of "
-        f"{view['document_multiple']}",
+        f"{view['document_multiple']}; token_placement {view['token_placement']!r} over "
+        f"{view['sp']} SP ranks",
         f"  tokenizer: {view['tokenizer']}",
         *(f"  data:  {line}" for line in view["notes"]),
         "  files:",
@@ -202,7 +240,9 @@ def view_text(view: dict[str, Any], *, full: bool = False) -> str:
             pad = f" + {doc['padding']} padding" if doc["padding"] else ""
             lines.append(
                 f"  document {i} (#{doc['corpus_index']}: {_count(doc['tokens'], 'token')}{pad}, "
-                f"{doc['trained_tokens']:,} trained)"
+                f"{doc['trained_tokens']:,} trained){_placed(doc.get('placed'))}"
             )
             lines.append(f"    {_marked(doc, full)}")
+        for place in row.get("padding_placed", ()):
+            lines.append(f"  padding document{_placed(place)}")
     return "\n".join(lines)

@@ -1,11 +1,15 @@
-"""A failing rank's one-line error, left where torchrun's launcher looks for it.
+"""A failing rank's one-line error, left where torchrun's launcher looks for it; and a
+finished rank's line, for the case where it dies after its work was done.
 
 torchrun gives every worker a file (``TORCHELASTIC_ERROR_FILE``) for the error that ended
 it; its failure table shows what is there. ``usp train`` writes its own error line into
 it (in torchelastic's JSON layout, with usp's exit status and a precise time added), so
 torchrun's table shows usp's message instead of "To enable traceback see ...", and the
 launcher form ``usp train CONFIG --nproc-per-node N`` (:mod:`usp.cli.launch`) prints the
-first failing rank's line last. Outside torchrun nothing is written.
+first failing rank's line last. A rank whose run finished writes a line with status
+:data:`FINISHED` before it tears down: if it then dies at exit (torchrun reads the file of
+a failed rank only), the launcher says the run finished and which rank died instead of
+reporting a failed run. Outside torchrun nothing is written.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 ENV = "TORCHELASTIC_ERROR_FILE"
+#: the status of a finished rank's record (``usp train``'s exit status when it is done)
+FINISHED = 0
 _KEY = "usp"  # usp's own block next to torchelastic's "message"
 
 
@@ -46,6 +52,11 @@ class RecordedError:
     message: str
     status: int
     time: float
+
+    @property
+    def finished(self) -> bool:
+        """The rank finished its run before it wrote this (not an error)."""
+        return self.status == FINISHED
 
 
 def read_error_data(data: Any) -> RecordedError | None:

@@ -129,7 +129,7 @@ def prepare_held_out(job, train_inputs: DataInputs) -> DataInputs | None:
     try:
         files = tuple(resolve_held_out(job.eval.files, job.config_dir, "[eval] files"))
     except DataError as err:
-        raise job.error(str(err)) from None
+        raise job.error(str(err), type(err)) from None
     return dataclasses.replace(train_inputs, files=files, shuffle=False, synthetic=None)
 
 

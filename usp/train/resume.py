@@ -28,12 +28,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from usp.comm.agreement import Field, agree, stable_hash
 from usp.errors import CheckpointError, RankDisagreementError
 from usp.models.rope_config import POSITION_FIELDS
-from usp.train.checkpoint import CheckpointShapeError
 from usp.train.checkpoint_integrity import CheckpointDamagedError
+from usp.train.checkpoint_shape import CheckpointShapeError
 from usp.train.checksums import file_sha256
+from usp.train.schedule import WarmupCosine
 
 # [train] keys whose change alters which data a step sees (lora: which model it trains)
 REFUSED_TRAIN_KEYS = ("seed", "seq_len", "global_batch", "lora")
+# [train] keys the learning-rate schedule is computed from (usp.train.schedule)
+SCHEDULE_KEYS = ("lr", "steps", "warmup_steps", "min_lr_ratio")
 
 
 def run_record(job, model_config, document_multiple: int, files=()) -> dict[str, Any]:
@@ -88,7 +91,36 @@ def check_resume(saved_meta: dict, record: dict, *, path: Path, accept_changes: 
         notes.append("accepted with --resume-changed: " + "; ".join(refused))
     if allowed:
         notes.append("changed since the checkpoint: " + ", ".join(allowed))
+    schedule = schedule_note(
+        saved.get("train", {}), record.get("train", {}), saved_meta.get("step")
+    )
+    if schedule:
+        notes.append(schedule)
     return "; ".join(notes) or None
+
+
+def schedule_note(saved: dict, now: dict, step) -> str | None:
+    """What a change of ``[train]`` lr, steps, warmup_steps or min_lr_ratio does to the
+    learning rate of the first resumed step (the schedule is a function of the step and
+    these keys, so it is re-planned over the new run): None when none changed."""
+    if not isinstance(step, int) or all(saved.get(k) == now.get(k) for k in SCHEDULE_KEYS):
+        return None
+    try:
+        old, new = (
+            WarmupCosine(t["lr"], t["steps"], t["warmup_steps"], t["min_lr_ratio"])
+            for t in (saved, now)
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+    before = (
+        f"the checkpoint's run would have used {old.lr_at(step):.3g}"
+        if step < old.total_steps
+        else f"the checkpoint's run ended at step {old.total_steps} with {old.lr_at(step - 1):.3g}"
+    )
+    return (
+        f"the learning-rate schedule is re-planned over {new.total_steps} steps: step "
+        f"{step + 1} runs at lr {new.lr_at(step):.3g} ({before})"
+    )
 
 
 # ----------------------------------------------------------------------------- ranks

@@ -17,7 +17,8 @@ from usp.models import ModelConfigError
 from usp.process_groups import HeadLayoutError, TopologyError
 from usp.sp.sharding import ShardingError
 from usp.train import components, report_to
-from usp.train.checkpoint import Checkpointer, CheckpointError, CheckpointShapeError
+from usp.train.checkpoint import Checkpointer, CheckpointError
+from usp.train.checkpoint_shape import CheckpointShapeError
 from usp.train.config import AUTO, TrainJobConfig
 from usp.train.data import DataError
 from usp.train.data.build import DataInputs

@@ -44,7 +44,8 @@ _RAW_FILES = ("tokens.i32", "target.u8", "offsets.i64")
 # a builder's temporary directory: .tokens-KEY.HOST.PID (see CorpusBuilder.write)
 _TEMPORARY = re.compile(r"^\.(tokens-[0-9a-f]+)\.(.+)\.(\d+)$")
 # 2: "split" drops pieces without a trained token; 3: meta.json holds the files' checksums
-CACHE_VERSION = 3
+# 4: the report counts blank JSONL lines
+CACHE_VERSION = 4
 
 
 class Corpus:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from usp.errors import DataError
+from usp.errors import DataError, MissingDataFile
 from usp.models.labels import IGNORE_INDEX  # the one definition (HF's -100)
 from usp.train.data.chat import ChatRenderer
 from usp.train.data.tokenizer import ByteTokenizer
@@ -167,7 +167,7 @@ def resolve_files(patterns: Sequence[str], base: Path, *, key: str = "[data] fil
             matches = [Path(p) for p in sorted(glob.glob(str(full), recursive=True))]
             matches = [p for p in matches if not p.is_dir()]
             if not matches:
-                raise DataError(f"{key} pattern {pattern!r} matches no file ({full})")
+                raise MissingDataFile(f"{key} pattern {pattern!r} matches no file ({full})")
         else:
             if full.is_dir():
                 raise DataError(
@@ -175,7 +175,7 @@ def resolve_files(patterns: Sequence[str], base: Path, *, key: str = "[data] fil
                     f'file in it, give a glob such as "{Path(pattern) / "*.jsonl"}"'
                 )
             if not full.is_file():
-                raise DataError(f"data file {full} does not exist")
+                raise MissingDataFile(f"data file {full} does not exist")
             matches = [full]
         for path in matches:
             key = path.resolve()
@@ -189,13 +189,13 @@ def resolve_files(patterns: Sequence[str], base: Path, *, key: str = "[data] fil
     return paths
 
 
-def jsonl_records(path: Path) -> Iterator[tuple[object, str]]:
-    """``(record, "file:line")`` for every non-empty line; bad UTF-8 or JSON is a
-    :class:`DataError` naming the file and line."""
+def jsonl_records(path: Path, report: LengthReport) -> Iterator[tuple[object, str]]:
+    """``(record, "file:line")`` for every non-empty line (blank ones counted in ``report``);
+    bad UTF-8 or JSON is a :class:`DataError` naming the file and line."""
     if path.is_dir():
         raise DataError(f"data file {path} is a directory, expected a JSONL file")
     if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
+        raise MissingDataFile(f"data file {path} does not exist")
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             where = f"{path}:{number}"
@@ -209,6 +209,7 @@ def jsonl_records(path: Path) -> Iterator[tuple[object, str]]:
             if number == 1:
                 line = line.removeprefix("\ufeff")  # a byte-order mark
             if not line.strip():
+                report.blank_lines += 1  # said at start-up (LengthReport.describe)
                 continue
             try:
                 yield json.loads(line), where
@@ -231,6 +232,7 @@ class LengthReport:
     # dropped with no trained token left: truncate's kept window, or a piece of split
     emptied: int = 0
     short: int = 0  # documents under 2 tokens (nothing to predict), skipped
+    blank_lines: int = 0  # blank lines of the JSONL files, skipped
     #: per data file: records read, documents kept, their tokens and trained tokens
     files: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -257,10 +259,11 @@ class LengthReport:
                 )
         if self.short:
             text += f"; {self.short} documents under 2 tokens skipped"
+        text += f"; {self.blank_lines} blank JSONL line(s) skipped" if self.blank_lines else ""
         return text
 
     def add(self, other: LengthReport) -> None:
-        for name in ("too_long", "pieces", "cut_start", "cut_end", "emptied", "short"):
+        for name in ("too_long", "pieces", "cut_start", "cut_end", "emptied", "short", "blank_lines"):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.longest = max(self.longest, other.longest)
         for path, counts in other.files.items():
@@ -384,7 +387,7 @@ def iter_documents(paths: Sequence[Path], tokenizer, report: LengthReport) -> It
     applied (and counted in ``report``). Documents under 2 tokens are skipped."""
     chat = None
     for path in paths:
-        for batch, error in _batches(jsonl_records(path)):
+        for batch, error in _batches(jsonl_records(path, report)):
             texts = [
                 r[k]
                 for r, _ in batch

@@ -16,7 +16,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from usp.errors import DataError
+from usp.errors import DataError, MissingDataFile
 
 
 class ByteTokenizer:
@@ -66,7 +66,7 @@ class HFTokenizer:
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
-            raise DataError(f"tokenizer file {path}: no such file")
+            raise MissingDataFile(f"tokenizer file {path}: no such file")
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -163,7 +163,7 @@ def build_tokenizer(spec: str, *, model_dir: Path | None, model_config, config_d
         return ByteTokenizer()
     path = model_dir / "tokenizer.json" if spec == "auto" else config_dir / Path(spec).expanduser()
     if spec == "auto" and not path.is_file():
-        raise DataError(
+        raise MissingDataFile(
             f'[data] tokenizer = "auto" reads {path}, which does not exist; give the path '
             'of a tokenizer.json, or tokenizer = "byte"'
         )

@@ -19,6 +19,24 @@ def _lora_lines(model) -> list[str]:
     ]
 
 
+def packing_line(job, plan, dataset) -> str:
+    """``[data] document_multiple``: the value packed with, and with ``"auto"`` that it
+    follows the grid (another ring degree pads documents, so packs them, differently)."""
+    m = dataset.document_multiple
+    if job.data.document_multiple != "auto":
+        return f"  pack:  documents padded to multiples of {m} ([data] document_multiple)"
+    why = (
+        f"{m} chunks a document for the {plan.layout} layout with ring {plan.ring_degree}"
+        if m > 1
+        else "no padding needed on this grid"
+    )
+    return (
+        f'  pack:  documents padded to multiples of {m} ([data] document_multiple = "auto": '
+        f"{why}); another grid packs differently: to compare losses across grids, give "
+        "both runs the same document_multiple, a multiple of what each grid needs"
+    )
+
+
 def print_header(job, plan, source, dataset, model, state, newest, stream) -> None:
     params = sum(p.numel() for p in model.parameters())
     t = job.train
@@ -34,6 +52,7 @@ def print_header(job, plan, source, dataset, model, state, newest, stream) -> No
         f"  levers: {t.levers.describe()}",  # what the trainer built the model with
         *_lora_lines(model),
         *(f"  data:  {line}" for line in dataset.summary(t.steps * t.global_batch)),
+        packing_line(job, plan, dataset),
         f"  batch: {t.global_batch} sequences/step = dp {dp} x micro_batch {t.micro_batch} x "
         f"accumulation {accumulation}",
     ]
