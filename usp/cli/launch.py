@@ -1,4 +1,5 @@
-"""``usp train CONFIG --nproc-per-node N``: torchrun's launcher, run in this process.
+"""``usp train CONFIG --nproc-per-node N`` (and ``usp eval TARGET ... --nproc-per-node N``):
+torchrun's launcher, run in this process.
 
 The same machinery as ``torchrun --nproc-per-node N -m usp train CONFIG`` (torch's
 ``torch.distributed.run``: rendezvous, worker processes, their environment), with one
@@ -56,14 +57,16 @@ def wants_launcher(args: argparse.Namespace) -> bool:
 
 
 def worker_argv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """The command line a worker runs (``train CONFIG`` and every flag given, but the
-    launcher's), rebuilt from ``parser``'s own options so no flag is forgotten."""
+    """The command line a worker runs (the command's positional and every flag given, but
+    the launcher's), rebuilt from ``parser``'s own options so no flag is forgotten: a
+    list of values (``nargs``) as its items, a tuple a flag's type made from one
+    comma-separated value (``--lengths 256,1024``) joined back."""
     argv: list[str] = []
     for action in parser._actions:  # noqa: SLF001 - argparse has no public list
         if isinstance(action, argparse._HelpAction) or action.dest in LAUNCH_DESTS:
             continue
         value = getattr(args, action.dest, None)
-        if not action.option_strings:  # the positional config path
+        if not action.option_strings:  # the positional path (config, target)
             argv.append(str(value))
             continue
         flag = action.option_strings[-1]
@@ -72,6 +75,10 @@ def worker_argv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
         elif isinstance(action, argparse._AppendAction):
             for item in value or ():
                 argv += [flag, str(item)]
+        elif isinstance(value, list) and action.nargs in ("+", "*"):
+            argv += [flag, *(str(item) for item in value)]
+        elif isinstance(value, tuple):
+            argv += [flag, ",".join(str(item) for item in value)]
         elif value is not None:
             argv += [flag, str(value)]
     return argv
@@ -91,12 +98,15 @@ def _torchrun_args(args: argparse.Namespace, command: list[str]) -> list[str]:
     return [*launch, "--module", "usp", *command]
 
 
-def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """Run ``usp train`` under torchrun's launcher here; the exit status (see module doc)."""
+def launch(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, command: str = "train"
+) -> int:
+    """Run ``usp COMMAND`` (train, eval) under torchrun's launcher here; the exit status
+    (see module doc)."""
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
         print(
-            "usp train: error: --nproc-per-node starts the workers itself; under torchrun "
-            "(which already did) leave it out",
+            f"usp {command}: error: --nproc-per-node starts the workers itself; under "
+            "torchrun (which already did) leave it out",
             file=sys.stderr,
         )
         return 2
@@ -105,21 +115,25 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
-    command = ["train", *worker_argv(parser, args)]
+    worker = [command, *worker_argv(parser, args)]
     try:
-        torchrun(get_args_parser().parse_args(_torchrun_args(args, command)))
+        torchrun(get_args_parser().parse_args(_torchrun_args(args, worker)))
     except ChildFailedError as err:
-        line = died_after_finishing(err.failures)
+        line = died_after_finishing(err.failures, command)
         if line is not None:  # the outputs are complete: not a failed run
             sys.stdout.flush()
             print(line, file=sys.stderr, flush=True)
             return 0
-        line, status = first_failure(err.failures)
+        line, status = first_failure(err.failures, command)
     except SignalException as err:  # the launcher was signalled; torchrun stopped the workers
         signal = int(err.sigval)
         line = (
-            f"usp train: the launcher got {err.sigval.name}; the workers were sent it too "
-            "(any checkpoint they saved is named above; --resume continues from it)"
+            f"usp {command}: the launcher got {err.sigval.name}; the workers were sent it too"
+            + (
+                " (any checkpoint they saved is named above; --resume continues from it)"
+                if command == "train"
+                else ""
+            )
         )
         status = 128 + signal
     else:
@@ -129,7 +143,7 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return status
 
 
-def died_after_finishing(failures: dict) -> str | None:
+def died_after_finishing(failures: dict, command: str = "train") -> str | None:
     """The line for a run that finished, and whose failed ranks died only afterwards (at
     exit): every failed rank recorded that its run had finished
     (:data:`usp.train.error_file.FINISHED`) before tearing down; the ranks that did not
@@ -139,7 +153,7 @@ def died_after_finishing(failures: dict) -> str | None:
         return None
     died = "; ".join(_what_happened(rank, failures[rank]) for rank in sorted(failures))
     return (
-        "usp train: the run finished on every rank (its summary above says where the "
+        f"usp {command}: the run finished on every rank (its summary above says where the "
         f"outputs are); afterwards, at exit, {died}. Its outputs are complete; please "
         "report the rank's output above"
     )
@@ -155,7 +169,7 @@ def _what_happened(rank: int, failure) -> str:
     return f"rank {rank} (pid {failure.pid}) exited with status {failure.exitcode}"
 
 
-def first_failure(failures: dict) -> tuple[str, int]:
+def first_failure(failures: dict, command: str = "train") -> tuple[str, int]:
     """The line and exit status of the rank that failed first (``failures``: torchrun's
     ``{global rank: ProcessFailure}``): usp's recorded error where a rank wrote one (a
     finished rank's record is not an error), else what torchrun saw (a signal, an exit
@@ -170,7 +184,7 @@ def first_failure(failures: dict) -> tuple[str, int]:
     what = _what_happened(rank, failure)
     if failure.exitcode < 0:
         return (
-            f"usp train: error: {what}; its output above says what it was doing",
+            f"usp {command}: error: {what}; its output above says what it was doing",
             128 - failure.exitcode,
         )
-    return f"usp train: error: {what}; its output above says why", failure.exitcode or 1
+    return f"usp {command}: error: {what}; its output above says why", failure.exitcode or 1

@@ -3,6 +3,10 @@ of a trained model, forward only, in one process or under torchrun (lengths beyo
 device: every rank holds the model, the sequence is split over ulysses x ring).
 
     torchrun --nproc-per-node 4 -m usp eval runs/cpu_finetune --config examples/configs/cpu_finetune.toml --lengths 256,1024 --passkey
+    usp eval runs/cpu_finetune --config examples/configs/cpu_finetune.toml --lengths 256,1024 --nproc-per-node 4
+
+The second form is ``usp train``'s launcher (:mod:`usp.cli.launch`): the workers are
+started here, and the first failing rank's error is the last line printed.
 
 Set-up (resolving TARGET, the tokenizer, the held-out data, the lengths, the weights)
 runs on every rank and ends in an agreement, so an error on one rank is the same error
@@ -14,6 +18,7 @@ beside an HF directory) and prints the table, or the JSON with ``--json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import traceback
@@ -23,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from usp.cli.args import int_or_auto, positive_int
+from usp.cli.launch import add_launch_arguments, launch, wants_launcher
 from usp.comm.agreement import agree
 from usp.config import AUTO, ConfigError, config_from_dict
 from usp.config.launch import GridSizeError
@@ -35,6 +41,7 @@ from usp.sp.plan import Plan
 from usp.train.cli import _init_process_group, _teardown  # usp train's, shared
 from usp.train.components import TORCH_DTYPES, default_compute_dtype
 from usp.train.config import load_train_config
+from usp.train.error_file import FINISHED, write_error_file
 from usp.train.setup import user_errors as user_error_kinds
 
 EXIT_DONE, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
@@ -71,7 +78,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="long-context check of a trained model: perplexity by position, passkey retrieval",
         description="Forward-only evaluation of a training output directory (its newest "
         "checkpoint) or an HF model directory at several sequence lengths, under torchrun "
-        "for lengths beyond one device: torchrun --nproc-per-node N -m usp eval TARGET ...",
+        "for lengths beyond one device: torchrun --nproc-per-node N -m usp eval TARGET ..., "
+        "or usp eval TARGET ... --nproc-per-node N (the launcher in this process).",
     )
     p.add_argument("target", help="training output directory, one checkpoint, or HF directory")
     p.add_argument("--config", help="the training config (required for a training output)")
@@ -95,17 +103,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--dp", type=int_or_auto, help="replicas sharing the sequences (default 1)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--dtype", choices=["auto", *TORCH_DTYPES], default=AUTO, help="bf16 on CUDA")
-    p.set_defaults(run=run)
+    add_launch_arguments(p)
+    p.set_defaults(run=functools.partial(run_or_launch, parser=p))
     return p
 
 
+def run_or_launch(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
+    """``usp eval``: this process's part, or (``--nproc-per-node``) the launcher that starts
+    every worker (:mod:`usp.cli.launch`)."""
+    return launch(parser, args, "eval") if wants_launcher(args) else run(args)
+
+
 def run(args: argparse.Namespace) -> int:
-    """The ``usp eval`` command; returns the exit status."""
+    """The ``usp eval`` command; returns the exit status. Under a launcher each rank
+    records its error, or that it finished, for the launcher's last line."""
     try:
         settings, job, device = prepare(args)
     except ConfigError as err:
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"usp eval: error: {err}", file=sys.stderr)
+        write_error_file(f"usp eval: error: {err}", EXIT_USER)
         return EXIT_USER
     user_errors = user_error_kinds()
     topology, synchronised = SINGLE_PROCESS, True
@@ -116,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         topology = plan.topology
         if topology.rank == 0:
             _write(report, args)
+        rank = os.environ.get("RANK", 0)
+        write_error_file(f"usp eval [rank {rank}]: the evaluation finished", FINISHED)
         return EXIT_DONE
     except KeyboardInterrupt:
         synchronised = False
@@ -128,7 +147,9 @@ def run(args: argparse.Namespace) -> int:
             if isinstance(err, GridSizeError):
                 text = err.with_fixes("torchrun --nproc-per-node {ranks} -m usp eval ...")
             print(prefix + text, file=sys.stderr, flush=True)
-        return EXIT_USER if synchronised else EXIT_INTERNAL
+        status = EXIT_USER if synchronised else EXIT_INTERNAL
+        write_error_file(prefix + " ".join(str(err).split("\n")), status)
+        return status
     finally:
         if synchronised:
             _teardown(topology)

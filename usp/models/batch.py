@@ -17,7 +17,8 @@ import torch
 
 from usp.comm.agreement import agree, can_agree, stable_hash
 from usp.models.labels import IGNORE_INDEX, shift_labels
-from usp.sp.plan import PackedSequence, as_plan, batch_field, documents_field
+from usp.sp.packing import batch_field
+from usp.sp.plan import PackedSequence, as_plan, documents_field
 
 #: the modulus of the fingerprint's weighted sums (a prime: 2**31 - 1), small enough that
 #: every product and every sum of up to 2**32 terms stays inside int64

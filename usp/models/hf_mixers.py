@@ -50,6 +50,7 @@ from torch import nn
 
 from usp.compile_marks import constant_result
 from usp.errors import ModelConfigError
+from usp.models.hf_multimodal_checks import is_encoder_config
 from usp.models.hf_structure import Mixer, decoder_of, layer_stack, position_mixers
 from usp.models.hf_swap import USP_MIXERS, swap_linear_attention  # noqa: F401 (its old home)
 
@@ -242,8 +243,8 @@ class MixerCheck:
         than from a meta build (the outermost model of a config is built last and is the
         one inspected). The hook also notes whether the forward asks for a KV cache
         (``use_cache``, else the config's), which the attention call refuses under SP."""
-        if self.plan.sp_degree == 1:
-            return
+        if self.plan.sp_degree == 1 or is_encoder_config(model.config):
+            return  # a vision/audio tower: a local encoder (usp.models.hf_multimodal_checks)
         self._built[id(model.config)] = (model.config, weakref.ref(model))
         if model not in self._watched:
             self._watched.add(model)

@@ -34,11 +34,11 @@ from usp.sp.plan import Plan
 from usp.train import components, report_to, run_config
 from usp.train.checkpoint import (
     TrainState,
-    export_hf,
 )
 from usp.train.config import TrainJobConfig
 from usp.train.data import DataLoader, PackedDataset, StepBatch
 from usp.train.evaluate import HeldOut, evaluate, load_held_out
+from usp.train.finish import finish_run
 from usp.train.guard import (
     StopSignal,
     TrainingDivergedError,
@@ -55,7 +55,6 @@ from usp.train.metrics import (
     Progress,
     StepTiming,
     device_peak_tflops,
-    plot_loss,
     print_header,
     step_row,
 )
@@ -65,7 +64,6 @@ from usp.train.schedule import WarmupCosine
 from usp.train.setup import (
     RunSetup,
     agree_on_setup,
-    has_safetensors,
     setup_run,
     user_errors,
 )
@@ -163,7 +161,7 @@ def _run(job, plan, out, setup: RunSetup, stream, stop, stop_after, lock) -> Tra
         result.notes.append(f"skipped steps (non-finite, not applied): {skipped}")
     if step < job.train.steps:
         return result  # stopped early (stop_after): no final checkpoint, export or plot
-    _finish(run, result, state, newest, step)
+    finish_run(run, result, state, newest, step)
     return result
 
 
@@ -352,38 +350,6 @@ def _train_steps(run: Run, result: TrainResult, state, newest, stop, stop_after)
         if writer is not None:
             writer.close()
     return step, skipped
-
-
-def _finish(run: Run, result: TrainResult, state, newest, step: int) -> None:
-    """The end of a finished run: the last checkpoint, the HF export, loss.png."""
-    job, out, source = run.job, run.out, run.setup.source
-    checkpointer = run.setup.checkpointer
-    if step > state.step:  # (interval checkpoints never fall on the last step)
-        result.checkpoint = run.save(step, newest)
-    else:  # resumed a finished run: its last checkpoint stands
-        result.checkpoint = newest
-    if checkpointer.saves and run.rank0:
-        result.notes.append(checkpointer.saves_note())
-    if job.train.export and not has_safetensors():
-        result.notes.append("no HF export: safetensors is not installed (pip install safetensors)")
-    elif job.train.export:
-        adapter_dir = out / "adapter" if job.train.lora is not None else None
-        exported = export_hf(
-            run.model,
-            source.config,
-            out / "hf",
-            dtype=components.compute_dtype(job, run.device),  # bf16 on CUDA, as HF ships these
-            copy_from=source.directory,
-            adapter_dir=adapter_dir,  # [train] lora: the PEFT adapter; hf/ holds the merge
-        )
-        result.export_dir = None if exported is None else out / "hf"  # as the user named it
-        result.adapter_dir = None if exported is None else adapter_dir
-    if run.rank0:
-        note = plot_loss(out / "metrics.jsonl", out / "loss.png")
-        if note is None:
-            result.plot = out / "loss.png"
-        else:
-            result.notes.append(f"no loss.png: {note}")
 
 
 def _train_step(train_step: TrainStep, plan, batch: StepBatch, job, device, stop, distributed):
