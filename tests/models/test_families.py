@@ -169,6 +169,8 @@ def test_float64_4_ranks_match_transformers(distributed, checkpoints, group):
     documents (16 and 32 tokens: multiples of 2r for every grid) whose windows and
     states cross the ranks' shards; one launch."""
     dense, packed = global_batch(2, 48, seed=22), global_batch(1, 48, seed=23)
+    # the pad token (id 0) in both: its embedding row gets no input-side gradient
+    assert (dense == 0).any() and (packed == 0).any()
     cu = cu_of([16, 32])
     batches = [(dense, sft_labels(dense, [3]), None), (packed, sft_labels(packed, [3, 5], cu), cu)]
     runs, expected = [], []
