@@ -10,6 +10,10 @@
 tokenizer and its chat template (TRL's data preparation). Batches are padding-free
 (``SFTConfig(padding_free=True)``: the conversations of a micro-batch flattened into one
 row, their boundaries kept across the SP ranks); ``--padded`` pads rows instead.
+Records with ``"images"`` (image files, relative to the data file) are TRL's
+vision-language data: the model directory is then a vision-language model with its
+processor (``AutoModelForImageTextToText``, ``AutoProcessor``), batches are padded rows
+(TRL's vision collator) and usp places the images (``usp.models.hf.shard_multimodal``).
 The grid is ``--ulysses x --ring`` SP ranks per data-parallel replica, the rest of the
 world data-parallel; ``--batch-size`` conversations per replica per micro-batch. The
 levers are ``usp.models.Levers`` (``--activation-checkpointing``, ``--mlp-tile-tokens``,
@@ -64,15 +68,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def read_chats(path: str):
+    """The data set, and whether it is vision-language data (records with images)."""
     import datasets
 
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     if not rows or not all(isinstance(r.get("messages"), list) for r in rows):
         raise SystemExit(f"{path}: every line needs a 'messages' list")
-    return datasets.Dataset.from_list([{"messages": r["messages"]} for r in rows])
+    if not any("images" in r for r in rows):
+        return datasets.Dataset.from_list([{"messages": r["messages"]} for r in rows]), False
+    from PIL import Image
+
+    folder = Path(path).parent
+    records = [
+        {"messages": r["messages"],
+         "images": [Image.open(folder / name).convert("RGB") for name in r.get("images", [])]}
+        for r in rows
+    ]  # fmt: skip
+    return datasets.Dataset.from_list(records), True
 
 
-def sft_config(args):
+def sft_config(args, vision: bool = False):
+    """``vision``: TRL's vision-language data (padded rows, no truncation)."""
     import trl
 
     return trl.SFTConfig(
@@ -87,9 +103,10 @@ def sft_config(args):
         report_to=[],
         optim=args.optim,
         train_sampling_strategy=args.sampling,
-        padding_free=not args.padded,
+        padding_free=not (args.padded or vision),
         activation_checkpointing=False,  # TRL's default is on; usp's lever is the flag
-        max_length=None if not args.padded else args.max_length,  # TRL: none when padding-free
+        # TRL: no truncation when padding-free, nor of an image's tokens
+        max_length=args.max_length if args.padded and not vision else None,
         bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=True,
@@ -136,9 +153,14 @@ def main(argv=None, *, plan=None) -> int:
 
     from usp.integrations.hf_cli import levers_from_args, plan_from_args
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
-    dataset = read_chats(args.data)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    dataset, vision = read_chats(args.data)
+    if vision:  # a vision-language model and its processor (tokenizer and image processor)
+        tokenizer = transformers.AutoProcessor.from_pretrained(args.model)
+        auto = transformers.AutoModelForImageTextToText
+    else:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+        auto = transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(args.model, dtype=torch.float32)
     if args.no_usp:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise SystemExit("--no-usp is the one-process reference: run it without torchrun")
@@ -153,15 +175,16 @@ def main(argv=None, *, plan=None) -> int:
                 "padding-free run equals the padded reference)"
             )
         trainer = trl.SFTTrainer(
-            model=model, args=sft_config(args), train_dataset=dataset, processing_class=tokenizer
-        )
+            model=model, args=sft_config(args, vision), train_dataset=dataset,
+            processing_class=tokenizer,
+        )  # fmt: skip
     else:
         from usp.integrations.transformers import UspSFTTrainer
 
         plan = plan_from_args(args) if plan is None else plan
         trainer = UspSFTTrainer(
             model=model,
-            args=sft_config(args),
+            args=sft_config(args, vision),
             train_dataset=dataset,
             processing_class=tokenizer,
             plan=plan,

@@ -1,8 +1,9 @@
-"""Tiny transformers vision-language models (Qwen3-VL, Qwen3.5 with images and videos,
-Gemma 3 with images) built from their config classes, and global batches for them: text
-around image (and video) placeholders, with what each model's processor would give
-(``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``, ``token_type_ids``, ...).
-Everything builds and runs on CPU in well under a second (no hub downloads).
+"""Tiny transformers vision-language models (Qwen3-VL and its MoE variant, Qwen3.5 with
+images and videos, Gemma 3 with images) built from their config classes, and global
+batches for them: text around image (and video) placeholders, with what each model's
+processor would give (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``,
+``token_type_ids``, ...). Everything builds and runs on CPU in well under a second (no
+hub downloads).
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def qwen3_vl_config(**text_changes):
     return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **QWEN_TOKENS)
 
 
+def qwen3_vl_moe_config(**text_changes):
+    vision = dict(QWEN_VISION, deepstack_visual_indexes=[0])
+    text = dict(TEXT, rope_parameters=MROPE, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16, decoder_sparse_step=1, **text_changes)  # fmt: skip
+    return transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **QWEN_TOKENS)
+
+
 def qwen3_5_config(**text_changes):
     text = dict(
         TEXT, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
@@ -60,9 +68,13 @@ def gemma3_config(**text_changes):
     )  # fmt: skip
 
 
-CONFIGS = {"qwen3_vl": qwen3_vl_config, "qwen3_5": qwen3_5_config, "gemma3": gemma3_config}
+CONFIGS = {
+    "qwen3_vl": qwen3_vl_config, "qwen3_vl_moe": qwen3_vl_moe_config, "qwen3_5": qwen3_5_config,
+    "gemma3": gemma3_config,
+}  # fmt: skip
 MODEL_CLASSES = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
 }
@@ -123,3 +135,76 @@ def batch(kind: str, parts, *, seed: int = 0) -> dict:
         out["pixel_values_videos"] = torch.cat([p for _, p in videos])
         out["video_grid_thw"] = torch.tensor([g for g, _ in videos])
     return out
+
+
+# ----------------------------------------------------------------------------- trainer data
+#: Gemma 3's image tokens in the character-level vocabulary of trainer_cases (ids 60-63)
+GEMMA_SPECIALS = {"<image_soft_token>": IMAGE, "<start_of_image>": START, "<end_of_image>": END}
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' }}{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+    "{{ '<start_of_image>' }}{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def gemma3_processor():
+    """A Gemma 3 processor for the tiny model: trainer_cases' characters, a newline, and
+    Gemma 3's image tokens at the model's ids; 8 x 8 images of 4 tokens each."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from trainer_cases import CHARS, SPECIALS
+
+    vocab = {token: i for i, token in enumerate([*SPECIALS, *CHARS, "\n"])}
+    vocab.update(GEMMA_SPECIALS)
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    core.add_special_tokens([*SPECIALS, *GEMMA_SPECIALS])
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>", extra_special_tokens={
+            "image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>"},
+    )  # fmt: skip
+    tokenizer.chat_template = CHAT_TEMPLATE
+    images = transformers.Gemma3ImageProcessorPil(
+        size={"height": GEMMA_IMAGE, "width": GEMMA_IMAGE}, image_mean=[0.5] * 3,
+        image_std=[0.5] * 3, do_pan_and_scan=False,
+    )  # fmt: skip
+    return transformers.Gemma3Processor(
+        image_processor=images, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+        image_seq_length=GEMMA_TOKENS_PER_IMAGE,
+    )  # fmt: skip
+
+
+def write_gemma3_checkpoint(directory, *, seed: int = 5):
+    """The tiny Gemma 3 vision-language model and its processor, in one HF directory."""
+    build("gemma3", seed=seed).save_pretrained(directory)
+    gemma3_processor().save_pretrained(directory)
+    return directory
+
+
+def write_image_chats(path, count: int, *, seed: int = 0):
+    """``count`` conversations about one image each (PNG files of 6 to 12 pixels a side
+    beside ``path``), of different lengths, as TRL's vision-language records."""
+    import json
+    import random
+
+    import numpy as np
+    from PIL import Image
+    from trainer_cases import WORDS
+
+    rng = random.Random(seed)
+    folder = path.parent / "images"
+    folder.mkdir(exist_ok=True)
+    rows = []
+    for i in range(count):
+        pixels = np.random.default_rng(seed * 1000 + i).integers(
+            0, 256, (rng.randint(6, 12), rng.randint(6, 12), 3)
+        )
+        Image.fromarray(pixels.astype("uint8")).save(folder / f"{i}.png")
+        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3))) + "?"
+        answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 5))) + "."
+        rows.append({"images": [f"images/{i}.png"], "messages": [
+            {"role": "user", "content": question}, {"role": "assistant", "content": answer}]})  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

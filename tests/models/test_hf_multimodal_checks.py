@@ -10,7 +10,6 @@ with image inputs, against transformers' sdpa on the same weights.
   same message about images on every rank, also when only one rank was given them, and
   the groups stay usable; Gemma 3's overlay is refused on every rank; Qwen3.5's text
   config gets the verdict of the swapped composite model (text-only batches are exact).
-* the Trainer integration refuses processor outputs it would otherwise drop.
 """
 
 from __future__ import annotations
@@ -153,11 +152,3 @@ def run_qwen3_5_text_under_sp():
 def test_qwen3_5_text_config_holds_the_swapped_models_verdict(distributed):
     errors = distributed.run(run_qwen3_5_text_under_sp, world_size=4)
     assert max(errors) < 1e-5, errors
-
-
-def test_trainer_batches_with_images_are_refused_not_dropped():
-    from usp.integrations.hf_batches import global_batch
-
-    inputs = vl_cases.batch("qwen3_vl", IMAGES["qwen3_vl"])
-    with pytest.raises(HFInputError, match="pixel_values"):
-        global_batch(inputs, usp.Plan(None))

@@ -12,6 +12,10 @@ A collator's batch is one of three kinds, all trained exactly:
 * **dense rows** (equal lengths, no padding): sharded as they are when the plan can place
   their length, else packed as documents too.
 
+A vision-language batch (TRL's vision collator: padded rows with a processor's outputs)
+becomes documents or dense rows the same way, its token types packed with the tokens, and
+is sharded by :func:`usp.models.hf.shard_multimodal` (:attr:`GlobalBatch.media`).
+
 :class:`GlobalBatch` is that batch before sharding: its label count
 (:meth:`GlobalBatch.label_count`) is what the step's loss is normalised by, and
 :meth:`GlobalBatch.shard` is this rank's part (documents padded to the layout, labels
@@ -22,6 +26,7 @@ replica the same samples.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -34,6 +39,7 @@ from usp.models import IGNORE_INDEX, ShardedBatch, shard_batch, shift_labels
 from usp.models.hf_inputs import HFInputError
 from usp.models.hf_multimodal_checks import multimodal_inputs
 from usp.sp.plan import Plan
+from usp.sp.sharding import pad_documents
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,9 @@ class GlobalBatch:
     input_ids: torch.Tensor
     labels: torch.Tensor
     cu_seqlens: torch.Tensor | None
+    #: a vision-language model's processor outputs (pixels, grids; token types aligned
+    #: with ``input_ids``), placed by :func:`usp.models.hf.shard_multimodal`; None: text
+    media: dict | None = None
 
     @property
     def tokens(self) -> int:
@@ -63,8 +72,11 @@ class GlobalBatch:
         """The global length attention spans (the packed row's, or a row's)."""
         return self.input_ids.shape[1]
 
-    def shard(self, plan: Plan, *, pad_token_id: int = 0) -> ShardedBatch:
-        """This rank's part; collective over the SP group (see the module docstring)."""
+    def shard(self, plan: Plan, *, pad_token_id: int = 0, model=None) -> ShardedBatch:
+        """This rank's part; collective over the SP group (see the module docstring).
+        ``model``: the vision-language model a batch with media is for."""
+        if self.media is not None:
+            return self._shard_media(plan, pad_token_id, model)
         if self.cu_seqlens is None:
             return shard_batch(plan, self.input_ids, labels=self.labels)
         flattened = {
@@ -73,6 +85,27 @@ class GlobalBatch:
             "cu_seq_lens_q": self.cu_seqlens,
         }
         return usp_hf.shard_flattened(plan, flattened, pad_token_id=pad_token_id)
+
+    def _shard_media(self, plan: Plan, pad_token_id: int, model) -> ShardedBatch:
+        """:func:`usp.models.hf.shard_multimodal` of the batch, its documents (if packed)
+        padded to the layout first (pads: ``pad_token_id``, ignored labels, text type)."""
+        if model is None:
+            raise ValueError("a batch with media is sharded for its model: shard(plan, model=...)")
+        ids, labels, cu, media = self.input_ids, self.labels, self.cu_seqlens, dict(self.media)
+        real = None
+        if cu is not None:
+            padding = pad_documents(cu, plan)
+            for key, value in media.items():
+                if value.shape == ids.shape:  # a per-token input: text type at the pads
+                    media[key] = padding.apply(value, 0)
+            real = padding.apply(torch.ones_like(ids, dtype=torch.bool), False)  # [1, S']
+            ids, labels = padding.apply(ids, pad_token_id), padding.apply(labels, IGNORE_INDEX)
+            cu = padding.cu_seqlens
+        batch = usp_hf.shard_multimodal(plan, model, ids, labels=labels, cu_seqlens=cu, **media)
+        if real is None:
+            return batch
+        real = plan.shard(real, packed=batch.packed).to(batch.input_ids.device)
+        return dataclasses.replace(batch, real=real)
 
 
 def global_batch(inputs: Mapping, plan: Plan) -> GlobalBatch:
@@ -85,19 +118,15 @@ def global_batch(inputs: Mapping, plan: Plan) -> GlobalBatch:
             f"LM's collator), got {type(ids).__name__}"
             + (f" of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else "")
         )
-    media = multimodal_inputs(inputs)
-    if media:
-        raise HFInputError(
-            f"this batch has a vision-language model's processor outputs ({', '.join(media)}), "
-            "which usp's Trainer integration does not train yet: it would drop them and "
-            "train on the placeholder tokens"
-        )
     labels = inputs.get("labels")
     labels = ids if labels is None else labels
     if labels.shape != ids.shape:
         raise HFInputError(
             f"labels of shape {tuple(labels.shape)} do not match input_ids {tuple(ids.shape)}"
         )
+    media = {key: inputs[key] for key in multimodal_inputs(inputs)}
+    if media:
+        return _media_batch(inputs, plan, ids, labels, media)
     if _padding_free(inputs):
         cu = usp_hf.flattened_boundaries(inputs, ids.shape[1])
         return GlobalBatch(ids, labels, cu)
@@ -107,6 +136,26 @@ def global_batch(inputs: Mapping, plan: Plan) -> GlobalBatch:
     if ids.shape[1] % plan.sequence_multiple == 0:
         return GlobalBatch(ids, labels, None)
     return _rows_as_documents(ids, labels, torch.ones_like(ids, dtype=torch.bool))
+
+
+def _media_batch(inputs: Mapping, plan: Plan, ids, labels, media: dict) -> GlobalBatch:
+    """A vision-language batch (TRL pads its rows on the right): dense rows when they fit
+    the layout, else every row's real tokens one document, token types with them."""
+    if _padding_free(inputs):
+        raise HFInputError(
+            "a padding-free batch with images: usp places a vision-language batch from padded "
+            "rows (TRL's vision collator; padding_free=False)"
+        )
+    mask = inputs.get("attention_mask")
+    mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    if bool(mask.all()) and ids.shape[1] % plan.sequence_multiple == 0:
+        return GlobalBatch(ids, labels, None, media)
+    rows = _rows_as_documents(ids, labels, mask)
+    keep = mask.reshape(-1)
+    for key, value in media.items():
+        if value.shape == ids.shape:  # a per-token input (token types): packed with them
+            media[key] = value.reshape(-1)[keep][None]
+    return dataclasses.replace(rows, media=media)
 
 
 def _padding_free(inputs: Mapping) -> bool:

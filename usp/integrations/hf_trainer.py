@@ -216,7 +216,9 @@ class UspTrainerMixin:
         error, batch = None, None
         self._usp_last_aux = None  # this micro-batch's router aux loss, if any
         try:
-            batch = global_batch(inputs, plan).shard(plan, pad_token_id=self._usp_pad_id())
+            batch = global_batch(inputs, plan).shard(
+                plan, pad_token_id=self._usp_pad_id(), model=model
+            )
             problem = window_problem(self.model.config, batch.input_ids.shape[1] * plan.sp_degree)
             if problem is not None:
                 raise UnsupportedModelError(f"usp cannot train exactly {problem}")
@@ -299,7 +301,7 @@ class UspTrainerMixin:
         """A hook after each micro-batch's loss (the TRL trainer counts tokens there)."""
 
     def _usp_pad_id(self) -> int:
-        pad = getattr(self.model.config, "pad_token_id", None)
+        pad = getattr(self.model.config.get_text_config(), "pad_token_id", None)
         return 0 if pad is None else int(pad)
 
     # ------------------------------------------------------------------ replicas

@@ -32,8 +32,9 @@ restart per document) becomes usp's packed documents; ``is_causal`` (the module'
 config's or a keyword) is respected; under ``torch.autocast`` q/k/v are computed in the
 autocast dtype, as sdpa computes them; a module's ``head_chunks`` (set by
 ``usp.models.Levers``) goes to the ring; a vision-language model's encoders, multimodal
-positions and mask overlays are computed or refused (:mod:`usp.models.hf_multimodal_checks`).
-:func:`shard_flattened` turns a
+positions and mask overlays are computed or refused (:mod:`usp.models.hf_multimodal_checks`),
+and :func:`shard_multimodal` shards a vision-language batch, its images spread over the SP
+ranks (:mod:`usp.models.hf_multimodal`). :func:`shard_flattened` turns a
 ``DataCollatorWithFlattening`` batch into this rank's part (documents padded to the
 layout, labels shifted per document, ``usp_packed``).
 """
@@ -65,6 +66,7 @@ from usp.models.hf_mixers import (  # noqa: F401
     check_model,
     swap_linear_attention,
 )
+from usp.models.hf_multimodal import MultimodalBatch, loss_body, shard_multimodal  # noqa: F401
 from usp.models.hf_multimodal_checks import MultimodalChecks, is_encoder_config
 from usp.models.hf_watch import watch_construction
 from usp.models.labels import IGNORE_INDEX
@@ -150,9 +152,9 @@ def register(plan, *, name: str = "usp", model=None, **attention_options) -> str
     mask_function = padding_mask_function(plan, name, seen, check_model_of)
     mask_function.usp_check = check  # what models built with the name meet (hf_watch)
     AttentionMaskInterface.register(name, multimodal.wrap_mask_function(mask_function))
-    transformers.AttentionInterface.register(
-        name, _attention_function(plan, name, seen, check, multimodal)
-    )
+    attention = _attention_function(plan, name, seen, check, multimodal)
+    attention.usp_plan, attention.usp_multimodal = plan, multimodal  # shard_multimodal's
+    transformers.AttentionInterface.register(name, attention)
     watch_construction()  # models built with the name meet the check before their forward
     if model is not None:
         model.set_attn_implementation(name)
@@ -231,10 +233,12 @@ def _attention_function(
         # [B, H, S/P, D] -> [B, S/P, H, D]; under autocast in its dtype, as sdpa is
         q, k, v, autocast_off = _as_sdpa_casts(query, key, value)
         with autocast_off:
+            partial = multimodal.partial(kwargs, q, k, v, scaling, causal)  # image blocks
             out = plan.attention(
                 q, k, v, causal=causal, softmax_scale=scaling, packed=packed,
                 head_chunks=getattr(module, "head_chunks", 1),  # usp.models.Levers sets it
                 window=sliding_window, sinks=kwargs.get("s_aux"),  # gpt-oss's sinks: s_aux
+                **({} if partial is None else {"partial": partial}),
             )  # fmt: skip
         return out, None
 
@@ -426,7 +430,8 @@ def add_loss_forward(model):
             return inner(*args, **kwargs)
         if usp_loss.router_aux is not None:
             kwargs["output_router_logits"] = True
-        out = self.get_decoder()(*args, **kwargs)
+        body, kwargs = loss_body(self, kwargs)  # a vision-language batch: its media encoded
+        out = body(*args, **kwargs)
         loss = sp_cross_entropy(
             out.last_hidden_state,  # [B, S/P, dim]
             self.get_output_embeddings().weight,

@@ -11,7 +11,7 @@ A vision-language model (Qwen3-VL, Qwen3.5, Gemma 3, ...) built with
   image's features for its shard's image tokens only (transformers then fails with
   "Image features and image tokens do not match", differently per rank).
   :func:`usp.models.hf.shard_multimodal` spreads the images over the SP ranks instead;
-  its own encoding step passes :data:`LOCAL_ENCODER_KWARG`.
+  its own encoding step runs inside :meth:`MultimodalChecks.own_encoding`.
 * **multimodal positions**: Qwen's RoPE has t/h/w rows (``get_rope_index``) that differ
   from ``0..S-1`` after an image. A forward that encoded images and was given
   ``position_ids`` (the batch's 1-D positions from :func:`usp.models.shard_batch`) would
@@ -31,6 +31,7 @@ layers' attention.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -39,10 +40,9 @@ from typing import NamedTuple
 import torch
 
 from usp.compile_marks import constant_result
+from usp.models.hf_image_blocks import block_partial
 from usp.models.hf_padding import HFInputError
 
-#: the keyword usp's own encoding step gives a vision tower (a local encoder under SP)
-LOCAL_ENCODER_KWARG = "usp_local_encoder"
 #: the keyword that carries Gemma 3's image blocks to the attention (usp computes them)
 IMAGE_BLOCKS_KWARG = "usp_image_blocks"
 #: sub-config keys of encoders: their attention is over an image's (or a clip's) own
@@ -76,6 +76,12 @@ _COMBINERS = {"or_masks.<locals>.or_mask": "or", "and_masks.<locals>.and_mask": 
 def is_encoder_config(config) -> bool:
     """Whether ``config`` (an attention module's) is an encoder's sub-config."""
     return getattr(config, "base_config_key", "") in ENCODER_CONFIG_KEYS
+
+
+def encoder_sub_configs(config: dict) -> list[str]:
+    """The encoder sub-configs a ``config.json`` dict holds (a vision-language model's
+    ``vision_config``, ...)."""
+    return [key for key in ENCODER_CONFIG_KEYS if isinstance(config.get(key), dict)]
 
 
 def multimodal_inputs(inputs) -> list[str]:
@@ -198,6 +204,16 @@ class MultimodalChecks:
     def __init__(self, plan, name: str):
         self.plan, self.name = plan, name
         self.seen = ForwardSeen()
+        self.encoding = False  # inside usp's own encoding step (shard_multimodal's)
+
+    @contextlib.contextmanager
+    def own_encoding(self):
+        """usp's own encoding step: the encoders' attention runs locally, under SP too."""
+        before, self.encoding = self.encoding, True
+        try:
+            yield
+        finally:
+            self.encoding = before
 
     # ------------------------------------------------------------------ masks
     def wrap_mask_function(self, mask_fn):
@@ -223,7 +239,7 @@ class MultimodalChecks:
         layer)."""
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        own_step = bool(kwargs.pop(LOCAL_ENCODER_KWARG, False))
+        own_step = self.encoding
         unsupported = {k: kwargs.pop(k, None) for k in ("sliding_window", "softcap")}
         unsupported = {k: v for k, v in unsupported.items() if v is not None}
         if unsupported:
@@ -285,6 +301,15 @@ class MultimodalChecks:
                 "input_ids, **processor_outputs), which places them"
             )
         return None
+
+    def partial(self, kwargs: dict, q, k, v, scaling, causal: bool):
+        """The ``partial`` of USP attention for Gemma 3's image blocks (their later keys,
+        :mod:`usp.models.hf_image_blocks`), or None: no blocks, or a bidirectional layer
+        (which sees them anyway)."""
+        blocks = kwargs.get(IMAGE_BLOCKS_KWARG)  # (every rank has them: the batch has blocks)
+        if blocks is None or not causal:
+            return None
+        return block_partial(blocks, q, k, v, scaling, self.plan.comm_stats)
 
     def _overlay_message(self, module_name: str, overlays: list[Overlay]) -> str:
         names = ", ".join(sorted({o.name for o in overlays}))

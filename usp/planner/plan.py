@@ -11,6 +11,8 @@ import torch
 from usp.config import AUTO, ConfigError
 from usp.errors import HeadLayoutError
 from usp.models import model_counts
+from usp.models.config import read_config_json
+from usp.models.hf_multimodal_checks import encoder_sub_configs
 from usp.planner import search
 from usp.planner.footprint import Target
 from usp.planner.hardware import (
@@ -178,6 +180,7 @@ def plan(
             f"the longest sequence is at least {longest:,}: the search stops there (a packed "
             "row's document boundaries are int32)"
         )
+    notes += encoder_notes(source.directory)
     counts = model_counts(model)
     if counts.experts:
         notes.append(
@@ -208,6 +211,22 @@ def plan(
         notes=notes,
         seconds=time.perf_counter() - started,
     )
+
+
+def encoder_notes(directory) -> list[str]:
+    """What a plan of the checkpoint ``directory`` (None: a preset) leaves out: a
+    vision-language model's encoders (usp's family is its text decoder)."""
+    if directory is None:
+        return []
+    encoders = encoder_sub_configs(read_config_json(directory / "config.json"))
+    if not encoders:
+        return []
+    return [
+        f"vision-language model ({', '.join(encoders)}): the plan counts its text decoder "
+        "only; the encoder's memory and time per rank (its weights, and with "
+        "usp.models.hf.shard_multimodal each rank encoding about 1/(ulysses*ring) of a "
+        "batch's images or frames) are not counted yet"
+    ]
 
 
 def _measurement_lines(progress: Callable[[str], None] | None):

@@ -40,6 +40,7 @@ from usp.ring.kv_message import KVDims
 from usp.ring.layout import required_local_multiple
 from usp.ring.p2p import block_shapes as p2p_block_shapes
 from usp.ring.p2p import p2p_backward, p2p_forward
+from usp.ring.partial import merge_partial, partial_grads
 from usp.ring.placement import (
     RankPlacement,
     dense_placement,
@@ -117,49 +118,57 @@ class _RingAttention(torch.autograd.Function):
     the ring's backward then uses as they are."""
 
     @staticmethod
-    def forward(ctx, cfg: PreparedRing, q, k, v, boundaries, longest, sinks):
+    def forward(ctx, cfg: PreparedRing, q, k, v, boundaries, longest, sinks, p_out, p_lse):
         documents = _device_bounds(boundaries, longest)
         # decided here and kept for the backward, which may run on another thread
         ctx.representative = representative(q)  # (usp plan's fake step: usp.ring.heads)
         out, lse = _implementation(cfg, ctx.representative)[0](q, k, v, cfg, documents)
+        if p_out is not None:  # a partial result over more keys (usp.ring.partial)
+            out, lse = merge_partial(out, lse, p_out, p_lse)
         if sinks is not None:
             out, lse = apply_sinks(out, lse, sinks)
         ctx.mark_non_differentiable(lse)
         ctx.cfg, ctx.longest = cfg, longest
-        ctx.save_for_backward(q, k, v, out, lse, boundaries, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, boundaries, sinks, p_out, p_lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, boundaries, sinks = ctx.saved_tensors
+        q, k, v, out, lse, boundaries, sinks, p_out, p_lse = ctx.saved_tensors
         documents = _device_bounds(boundaries, ctx.longest)
-        dsinks = None
+        dsinks = d_p_out = d_p_lse = None
         with torch.no_grad():
             backward = _implementation(ctx.cfg, ctx.representative)[1]
             dout = dout.contiguous()
             dq, dk, dv = backward(dout, q, k, v, out, lse, ctx.cfg, documents)
             if sinks is not None and ctx.needs_input_grad[6]:
                 dsinks = sinks_grad(dout, out, lse, sinks)
+            if p_out is not None:
+                d_p_out, d_p_lse = partial_grads(dout, out, lse, p_out, p_lse)
         if torch.is_grad_enabled():  # create_graph=True: refuse a second derivative loudly
             dq, dk, dv = _NoSecondDerivative.apply(dq, dk, dv, dout, q, k, v)
-        return None, dq, dk, dv, None, None, dsinks
+        return None, dq, dk, dv, None, None, dsinks, d_p_out, d_p_lse
 
 
 def run_ring(
-    q, k, v, cfg: PreparedRing, placement: RankPlacement | None = None, sinks=None
+    q, k, v, cfg: PreparedRing, placement: RankPlacement | None = None, sinks=None, partial=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A validated call (see :func:`ring_attention`): (out, lse), differentiable in q/k/v.
     ``placement``: in a compiled graph, the live packing's (its piece boundaries and
     longest document reach the kernels as a tensor and a symbolic size, see
     :func:`usp.ring.p2p._plan`), since ``cfg`` is then the trace's constant, shared by
     every packing of the call's shape; None: ``cfg``'s own. ``sinks``: [h] logits of
-    this rank's query heads (:mod:`usp.ring.sinks`), or None."""
+    this rank's query heads (:mod:`usp.ring.sinks`), or None. ``partial``: (out [B, L, h,
+    D], lse [B, h, L]) of more keys per row, computed elsewhere and merged in
+    (:mod:`usp.ring.partial`), or None."""
+    p_out, p_lse = (None, None) if partial is None else partial
     if placement is None:
-        return _RingAttention.apply(cfg, q, k, v, None, None, sinks)
+        return _RingAttention.apply(cfg, q, k, v, None, None, sinks, p_out, p_lse)
     # .size(0), not .shape[0]: Dynamo (torch 2.13) fails on .shape of a tensor held by a
     # constant of the trace (the HF plug-in's placement is one)
     longest = placement.longest.size(0)
-    return _RingAttention.apply(cfg, q, k, v, placement.piece_docs.cu_q, longest, sinks)
+    cu = placement.piece_docs.cu_q
+    return _RingAttention.apply(cfg, q, k, v, cu, longest, sinks, p_out, p_lse)
 
 
 def ring_attention(

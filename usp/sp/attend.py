@@ -34,6 +34,7 @@ from usp.process_groups import HeadLayoutError
 from usp.ring.api import RING_ERRORS, prepare_ring, ring_placement, run_ring
 from usp.ring.config import PreparedRing
 from usp.ring.kv_message import KVDims
+from usp.ring.partial import check_partial
 from usp.sp.call_args import attention_fields, check_sinks, check_window, kernel_window
 from usp.sp.packing import PackedSequence, PlanError, check_packed_fits
 from usp.sp.sharding import ShardingError, check_sequence_length
@@ -72,12 +73,14 @@ def _check_segments(plan, has_segments: bool) -> None:
 
 def check_call(
     plan, q, k, v, causal, softmax_scale, packed, head_chunks=1, sinks=None, window=None,
-    compiled=False,
+    compiled=False, partial=None,
 ) -> CheckedCall:  # fmt: skip
     """Everything that could fail, checked on this rank before anything is sent
     (``compiled``: while a compiled graph is traced)."""
     spec = validate_inputs(*_padded_stand_ins(q, k, v), causal=causal, window=None)
     check_sinks(sinks, spec)
+    value_dim = v.shape[-1] if isinstance(v, torch.Tensor) else -1
+    check_partial(partial, spec, value_dim, eager=not compiled, mla=mla_dims(q, k, v) is not None)
     check_window(window, causal)
     if (
         compiled and window is not None and packed is not None
@@ -156,11 +159,14 @@ def attend(
     head_chunks: int = 1,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    partial: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:meth:`usp.Plan.attention` (see :func:`usp.usp_attention` for the arguments);
     ``plan`` is a :class:`usp.Plan`. ``head_chunks``: the ring attends to that many
     groups of its (post-all-to-all) KV heads one after the other
     (``ring_attention``'s ``kv_head_chunks``), bounding its buffers to one group.
+    ``partial``: (out [B, S/P, H, Dv], lse [B, S/P, H]) of more keys per row, computed
+    by the caller (eagerly), merged in (:mod:`usp.ring.partial`).
 
     Under ``torch.compile`` the call is checked (and, with ``verify``, agreed across the
     SP ranks) while the graph is traced, once per plan and call shape
@@ -170,6 +176,8 @@ def attend(
         softmax_scale = dims.key_dim**-0.5  # q/k are padded to v's size below
     live = None  # the placement a compiled graph reads documents from (cfg's eagerly)
     if torch.compiler.is_compiling():
+        if partial is not None:
+            raise AttentionInputError("partial results are not supported under torch.compile")
         call = _traced(
             plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, sinks, window
         )
@@ -179,21 +187,26 @@ def attend(
         grad = grad_mask(q, k, v, sinks)
         call = checked(
             plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad, sinks,
-            window,
+            window, partial=partial,
         )  # fmt: skip
         ulysses = plan.ulysses_group
     stats = plan.comm_stats
+    if partial is not None:
+        partial = (partial[0], partial[1].unsqueeze(-1))  # lse [B, S/P, H, 1]: a head dim
     if plan.ulysses_degree > 1:
         k, v = replicate_kv_heads(k, v, call.kv_replication)
         # each tensor at its own head size (MLA: v's smaller or larger than q/k's)
-        q, k, v = to_head_sharded([q, k, v], ulysses, stats)  # [B, S/r, h/u, D]
+        q, k, v, *partial = to_head_sharded([q, k, v, *(partial or ())], ulysses, stats)
+        partial = tuple(partial) or None  # [B, S/r, h/u, Dv], [B, S/r, h/u, 1]
+    if partial is not None:
+        partial = (partial[0], partial[1].squeeze(-1).transpose(1, 2))  # lse [B, h, S/r]
     local_sinks = None if sinks is None else sinks[call.heads[0] : call.heads[1]]  # [H/u]
     if dims is not None:
         # the kernels take one head size: pad after the all-to-all, where nothing
         # travels but the ring's messages, which carry K and V at their own sizes
         # (call.ring.kv_dims, usp.ring.kv_message)
         q, k, v = pad_head_dims(q, k, v, dims)
-    out, _ = run_ring(q, k, v, call.ring, live, local_sinks)
+    out, _ = run_ring(q, k, v, call.ring, live, local_sinks, partial)
     if dims is not None:
         out = out[..., : dims.value_dim]  # [B, S/r, H/u, Dv]: the padded columns are zeros
     if plan.ulysses_degree > 1:
@@ -238,7 +251,7 @@ def _padded_stand_ins(q, k, v):
 
 def checked(
     plan, q, k, v, causal, softmax_scale, packed, verify, head_chunks, grad: int, sinks=None,
-    window=None, compiled=False,
+    window=None, compiled=False, partial=None,
 ) -> CheckedCall:  # fmt: skip
     """The call validated on this rank and, with ``verify``, agreed across the SP ranks
     (the same error on every rank when any rank's call fails); ``grad``: whether the
@@ -252,13 +265,15 @@ def checked(
         total = q_shape[1] * plan.sp_degree if len(q_shape) > 1 else None
         packed_seq = plan.packed_sequence(packed, device=getattr(q, "device", None), seq_len=total)
         return check_call(
-            plan, q, k, v, causal, softmax_scale, packed_seq, head_chunks, sinks, window, compiled
-        )
+            plan, q, k, v, causal, softmax_scale, packed_seq, head_chunks, sinks, window,
+            compiled, partial,
+        )  # fmt: skip
 
     def fields():
         return attention_fields(
             plan, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=packed_seq,
             head_chunks=head_chunks, grad=grad, sinks=sinks, window=window, compiled=compiled,
+            partial=partial,
         )  # fmt: skip
 
     return checked_call(plan.sp_group, "usp_attention", fields, validate, USP_ERRORS, verify)

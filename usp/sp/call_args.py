@@ -66,13 +66,13 @@ def kernel_window(window: int | None, longest: int) -> int | None:
 
 def attention_fields(
     plan, q, k, v, *, causal, softmax_scale, packed, head_chunks, grad: int, sinks, window,
-    compiled: bool,
+    compiled: bool, partial=None,
 ) -> list[Field]:  # fmt: skip
     """What the SP ranks agree on of a call (robust to invalid inputs: they show as -1).
     ``softmax_scale`` as the user gave it; ``packed``: the call's PackedSequence or None;
     ``grad``: :func:`usp.comm.call_check.grad_mask` of (q, k, v, sinks); ``compiled``:
     the tensors are stand-ins of a traced graph (no values: the sinks' values are then
-    graph inputs, not compared)."""
+    graph inputs, not compared); ``partial``: the call's (out, lse) merged in, or None."""
     options = {
         "layout": (plan.layout, LAYOUTS),
         "ring_impl": (plan.ring_impl, RING_IMPLS),
@@ -90,7 +90,19 @@ def attention_fields(
         Field("sinks", _sinks_code(sinks), _show_sinks),
         _sinks_values(sinks, compiled),
         Field("window", window_code, _show_window),
+        Field("partial", _partial_code(partial), _show_partial),  # more keys' rows merged
     ]  # fmt: skip
+
+
+def _partial_code(partial) -> int:
+    """What the ranks agree on of ``partial``: absent (0) or given (1). Whether its
+    tensors require grad may differ (a rank whose rows see no more keys passes constants):
+    its backward sends nothing."""
+    return int(partial is not None)
+
+
+def _show_partial(code: int) -> str:
+    return {0: "none", 1: "given"}.get(code, str(code))
 
 
 def _sinks_code(sinks) -> int:

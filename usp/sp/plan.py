@@ -359,12 +359,15 @@ class Plan(PlanPacking):
         head_chunks: int = 1,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        partial: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Exact attention over the global sequence: q [B, S/P, H, D], k/v
         [B, S/P, Hkv, D] (this rank's shard, after RoPE) -> [B, S/P, H, D], in q's dtype.
         ``packed``: a :class:`PackedSequence` (or global cu_seqlens) for block-diagonal
         attention by document. ``head_chunks``: see :func:`usp.sp.attend.attend`. ``window``,
-        ``sinks``: see :func:`usp.usp_attention`."""
+        ``sinks``: see :func:`usp.usp_attention`. ``partial``: (out [B, S/P, H, Dv], lse
+        [B, S/P, H]) of more keys per row, computed by the caller, merged in (eagerly;
+        :mod:`usp.ring.partial`: Gemma 3's image blocks)."""
         if self.kernel_registry is not None and torch.compiler.is_compiling():
             raise PlanError(
                 "a Plan with its own kernel_registry cannot run under torch.compile (the "
@@ -372,6 +375,12 @@ class Plan(PlanPacking):
             )
         verify = self.verify_calls if verify is None else verify
         if self.placement == "documents" and packed is not None:
+            if partial is not None:  # a plan option: the same refusal on every rank
+                raise PlanError(
+                    "partial= (a partial result merged into the ring) is computed for "
+                    "placement='sequence' plans only; build the plan without "
+                    "placement='documents' to merge one"
+                )
             return attend_placed(
                 self, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=packed,
                 verify=verify, head_chunks=head_chunks, window=window, sinks=sinks,
@@ -379,6 +388,7 @@ class Plan(PlanPacking):
         return attend(
             self, q, k, v, causal=causal, softmax_scale=softmax_scale, packed=packed,
             verify=verify, head_chunks=head_chunks, window=window, sinks=sinks,
+            partial=partial,
         )  # fmt: skip
 
     def verify_batch(self, *tensors: torch.Tensor, packed=None) -> None:
