@@ -4,7 +4,7 @@
     python benchmarks/levers_memory.py --tokens 16384 --dim 1024 --intermediate 3584
     python benchmarks/levers_memory.py --device cuda --layers 4   # adds the offload rows
 
-MLP rows: forward + backward of one Llama SwiGLU MLP (``usp.models.decoder.MLP``) on
+MLP rows: forward + backward of one Llama SwiGLU MLP (``usp.models.mlp.MLP``) on
 ``[1, tokens, dim]`` inputs, untiled and with each ``--tiles`` value. The peak is the
 largest number of bytes allocated at once during the step above what was allocated
 before it, measured independently of usp: on CPU from ``torch.profiler``'s memory events
@@ -24,8 +24,8 @@ import time
 import torch
 
 from usp.models import Levers, Llama, LlamaConfig, shift_labels
-from usp.models.decoder import MLP
 from usp.models.levers import tile_mlp
+from usp.models.mlp import MLP
 
 MIB = 2**20
 

@@ -3,7 +3,7 @@
     python benchmarks/mlp_fake.py      # Llama-3.1-8B's MLP, 131,072 tokens, tiles of 8192
     python benchmarks/mlp_fake.py --tokens 4096 --dim 64 --intermediate 224 --tile 512
 
-One ``usp.models.decoder.MLP`` (bf16 weights, tiled by ``tile_mlp(mlp, --tile)``) runs forward and
+One ``usp.models.mlp.MLP`` (bf16 weights, tiled by ``tile_mlp(mlp, --tile)``) runs forward and
 backward on a fake ``[1, tokens, dim]`` input under ``FakeTensorMode``, counted by
 torch's ``MemTracker`` (the planner's tools; nothing is computed or allocated). Rows:
 with and without :func:`usp.models.tiling.representative_tiles` (the first and the
@@ -27,8 +27,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint
 
 from usp.models import LlamaConfig
-from usp.models.decoder import MLP
 from usp.models.levers import tile_mlp
+from usp.models.mlp import MLP
 from usp.models.tiling import representative_tiles
 
 GIB = 2**30

@@ -1,6 +1,6 @@
-"""The float64 checks every model-family test runs against transformers
-(tests/models/test_gemma3.py, test_qwen3_5.py): one process, the SP run on 4 ranks, and
-the export read back by transformers."""
+"""The float64 checks every model family runs against transformers
+(tests/models/test_families.py, over family_cases.CASES): one process, the SP run on 4
+ranks, and the export read back by transformers."""
 
 from __future__ import annotations
 
@@ -26,15 +26,13 @@ def one_process_errors(model, rows, labels, cu_seqlens, expected: dict) -> dict:
     }
 
 
-def sp_float64_run(plan, model, ids, labels, cu) -> list[dict]:
-    """Body for every rank: ``model`` on dense rows (``labels[0]``) then on the packed
-    documents ``cu`` (``labels[1]``): the gathered logits, the loss of every rank and the
-    gradients summed over the SP group."""
+def sp_float64_run(plan, model, batches) -> list[dict]:
+    """Body for every rank: ``model`` on each global ``(ids, labels, cu_seqlens or None)``
+    of ``batches``: the gathered logits, the loss of every rank and the gradients summed
+    over the SP group."""
     out = []
-    for cu_seqlens in (None, cu):
-        batch = usp.models.shard_batch(
-            plan, ids, labels=labels[cu_seqlens is not None], cu_seqlens=cu_seqlens, shift=False
-        )
+    for ids, labels, cu_seqlens in batches:
+        batch = usp.models.shard_batch(plan, ids, labels=labels, cu_seqlens=cu_seqlens, shift=False)
         with torch.no_grad():
             logits = model(batch.input_ids, cu_seqlens=batch.packed)
         model.zero_grad()
@@ -63,10 +61,10 @@ def sp_failures(index, result: dict, want: dict, tolerance: float) -> list[str]:
     return [f"{index} {n}: {e:.3g}" for n, e in errors.items() if not e <= tolerance]
 
 
-def assert_export_matches_transformers(path, out_dir, load_reference) -> None:
+def assert_export_matches_transformers(path, out_dir, load_reference):
     """usp's model of ``path``, perturbed, exported to ``out_dir``: transformers' float32
     model of the export (``load_reference(dir, dtype=)``) gives its logits (1e-5), and
-    usp reads the export back bit for bit."""
+    usp reads the export back bit for bit. Returns the export's directory."""
     model = usp.models.from_pretrained(path)
     with torch.no_grad():
         for p in model.parameters():  # not the checkpoint's values: the export carries them
@@ -80,3 +78,4 @@ def assert_export_matches_transformers(path, out_dir, load_reference) -> None:
     again = usp.models.from_pretrained(out)
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(),
                                                  model.state_dict().values()))  # fmt: skip
+    return out

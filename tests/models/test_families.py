@@ -1,15 +1,17 @@
-"""The model families (usp.models.family: Llama, Qwen2, Qwen3, Mistral) against
-transformers' own models, and the family registry.
+"""Every model family against transformers' own models (one list of checkpoints:
+tests/helpers/family_cases.py), and the family registry.
 
-Each family's tiny checkpoint is written by transformers itself
-(tests/helpers/model_cases.py: norm weights away from 1, random biases, Qwen3's head_dim
-!= hidden / heads with biases on all four projections, Mistral with a window longer than
-the sequence) and read back by usp through the registry. Checked: the config as
-transformers reads it (defaults of absent keys included); float64 logits, loss and every
-gradient in one process (1e-12: exact up to summation order) and on 4 gloo ranks
-(ulysses 2 x ring 2, packed documents, 1e-10; the MoE families with their aux loss in
-test_moe.py and test_gpt_oss.py); the export read back by transformers with equal logits;
-a sliding window shorter than a document refused, and exact within it.
+Each case's tiny checkpoint is written by transformers itself (norm weights away from
+their start, random biases, Qwen3's head_dim != hidden / heads with biases on all four
+projections, Mistral with a window longer than the sequence and Mistral and Qwen2 with
+windows of 8 keys, gpt-oss and Qwen3-MoE with their load-balancing loss, Gemma 3's and
+Qwen3.5's cases) and read back by usp through the registry. Checked for every case:
+float64 logits, loss and every gradient in one process (1e-12: exact up to summation
+order), dense rows and packed documents; on 4 gloo ranks (1e-10: each case's grids, dense
+and packed, activation checkpointing and MLP tiles on, one launch per family); the export
+read back by transformers with equal logits. Also: the config as transformers reads it
+(defaults of absent keys included), sliding windows read as transformers reads them and
+computed where they are shorter than the documents.
 """
 
 from __future__ import annotations
@@ -19,16 +21,21 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from family_cases import CASES, GROUPS
+from family_checks import (
+    assert_export_matches_transformers,
+    one_process_errors,
+    sp_failures,
+    sp_float64_run,
+)
 from model_cases import (
     FAMILY_CASES,
     cu_of,
     global_batch,
-    grad_errors,
-    hf_reference,
     load_hf_reference,
     relative_error,
     sft_labels,
-    write_family_checkpoint,
+    transformers_reference,
 )
 from usp_cases import topology
 
@@ -39,7 +46,6 @@ import usp  # noqa: E402
 from usp.models import (  # noqa: E402
     FAMILIES,
     Levers,
-    ModelConfigError,
     config_from_file,
     config_from_hf,
     family_for_hf,
@@ -49,15 +55,27 @@ from usp.models import (  # noqa: E402
 NAMES = list(FAMILY_CASES)
 
 
+class _Written(dict):
+    """Each case's checkpoint, written when first asked for."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name):
+        self[name] = CASES[name].write(self.root / name)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {name: write_family_checkpoint(root / name, name, seed=7) for name in NAMES}
+    return _Written(tmp_path_factory.mktemp("families"))
 
 
 def test_every_family_is_registered_once():
-    registered = [f.name for f in FAMILIES]  # gemma3: tests/models/test_gemma3.py
-    assert len(set(registered)) == len(registered) and set(NAMES) <= set(registered)
+    registered = [f.name for f in FAMILIES]
+    assert len(set(registered)) == len(registered)
+    assert set(NAMES) | {case.family for case in CASES.values()} == set(registered)
     for family in FAMILIES:
         assert family_named(family.name) is family
         for name, config in family.presets.items():
@@ -111,112 +129,101 @@ def test_config_reads_as_transformers_reads_it(checkpoints, name):
     assert ours.attention_head_dim == (getattr(theirs, "head_dim", None) or 128 // 32)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", list(CASES))
 def test_float64_one_process_matches_transformers(checkpoints, name):
     """Dense rows (loss chunked by 5) and packed documents."""
+    case = CASES[name]
     dense = global_batch(2, 24, seed=21)
     packed, cu_seqlens = dense[:1], cu_of([9, 15])
     for rows, cu, row_labels in (
         (dense, None, sft_labels(dense, [4])),
         (packed, cu_seqlens, sft_labels(packed, [2, 3], cu_seqlens)),
     ):
-        expected = hf_reference(checkpoints[name], rows, row_labels, cu)
+        reference = case.load_reference(checkpoints[name])
+        expected = transformers_reference(reference, rows, row_labels, cu)
         model = usp.models.from_pretrained(checkpoints[name], dtype=torch.float64, backend="math")
-        assert model.config.family == name
+        model = case.prepare(model)
+        assert model.config.family == case.family
         Levers(loss_chunk_tokens=5).apply(model)
-        with torch.no_grad():
-            logits = model(rows, cu_seqlens=cu)
-        loss = model(rows, labels=row_labels, cu_seqlens=cu)
-        loss.backward()
-        grads = {n: p.grad for n, p in model.named_parameters()}
-        assert relative_error(logits, expected["logits"]) <= 1e-12, name
-        assert abs(loss.item() - expected["loss"]) <= 1e-12 * expected["loss"], name
-        assert max(grad_errors(grads, expected["grads"]).values()) <= 1e-12, name
+        errors = one_process_errors(model, rows, row_labels, cu, expected)
+        assert max(errors.values()) <= 1e-12, (name, errors)
 
 
-def sp_case(ckpt, ids, labels, cu):
-    """float64 on ulysses 2 x ring 2 (math backend): gathered logits, the loss (one value
-    on every rank) and the gradients summed over the SP group."""
-    plan = usp.Plan(topology(2, 2), backend="math")
-    model = usp.models.from_pretrained(ckpt, plan, dtype=torch.float64)
-    Levers(activation_checkpointing=True, mlp_tile_tokens=3).apply(model)  # 8 local tokens
-    batch = usp.models.shard_batch(plan, ids, labels=labels, cu_seqlens=cu, shift=False)
-    with torch.no_grad():
-        logits = model(batch.input_ids, cu_seqlens=batch.packed)
-    loss = model(batch.input_ids, **batch.model_kwargs())
-    loss.backward()
-    losses = [None] * 4
-    dist.all_gather_object(losses, loss.item(), group=plan.sp_group)
-    grads = {}
-    for n, p in model.named_parameters():
-        grads[n] = p.grad.detach().clone()
-        dist.all_reduce(grads[n], group=plan.sp_group)
-    gathered = plan.gather(logits, packed=batch.packed)  # a collective: on every rank
-    if dist.get_rank():
-        return None
-    return {"logits": gathered, "losses": losses, "grads": grads}
+def sp_case(runs, batches):
+    """float64 on each ``(checkpoint, prepare, (ulysses, ring, layout, head chunks))``
+    of ``runs``, activation checkpointing and MLP tiles of 3 tokens (12 local tokens):
+    :func:`family_checks.sp_float64_run` of each batch."""
+    out = []
+    for path, prepare, (ulysses, ring, layout, chunks) in runs:
+        plan = usp.Plan(topology(ulysses, ring), backend="math", layout=layout)
+        model = prepare(usp.models.from_pretrained(path, plan, dtype=torch.float64))
+        Levers(activation_checkpointing=True, mlp_tile_tokens=3,
+               attention_head_chunks=chunks).apply(model)  # fmt: skip
+        out += sp_float64_run(plan, model, batches)
+    return out if dist.get_rank() == 0 else None
 
 
-#: the MoE families run on 4 ranks with their aux loss on (a superset of this case:
-#: u2 x r2 packed, activation checkpointing) in test_moe.py and test_gpt_oss.py
-SP_NAMES = [name for name in NAMES if name not in ("qwen3_moe", "gpt_oss")]
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_float64_4_ranks_match_transformers(distributed, checkpoints, group):
+    """Each case of the family on each of its grids, dense rows (2 x 48) and packed
+    documents (16 and 32 tokens: multiples of 2r for every grid) whose windows and
+    states cross the ranks' shards; one launch."""
+    dense, packed = global_batch(2, 48, seed=22), global_batch(1, 48, seed=23)
+    # the pad token (id 0) in both: its embedding row gets no input-side gradient
+    assert (dense == 0).any() and (packed == 0).any()
+    cu = cu_of([16, 32])
+    batches = [(dense, sft_labels(dense, [3]), None), (packed, sft_labels(packed, [3, 5], cu), cu)]
+    runs, expected = [], []
+    for name in GROUPS[group]:
+        case = CASES[name]
+        want = [
+            transformers_reference(case.load_reference(checkpoints[name]), *batch)
+            for batch in batches
+        ]  # (a fresh model each: the reference accumulates its gradients)
+        for grid in case.grids:
+            runs.append((str(checkpoints[name]), case.prepare, grid))
+            expected += [(name, grid, w) for w in want]
+    results = distributed.run(sp_case, runs, batches, world_size=4, timeout=300)[0]
+    assert len(results) == len(expected)
+    failures = []
+    for result, (name, grid, want) in zip(results, expected):
+        failures += sp_failures(f"{name} {grid}", result, want, 1e-10)
+    assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("name", SP_NAMES)
-def test_float64_4_ranks_match_transformers(distributed, checkpoints, name):
-    cu = cu_of([12, 20])  # multiples of 2r = 4
-    ids = global_batch(1, 32, seed=22)
-    labels = sft_labels(ids, [3, 5], cu)
-    expected = hf_reference(checkpoints[name], ids, labels, cu)
-    result = distributed.run(
-        sp_case, str(checkpoints[name]), ids, labels, cu, world_size=4, timeout=240
-    )[0]
-    assert len(set(result["losses"])) == 1, result["losses"]
-    assert abs(result["losses"][0] - expected["loss"]) <= 1e-10 * expected["loss"]
-    assert relative_error(result["logits"], expected["logits"]) <= 1e-10
-    assert max(grad_errors(result["grads"], expected["grads"]).values()) <= 1e-10
+#: the checkpoints whose export is read back (one of each family and case of config)
+EXPORTED = [name for name in CASES if not name.endswith(("-window", "-aux"))]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", EXPORTED)
 def test_export_loads_in_transformers_with_equal_logits(checkpoints, tmp_path, name):
-    model = usp.models.from_pretrained(checkpoints[name])
-    with torch.no_grad():
-        for p in model.parameters():  # not the checkpoint's values: the export carries them
-            p.add_(0.01 * torch.randn_like(p))
-    out = model.save_pretrained(tmp_path / "export")
+    case = CASES[name]
+    out = assert_export_matches_transformers(
+        checkpoints[name], tmp_path / "export", case.load_reference
+    )
     written = json.loads((out / "config.json").read_text())
-    assert written["architectures"] == list(family_named(name).architectures)[:1]
-    hf = load_hf_reference(out, dtype=torch.float32)
-    ids = global_batch(2, 16, seed=23)
-    with torch.no_grad():
-        ours, theirs = model(ids), hf(ids, use_cache=False).logits
-    assert relative_error(ours, theirs) <= 1e-5, name
+    assert written["architectures"] == list(family_named(case.family).architectures)[:1]
 
 
-def test_a_sliding_window_shorter_than_a_document_is_refused(tmp_path):
-    """Mistral with sliding_window 8: a 16-token sequence is refused with the window and
-    what to do; packed documents of at most 8 tokens are exact (against transformers,
-    which applies the window)."""
-    ckpt = write_family_checkpoint(tmp_path / "mistral", "mistral", sliding_window=8)
-    model = usp.models.from_pretrained(ckpt, dtype=torch.float64, backend="math")
-    assert model.config.attention_window == 8
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window"])
+def test_a_window_shorter_than_the_sequence_is_computed(checkpoints, name):
+    """Windows of 8 keys: the checks above hold them exact on 24- and 48-token rows;
+    here, that the window acts. The same weights without it (full causal attention)
+    equal transformers' logits up to token 8 and differ after."""
+    model = usp.models.from_pretrained(checkpoints[name], dtype=torch.float64, backend="math")
+    config = model.config
+    assert config.attention_window == 8
+    windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+    assert windows == ([8, 8] if name == "mistral-window" else [None, 8])
+    assert [layer.self_attn.window for layer in model.decoder_layers] == windows
     ids = global_batch(1, 16, seed=24)
-    with pytest.raises(ModelConfigError, match=r"sequence of 16 tokens is longer than .*"
-                       r"sliding_window\(8\).*seq_len <= 8"):  # fmt: skip
-        model(ids)
-    cu = cu_of([8, 5, 3])
-    with pytest.raises(ModelConfigError, match="a document of 9 tokens"):
-        model(ids, cu_seqlens=cu_of([9, 7]))
-    labels = sft_labels(ids, [0, 0, 0], cu)
-    expected = hf_reference(ckpt, ids, labels, cu)
-    assert abs(model(ids, labels=labels, cu_seqlens=cu).item() - expected["loss"]) <= 1e-12
-    # what refusing avoids: transformers applies the window inside the 16 tokens, so full
-    # causal attention (the same weights without a window) differs after token 8
-    unwindowed = type(model)(model.config.replace(sliding_window=None), backend="math")
+    full_config = config.replace(sliding_window=None)
+    unwindowed = type(model)(full_config, backend="math").double()
     unwindowed.load_state_dict(model.state_dict())
     with torch.no_grad():
-        windowed = load_hf_reference(ckpt)(ids, use_cache=False).logits
-        full = unwindowed.double()(ids)
+        windowed = load_hf_reference(checkpoints[name])(ids, use_cache=False).logits
+        ours, full = model(ids), unwindowed(ids)
+    assert relative_error(ours, windowed) <= 1e-12
     assert relative_error(full[:, :8], windowed[:, :8]) <= 1e-12
     assert relative_error(full[:, 8:], windowed[:, 8:]) > 1e-3
 

@@ -1,16 +1,16 @@
 """The Gemma 3 text family (usp.models.gemma3) against transformers' own
-``Gemma3ForCausalLM``.
+``Gemma3ForCausalLM``, beyond what test_families.py checks for every family (float64
+logits, loss and gradients in one process and on 4 gloo ranks, the export: both cases of
+gemma3_cases).
 
-Tiny checkpoints written by transformers: 3 layers (sliding, full, sliding), window 5
-(shorter than the sequences and than a rank's 8-token shard), a linear RoPE scaling on
-the full layer and another theta on the sliding ones, ``query_pre_attn_scalar`` away from
-``head_dim``, all norm weights random; a second one untied with attention biases,
-``final_logit_softcapping`` and the default layer pattern. Checked: the config as
-transformers reads it (both RoPE forms, a multimodal config); float64 logits, loss and
-every gradient in one process (1e-12) and on 4 gloo ranks (ulysses 2 x ring 2 and
-ulysses 1 x ring 4, dense and packed, 1e-10); the levers; LoRA against its merged
-weights and its PEFT export; the export read back by transformers; a multimodal checkpoint's language model
-in both key layouts; parameter counts against transformers'; every refusal.
+Tiny checkpoints written by transformers: 3 layers (sliding, full, sliding), window 5, a
+linear RoPE scaling on the full layer and another theta on the sliding ones,
+``query_pre_attn_scalar`` away from ``head_dim``, all norm weights random; a second one
+untied with attention biases, ``final_logit_softcapping`` and the default layer pattern.
+Checked here: the config as transformers reads it (both RoPE forms, a multimodal
+config); the levers (MLP tiles of its GeGLU included); LoRA against its merged weights
+and its PEFT export; a multimodal checkpoint's language model in both key layouts;
+parameter counts against transformers'; every refusal.
 """
 
 from __future__ import annotations
@@ -20,13 +20,6 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
-from family_checks import (
-    assert_export_matches_transformers,
-    one_process_errors,
-    sp_failures,
-    sp_float64_run,
-)
 from gemma3_cases import (
     CASES,
     TINY,
@@ -36,15 +29,7 @@ from gemma3_cases import (
     randomise,
     write_checkpoint,
 )
-from model_cases import (
-    cu_of,
-    global_batch,
-    grad_errors,
-    relative_error,
-    sft_labels,
-    transformers_reference,
-)
-from usp_cases import topology
+from model_cases import global_batch, grad_errors, relative_error, sft_labels
 
 transformers = pytest.importorskip("transformers", reason="the reference is HF transformers")
 pytest.importorskip("safetensors", reason="checkpoints are safetensors files")
@@ -54,7 +39,6 @@ from usp.models import (  # noqa: E402
     PRESETS,
     Gemma3,
     Gemma3Config,
-    LeverError,
     Levers,
     Lora,
     ModelConfigError,
@@ -162,36 +146,18 @@ def test_a_multimodal_config_without_text_config_is_refused():
         config_from_hf({"architectures": ["Gemma3ForConditionalGeneration"]})
 
 
-# ---------------------------------------------------------------------- one process
-@pytest.mark.parametrize("case", list(CASES))
-def test_float64_one_process_matches_transformers(checkpoints, case):
-    """Dense rows of 24 tokens (window 5; loss chunked by 5) and packed documents."""
-    dense = global_batch(2, 24, seed=21)
-    packed, cu = dense[:1], cu_of([9, 15])
-    for rows, cu_seqlens, labels in (
-        (dense, None, sft_labels(dense, [4])),
-        (packed, cu, sft_labels(packed, [2, 3], cu)),
-    ):
-        expected = transformers_reference(
-            load_reference(checkpoints[case]), rows, labels, cu_seqlens
-        )
-        model = usp.models.from_pretrained(checkpoints[case], dtype=torch.float64, backend="math")
-        assert isinstance(model, Gemma3)
-        Levers(loss_chunk_tokens=5).apply(model)
-        errors = one_process_errors(model, rows, labels, cu_seqlens, expected)
-        assert max(errors.values()) <= 1e-12, (case, errors)
-
-
-def test_levers_give_the_same_numbers_and_mlp_tiles_are_refused(checkpoints):
-    """Checkpointing with offload, head chunks and loss chunks equal the plain model
-    (float64); the MLP tiling lever computes SwiGLU, so Gemma's GeGLU refuses it."""
+# ---------------------------------------------------------------------- levers, LoRA
+def test_levers_give_the_same_numbers(checkpoints):
+    """Checkpointing with offload, head chunks, MLP tiles (its GeGLU) and loss chunks
+    equal the plain model (float64)."""
     ids = global_batch(1, 24, seed=5)
     labels = sft_labels(ids, [3])
     results = []
     for levers in (
         Levers(),
-        Levers(activation_checkpointing="offload", attention_head_chunks=2, loss_chunk_tokens=7),
-    ):
+        Levers(activation_checkpointing="offload", attention_head_chunks=2, mlp_tile_tokens=4,
+               loss_chunk_tokens=7),
+    ):  # fmt: skip
         model = usp.models.from_pretrained(checkpoints["tied"], dtype=torch.float64)
         levers.apply(model)
         loss = model(ids, labels=labels)
@@ -200,8 +166,7 @@ def test_levers_give_the_same_numbers_and_mlp_tiles_are_refused(checkpoints):
     (plain, plain_grads), (levered, levered_grads) = results
     assert relative_error(levered, plain) <= 1e-12
     assert max(grad_errors(levered_grads, plain_grads).values()) <= 1e-12
-    with pytest.raises(LeverError, match=r"needs a SwiGLU MLP .*GeGLU is not one"):
-        Levers(mlp_tile_tokens=4).apply(model)
+    assert all(layer.mlp.forward.tile == 4 for layer in model.decoder_layers)
 
 
 def test_lora_equals_its_merged_weights_and_its_peft_export(checkpoints, tmp_path):
@@ -235,53 +200,7 @@ def test_lora_equals_its_merged_weights_and_its_peft_export(checkpoints, tmp_pat
         assert relative_error(ours, loaded(ids, use_cache=False).logits) <= 1e-12
 
 
-# ---------------------------------------------------------------------- 4 ranks
-def sp_case(ckpts, grids, ids, labels, cu):
-    """float64 on each (ulysses, ring, layout) grid and checkpoint:
-    :func:`family_checks.sp_float64_run` with activation checkpointing."""
-    out = []
-    for ulysses, ring, layout in grids:
-        plan = usp.Plan(topology(ulysses, ring), backend="math", layout=layout)
-        for ckpt in ckpts:
-            model = usp.models.from_pretrained(ckpt, plan, dtype=torch.float64)
-            Levers(activation_checkpointing=True).apply(model)
-            out += sp_float64_run(plan, model, ids, labels, cu)
-    return out if dist.get_rank() == 0 else None
-
-
-def test_float64_4_ranks_match_transformers(distributed, checkpoints):
-    """Both checkpoints on ulysses 2 x ring 2 (zigzag) and ulysses 1 x ring 4
-    (contiguous): 8 local tokens and a window of 5, so windows cross shards; dense rows
-    and packed documents; one launch."""
-    ids = global_batch(1, 32, seed=22)
-    assert (ids == 0).any()  # the pad token: its embedding row has no input-side gradient
-    cu = cu_of([12, 20])  # multiples of 2r = 4 (zigzag, ring 2) and of r = 4
-    labels = (sft_labels(ids, [3]), sft_labels(ids, [3, 5], cu))
-    cases = list(CASES)
-    expected = {
-        case: [
-            transformers_reference(load_reference(checkpoints[case]), ids, labels[0]),
-            transformers_reference(load_reference(checkpoints[case]), ids, labels[1], cu),
-        ]  # fmt: skip
-        for case in cases
-    }
-    grids = [(2, 2, "zigzag"), (1, 4, "contiguous")]
-    ckpts = [str(checkpoints[case]) for case in cases]
-    results = distributed.run(sp_case, ckpts, grids, ids, labels, cu, world_size=4, timeout=300)[0]
-    assert len(results) == 2 * len(cases) * len(grids)
-    failures = []
-    for index, result in enumerate(results):
-        want = expected[cases[(index // 2) % len(cases)]][index % 2]
-        failures += sp_failures(index, result, want, 1e-10)
-    assert not failures, "\n".join(failures)
-
-
 # ---------------------------------------------------------------------- checkpoints
-def test_export_loads_in_transformers_with_equal_logits(checkpoints, tmp_path):
-    for case, path in checkpoints.items():
-        assert_export_matches_transformers(path, tmp_path / case, load_reference)
-
-
 def _multimodal(directory):
     """A tiny Gemma3ForConditionalGeneration (SigLIP tower of one layer) saved by
     transformers: its language model is the 'tied' case's shape."""

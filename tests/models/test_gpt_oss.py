@@ -1,14 +1,14 @@
 """The gpt-oss family (usp.models.gpt_oss) beyond what test_families.py checks for every
-family (float64 logits, loss and gradients against transformers with the aux loss off,
-window 6 on layer 0, u2 x r2 on 4 gloo ranks, export loaded by transformers).
+family (float64 logits, loss and gradients against transformers, the aux loss off -- a
+window of 6 on layer 0 -- and on -- explicit ``layer_types``, windows of 5 --, in one
+process and on 4 gloo ranks: u2 x r2, and u1 x r4 with head chunks, windows and sinks
+across ranks; the export loaded by transformers) and test_moe.py for both MoE families
+(the load-balancing loss against transformers').
 
 Checked here: the experts (sorted segments in float64, torch's grouped GEMM in float32)
 against transformers' own ``GptOssExperts`` loop, forward and backward, the clamps
-binding and an expert without tokens; the router against transformers'; the training
-loss with the load-balancing term and explicit ``layer_types`` against transformers in
-float64, one process and on 4 gloo ranks (u2 x r2 packed, u1 x r4 dense with head chunks:
-windows and sinks across ranks), the loss the same on every rank; the published config
-and presets (total and active parameters as OpenAI states them); checkpoints in
+binding and an expert without tokens; the router against transformers'; the published
+config and presets (total and active parameters as OpenAI states them); checkpoints in
 transformers' grouped layout; refusals (MXFP4 checkpoints, layer kinds, windows, LoRA on
 experts).
 """
@@ -19,22 +19,14 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+from family_cases import CASES, OSS_LAYER_TYPES
 from model_cases import (
     FAMILY_CASES,
-    IGNORE,
     TINY,
-    closed_form_aux,
-    cu_of,
     global_batch,
-    grad_errors,
-    load_hf_reference,
     relative_error,
     sft_labels,
-    write_family_checkpoint,
 )
-from usp_cases import topology
 
 transformers = pytest.importorskip("transformers", reason="the reference is HF transformers")
 pytest.importorskip("safetensors", reason="checkpoints are safetensors files")
@@ -42,7 +34,6 @@ pytest.importorskip("safetensors", reason="checkpoints are safetensors files")
 import usp  # noqa: E402
 from usp.models import (  # noqa: E402
     GptOss,
-    Levers,
     Lora,
     LoraError,
     ModelConfigError,
@@ -52,12 +43,9 @@ from usp.models import (  # noqa: E402
     preset,
     training_flops,
 )
-from usp.models.gpt_oss import GptOssExperts, GptOssRouter  # noqa: E402
-from usp.models.moe import router_stat_rows, sp_router_aux_loss  # noqa: E402
+from usp.models.gpt_oss_experts import GptOssExperts, GptOssRouter  # noqa: E402
 
-COEF = 0.5  # large, so that the aux term moves the gradients visibly
 OSS = {**TINY, **FAMILY_CASES["gpt_oss"][1]}
-LAYER_TYPES = ["full_attention", "sliding_attention", "sliding_attention"]
 
 #: openai/gpt-oss-20b's config.json (its published keys; the weights are MXFP4)
 PUBLISHED_20B = {
@@ -112,13 +100,9 @@ PUBLISHED_20B = {
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """The tiny gpt-oss written by transformers, aux loss on (coefficient 0.5), 3 layers
-    of explicit kinds (full, sliding, sliding) with window 5."""
-    root = tmp_path_factory.mktemp("gpt_oss")
-    return write_family_checkpoint(
-        root / "gpt_oss", "gpt_oss", seed=12, num_hidden_layers=3, layer_types=LAYER_TYPES,
-        sliding_window=5, output_router_logits=True, router_aux_loss_coef=COEF,
-    )  # fmt: skip
+    """The tiny gpt-oss written by transformers, aux loss on, 3 layers of explicit kinds
+    (full, sliding, sliding) with window 5 (family_cases)."""
+    return CASES["gpt_oss-aux"].write(tmp_path_factory.mktemp("gpt_oss") / "gpt_oss")
 
 
 # ---------------------------------------------------------------------- the MoE block
@@ -186,103 +170,6 @@ def test_router_equals_transformers():
     assert relative_error(probs, torch.softmax(logits, -1)) <= 1e-15
     probs16, weights16, _ = router.to(torch.bfloat16)(x.bfloat16())
     assert probs16.dtype == torch.float32 and weights16.dtype == torch.bfloat16
-
-
-# ---------------------------------------------------------------------- the aux loss
-def _reference(ckpt, ids, labels, cu=None):
-    """transformers in float64 (eager attention, its sinks and windows), document by
-    document: CE mean + COEF * closed-form aux, every gradient; transformers' own
-    (float32) aux_loss of the unpacked rows."""
-    model = load_hf_reference(ckpt)
-    bounds = [0, ids.shape[1]] if cu is None else cu.tolist()
-    logits, router = [], []
-    for a, b in zip(bounds, bounds[1:]):
-        out = model(ids[:, a:b], use_cache=False, output_router_logits=True)
-        logits.append(out.logits)
-        router.extend(out.router_logits)
-    logits = torch.cat(logits, dim=1)
-    ce = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE
-    )
-    aux = closed_form_aux(router, OSS["num_local_experts"], OSS["num_experts_per_tok"])
-    (ce + COEF * aux).backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    hf_aux = None
-    if cu is None:
-        with torch.no_grad():
-            hf_aux = model(ids, use_cache=False, output_router_logits=True).aux_loss.item()
-    return {"loss": (ce + COEF * aux).item(), "aux": aux.item(), "hf_aux": hf_aux, "grads": grads}
-
-
-def test_aux_loss_one_process_matches_transformers(checkpoint):
-    """Dense rows (2 x 20) and a packed row; explicit layer kinds (full, sliding,
-    sliding) read from config.json; the loss with the aux term and every gradient."""
-    model = usp.models.from_pretrained(checkpoint, dtype=torch.float64, backend="math")
-    assert isinstance(model, GptOss)
-    assert model.config.layer_types == tuple(LAYER_TYPES)
-    windows = [layer.self_attn.window for layer in model.decoder_layers]
-    assert windows == [None, 5, 5]
-    dense = global_batch(2, 20, seed=41)
-    packed, cu = global_batch(1, 24, seed=42), cu_of([9, 15])
-    for ids, labels, cu_seqlens in (
-        (dense, sft_labels(dense, [3]), None),
-        (packed, sft_labels(packed, [2, 4], cu), cu),
-    ):
-        expected = _reference(checkpoint, ids, labels, cu_seqlens)
-        model.zero_grad()
-        stats = []
-        model.hidden_states(ids, cu_seqlens=cu_seqlens, router_stats=stats)
-        aux = sp_router_aux_loss(stats[0], OSS["num_local_experts"])
-        assert (
-            len(stats) == 1 and router_stat_rows(stats[0]) == 3 * ids.numel()
-        )  # every layer has experts
-        assert abs(aux.item() - expected["aux"]) <= 1e-12 * expected["aux"]
-        if expected["hf_aux"] is not None:
-            assert abs(aux.item() - expected["hf_aux"]) <= 1e-6 * expected["hf_aux"]
-        loss = model(ids, labels=labels, cu_seqlens=cu_seqlens)
-        loss.backward()
-        assert abs(loss.item() - expected["loss"]) <= 1e-12 * expected["loss"]
-        grads = {n: p.grad for n, p in model.named_parameters()}
-        assert max(grad_errors(grads, expected["grads"]).values()) <= 1e-11
-
-
-def sp_case(ckpt, cases):
-    """float64 on u2 x r2 (packed, zigzag) and u1 x r4 (dense, contiguous, 2 head
-    chunks), activation checkpointing: the loss on every rank and the SP-summed grads."""
-    results = {}
-    for (ulysses, ring, layout, chunks), (ids, labels, cu) in cases.items():
-        plan = usp.Plan(topology(ulysses, ring), backend="math", layout=layout)
-        model = usp.models.from_pretrained(ckpt, plan, dtype=torch.float64)
-        Levers(activation_checkpointing=True, attention_head_chunks=chunks).apply(model)
-        batch = usp.models.shard_batch(plan, ids, labels=labels, cu_seqlens=cu, shift=False)
-        loss = model(batch.input_ids, **batch.model_kwargs())
-        loss.backward()
-        losses = [None] * 4
-        dist.all_gather_object(losses, loss.item(), group=plan.sp_group)
-        grads = {}
-        for n, p in model.named_parameters():
-            grads[n] = p.grad.detach().clone()
-            dist.all_reduce(grads[n], group=plan.sp_group)
-        results[(ulysses, ring, layout, chunks)] = {"losses": losses, "grads": grads}
-    return results if dist.get_rank() == 0 else None
-
-
-def test_aux_loss_on_4_ranks_matches_transformers(distributed, checkpoint):
-    """Windows of 5 keys cross the ranks' shards (8 or 10 tokens each); sinks under head
-    sharding (u2) and head chunks (u1, 2 KV heads in 2 chunks)."""
-    cu = cu_of([16, 24])  # multiples of 2r = 4
-    packed = global_batch(1, 40, seed=43)
-    dense = global_batch(2, 32, seed=44)
-    cases = {
-        (2, 2, "zigzag", 1): (packed, sft_labels(packed, [3, 5], cu), cu),
-        (1, 4, "contiguous", 2): (dense, sft_labels(dense, [4]), None),
-    }
-    expected = {key: _reference(checkpoint, *case) for key, case in cases.items()}
-    results = distributed.run(sp_case, str(checkpoint), cases, world_size=4, timeout=240)[0]
-    for key, result in results.items():
-        assert len(set(result["losses"])) == 1, (key, result["losses"])
-        assert abs(result["losses"][0] - expected[key]["loss"]) <= 1e-10 * expected[key]["loss"]
-        assert max(grad_errors(result["grads"], expected[key]["grads"]).values()) <= 1e-10, key
 
 
 # ---------------------------------------------------------------------- configs
@@ -395,7 +282,7 @@ def test_checkpoint_keeps_transformers_layout(tmp_path, checkpoint):
             assert torch.equal(saved.get_tensor(key), original.get_tensor(key)), key
     again = usp.models.from_pretrained(out)
     assert all(torch.equal(p, again.get_parameter(n)) for n, p in model.named_parameters())
-    assert json.loads((out / "config.json").read_text())["layer_types"] == LAYER_TYPES
+    assert json.loads((out / "config.json").read_text())["layer_types"] == OSS_LAYER_TYPES
 
 
 def test_lora_on_experts_is_refused_and_attention_adapters_train():

@@ -20,8 +20,8 @@ from model_cases import TINY, relative_error
 from usp_cases import load_benchmark
 
 from usp.models import FAMILIES, LeverError, Levers, Llama, LlamaConfig, levers_of, shift_labels
-from usp.models.decoder import MLP
 from usp.models.levers import tile_mlp
+from usp.models.mlp import MLP
 from usp.models.offload import ACTIVATION_CHECKPOINTING
 
 #: the benchmark's measurement (torch.profiler memory events), tested here too
@@ -257,9 +257,8 @@ def test_tiled_mlp_takes_only_silu_among_transformers_activations():
     assert not tiled & {"gelu", "gelu_pytorch_tanh", "gelu_new", "quick_gelu", "relu"}, tiled
 
 
-#: families whose levers are tested in their own files: gemma3's GeGLU refuses MLP tiles
-#: (tests/models/test_gemma3.py); Qwen3.5's GDN layers need their own checkpoint
-#: (tests/models/test_qwen3_5.py::test_levers_give_the_same_numbers)
+#: families whose levers are tested in their own files, on their own checkpoints
+#: (tests/models/test_gemma3.py and test_qwen3_5.py: test_levers_give_the_same_numbers)
 OWN_LEVER_TESTS = {"gemma3", "qwen3_5", "qwen3_5_moe"}
 
 
@@ -333,3 +332,25 @@ def test_levers_under_compile_equal_eager():
         with pytest.raises(LeverError, match="apply levers before compiling"):
             Levers().apply(model)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES])
+def test_mlp_tiles_reach_every_mlp_part_of_every_family(family):
+    """What ``MLP tiles N`` in usp train's start-up line says is what each layer runs:
+    every gated MLP's forward tiled, every mixture of experts' routed rows (and its shared
+    expert); ``Levers()`` takes them off again."""
+    f = next(f for f in FAMILIES if f.name == family)
+    config = next(iter(f.presets.values())).replace(num_hidden_layers=2)
+    with torch.device("meta"):
+        model = f.build(config)
+    for tile in (7, 0):
+        Levers(mlp_tile_tokens=tile).apply(model)
+        for layer in model.decoder_layers:
+            mlp = layer.mlp
+            experts = getattr(mlp, "experts", None)
+            glus = [mlp] if experts is None else [m for m in [mlp.shared_expert] if m is not None]
+            if experts is not None:
+                assert experts.tile_tokens == tile, (family, tile)
+            for glu in glus:
+                tiled = vars(glu).get("forward")
+                assert (tiled.tile if tiled is not None else 0) == tile, (family, tile)

@@ -1,7 +1,12 @@
-"""The tiled MLP (usp.models.mlp_tiles, tiled by ``usp.models.levers.tile_mlp``: the lever ``mlp_tile_tokens``) in one process: values and
+"""The tiles of every MLP part (the lever ``mlp_tile_tokens``, ``usp.models.levers.tile_mlp``):
+the tiled gated MLP (usp.models.mlp_tiles; SwiGLU and GeGLU) in one process: values and
 gradients against the untiled MLP through plain autograd, frozen weights, the no-grad
 path, autocast, torch.compile, its memory (real, from the profiler's events) and the
-planner's representative tiles under fake tensors (identical peaks, fewer tiles run).
+planner's representative tiles under fake tensors (identical peaks, fewer tiles run);
+the experts' tiles of routed rows (usp.models.moe_op.tiled_experts: SwiGLU and gpt-oss's
+clamped SwiGLU) against the untiled experts, their representative tiles; and on 4 gloo
+ranks (u1 x r4) the presets whose MLP parts are GeGLU (gemma3-tiny) or experts
+(gpt-oss-tiny; qwen3.5-moe-tiny with a shared expert): tiled equals untiled.
 
 Tolerances (relative to the largest magnitude of each tensor, against untiled
 autograd in the same dtype): float64 1e-12 (only the order of the weight gradient
@@ -18,27 +23,33 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+import torch.distributed as dist
 from model_cases import TINY
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
+from usp_cases import topology
 
+import usp
 from benchmarks import mlp_fake
 from benchmarks.levers_memory import profiled_peak
-from usp.models import LlamaConfig
-from usp.models.decoder import MLP
+from usp.models import PRESETS, Levers, LlamaConfig, family_of, moe_op
+from usp.models.gpt_oss_experts import GptOssExperts
 from usp.models.levers import tile_mlp
-from usp.models.mlp_tiles import tiled_swiglu
+from usp.models.mlp import MLP
+from usp.models.mlp_tiles import tiled_glu
+from usp.models.moe import Experts
+from usp.models.moe_op import routed_experts, tiled_experts
 from usp.models.tiling import representative_tiles
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
-def _mlp(dim=32, intermediate=48, dtype=torch.float64, seed=0) -> MLP:
+def _mlp(dim=32, intermediate=48, dtype=torch.float64, seed=0, activation="silu") -> MLP:
     torch.manual_seed(seed)
     config = LlamaConfig(**{**TINY, "hidden_size": dim, "intermediate_size": intermediate})
-    return MLP(config).to(dtype)
+    return MLP(config, activation=activation).to(dtype)
 
 
 def _run(mlp: MLP, x: torch.Tensor, grad: torch.Tensor, tile: int) -> dict:
@@ -61,10 +72,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 SHAPES = [(1, 23, 5), (2, 20, 5), (3, 17, 4), (1, 64, 63)]
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])  # SwiGLU, GeGLU
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
 @pytest.mark.parametrize("batch, tokens, tile", SHAPES)
-def test_tiled_equals_untiled_autograd(dtype, tol, batch, tokens, tile):
-    mlp = _mlp(dtype=dtype)
+def test_tiled_equals_untiled_autograd(dtype, tol, batch, tokens, tile, activation):
+    mlp = _mlp(dtype=dtype, activation=activation)
     torch.manual_seed(1)
     x = torch.randn(batch, tokens, 32, dtype=dtype, requires_grad=True)
     grad = torch.randn(batch, tokens, 32, dtype=dtype)
@@ -138,7 +150,7 @@ def test_at_most_one_tile_of_tokens_is_the_untiled_mlp():
         got = _run(mlp, x, grad, tile)
         assert all(torch.equal(got[n], v) for n, v in plain.items()), tile
     tile_mlp(mlp, 15)
-    assert type(mlp(x).grad_fn).__name__ == "_TiledSwiGLUBackward"
+    assert type(mlp(x).grad_fn).__name__ == "_TiledGLUBackward"
 
 
 @pytest.mark.parametrize(
@@ -201,7 +213,7 @@ def test_tile_must_be_a_positive_integer():
     w = torch.zeros(4, 2)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="tile must be an integer >= 1, got"):
-            tiled_swiglu(torch.zeros(3, 2), w, w, w.t(), bad)
+            tiled_glu(torch.zeros(3, 2), w, w, w.t(), bad)
 
 
 def test_real_peak_is_one_tiles_work_above_the_results():
@@ -318,3 +330,123 @@ def test_the_fake_tensor_benchmark_runs_and_its_peaks_agree(capsys):
         pair = [row["peak"] for row in rows if row["layer_checkpoint"] == ck]
         assert pair[0] == pair[1] > 600 * 224 * 2, pair
     assert "10 tiles of 64" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- experts
+def _experts(kind: str, dtype) -> Experts:
+    """6 experts, top 3, hidden 12, intermediate 8 (gpt-oss's clamps binding)."""
+    torch.manual_seed(0)
+    if kind == "swiglu":
+        experts = Experts(6, 12, 8, 3)
+    else:
+        experts = GptOssExperts(6, 12, 8, 3, alpha=1.702, limit=0.5)
+    experts = experts.to(dtype)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.3)
+    return experts
+
+
+def _routing(tokens: int, dtype, seed=1):
+    """top-3 of 6 experts that never picks expert 2."""
+    scores = torch.rand(tokens, 6, generator=torch.Generator().manual_seed(seed))
+    scores[:, 2] = -1
+    weights, experts = scores.topk(3, dim=-1)
+    return experts, weights.to(dtype)
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gpt_oss"])
+@pytest.mark.parametrize("dtype, tol, grouped", [(torch.float64, 1e-12, False),
+                                                 (torch.float32, 2e-6, True)])  # fmt: skip
+@pytest.mark.parametrize("frozen", [False, True])
+def test_tiled_experts_equal_the_untiled_experts(kind, dtype, tol, grouped, frozen):
+    """23 tokens in tiles of 5 (a partial last tile): the output and the gradients of the
+    input, the routing weights and every grouped weight (none asked for when frozen:
+    LoRA's base) against the experts run at once; expert 2 gets no token."""
+    experts = _experts(kind, dtype)
+    idx, weights = _routing(23, dtype)
+    x = torch.randn(23, 12, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    probe = torch.randn(23, 12, dtype=dtype, generator=torch.Generator().manual_seed(3))
+    results = []
+    for run in (routed_experts, tiled_experts):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, weights)]
+        params = [p.detach().clone().requires_grad_(not frozen) for p in experts.op_params()]
+        args = (leaves[0], idx, leaves[1], params, experts.kind, experts.op_options(), grouped)
+        out = run(*args, 5) if run is tiled_experts else run(*args)
+        (out * probe).sum().backward()
+        results.append([out.detach()] + [t.grad for t in (*leaves, *params)])
+    plain, tiled = results
+    assert all(g is None for g in tiled[3:]) if frozen else tiled[3][2].abs().max() == 0
+    for want, got in zip(plain, tiled):
+        assert (want is None) == (got is None)
+        if want is not None:
+            assert got.shape == want.shape and _rel(got, want) <= tol
+
+
+def _experts_fake_peak(tokens=9 * 16 + 5, tile=16):
+    """Peak bytes (MemTracker) of the tiled experts' forward + backward as ``usp plan``
+    runs them (fake tensors in the planner's mode: the most uneven routing, the
+    representative tiles), and the matmuls run."""
+    with FakeTensorMode():
+        experts = Experts(6, 32, 64, 3)
+        x = torch.randn(tokens, 32, requires_grad=True)
+        weights = torch.rand(tokens, 3, requires_grad=True)
+        idx = torch.randint(0, 6, (tokens, 3))
+        grad = torch.randn(tokens, 32)
+        tracker, counter = MemTracker(), _CountMatmuls()
+        tracker.track_external(experts, x, grad)
+        with tracker, counter, representative_tiles():
+            args = (x, idx, weights, experts.op_params(), "swiglu", [], False)
+            tiled_experts(*args, tile).backward(grad)
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return peak, counter.count
+
+
+def test_representative_tiles_give_the_experts_full_peak(monkeypatch):
+    """10 tiles of routed rows, the last partial, planned (the most uneven routing in
+    every tile): the first and last tile give the peak of all ten, byte for byte, with
+    fewer matmuls (all ten: the loop told the tensors are not representative)."""
+    some, some_ops = _experts_fake_peak()
+    monkeypatch.setattr(moe_op, "representative", lambda x: False)  # every tile
+    full, full_ops = _experts_fake_peak()
+    assert some == full and some_ops < full_ops, (some, full, some_ops, full_ops)
+    assert full > (9 * 16 + 5) * 3 * 32 * 4  # (the routed rows [N k, H], float32)
+
+
+# ---------------------------------------------------------------------- 4 ranks
+#: the presets whose MLP parts are not SwiGLU alone: GeGLU, clamped-SwiGLU experts,
+#: SwiGLU experts with a shared expert
+TILED_PRESETS = ["gemma3-tiny", "gpt-oss-tiny", "qwen3.5-moe-tiny"]
+
+
+def tiles_case(presets, ids, labels):
+    """u1 x r4, float32, each preset untiled and with MLP tiles of 3 of its 16 local
+    tokens (the same random weights): the loss and the SP-summed gradients."""
+    plan = usp.Plan(topology(1, 4), backend="math")
+    batch = usp.models.shard_batch(plan, ids, labels=labels, shift=False)
+    out = {}
+    for name in presets:
+        for tile in (0, 3):
+            torch.manual_seed(0)
+            model = family_of(PRESETS[name]).build(PRESETS[name], plan)
+            Levers(mlp_tile_tokens=tile).apply(model)
+            loss = model(batch.input_ids, **batch.model_kwargs())
+            loss.backward()
+            grads = {}
+            for n, p in model.named_parameters():
+                grads[n] = p.grad.detach().clone()
+                dist.all_reduce(grads[n], group=plan.sp_group)
+            out[name, tile] = (loss.item(), grads)
+    return out if dist.get_rank() == 0 else None
+
+
+def test_every_mlp_part_tiles_exactly_on_4_ranks(distributed):
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 256, (1, 64), generator=gen)
+    labels = torch.randint(0, 256, (1, 64), generator=gen)
+    results = distributed.run(tiles_case, TILED_PRESETS, ids, labels, world_size=4, timeout=240)
+    results = results[0]
+    for name in TILED_PRESETS:
+        (plain, plain_grads), (tiled, tiled_grads) = results[name, 0], results[name, 3]
+        assert abs(tiled - plain) <= 1e-6 * abs(plain), (name, tiled, plain)
+        for n, want in plain_grads.items():
+            assert _rel(tiled_grads[n], want) <= 2e-5, (name, n, _rel(tiled_grads[n], want))

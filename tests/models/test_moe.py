@@ -1,18 +1,19 @@
 """The mixture-of-experts block (usp.models.moe) and the Qwen3-MoE family beyond what
 test_families.py checks for every family (float64 logits, loss and gradients against
-transformers with the aux loss off, 4 gloo ranks, export).
+transformers, with the aux loss off and on -- ``qwen3_moe-aux`` and ``gpt_oss-aux``, in
+one process and on 4 gloo ranks, u2 x r2 and u1 x r4 --, the export).
 
 Checked here: grouped experts (sorted segments, and torch's grouped GEMM in float32)
 against the per-expert loop, forward and backward, with experts that get no token; the
-load-balancing loss against transformers' own ``aux_loss`` (which it takes in float32) and
-against a float64 closed form of the same formula over transformers' router logits; the
-training loss with the aux term (``output_router_logits``) and every gradient against
-transformers in float64, one process and u2 x r2 / u1 x r4 on 4 gloo ranks (packed
-documents, activation checkpointing), the loss the same on every rank, and dp2 x r2 in
-the same launch (each replica's row adds its own aux term, as each micro-batch does);
-a shared expert against transformers' Qwen2-MoE block; transformers'
-layer rule (``decoder_sparse_step``, ``mlp_only_layers``); total vs active parameters;
-refusals (configs, checkpoints missing an expert, LoRA on experts).
+load-balancing loss of both MoE families with their aux loss on (Qwen3-MoE; gpt-oss with
+explicit layer kinds) against transformers' own ``aux_loss`` (which it takes in float32)
+and against a float64 closed form of the same formula over transformers' router logits,
+the router statistics' rows, the loss and every gradient with the aux term, the loss
+without ``output_router_logits`` (the cross-entropy alone); dp2 x r2 on 4 gloo ranks
+(each replica's row adds its own aux term, as each micro-batch does); a shared expert
+against transformers' Qwen2-MoE block; transformers' layer rule (``decoder_sparse_step``,
+``mlp_only_layers``); total vs active parameters; refusals (configs, checkpoints missing
+an expert, LoRA on experts).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from family_cases import AUX_COEF, CASES, OSS_LAYER_TYPES
 from model_cases import (
     FAMILY_CASES,
     IGNORE,
@@ -45,7 +47,6 @@ pytest.importorskip("safetensors", reason="checkpoints are safetensors files")
 import usp  # noqa: E402
 from usp.models import (  # noqa: E402
     CheckpointError,
-    Levers,
     Lora,
     LoraError,
     ModelConfigError,
@@ -56,7 +57,7 @@ from usp.models import (  # noqa: E402
     model_counts,
     preset,
 )
-from usp.models.decoder import MLP  # noqa: E402
+from usp.models.mlp import MLP  # noqa: E402
 from usp.models.moe import (  # noqa: E402
     Experts,
     Router,
@@ -67,23 +68,23 @@ from usp.models.moe import (  # noqa: E402
     sp_router_aux_loss,
 )
 
-COEF = 0.5  # large, so that the aux term moves the gradients visibly
 MOE = {**TINY, **FAMILY_CASES["qwen3_moe"][1]}
+#: the MoE cases with their aux loss on (family_cases: 3 layers; Qwen3-MoE's layer 0
+#: dense, 1 and 2 sparse; gpt-oss's full, sliding, sliding with window 5) and the
+#: (token, layer) rows of router statistics per token
+AUX_CASES = {"qwen3_moe-aux": 2, "gpt_oss-aux": 3}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """The tiny Qwen3-MoE written by transformers, with the aux loss on (coefficient 0.5)
-    and 3 layers: 0 dense (mlp_only_layers), 1 and 2 sparse."""
+def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    return write_family_checkpoint(
-        root / "qwen3_moe",
-        "qwen3_moe",
-        seed=11,
-        num_hidden_layers=3,
-        output_router_logits=True,
-        router_aux_loss_coef=COEF,
-    )
+    return {name: CASES[name].write(root / name) for name in AUX_CASES}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints):
+    """The tiny Qwen3-MoE with the aux loss on."""
+    return checkpoints["qwen3_moe-aux"]
 
 
 # ---------------------------------------------------------------------- the experts
@@ -199,9 +200,10 @@ def test_shared_expert_equals_transformers_qwen2_moe_block():
 # ---------------------------------------------------------------------- the aux loss
 def _reference(ckpt, ids, labels, cu=None):
     """transformers in float64 (router softmax in float64), document by document: logits,
-    CE mean + COEF * closed-form aux, every gradient; and transformers' own float32
-    aux_loss of the unpacked row."""
+    CE mean + AUX_COEF * closed-form aux, every gradient; and transformers' own float32
+    aux_loss of the unpacked rows."""
     model = load_hf_reference(ckpt)
+    experts, top_k = model.config.num_experts, model.config.num_experts_per_tok
     bounds = [0, ids.shape[1]] if cu is None else cu.tolist()
     logits, router = [], []
     for a, b in zip(bounds, bounds[1:]):
@@ -212,35 +214,41 @@ def _reference(ckpt, ids, labels, cu=None):
     ce = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE
     )
-    aux = closed_form_aux(router, MOE["num_experts"], MOE["num_experts_per_tok"])
-    (ce + COEF * aux).backward()
+    aux = closed_form_aux(router, experts, top_k)
+    (ce + AUX_COEF * aux).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     hf_aux = None
     if cu is None:
         with torch.no_grad():
             hf_aux = model(ids, use_cache=False, output_router_logits=True).aux_loss.item()
-    return {"loss": (ce + COEF * aux).item(), "aux": aux.item(), "hf_aux": hf_aux, "grads": grads}
+    return {"loss": (ce + AUX_COEF * aux).item(), "aux": aux.item(), "hf_aux": hf_aux,
+            "ce": ce.item(), "grads": grads}  # fmt: skip
 
 
-def test_aux_loss_one_process_matches_transformers(checkpoint):
+@pytest.mark.parametrize("name", list(AUX_CASES))
+def test_aux_loss_one_process_matches_transformers(checkpoints, name):
     """Dense rows (2 x 20) and a packed row; the aux statistics over every token of the
-    batch and both sparse layers. transformers' own aux_loss agrees to its float32."""
-    model = usp.models.from_pretrained(checkpoint, dtype=torch.float64, backend="math")
-    assert model.config.output_router_logits and model.config.router_aux_loss_coef == COEF
+    batch and every MoE layer. transformers' own aux_loss agrees to its float32; without
+    output_router_logits the loss is the cross-entropy alone (as transformers)."""
+    ckpt = checkpoints[name]
+    model = usp.models.from_pretrained(ckpt, dtype=torch.float64, backend="math")
+    config = model.config
+    assert config.output_router_logits and config.router_aux_loss_coef == AUX_COEF
+    if name == "gpt_oss-aux":  # explicit layer kinds read from config.json
+        assert config.layer_types == tuple(OSS_LAYER_TYPES)
+        assert [layer.self_attn.window for layer in model.decoder_layers] == [None, 5, 5]
     dense = global_batch(2, 20, seed=31)
     packed, cu = global_batch(1, 24, seed=32), cu_of([9, 15])
     for ids, labels, cu_seqlens in (
         (dense, sft_labels(dense, [3]), None),
         (packed, sft_labels(packed, [2, 4], cu), cu),
     ):
-        expected = _reference(checkpoint, ids, labels, cu_seqlens)
+        expected = _reference(ckpt, ids, labels, cu_seqlens)
         model.zero_grad()
         stats = []
         model.hidden_states(ids, cu_seqlens=cu_seqlens, router_stats=stats)
-        aux = sp_router_aux_loss(stats[0], MOE["num_experts"])
-        assert (
-            len(stats) == 1 and router_stat_rows(stats[0]) == 2 * ids.numel()
-        )  # two sparse layers
+        aux = sp_router_aux_loss(stats[0], config.num_experts)
+        assert len(stats) == 1 and router_stat_rows(stats[0]) == AUX_CASES[name] * ids.numel()
         assert abs(aux.item() - expected["aux"]) <= 1e-12 * expected["aux"]
         if expected["hf_aux"] is not None:
             assert abs(aux.item() - expected["hf_aux"]) <= 1e-6 * expected["hf_aux"]
@@ -250,24 +258,12 @@ def test_aux_loss_one_process_matches_transformers(checkpoint):
         grads = {n: p.grad for n, p in model.named_parameters()}
         assert max(grad_errors(grads, expected["grads"]).values()) <= 1e-11
     # without output_router_logits the loss is the cross-entropy alone (as transformers)
-    plain = Qwen3Moe(model.config.replace(output_router_logits=False), backend="math").double()
+    plain = type(model)(config.replace(output_router_logits=False), backend="math").double()
     plain.load_state_dict(model.state_dict())
     assert not plain.adds_aux_loss and model.adds_aux_loss
-    ce, expected_ce = (
-        plain(dense, labels=sft_labels(dense, [3])).item(),
-        _reference_ce(checkpoint, dense),
-    )
+    ce = plain(dense, labels=sft_labels(dense, [3])).item()
+    expected_ce = _reference(ckpt, dense, sft_labels(dense, [3]))["ce"]
     assert abs(ce - expected_ce) <= 1e-12 * expected_ce
-
-
-def _reference_ce(ckpt, ids):
-    model = load_hf_reference(ckpt)
-    with torch.no_grad():
-        logits = model(ids, use_cache=False).logits
-    labels = sft_labels(ids, [3])
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE
-    ).item()
 
 
 def _replicas_reference(ckpt, replicas):
@@ -290,74 +286,45 @@ def _replicas_reference(ckpt, replicas):
             reduction="sum",
         )  # fmt: skip
         aux = closed_form_aux(router, MOE["num_experts"], MOE["num_experts_per_tok"])
-        loss = loss + ce / total + COEF * aux
+        loss = loss + ce / total + AUX_COEF * aux
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return {"loss": loss.item(), "grads": grads, "labels": total}
 
 
-def sp_aux_case(ckpt, ids, labels, cu, replicas=None, total_labels=None):
-    """float64 on u2 x r2 and u1 x r4 (math backend, activation checkpointing, MLP tiles
-    on the dense layer): the loss on every rank and the gradients summed over SP; then
-    dp2 x r2, replica d training ``replicas[d]`` (the step's loss: the replicas' losses
-    summed; the gradients summed over all 4 ranks)."""
-    results = {}
-    if replicas is not None:
-        plan = usp.Plan(topology(1, 2), backend="math")
-        model = usp.models.from_pretrained(ckpt, plan, dtype=torch.float64)
-        ids_d, labels_d, cu_d = replicas[plan.topology.dp_rank]
-        batch = usp.models.shard_batch(plan, ids_d, labels=labels_d, cu_seqlens=cu_d, shift=False)
-        loss = model(batch.input_ids, **batch.model_kwargs(), num_items_in_batch=total_labels)
-        loss.backward()
-        losses = [None] * 4  # (replica, its loss) of every rank
-        dist.all_gather_object(losses, (plan.topology.dp_rank, loss.item()))
-        grads = {}
-        for n, p in model.named_parameters():
-            grads[n] = p.grad.detach().clone()
-            dist.all_reduce(grads[n])  # every rank: both replicas' SP shares
-        results["dp2r2"] = {"losses": losses, "grads": grads}
-    for ulysses, ring in ((2, 2), (1, 4)):
-        plan = usp.Plan(topology(ulysses, ring), backend="math")
-        model = usp.models.from_pretrained(ckpt, plan, dtype=torch.float64)
-        Levers(activation_checkpointing=True, mlp_tile_tokens=3).apply(model)
-        batch = usp.models.shard_batch(plan, ids, labels=labels, cu_seqlens=cu, shift=False)
-        loss = model(batch.input_ids, **batch.model_kwargs())
-        loss.backward()
-        losses = [None] * 4
-        dist.all_gather_object(losses, loss.item(), group=plan.sp_group)
-        grads = {}
-        for n, p in model.named_parameters():
-            grads[n] = p.grad.detach().clone()
-            dist.all_reduce(grads[n], group=plan.sp_group)
-        results[f"u{ulysses}r{ring}"] = {"losses": losses, "grads": grads}
-    return results if dist.get_rank() == 0 else None
+def dp_aux_case(ckpt, replicas, total_labels):
+    """float64 on dp2 x r2, replica d training ``replicas[d]`` (the step's loss: the
+    replicas' losses summed; the gradients summed over all 4 ranks)."""
+    plan = usp.Plan(topology(1, 2), backend="math")
+    model = usp.models.from_pretrained(ckpt, plan, dtype=torch.float64)
+    ids, labels, cu = replicas[plan.topology.dp_rank]
+    batch = usp.models.shard_batch(plan, ids, labels=labels, cu_seqlens=cu, shift=False)
+    loss = model(batch.input_ids, **batch.model_kwargs(), num_items_in_batch=total_labels)
+    loss.backward()
+    losses = [None] * 4  # (replica, its loss) of every rank
+    dist.all_gather_object(losses, (plan.topology.dp_rank, loss.item()))
+    grads = {}
+    for n, p in model.named_parameters():
+        grads[n] = p.grad.detach().clone()
+        dist.all_reduce(grads[n])  # every rank: both replicas' SP shares
+    return {"losses": losses, "grads": grads} if dist.get_rank() == 0 else None
 
 
-def test_aux_loss_on_4_ranks_matches_transformers(distributed, checkpoint):
-    cu = cu_of([16, 24])  # multiples of 2r = 8 (zigzag on the ring of 4)
-    ids = global_batch(1, 40, seed=33)
-    labels = sft_labels(ids, [3, 5], cu)
-    expected = _reference(checkpoint, ids, labels, cu)
-    # dp2 x r2: two replicas' packed rows (documents of multiples of 2r = 4 tokens)
+def test_data_parallel_replicas_add_their_own_aux_terms(distributed, checkpoint):
+    """dp2 x r2: two replicas' packed rows (documents of multiples of 2r = 4 tokens)."""
     replicas = []
     for seed, lengths, prompts in ((34, [8, 16], [2, 3]), (35, [12, 12], [4, 1])):
         row, row_cu = global_batch(1, sum(lengths), seed=seed), cu_of(lengths)
         replicas.append((row, sft_labels(row, prompts, row_cu), row_cu))
-    expected_dp = _replicas_reference(checkpoint, replicas)
-    results = distributed.run(
-        sp_aux_case, str(checkpoint), ids, labels, cu, replicas, expected_dp["labels"],
-        world_size=4, timeout=240,
-    )[0]  # fmt: skip
-    dp = results.pop("dp2r2")
+    expected = _replicas_reference(checkpoint, replicas)
+    dp = distributed.run(
+        dp_aux_case, str(checkpoint), replicas, expected["labels"], world_size=4, timeout=240
+    )[0]
     by_replica = {d: {loss for r, loss in dp["losses"] if r == d} for d in (0, 1)}
     assert all(len(losses) == 1 for losses in by_replica.values()), dp["losses"]
     step_loss = sum(losses.pop() for losses in by_replica.values())
-    assert abs(step_loss - expected_dp["loss"]) <= 1e-10 * expected_dp["loss"]
-    assert max(grad_errors(dp["grads"], expected_dp["grads"]).values()) <= 1e-10
-    for grid, result in results.items():
-        assert len(set(result["losses"])) == 1, (grid, result["losses"])
-        assert abs(result["losses"][0] - expected["loss"]) <= 1e-10 * expected["loss"], grid
-        assert max(grad_errors(result["grads"], expected["grads"]).values()) <= 1e-10, grid
+    assert abs(step_loss - expected["loss"]) <= 1e-10 * expected["loss"]
+    assert max(grad_errors(dp["grads"], expected["grads"]).values()) <= 1e-10
 
 
 # ---------------------------------------------------------------------- the family

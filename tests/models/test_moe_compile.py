@@ -24,7 +24,8 @@ import pytest
 import torch
 from model_cases import grad_errors, relative_error
 
-from usp.models.gpt_oss import GptOss, GptOssExperts
+from usp.models.gpt_oss import GptOss
+from usp.models.gpt_oss_experts import GptOssExperts
 from usp.models.moe import Experts, grouped_gemm_available
 from usp.models.moe_op import moe_experts, routed_experts
 from usp.models.qwen3_5_moe import Qwen3_5Moe
@@ -66,8 +67,9 @@ def test_the_op_equals_the_eager_experts(kind, dtype):
         leaves = [
             t.detach().clone().requires_grad_(True) for t in (x, weights, *experts.op_params())
         ]
-        out = run(leaves[0], idx, leaves[1], leaves[2:], experts.kind, experts.op_options(),
-                  grouped)  # fmt: skip
+        args = (leaves[0], idx, leaves[1], leaves[2:], experts.kind, experts.op_options(),
+                grouped)  # fmt: skip
+        out = run(*args) if run is routed_experts else run(*args, 0)  # (the op: no tiles)
         probe = torch.randn(out.shape, dtype=dtype, generator=torch.Generator().manual_seed(2))
         (out * probe).sum().backward()
         results.append([out.detach()] + [t.grad for t in leaves])
@@ -77,8 +79,16 @@ def test_the_op_equals_the_eager_experts(kind, dtype):
         assert a.shape == b.shape and relative_error(a, b) <= tol
     assert op[3].abs().sum() > 0 and op[3][2].abs().max() == 0  # expert 2: no token, zero
     params = [p.detach().requires_grad_(True) for p in experts.op_params()]
-    args = (x.requires_grad_(True), idx, weights, params, experts.kind, experts.op_options(),
-            grouped)  # fmt: skip
+    args = (
+        x.requires_grad_(True),
+        idx,
+        weights,
+        params,
+        experts.kind,
+        experts.op_options(),
+        grouped,
+        3,
+    )  # fmt: skip  (tiles of 3 tokens)
     torch.library.opcheck(
         moe_experts, args,
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),

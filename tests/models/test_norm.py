@@ -14,8 +14,7 @@ import torch
 from model_cases import relative_error
 from usp_cases import load_benchmark
 
-from usp.models.decoder import RMSNorm
-from usp.models.norm import rms_norm, rms_norm_reference
+from usp.models.norm import RMSNorm, rms_norm, rms_norm_reference
 
 profiled_peak = load_benchmark("levers_memory").profiled_peak
 

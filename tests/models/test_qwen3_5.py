@@ -1,16 +1,17 @@
 """The Qwen3.5 text family (usp.models.qwen3_5) against transformers' own
-``Qwen3_5ForCausalLM``.
+``Qwen3_5ForCausalLM``, beyond what test_families.py checks for every family (float64
+logits, loss and gradients in one process and on 4 gloo ranks -- ulysses 2 x ring 2
+zigzag, ulysses 1 x ring 4 contiguous, the MoE case on ulysses 4 x ring 1 --, the
+export: the cases of qwen3_5_cases).
 
 Tiny checkpoints written by transformers (qwen3_5_cases): 3 layers (GDN, gated full
 attention, GDN), 2 key / 4 value GDN heads, partial RoPE (half, a quarter), tied with a
 pad token, or untied with attention biases, a conv kernel of 3 and the default layer
-pattern. Checked: the config as transformers reads it (both RoPE forms, a multimodal
-config); float64 logits, loss and every gradient in one process (1e-12) and on 4 gloo
-ranks (ulysses 2 x ring 2 zigzag, ulysses 1 x ring 4 contiguous, dense and packed,
-1e-10) against transformers' model with its float32 internals in float64
-(qwen3_5_cases), itself checked against the unpatched model in float32; the export read
-back by transformers; a multimodal checkpoint's language model in both key layouts
-(vision tower and mtp.* not read); parameter counts against transformers'; refusals.
+pattern. Checked here: the config as transformers reads it (both RoPE forms, a
+multimodal config); the float64 reference (transformers' model with its float32
+internals in float64) against the unpatched model in float32; the levers; a multimodal
+checkpoint's language model in both key layouts (vision tower and mtp.* not read);
+parameter counts and FLOPs against transformers'; refusals.
 """
 
 from __future__ import annotations
@@ -21,21 +22,7 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-from family_checks import (
-    assert_export_matches_transformers,
-    one_process_errors,
-    sp_failures,
-    sp_float64_run,
-)
-from model_cases import (
-    cu_of,
-    global_batch,
-    grad_errors,
-    relative_error,
-    sft_labels,
-    transformers_reference,
-)
+from model_cases import global_batch, grad_errors, relative_error, sft_labels
 from qwen3_5_cases import (
     CASES,
     MOE,
@@ -47,37 +34,26 @@ from qwen3_5_cases import (
     write_checkpoint,
     write_moe_checkpoint,
 )
-from usp_cases import topology
 
 transformers = pytest.importorskip("transformers", minversion="5.24")
 pytest.importorskip("safetensors", reason="checkpoints are safetensors files")
 
 import usp  # noqa: E402
-from usp.linear import GatedDeltaNet  # noqa: E402
 from usp.models import (  # noqa: E402
     PRESETS,
     Levers,
     ModelConfigError,
     Qwen3_5,
     Qwen3_5Config,
-    Qwen3_5Moe,
     config_from_file,
     config_from_hf,
     family_for_hf,
     model_counts,
 )
-from usp.models.qwen3_5 import check_linear_heads  # noqa: E402
+from usp.models.gated_deltanet import check_linear_heads  # noqa: E402
 from usp.process_groups import HeadLayoutError  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("one_thread")]
-
-
-def small_chunks(model, chunk=5):
-    """Several GDN kernel chunks per document (work, not results)."""
-    for module in model.modules():
-        if isinstance(module, GatedDeltaNet):
-            module.chunk_size = chunk
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -183,26 +159,6 @@ def test_the_float64_reference_is_transformers_in_float32(checkpoints):
         assert relative_error(plain.double(), patched) <= 1e-5
 
 
-@pytest.mark.parametrize("case", [*CASES, "moe"])
-def test_float64_one_process_matches_transformers(checkpoints, case):
-    """Dense rows of 24 tokens (GDN chunks of 5; loss chunks of 5) and packed documents."""
-    dense = global_batch(2, 24, seed=21)
-    packed, cu = dense[:1], cu_of([9, 15])
-    for rows, cu_seqlens, labels in (
-        (dense, None, sft_labels(dense, [4])),
-        (packed, cu, sft_labels(packed, [2, 3], cu)),
-    ):
-        expected = transformers_reference(
-            load_reference(checkpoints[case]), rows, labels, cu_seqlens
-        )
-        model = usp.models.from_pretrained(checkpoints[case], dtype=torch.float64, backend="math")
-        assert isinstance(model, Qwen3_5Moe if case == "moe" else Qwen3_5)
-        small_chunks(model)
-        Levers(loss_chunk_tokens=5).apply(model)
-        errors = one_process_errors(model, rows, labels, cu_seqlens, expected)
-        assert max(errors.values()) <= 1e-12, (case, errors)
-
-
 def test_levers_give_the_same_numbers(checkpoints):
     """Checkpointing with offload, head chunks, MLP tiles and loss chunks equal the plain
     model (float64)."""
@@ -224,48 +180,7 @@ def test_levers_give_the_same_numbers(checkpoints):
     assert max(grad_errors(levered_grads, plain_grads).values()) <= 1e-12
 
 
-# ---------------------------------------------------------------------- 4 ranks
-def sp_case(runs, ids, labels, cu):
-    """float64 on each (ulysses, ring, layout, checkpoint): :func:`family_checks.sp_float64_run`
-    with GDN chunks of 3 and activation checkpointing."""
-    out = []
-    for ulysses, ring, layout, ckpt in runs:
-        plan = usp.Plan(topology(ulysses, ring), backend="math", layout=layout)
-        model = small_chunks(usp.models.from_pretrained(ckpt, plan, dtype=torch.float64), 3)
-        Levers(activation_checkpointing=True).apply(model)
-        out += sp_float64_run(plan, model, ids, labels, cu)
-    return out if dist.get_rank() == 0 else None
-
-
-def test_float64_4_ranks_match_transformers(distributed, checkpoints):
-    """The tied checkpoint on ulysses 2 x ring 2 (zigzag), the biased one on ulysses 1 x
-    ring 4 (contiguous), the MoE one on ulysses 4 x ring 1 (zigzag; its 2 GDN key heads
-    repeated for 4 ranks), dense rows and packed documents whose boundaries fall inside
-    shards (the conv tails and GDN states cross ranks), activation checkpointing; one
-    launch."""
-    ids = global_batch(1, 32, seed=22)
-    cu = cu_of([12, 20])  # multiples of 2r = 4 (zigzag, ring 2) and of r = 4
-    labels = (sft_labels(ids, [3]), sft_labels(ids, [3, 5], cu))
-    cases = [*CASES, "moe"]
-    expected = {
-        case: [
-            transformers_reference(load_reference(checkpoints[case]), ids, labels[0]),
-            transformers_reference(load_reference(checkpoints[case]), ids, labels[1], cu),
-        ]  # fmt: skip
-        for case in cases
-    }
-    runs = [(2, 2, "zigzag", str(checkpoints["tied"])),
-            (1, 4, "contiguous", str(checkpoints["biased"])),
-            (4, 1, "zigzag", str(checkpoints["moe"]))]  # fmt: skip
-    results = distributed.run(sp_case, runs, ids, labels, cu, world_size=4, timeout=300)[0]
-    assert len(results) == 2 * len(runs)
-    failures = []
-    for index, result in enumerate(results):
-        want = expected[cases[index // 2]][index % 2]
-        failures += sp_failures(index, result, want, 1e-10)
-    assert not failures, "\n".join(failures)
-
-
+# ---------------------------------------------------------------------- heads
 def test_gdn_heads_the_ulysses_degree_cannot_split_are_refused():
     """4 GDN value heads over ulysses 8 (what the construction-time check reads of a plan)."""
     plan = types.SimpleNamespace(
@@ -281,11 +196,6 @@ def test_gdn_heads_the_ulysses_degree_cannot_split_are_refused():
 
 
 # ---------------------------------------------------------------------- checkpoints
-def test_export_loads_in_transformers_with_equal_logits(checkpoints, tmp_path):
-    for case, path in checkpoints.items():
-        assert_export_matches_transformers(path, tmp_path / case, load_reference)
-
-
 def _multimodal(directory):
     """A tiny Qwen3_5ForConditionalGeneration (a vision tower of one block) saved by
     transformers, plus an mtp.* tensor as published checkpoints carry: its language model

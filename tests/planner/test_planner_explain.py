@@ -41,7 +41,7 @@ def test_every_byte_of_each_phase_peak_is_attributed(target, choice):
     # the tokens of this rank: 1024 / 4; its layer input [1, 256, 64] in bf16 is there
     assert backward.tokens == 256
     sources = {i.where.split(":")[0] for i in backward.live}
-    assert "usp/models/decoder.py" in sources
+    assert "usp/models/stack.py" in sources  # (the decoder layers' code)
 
 
 def test_the_command_prints_the_peak_table(tmp_path, capsys):
@@ -67,13 +67,13 @@ def test_the_norm_keeps_no_float32_copy_of_its_input(target, monkeypatch):
     hidden], exactly, and the backward's by at least as much."""
     import dataclasses
 
-    import usp.models.decoder as decoder
+    import usp.models.norm as norm
     from usp.models.norm import rms_norm_reference
 
     target = dataclasses.replace(target, job=target.job.with_overrides(seq_len=4096))
     choice = Choice(1, 4, 1, Levers(True))
     ours = measure(target, choice)
-    monkeypatch.setattr(decoder, "rms_norm", rms_norm_reference)
+    monkeypatch.setattr(norm, "rms_norm", rms_norm_reference)  # what RMSNorm calls
     plain = measure(target, choice)
     saved = (4096 // 4) * target.model.hidden_size * 4
     forward, backward = 0, 1

@@ -161,9 +161,9 @@ def test_compile_must_be_a_boolean():
 def test_compile_refuses_windows_only_on_an_allgather_ring(preset):
     # the check reads the plan's ring_impl and ring degree alone (no collective): a
     # stand-in with a ring of 2 here, the real 4-rank plans in the launch above
-    family = family_of(PRESETS[preset])
-    assert family.compile_refusal(Plan(SINGLE_PROCESS, ring_impl="allgather")) is None
-    assert family.compile_refusal(SimpleNamespace(ring_impl="p2p", ring_degree=2)) is None
+    family, config = family_of(PRESETS[preset]), PRESETS[preset]
+    assert family.compile_refusal(Plan(SINGLE_PROCESS, ring_impl="allgather"), config) is None
+    assert family.compile_refusal(SimpleNamespace(ring_impl="p2p", ring_degree=2), config) is None
     allgather = SimpleNamespace(ring_impl="allgather", ring_degree=2)
     config = base_config(compile=True, checkpoint_interval=0)
     config["model"] = {"preset": preset}

@@ -1,5 +1,6 @@
-"""Models under USP: decoder-only model families (Llama, Qwen2/2.5, Qwen3, Mistral, Qwen3-MoE, gpt-oss) built
-natively, HF checkpoints, HF transformers' attention plug-in (:mod:`usp.models.hf`), the
+"""Models under USP: nine decoder-only families (Llama, Qwen2/2.5, Qwen3, Mistral,
+Qwen3-MoE, gpt-oss, Gemma 3, Qwen3.5, Qwen3.5-MoE) built natively as one decoder stack of
+parts, HF checkpoints, HF transformers' attention plug-in (:mod:`usp.models.hf`), the
 SP-correct loss, the memory levers and LoRA adapters (:mod:`usp.models.lora`).
 
     plan = usp.Plan(topology)                                 # or usp.Plan(None)
@@ -9,6 +10,11 @@ SP-correct loss, the memory levers and LoRA adapters (:mod:`usp.models.lora`).
     loss = model(plan.shard(input_ids), labels=plan.shard(labels))
     loss.backward()   # sum the gradients over the SP group (FSDP/DDP over dp x sp does it)
 
+The stack (:mod:`usp.models.stack`, :mod:`usp.models.decoder`) is built from parts
+(:mod:`usp.models.parts`: norms, token mixers -- :mod:`usp.models.attention`,
+:mod:`usp.models.gated_deltanet`, registered in :mod:`usp.models.mixers` --, MLPs --
+:mod:`usp.models.mlp`, :mod:`usp.models.moe`, :mod:`usp.models.gpt_oss_experts`); a family
+file (``llama.py``, ..., ``qwen3_5_moe.py``) maps its HF config and checkpoint onto them.
 The family registry (:mod:`usp.models.family`) is what the rest of usp asks about a
 model. transformers is imported only by :mod:`usp.models.hf`; safetensors only when a
 checkpoint is read or written.

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from usp.errors import CheckpointError  # noqa: F401 - re-exported here
 from usp.models.config import DecoderConfig, ModelConfigError
-from usp.models.moe import (
+from usp.models.moe_keys import (
     expert_key,
     join_expert_tensors,
     per_expert_names,

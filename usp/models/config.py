@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from usp.errors import ModelConfigError  # noqa: F401 - re-exported here
 from usp.models.hf_keys import installed_form
+from usp.models.layer_kinds import FULL, SLIDING
 from usp.models.rope_config import (
     NEEDS_ORIGINAL_CONTEXT,
     POSITION_FIELDS,
+    RopeSettings,
     normalise_rope_scaling,
     rope_from_hf,
 )
@@ -117,25 +120,30 @@ class DecoderConfig:
     def rope_type(self) -> str:
         return "default" if self.rope_scaling is None else self.rope_scaling["rope_type"]
 
+    # ---------------------------------------------------------------- the layers
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's kind in transformers' ``layer_types`` names
+        (:mod:`usp.models.layer_kinds`): full attention everywhere unless the family
+        says otherwise."""
+        return (FULL,) * self.num_hidden_layers
+
+    def layer_window(self, index: int) -> int | None:
+        """Layer ``index``'s sliding window (keys at distance < window, computed exactly
+        by USP attention at any length), None for full causal attention."""
+        sliding = self.layer_kinds[index] == SLIDING
+        return getattr(self, "sliding_window", None) if sliding else None
+
     @property
     def attention_window(self) -> int | None:
-        """The sliding window some layer attends within (keys at distance < window), or
-        None when every layer attends to the whole causal prefix. usp computes full
-        causal attention: a model with a window is exact only on documents of at most
-        ``attention_window`` tokens (:meth:`check_window`)."""
-        return None
+        """The sliding window some layer attends within, None when no layer slides."""
+        windows = (self.layer_window(i) for i in range(self.num_hidden_layers))
+        return next((w for w in windows if w is not None), None)
 
-    def check_window(self, longest_document: int, *, what: str = "a document") -> None:
-        """A ModelConfigError when ``longest_document`` tokens exceed the sliding window
-        (usp would attend further back than the model was trained to)."""
-        window = self.attention_window
-        if window is not None and longest_document > window:
-            raise ModelConfigError(
-                f"{what} of {longest_document} tokens is longer than this {self.family} "
-                f"model's sliding_window({window}): usp computes full causal attention, which "
-                f"equals the windowed attention only for documents of at most {window} "
-                f"tokens; use seq_len <= {window} (or documents that short)"
-            )
+    def layer_rope(self, index: int) -> RopeSettings:
+        """The RoPE layer ``index``'s attention rotates with (the same on every layer
+        unless the family says otherwise)."""
+        return RopeSettings(self.attention_head_dim, self.rope_theta, self.rope_scaling)
 
     def replace(self, **changes) -> DecoderConfig:
         return dataclasses.replace(self, **changes)
@@ -307,6 +315,38 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ModelConfigError(f"{path} must hold a JSON object")
     return data
+
+
+def check_integers(config, minimums: dict[str, int]) -> None:
+    """A ModelConfigError unless each named field of ``config`` is an integer >= its
+    minimum."""
+    for name, minimum in minimums.items():
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ModelConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_numbers(config, names: tuple[str, ...], *, positive: bool = False) -> None:
+    """A ModelConfigError unless each named field of ``config`` is a finite number >= 0
+    (> 0 with ``positive``)."""
+    for name in names:
+        value = getattr(config, name)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and (value > 0 if positive else value >= 0)):
+            raise ModelConfigError(
+                f"{name} must be a number {'>' if positive else '>='} 0, got {value!r}"
+            )
+
+
+def check_routing(config, experts_field: str = "num_experts") -> None:
+    """A mixture-of-experts config's router settings: ``num_experts_per_tok`` at most the
+    experts (when there are any), ``router_aux_loss_coef`` a number >= 0."""
+    experts, top_k = getattr(config, experts_field), config.num_experts_per_tok
+    if experts and top_k > experts:
+        raise ModelConfigError(
+            f"num_experts_per_tok({top_k}) must be at most {experts_field}({experts})"
+        )
+    check_numbers(config, ("router_aux_loss_coef",))
 
 
 def merge_alias(config: dict[str, Any], keep: str, alias: str, *, source: str) -> None:

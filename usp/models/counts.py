@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from usp.models.family import decoder_layers, family_of
+from usp.models.mixers import ATTENTION, MIXER_OF_KIND, MIXERS
 from usp.sp.assignment import DocumentCost
 
 
@@ -35,7 +36,7 @@ class ModelCounts:
     windows: tuple[int | None, ...] = ()  # each layer's sliding window (empty: all full)
     attention_layers: int | None = None  # layers with softmax attention (None: every layer)
     #: forward FLOPs per token of the linear-attention layers' recurrences, all such layers
-    #: together (Gated DeltaNet: ``config.linear_flops_per_token()``; 0 without them)
+    #: together (each mixer's ``flops_per_token``: :mod:`usp.models.mixers`; 0 without them)
     linear_flops_per_token: int = 0
 
     @property
@@ -64,14 +65,20 @@ class ModelCounts:
         layers = self.layers if self.attention_layers is None else self.attention_layers
         return 6 * layers * self.heads * self.head_dim * square_tokens
 
+    def attention_square(self, document_lengths: list[int]) -> float:
+        """What :meth:`attention_flops` takes for these documents: the sum of their
+        squared lengths, or with sliding layers the mean over the layers of what each
+        sees (:func:`_window_square`)."""
+        if any(w is not None for w in self.windows):
+            return sum(_window_square(document_lengths, w) for w in self.windows) / self.layers
+        return sum(n * n for n in document_lengths)
+
     def training_flops(self, document_lengths: list[int]) -> float:
         """Forward + backward FLOPs of one packed row (backward = 2x forward; activation
         recomputation is not counted, as usual for MFU): ``6 * matmul`` per token plus
         :meth:`attention_flops`."""
         tokens = sum(document_lengths)
-        square = sum(n * n for n in document_lengths)
-        if any(w is not None for w in self.windows):  # sliding layers: mean over layers
-            square = sum(_window_square(document_lengths, w) for w in self.windows) / self.layers
+        square = self.attention_square(document_lengths)
         linear = 3 * self.linear_flops_per_token * tokens
         return 6 * self.matmul * tokens + self.attention_flops(square) + linear
 
@@ -129,6 +136,9 @@ def model_counts(config) -> ModelCounts:
             p.numel() for p in layer.parameters()
         )
     layers = config.num_hidden_layers
+    windows = tuple(config.layer_window(i) for i in range(layers))
+    mixers = [MIXER_OF_KIND[kind] for kind in config.layer_kinds]  # each layer's
+    attention = [m for m in mixers if m == ATTENTION]
     return ModelCounts(
         per_layer=per_layer // layers,
         other=other + per_layer % layers,  # the total stays exact
@@ -139,12 +149,10 @@ def model_counts(config) -> ModelCounts:
         head_dim=config.attention_head_dim,
         experts=experts,
         routed=routed,
-        windows=tuple(config.layer_window(i) for i in range(layers))
-        if hasattr(config, "layer_window")
-        else (),
-        attention_layers=getattr(config, "attention_layer_count", None),
-        linear_flops_per_token=(
-            config.linear_flops_per_token() if hasattr(config, "linear_flops_per_token") else 0
+        windows=windows if any(w is not None for w in windows) else (),
+        attention_layers=None if len(attention) == layers else len(attention),
+        linear_flops_per_token=sum(
+            MIXERS[m].flops_per_token(config) for m in mixers if MIXERS[m].flops_per_token
         ),
     )
 

@@ -1,16 +1,20 @@
-"""The decoder-only architecture every family here shares (Llama's), sequence-parallel
-through a :class:`usp.Plan`, with the hooks a family overrides.
+"""The decoder-only causal LM every family here is (:class:`CausalLM`), sequence-parallel
+through a :class:`usp.Plan`: its construction from a family's choices, checkpoints,
+and the forward with its SP-exact loss.
 
-Architecture only: every layer is token-local except attention, whose one distributed
-call is ``plan.attention``; the loss's reduction over the SP group lives in
-:mod:`usp.models.loss`; memory levers (checkpointing, offload, MLP tiles, head chunks,
-loss chunks) are applied from outside by :class:`usp.models.Levers`. With ``plan=None``
-the same classes run single-process. Parameter names equal HF checkpoint keys
-(``model.layers.0.self_attn.q_proj.weight``).
+A family (``usp/models/<family>.py``) is a config class (its HF ``config.json``: names,
+defaults, each layer's kind, window and RoPE) and a subclass of :class:`CausalLM` that
+names its parts: the :class:`usp.models.parts.Blueprint` (norms, their placement, the
+embedding), its attention's :class:`usp.models.attention.AttentionOptions` and each
+layer's MLP. The stack they build is :mod:`usp.models.stack`; the token mixers
+:mod:`usp.models.mixers`. See docs/models.md, "Adding a model family".
 
-A family (``usp/models/<family>.py``) subclasses :class:`CausalLM` with its config class
-and, where its layers differ, its own :class:`Attention` (e.g. Qwen3's per-head norms of
-q and k) -- see docs/models.md, "Adding a model family".
+Architecture only: every layer is token-local except its mixer, whose one distributed
+call is ``plan.attention`` (or the Gated DeltaNet ring); the loss's reduction over the SP
+group lives in :mod:`usp.models.loss`; memory levers (checkpointing, offload, MLP tiles,
+head chunks, loss chunks) are applied from outside by :class:`usp.models.Levers`. With
+``plan=None`` the same classes run single-process. Parameter names equal HF checkpoint
+keys (``model.layers.0.self_attn.q_proj.weight``).
 """
 
 from __future__ import annotations
@@ -23,194 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from usp.models import checkpoint as hf_checkpoint
+from usp.models.attention import AttentionOptions
 from usp.models.config import DecoderConfig
 from usp.models.labels import IGNORE_INDEX
-from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, sp_cross_entropy
-from usp.models.moe import add_router_stats, has_experts, sp_router_aux_loss, split_layer_output
-from usp.models.norm import rms_norm
+from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, sp_cross_entropy, sp_logits_cross_entropy
+from usp.models.mixers import MIXER_OF_KIND, MIXERS, mixers_of
+from usp.models.mlp import MLP
+from usp.models.moe import has_experts, sp_router_aux_loss
+from usp.models.parts import Blueprint, LayerParts
 from usp.models.plan_inputs import check_attention_options, check_heads, pack_once, plan_argument
-from usp.models.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
+from usp.models.stack import DecoderStack
 from usp.sp.plan import as_plan
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight; normalised in float32 at least (float64 stays float64), then
-    cast back before the weight, as HF does for checkpoint fidelity in bf16. Its backward
-    keeps only ``x`` and one float32 value per token (:mod:`usp.models.norm`)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-class Attention(nn.Module):
-    """GQA self-attention: projections and RoPE on local tokens, USP attention across.
-
-    Family hooks: :meth:`projection_bias` (which projections carry a bias) and
-    :meth:`project` (q, k, v from the input, before RoPE)."""
-
-    def __init__(self, config: DecoderConfig, plan):
-        super().__init__()
-        self.plan = plan
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.attention_head_dim
-        dim, q_dim, kv_dim = (
-            config.hidden_size,
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
-        )
-        qkv_bias, o_bias = self.projection_bias(config)
-        self.q_proj = nn.Linear(dim, q_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(dim, kv_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(dim, kv_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_dim, dim, bias=o_bias)
-        # groups of KV heads the ring attends to one after the other: 1 unless a lever
-        # (usp.models.Levers.attention_head_chunks) sets it; the same numbers either way
-        self.head_chunks = 1
-        # a sliding layer's window (a family sets it per layer) and per-head sink logits
-        # (a family with sinks makes this an nn.Parameter [H]); None: full, no sinks
-        self.window: int | None = None
-        self.sinks: torch.Tensor | None = None
-
-    @staticmethod
-    def projection_bias(config: DecoderConfig) -> tuple[bool, bool]:
-        """(q/k/v bias, output bias): HF's ``attention_bias`` on all four."""
-        bias = bool(getattr(config, "attention_bias", False))
-        return bias, bias
-
-    def project(self, x: torch.Tensor):
-        """x [B, S/P, dim] -> q [B, S/P, H, D], k and v [B, S/P, Hkv, D] (before RoPE)."""
-        batch, tokens, _ = x.shape
-        q = self.q_proj(x).view(batch, tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, tokens, self.num_kv_heads, self.head_dim)
-        return q, k, v
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed=None):
-        batch, tokens, _ = x.shape  # [B, S/P, dim]
-        q, k, v = self.project(x)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.plan.attention(
-            q,
-            k,
-            v,
-            causal=True,
-            softmax_scale=self.head_dim**-0.5,
-            packed=packed,
-            head_chunks=self.head_chunks,
-            window=self.window,
-            sinks=self.sinks,
-        )  # fmt: skip  (out [B, S/P, H, D], exact attention over the global sequence)
-        return self.o_proj(out.reshape(batch, tokens, self.num_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). (A tiled variant is a lever:
-    :class:`usp.models.Levers` ``mlp_tile_tokens``.)"""
-
-    def __init__(self, config: DecoderConfig, intermediate_size: int | None = None):
-        """``intermediate_size``: ``config.intermediate_size`` unless given (e.g. a
-        mixture-of-experts block's shared expert)."""
-        super().__init__()
-        dim = config.hidden_size
-        hidden = config.intermediate_size if intermediate_size is None else intermediate_size
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(
-        self, config: DecoderConfig, plan, attention_class: type[Attention], mlp: nn.Module
-    ):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = attention_class(config, plan)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = mlp
-
-    def forward(self, x, cos, sin, packed=None):
-        """x [B, S/P, dim] -> [B, S/P, dim]; with a mixture-of-experts MLP (x, its router
-        statistics [2E + 1]): see :func:`usp.models.moe.split_layer_output`."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, packed)
-        return with_router_stats(x, self.mlp(self.post_attention_layernorm(x)))
-
-
-def with_router_stats(x: torch.Tensor, mlp_output):
-    """A layer's output: ``x`` plus the MLP's output; a mixture-of-experts MLP's router
-    statistics ride along (``(x, stats)``), any other layer returns the tensor."""
-    out, stats = split_layer_output(mlp_output)
-    return x + out if stats is None else (x + out, stats)
-
-
-def pad_row_embedding(config) -> nn.Embedding:
-    """The input embedding with transformers' ``padding_idx``: the pad token's row gets no
-    gradient from the input side (Gemma 3, Qwen3.5; a pad id outside the vocabulary, or
-    none, gives a plain embedding)."""
-    pad = config.pad_token_id
-    pad = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
-    return nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=pad)
-
-
-class DecoderStack(nn.Module):
-    """Embeddings, decoder layers and the final norm (HF's ``model.`` prefix)."""
-
-    def __init__(
-        self, config: DecoderConfig, plan, attention_class: type[Attention], make_mlp=None
-    ):
-        super().__init__()
-        self.config = config
-        self.plan = plan
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        make_mlp = make_mlp or (lambda config, index: MLP(config))
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, plan, attention_class, make_mlp(config, index))
-            for index in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed=None, router_stats=None
-    ):
-        """input_ids [B, S/P], position_ids [S/P] or [B, S/P] -> hidden [B, S/P, dim].
-        ``router_stats``: a list that receives the sum of the MoE layers' router
-        statistics ([2E + 1], :func:`usp.models.moe.router_stats`), if any layer has
-        experts."""
-        x = self.embed_tokens(input_ids)
-        if position_ids.dim() == 1:
-            position_ids = position_ids[None]  # [1, S/P]: the same positions in every row
-        inv_freq = inverse_frequencies(self.config, device=x.device)
-        cos, sin = rope_cos_sin(
-            position_ids, inv_freq, x.dtype, attention_factor(self.config)
-        )  # [B or 1, S/P, head_dim], once for all layers
-        total = None
-        for layer in self.layers:
-            x, stats = split_layer_output(layer(x, cos, sin, packed))
-            total = add_router_stats(total, stats)
-        if router_stats is not None and total is not None:
-            router_stats.append(total)
-        return self.norm(x)
-
-
-#: why a family with sliding-window layers refuses ``[train] compile`` on an all-gather
-#: ring (its ``allgather_compile_refusal``): usp train packs documents, and the
-#: all-gather ring's windowed call over packed documents does not compile (its
-#: per-document gathers would specialise the graph to one packing: usp/sp/attend.py); the
-#: p2p ring masks its windowed blocks from device bounds and compiles
-#: (usp.ring.masked_window)
-WINDOW_COMPILE_REFUSAL = (
-    "its sliding-window layers over packed documents compile only on the p2p ring "
-    '(with ring_impl = "allgather" and a ring degree > 1 a windowed call is not traced); '
-    'set [attention] ring_impl = "p2p"'
-)
 
 
 class CausalLM(nn.Module):
@@ -218,8 +45,8 @@ class CausalLM(nn.Module):
 
     ``plan``: a :class:`usp.Plan`, a :class:`usp.process_groups.Topology` (wrapped in ``usp.Plan(topology,
     **attention_options)``) or ``None`` (single process). Weights are initialised as HF
-    does (normal(0, ``initializer_range``), biases 0, norms 1) unless built on the meta
-    device. Memory levers: :class:`usp.models.Levers` (``Levers(...).apply(model)``).
+    does (:meth:`init_weights`) unless built on the meta device. Memory levers:
+    :class:`usp.models.Levers` (``Levers(...).apply(model)``).
 
     ``model(input_ids, *, labels=None, position_ids=None, cu_seqlens=None,
     num_items_in_batch=None, return_aux_loss=False)``:
@@ -247,30 +74,52 @@ class CausalLM(nn.Module):
     """
 
     config_class: ClassVar[type[DecoderConfig]] = DecoderConfig
-    attention_class: ClassVar[type[Attention]] = Attention
-    #: the module under ``model.`` (embeddings, layers, final norm); a family whose layers
-    #: differ beyond the attention and MLP hooks gives its own (same constructor)
-    stack_class: ClassVar[type[nn.Module]] = DecoderStack
     #: the family's named shapes (``from_config("name")``)
     presets: ClassVar[dict[str, DecoderConfig]] = {}
+    #: what every layer of the family's stack shares: its norms, their placement, the
+    #: embedding (:class:`usp.models.parts.Blueprint`)
+    blueprint: ClassVar[Blueprint] = Blueprint()
     #: why ``[train] compile`` (each decoder layer compiled whole, ``fullgraph=True``)
     #: cannot compile this family's layers yet, for the refusal's message; None: it can
     compile_refusal: ClassVar[str | None] = None
-    #: why it cannot compile them when the ring all-gathers (``ring_impl = "allgather"``,
-    #: ring degree > 1); None: it can
-    allgather_compile_refusal: ClassVar[str | None] = None
 
-    @classmethod
-    def kernel_refusal(cls, config: DecoderConfig, plan, device, dtype) -> str | None:
-        """Why a kernel ``plan`` forces cannot run this family's layers of ``config`` on
-        ``device`` with activations of ``dtype`` (None: they can). Attention's backends are
-        chosen per call; a family with layers of other kernels (Gated DeltaNet) says."""
-        return None
+    @staticmethod
+    def attention_options(config: DecoderConfig) -> AttentionOptions:
+        """The family's attention (:class:`usp.models.attention.AttentionOptions`): here
+        HF's ``attention_bias`` on all four projections."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias)
 
     @staticmethod
     def make_mlp(config: DecoderConfig, index: int) -> nn.Module:
-        """Layer ``index``'s MLP (a family with other MLPs, e.g. experts, overrides it)."""
+        """Layer ``index``'s MLP part (a family with experts, or another activation,
+        says)."""
         return MLP(config)
+
+    @classmethod
+    def layer_parts(cls, config: DecoderConfig, index: int) -> LayerParts:
+        """Layer ``index``'s parts: the mixer of its kind (``config.layer_kinds``), its
+        window and RoPE (``config.layer_window``, ``layer_rope``), the family's attention
+        options and MLP."""
+        mixer = MIXER_OF_KIND[config.layer_kinds[index]]
+        return LayerParts(
+            mlp=cls.make_mlp(config, index),
+            mixer=mixer,
+            attention=cls.attention_options(config),
+            window=config.layer_window(index),
+            rope=config.layer_rope(index) if MIXERS[mixer].uses_rope else None,
+        )
+
+    @classmethod
+    def kernel_refusal(cls, config: DecoderConfig, plan, device, dtype) -> str | None:
+        """Why a kernel ``plan`` forces cannot run this model's layers of ``config`` on
+        ``device`` with activations of ``dtype`` (None: they can). Attention's backends are
+        chosen per call; a mixer with kernels of its own (Gated DeltaNet) says."""
+        for mixer in mixers_of(config):
+            refusal = mixer.kernel_refusal and mixer.kernel_refusal(config, plan, device, dtype)
+            if refusal:
+                return refusal
+        return None
 
     @staticmethod
     def checkpoint_key(key: str) -> str | None:
@@ -292,7 +141,11 @@ class CausalLM(nn.Module):
         self.config = config
         self.plan = as_plan(plan, **attention_options)
         check_heads(self.plan, config.num_attention_heads, config.num_key_value_heads)
-        self.model = self.stack_class(config, self.plan, self.attention_class, self.make_mlp)
+        for mixer in mixers_of(config):  # before any collective
+            if mixer.check is not None:
+                mixer.check(self.plan, config)
+        parts = [self.layer_parts(config, i) for i in range(config.num_hidden_layers)]
+        self.model = DecoderStack(config, self.plan, parts, self.blueprint)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -350,17 +203,24 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """HF's initialisation: linear and embedding weights normal(0, initializer_range),
-        biases 0, norm weights 1 (e.g. after ``to_empty`` from the meta device)."""
+        biases 0, the pad token's embedding row 0, each norm as its kind starts (1, or 0
+        for ``1 + weight``), then what a mixer adds (e.g. after ``to_empty`` from the meta
+        device)."""
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
             elif hasattr(module, "init_weights") and module is not self:
-                module.init_weights(std, generator)  # e.g. grouped expert weights, a router
+                module.init_weights(std, generator)  # norms, sinks, grouped experts, a router
+        pad = self.model.embed_tokens.padding_idx
+        if pad is not None:
+            self.model.embed_tokens.weight[pad].zero_()
+        for layer in self.model.layers:
+            mixer = MIXERS[layer.mixer_name]
+            if mixer.init_weights is not None:
+                mixer.init_weights(layer.mixer, std, generator)
 
     # ------------------------------------------------------------------ structure
     @property
@@ -373,11 +233,20 @@ class CausalLM(nn.Module):
         """[V, dim]: ``lm_head.weight``, or the embedding with tied embeddings."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def logit_softcap(self) -> float | None:
+        """``final_logit_softcapping`` (Gemma 3): logits become ``cap * tanh(logits /
+        cap)``; None: the plain projection."""
+        return getattr(self.config, "final_logit_softcapping", None)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., V]: the logits of final-norm outputs ``hidden`` [..., dim] (any rows):
-        the output projection, and whatever a family adds after it (Gemma 3's soft cap).
-        What code outside the model that turns :meth:`hidden_states` into logits calls."""
-        return F.linear(hidden, self.output_weight)
+        the output projection, soft-capped where the config says (token-local, as
+        transformers). What code outside the model that turns :meth:`hidden_states` into
+        logits calls."""
+        logits = F.linear(hidden, self.output_weight)
+        cap = self.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -399,15 +268,21 @@ class CausalLM(nn.Module):
         )
         if labels is None:
             return self.logits(hidden)  # [B, S/P, V]
-        loss = sp_cross_entropy(
-            hidden,
-            self.output_weight,
-            labels,
-            self.plan.sp_group,
-            ignore_index=ignore_index,
-            chunk_tokens=self.loss_chunk_tokens,
-            num_items_in_batch=num_items_in_batch,
-        )
+        if self.logit_softcap is None:
+            loss = sp_cross_entropy(
+                hidden,
+                self.output_weight,
+                labels,
+                self.plan.sp_group,
+                ignore_index=ignore_index,
+                chunk_tokens=self.loss_chunk_tokens,
+                num_items_in_batch=num_items_in_batch,
+            )
+        else:  # capped logits are no plain projection: this rank's are materialised
+            loss = sp_logits_cross_entropy(
+                self.logits(hidden), labels, self.plan.sp_group, ignore_index=ignore_index,
+                num_items_in_batch=num_items_in_batch,
+            )  # fmt: skip
         aux = None
         if stats:  # as transformers: CE + coef * aux
             aux = sp_router_aux_loss(
@@ -439,8 +314,6 @@ class CausalLM(nn.Module):
         experts)."""
         packed = pack_once(self.plan, cu_seqlens, input_ids)
         global_len = input_ids.shape[1] * self.plan.sp_degree if packed is None else packed.seq_len
-        if self.config.attention_window is not None:
-            self._check_window(global_len, packed)
         if position_ids is None:
             position_ids = self.plan.position_ids(
                 global_len, packed=packed, device=input_ids.device
@@ -448,14 +321,6 @@ class CausalLM(nn.Module):
         if router_stats is None:
             return self.model(input_ids, position_ids, packed)  # [B, S/P, dim]
         return self.model(input_ids, position_ids, packed, router_stats=router_stats)
-
-    def _check_window(self, global_len: int, packed) -> None:
-        """A sliding-window model is exact here only on documents within its window."""
-        if packed is None:
-            self.config.check_window(global_len, what="the sequence")
-        else:
-            longest = max(b - a for a, b in zip(packed.bounds, packed.bounds[1:]))
-            self.config.check_window(longest)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -34,6 +34,17 @@ from usp.models import (
 from usp.models.config import DecoderConfig, read_config_json
 from usp.models.plan_inputs import plan_argument
 
+#: why a model with sliding-window layers refuses ``[train] compile`` on an all-gather
+#: ring: usp train packs documents, and the all-gather ring's windowed call over packed
+#: documents does not compile (its per-document gathers would specialise the graph to one
+#: packing: usp/sp/attend.py); the p2p ring masks its windowed blocks from device bounds
+#: and compiles (usp.ring.masked_window)
+WINDOW_COMPILE_REFUSAL = (
+    "its sliding-window layers over packed documents compile only on the p2p ring "
+    '(with ring_impl = "allgather" and a ring degree > 1 a windowed call is not traced); '
+    'set [attention] ring_impl = "p2p"'
+)
+
 
 @dataclass(frozen=True)
 class ModelFamily:
@@ -58,14 +69,14 @@ class ModelFamily:
     def architectures(self) -> tuple[str, ...]:
         return self.config_class.architectures
 
-    def compile_refusal(self, plan) -> str | None:
-        """Why ``[train] compile`` cannot compile this family's layers under ``plan`` (a
-        :class:`usp.Plan`) yet (None: it can): the family's own reason, or, when the ring
-        all-gathers (``ring_impl = "allgather"``, ring degree > 1), its reason there."""
+    def compile_refusal(self, plan, config: DecoderConfig) -> str | None:
+        """Why ``[train] compile`` cannot compile the layers of ``config`` under ``plan``
+        (a :class:`usp.Plan`) yet (None: it can): the family's own reason, or sliding
+        windows when the ring all-gathers (``ring_impl = "allgather"``, ring degree > 1)."""
         if self.model_class.compile_refusal is not None:
             return self.model_class.compile_refusal
-        if plan.ring_impl == "allgather" and plan.ring_degree > 1:
-            return self.model_class.allgather_compile_refusal
+        if plan.ring_impl == "allgather" and plan.ring_degree > 1 and config.attention_window:
+            return WINDOW_COMPILE_REFUSAL
         return None
 
     def kernel_refusal(self, config: DecoderConfig, plan, device, dtype) -> str | None:

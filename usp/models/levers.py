@@ -12,13 +12,13 @@ planner's search space is this class's values (:mod:`usp.planner.search`).
   forward and recompute: :mod:`usp.models.offload`). Applied by wrapping each layer's
   ``forward`` (parameter names, hooks and FSDP2 wrapping stay as they are); apply before
   ``torch.compile`` and before FSDP2.
-* ``mlp_tile_tokens``: 0 (off) or N: each SwiGLU MLP runs over tiles of N local tokens,
-  each recomputed in backward (:mod:`usp.models.mlp_tiles`), so only one tile's
-  ``[N, intermediate]`` activations exist. Needs ``gate_proj``/``up_proj``/``down_proj``
-  without bias and SiLU (every family here; an HF MLP that differs is refused); LoRA
-  adapters on them (:mod:`usp.models.lora`) are computed per tile too. A
-  mixture-of-experts MLP (:mod:`usp.models.moe`) is left untiled: the dense layers of
-  such a model are tiled, its experts not.
+* ``mlp_tile_tokens``: 0 (off) or N: every MLP part runs over tiles of N local tokens,
+  each recomputed in backward, so only one tile's ``[N, intermediate]`` activations
+  exist: a gated MLP (SwiGLU, usp's GeGLU: :mod:`usp.models.mlp_tiles`; an HF MLP needs
+  ``gate_proj``/``up_proj``/``down_proj`` without bias and SiLU, others are refused),
+  with its LoRA adapters (:mod:`usp.models.lora`) per tile too; a mixture of experts'
+  routed rows, N tokens' worth at a time (:func:`usp.models.moe_op.tiled_experts`, any
+  kind of expert: SwiGLU, gpt-oss's clamped SwiGLU), and its shared expert.
 * ``attention_head_chunks``: 1 (off) or N dividing the KV heads each rank's ring attends
   to (Hkv after KV replication, / ulysses): the ring runs once per group of those
   heads, so its float32 accumulators and K/V buffers exist for one group at a time
@@ -54,7 +54,7 @@ from usp.models.family import decoder_layers
 from usp.models.hf_mixers import check_model
 from usp.models.lora import low_rank
 from usp.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, check_chunk_tokens
-from usp.models.mlp_tiles import tiled_swiglu
+from usp.models.mlp_tiles import tiled_glu
 from usp.models.moe import is_moe
 from usp.models.offload import HostOffloader
 from usp.models.plan_inputs import ring_kv_heads
@@ -166,9 +166,7 @@ class Levers:
                 )
         if self.mlp_tile_tokens:
             for index, layer in enumerate(decoder_layers(model)):
-                mlp = _mlp_of(layer, index)
-                if not is_moe(mlp):  # experts run untiled (below)
-                    _swiglu_weights(mlp)
+                _check_tiles(_mlp_of(layer, index))
         if plan is not None and not isinstance(model, CausalLM):
             check_model(model, plan)  # an HF model under SP: token mixers outside attention
 
@@ -189,10 +187,7 @@ class Levers:
         for index, layer in enumerate(decoder_layers(model)):
             _wrap(layer, _Checkpointed, self.activation_checkpointing, offloader)
             if self.mlp_tile_tokens or hasattr(layer, "mlp"):
-                mlp = _mlp_of(layer, index)
-                # a mixture-of-experts MLP is not tiled: its experts' buffers hold the
-                # routed rows ([B*S/P*k, .]), which tiles of tokens would not bound
-                _wrap(mlp, _TiledMLP, 0 if is_moe(mlp) else self.mlp_tile_tokens)
+                _set_tiles(_mlp_of(layer, index), self.mlp_tile_tokens)
             attention = getattr(layer, "self_attn", None)  # hybrid models: some layers lack one
             if attention is not None:
                 attention.head_chunks = self.attention_head_chunks
@@ -202,14 +197,33 @@ class Levers:
 
 
 def tile_mlp(mlp: nn.Module, tile: int) -> nn.Module:
-    """Tile one SwiGLU MLP module as ``mlp_tile_tokens = tile`` tiles every layer's
-    (``0``: untiled again); returns it."""
+    """Tile one MLP part as ``mlp_tile_tokens = tile`` tiles every layer's (``0``:
+    untiled again); returns it."""
     if not _count(tile, minimum=0):
         raise LeverError(f"tile must be an integer >= 0, got {tile!r}")
     if tile:
-        _swiglu_weights(mlp)
-    _wrap(mlp, _TiledMLP, tile)
+        _check_tiles(mlp)
+    _set_tiles(mlp, tile)
     return mlp
+
+
+def _check_tiles(mlp: nn.Module) -> None:
+    """A LeverError unless every part of ``mlp`` tiles: a gated MLP, or usp's mixture of
+    experts (its experts and its shared expert)."""
+    if not is_moe(mlp):
+        _glu_weights(mlp)
+    elif mlp.shared_expert is not None:
+        _glu_weights(mlp.shared_expert)
+
+
+def _set_tiles(mlp: nn.Module, tile: int) -> None:
+    """Tile ``mlp``'s parts by ``tile`` tokens (0: untiled)."""
+    if is_moe(mlp):
+        mlp.experts.tile_tokens = tile
+        if mlp.shared_expert is not None:
+            _wrap(mlp.shared_expert, _TiledMLP, tile)
+    else:
+        _wrap(mlp, _TiledMLP, tile)
 
 
 def levers_of(model: nn.Module) -> Levers:
@@ -286,7 +300,7 @@ class _Checkpointed(_LeverForward):
 
 
 class _TiledMLP(_LeverForward):
-    """A SwiGLU MLP's forward over tiles of ``tile`` local tokens (inputs of at most
+    """A gated MLP's forward over tiles of ``tile`` local tokens (inputs of at most
     ``tile`` tokens run the plain MLP)."""
 
     def __init__(self, inner, tile: int):
@@ -300,12 +314,12 @@ class _TiledMLP(_LeverForward):
         # unsharded parameters, set by the decoder layer's pre-forward hook), and their
         # LoRA adapters (usp.models.lora), which the tiled function computes per tile
         mlp = self.inner.__self__
-        weights = _swiglu_weights(mlp)
-        adapters = tuple(low_rank(getattr(mlp, name), x) for name in _SWIGLU)
-        return tiled_swiglu(x, *weights, self.tile, adapters)  # [B, S/P, dim]
+        *weights, activation = _glu_weights(mlp)
+        adapters = tuple(low_rank(getattr(mlp, name), x) for name in _GLU)
+        return tiled_glu(x, *weights, self.tile, adapters, activation)  # [B, S/P, dim]
 
 
-_SWIGLU = ("gate_proj", "up_proj", "down_proj")
+_GLU = ("gate_proj", "up_proj", "down_proj")
 
 
 def _mlp_of(layer: nn.Module, index: int) -> nn.Module:
@@ -319,22 +333,30 @@ def _mlp_of(layer: nn.Module, index: int) -> nn.Module:
     return mlp
 
 
-def _swiglu_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(gate, up, down) weights of a bias-free SiLU-gated MLP, or a LeverError."""
-    linears = [getattr(mlp, name, None) for name in _SWIGLU]
-    act = getattr(mlp, "act_fn", nn.SiLU())
-    if not all(isinstance(m, nn.Linear) and m.bias is None for m in linears) or not _is_silu(act):
+def _glu_weights(mlp: nn.Module):
+    """(gate, up, down weights, activation name) of a bias-free gated MLP whose
+    activation the tiles compute (SiLU; tanh-GELU as usp's MLP holds it), or a
+    LeverError."""
+    linears = [getattr(mlp, name, None) for name in _GLU]
+    activation = _activation(getattr(mlp, "act_fn", nn.SiLU()))
+    if not all(isinstance(m, nn.Linear) and m.bias is None for m in linears) or not activation:
         raise LeverError(
             f"mlp_tile_tokens needs a SwiGLU MLP (gate_proj, up_proj, down_proj without bias, "
-            f"SiLU); {type(mlp).__name__} is not one: use mlp_tile_tokens = 0"
+            f"SiLU), usp's GeGLU or usp's experts; {type(mlp).__name__} is not one: use "
+            "mlp_tile_tokens = 0"
         )
-    return linears[0].weight, linears[1].weight, linears[2].weight
+    return linears[0].weight, linears[1].weight, linears[2].weight, activation
 
 
-def _is_silu(act) -> bool:
-    """torch's SiLU, or transformers' (``ACT2FN["silu"]``: a module computing
-    ``F.silu``, named apart from torch's)."""
+def _activation(act) -> str | None:
+    """The tiles' name of a gated MLP's activation module: torch's SiLU or transformers'
+    (``ACT2FN["silu"]``: a module computing ``F.silu``, named apart from torch's), torch's
+    tanh-approximated GELU (usp's GeGLU); None for any other."""
     if isinstance(act, nn.SiLU):
-        return True
+        return "silu"
+    if isinstance(act, nn.GELU) and act.approximate == "tanh":
+        return "gelu_pytorch_tanh"
     cls = type(act)
-    return cls.__name__ == "SiLUActivation" and cls.__module__.startswith("transformers.")
+    if cls.__name__ == "SiLUActivation" and cls.__module__.startswith("transformers."):
+        return "silu"
+    return None

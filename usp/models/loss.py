@@ -299,6 +299,27 @@ def sp_normalise(
     return value + (local_sum - local_sum.detach()) / denominator.to(local_sum.dtype)
 
 
+def sp_logits_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    group=None,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`sp_cross_entropy`'s contract from this rank's materialised ``logits``
+    [B, S/P, V] (a model whose logits are no plain projection of the hidden states:
+    Gemma 3's soft cap), ``labels`` [B, S/P]."""
+    local = F.cross_entropy(
+        logits.flatten(0, 1).to(loss_dtype(logits.dtype)),
+        labels.flatten(),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+    count = int((labels != ignore_index).sum())
+    return sp_normalise(local, count, group, num_items_in_batch=num_items_in_batch)
+
+
 def sp_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

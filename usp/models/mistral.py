@@ -1,7 +1,6 @@
-"""The Mistral family: the shared decoder as Llama's, with Mistral's config.json names and
-its ``sliding_window`` (4096 in Mistral-7B v0.1, none from v0.2 on). usp computes full
-causal attention, so a window shorter than a document is refused
-(:meth:`usp.models.config.DecoderConfig.check_window`)."""
+"""The Mistral family: the stack as Llama's, with Mistral's config.json names and its
+``sliding_window`` on every layer (4096 in Mistral-7B v0.1, none from v0.2 on), computed
+exactly by USP attention at any length."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ from typing import Any, ClassVar
 
 from usp.models.config import DecoderConfig
 from usp.models.decoder import CausalLM
+from usp.models.layer_kinds import FULL, SLIDING, check_window
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,14 @@ class MistralConfig(DecoderConfig):
         "eos_token_id": 2,
     }
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_window(self.sliding_window)
+
     @property
-    def attention_window(self) -> int | None:
-        return self.sliding_window
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Every layer slides when ``sliding_window`` is set (transformers' Mistral)."""
+        return (FULL if self.sliding_window is None else SLIDING,) * self.num_hidden_layers
 
 
 #: the published Mistral-7B v0.3 shape (config.json of mistralai/Mistral-7B-v0.3)

@@ -1,8 +1,10 @@
-"""The tiled SwiGLU MLP as one autograd function with a hand-written backward.
+"""The tiled gated MLP (SwiGLU, GeGLU) as one autograd function with a hand-written
+backward.
 
-    out = down(silu(gate(x)) * up(x)),   gate(x) = x @ w_gate.T, ...
+    out = down(act(gate(x)) * up(x)),   gate(x) = x @ w_gate.T, ...
 
-:func:`tiled_swiglu` runs forward and backward over tiles of ``tile`` tokens, so the
+``act`` SiLU or tanh-approximated GELU (:data:`ACTIVATIONS`). :func:`tiled_glu` runs
+forward and backward over tiles of ``tile`` tokens, so the
 ``[tokens, intermediate]`` activations exist for one tile at a time. It saves ``x``
 and the three weights only; backward recomputes each tile's gate and up projections.
 
@@ -15,8 +17,9 @@ grew a list of tile outputs, concatenated them at the end, held every tile's inp
 gradient in ``SplitBackward`` and made new weight gradients per tile.)
 
 **Exactness.** Every token's output and input gradient is computed by the formulas
-autograd uses for the untiled MLP (``mm`` backward, ``mul`` backward, silu's derivative
-by ``aten.silu_backward``), row by row; the input gradient's two terms (through gate and
+autograd uses for the untiled MLP (``mm`` backward, ``mul`` backward, the activation's
+derivative by its own backward op, ``aten.silu_backward`` / ``aten.gelu_backward``), row
+by row; the input gradient's two terms (through gate and
 through up) are added by one ``addmm_`` where autograd adds two rounded products. The
 weight gradients are sums over tiles, accumulated in the weight's dtype by ``addmm_``
 into buffers allocated before the loop. Autograd through the per-tile checkpoint this
@@ -78,24 +81,48 @@ def _dropped(x: torch.Tensor, keep: torch.Tensor | None, p: float) -> torch.Tens
 _Adapters = tuple[LowRank | None, LowRank | None, LowRank | None]
 
 
-def tiled_swiglu(
+#: the activations a tiled MLP computes (:data:`usp.models.mlp.ACTIVATIONS`' names)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def _act(activation: str, x: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+    if activation == "silu":
+        return F.silu(x, inplace=inplace)
+    if inplace:
+        return torch.ops.aten.gelu_(x, approximate="tanh")
+    return F.gelu(x, approximate="tanh")
+
+
+def _act_backward(activation: str, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """d act(x) for the output gradient ``grad``, by the activation's own backward op,
+    written over ``grad`` (elementwise)."""
+    if activation == "silu":
+        return torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=grad)
+    return torch.ops.aten.gelu_backward.grad_input(grad, x, approximate="tanh", grad_input=grad)
+
+
+def tiled_glu(
     x: torch.Tensor,
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     tile: int,
     adapters: _Adapters | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """x [..., dim], w_gate and w_up [intermediate, dim], w_down [dim, intermediate]
     -> [..., dim] (x's dtype; all four in one dtype), over tiles of ``tile`` rows
     (every dim but the last flattened). ``adapters``: a :class:`LowRank` or None for
-    each of (gate, up, down) (their factors in the weights' dtype). Without grad mode,
+    each of (gate, up, down) (their factors in the weights' dtype). ``activation``: one of
+    :data:`ACTIVATIONS`. Without grad mode,
     or when nothing requires a gradient, the same tiles run and nothing is saved. Under
     autocast the four (and the adapters' factors) are cast to its dtype first (what
     ``nn.Linear`` does; the casts' backward returns the gradients in the weights' own
     dtype)."""
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
         raise ValueError(f"tile must be an integer >= 1, got {tile!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     adapters = adapters if adapters is not None and any(adapters) else None
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):  # as nn.Linear: every matmul in that dtype
@@ -107,22 +134,22 @@ def tiled_swiglu(
                 for a in adapters
             )
         with torch.autocast(device_type, enabled=False):
-            return tiled_swiglu(x, w_gate, w_up, w_down, tile, adapters)
+            return tiled_glu(x, w_gate, w_up, w_down, tile, adapters, activation)
     factors = [t for a in adapters or () if a is not None for t in (a.a, a.b)]
     needs_grad = any(t.requires_grad for t in (x, w_gate, w_up, w_down, *factors))
     if torch.is_grad_enabled() and needs_grad:
-        return _TiledSwiGLU.apply(x, w_gate, w_up, w_down, tile, adapters, *factors)
+        return _TiledGLU.apply(x, w_gate, w_up, w_down, tile, adapters, activation, *factors)
     flat = x.reshape(-1, x.shape[-1])  # [..., dim] -> [rows, dim]
     weights = (w_gate, w_up, w_down)
-    out = _forward_tiles(flat, weights, adapters, tile, representative(x))
+    out = _forward_tiles(flat, weights, adapters, tile, representative(x), activation)
     return out.view(x.shape[:-1] + out.shape[-1:])
 
 
-def _forward_tiles(flat, weights, adapters, tile, representative_only) -> torch.Tensor:
+def _forward_tiles(flat, weights, adapters, tile, representative_only, activation):
     """flat [rows, dim] -> out [rows, dim], allocated here and written tile by tile."""
     out = flat.new_empty((flat.shape[0], weights[2].shape[0]))
     for rows in tiles(flat.shape[0], tile, representative_only=representative_only):
-        _forward_tile(flat[rows], weights, adapters, rows, out[rows])
+        _forward_tile(flat[rows], weights, adapters, rows, out[rows], activation)
     return out
 
 
@@ -140,16 +167,16 @@ def _with_factors(adapters, factors) -> _Adapters | None:
     return tuple(placed)
 
 
-class _TiledSwiGLU(torch.autograd.Function):
+class _TiledGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, tile, adapters, *factors):
+    def forward(ctx, x, w_gate, w_up, w_down, tile, adapters, activation, *factors):
         flat = x.reshape(-1, x.shape[-1])  # [..., dim] -> [rows, dim]
         # decided once, kept for backward (which may run on another thread)
         ctx.representative = representative(x)
-        ctx.tile = tile
+        ctx.tile, ctx.activation = tile, activation
         ctx.adapters = adapters  # scales and dropout masks (functions of the rows)
         weights = (w_gate, w_up, w_down)
-        out = _forward_tiles(flat, weights, adapters, tile, ctx.representative)
+        out = _forward_tiles(flat, weights, adapters, tile, ctx.representative, activation)
         ctx.save_for_backward(x, w_gate, w_up, w_down, *factors)
         return out.view(x.shape[:-1] + out.shape[-1:])
 
@@ -166,7 +193,7 @@ class _TiledSwiGLU(torch.autograd.Function):
         d_up = torch.zeros_like(w_up) if need_up else None
         d_down = torch.zeros_like(w_down) if need_down else None
         # the factors' gradients, (d a, d b) per adapter (None where not needed)
-        needs = iter(ctx.needs_input_grad[6:])
+        needs = iter(ctx.needs_input_grad[7:])
         factor_grads = [
             None
             if a is None
@@ -185,10 +212,11 @@ class _TiledSwiGLU(torch.autograd.Function):
                 adapters,
                 factor_grads,
                 rows,
+                ctx.activation,
             )
         dx = None if dx is None else dx.view(x.shape)
         flat_factor_grads = [g for pair in factor_grads if pair is not None for g in pair]
-        return (dx, d_gate, d_up, d_down, None, None, *flat_factor_grads)
+        return (dx, d_gate, d_up, d_down, None, None, None, *flat_factor_grads)
 
 
 def _add_low_rank(y, x, adapter: LowRank | None, rows: slice) -> torch.Tensor:
@@ -200,13 +228,13 @@ def _add_low_rank(y, x, adapter: LowRank | None, rows: slice) -> torch.Tensor:
     return y.add_(torch.mm(low, adapter.b.t()).mul_(adapter.scale))
 
 
-def _forward_tile(x, weights, adapters, rows, out) -> None:
+def _forward_tile(x, weights, adapters, rows, out, activation) -> None:
     """One tile: x [tile, dim] -> out [tile, dim] written in place; two [tile,
     intermediate] tensors at most (plus an adapter's [tile, rank]), freed on return."""
     w_gate, w_up, w_down = weights
     gate_lr, up_lr, down_lr = adapters or (None, None, None)
     hidden = _add_low_rank(torch.mm(x, w_gate.t()), x, gate_lr, rows)  # [tile, inter]: gate(x)
-    F.silu(hidden, inplace=True)  # silu(gate(x))
+    _act(activation, hidden, inplace=True)  # act(gate(x))
     hidden.mul_(_add_low_rank(torch.mm(x, w_up.t()), x, up_lr, rows))  # * up(x)
     torch.mm(hidden, w_down.t(), out=out)  # [tile, intermediate] -> [tile, dim]
     _add_low_rank(out, hidden, down_lr, rows)
@@ -234,7 +262,9 @@ def _low_rank_backward(g, x, adapter: LowRank, rows: slice, grads, need_input: b
     return _dropped(torch.mm(d_low, adapter.a), keep, adapter.p)  # [tile, in]
 
 
-def _backward_tile(g, x, weights, dx, grads, adapters=None, factor_grads=None, rows=None):
+def _backward_tile(
+    g, x, weights, dx, grads, adapters=None, factor_grads=None, rows=None, activation="silu"
+):
     """One tile's gradients: g (the output's gradient) and x [tile, dim]; ``dx`` [tile,
     dim] written, the weight gradients ``grads`` (each None or the weight's shape) and
     the adapters' ``factor_grads`` added to in place. Three [tile, intermediate] tensors
@@ -253,8 +283,8 @@ def _backward_tile(g, x, weights, dx, grads, adapters=None, factor_grads=None, r
     gate = _add_low_rank(torch.mm(x, w_gate.t()), x, gate_lr, rows)  # [tile, intermediate]
     up = _add_low_rank(torch.mm(x, w_up.t()), x, up_lr, rows)
     down_term = None
-    if need_h:  # out = h @ w_down.T: d w_down += g.T @ h, h = silu(gate) * up
-        d_hidden = F.silu(gate).mul_(up)  # h, for now
+    if need_h:  # out = h @ w_down.T: d w_down += g.T @ h, h = act(gate) * up
+        d_hidden = _act(activation, gate).mul_(up)  # h, for now
         if d_down is not None:
             d_down.addmm_(g.t(), d_hidden)  # [dim, tile] @ [tile, intermediate]
         if down_lr is not None:
@@ -270,9 +300,8 @@ def _backward_tile(g, x, weights, dx, grads, adapters=None, factor_grads=None, r
         d_hidden.add_(down_term)  # + the gradient through the down adapter
         del down_term
     if need_gate_side:
-        d_act = up.mul_(d_hidden)  # d silu(gate) = d h * up (up is spent)
-        # d gate, by silu's own backward (elementwise: written over its input)
-        d_gated = torch.ops.aten.silu_backward.grad_input(d_act, gate, grad_input=d_act)
+        d_act = up.mul_(d_hidden)  # d act(gate) = d h * up (up is spent)
+        d_gated = _act_backward(activation, d_act, gate)  # d gate (written over d_act)
         if d_gate is not None:  # gate = x @ w_gate.T: d w_gate += d_gate.T @ x
             d_gate.addmm_(d_gated.t(), x)  # [intermediate, tile] @ [tile, dim]
         term = None
@@ -287,7 +316,7 @@ def _backward_tile(g, x, weights, dx, grads, adapters=None, factor_grads=None, r
         del d_act, d_gated, term
     del up
     if need_up_side:
-        d_upped = F.silu(gate, inplace=True).mul_(d_hidden)  # d up = d h * silu(gate)
+        d_upped = _act(activation, gate, inplace=True).mul_(d_hidden)  # d up = d h * act(gate)
         if d_up is not None:  # up = x @ w_up.T: d w_up += d_up.T @ x
             d_up.addmm_(d_upped.t(), x)
         term = None

@@ -6,8 +6,7 @@ and the load-balancing loss, exact under sequence parallelism.
   (renormalised to sum to 1 with ``norm_topk_prob``), cast back to the input's dtype.
 * :class:`Experts` (HF's ``mlp.experts``): grouped weights ``gate_up_proj`` [E, 2I, H] and
   ``down_proj`` [E, H, I], the parameter names and layout transformers 5 keeps in memory
-  (checkpoints hold one tensor per expert: :func:`split_expert_tensors` /
-  :func:`join_expert_tensors`). The forward sorts the (token, expert) pairs by expert
+  (checkpoints hold one tensor per expert: :mod:`usp.models.moe_keys`). The forward sorts the (token, expert) pairs by expert
   once, gathers the routed rows into one ``[N*k, H]`` buffer and runs every expert on its
   contiguous segment: one ``torch._grouped_mm`` per projection where torch offers it for
   the dtype and device (no host sync), else one matmul per expert over its segment (one
@@ -22,7 +21,9 @@ and the load-balancing loss, exact under sequence parallelism.
   stays on its rank (no expert parallelism): under SP the block needs no communication.
   Expert parallelism would replace the gather/scatter of :meth:`Experts.forward` by an
   all-to-all of the sorted rows over an expert axis, behind the same module.
-* A family whose router or experts differ (:mod:`usp.models.gpt_oss`: a router with bias,
+* With ``mlp_tile_tokens`` (:attr:`Experts.tile_tokens`) the routed rows run a tile of
+  tokens at a time, each tile recomputed in backward (:func:`usp.models.moe_op.tiled_experts`).
+* A family whose router or experts differ (:mod:`usp.models.gpt_oss_experts`: a router with bias,
   experts with biases and another activation, kept in transformers' layout) subclasses
   :class:`SparseMoE` (:meth:`SparseMoE.route`) and :class:`Experts`
   (its :attr:`Experts.kind`, an expert function registered with
@@ -51,13 +52,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from usp.compile_marks import constant_result
-from usp.models.moe_op import moe_experts, register_experts_kind, routed_experts
+from usp.models.moe_op import moe_experts, register_experts_kind, routed_experts, tiled_experts
 from usp.models.moe_planning import planned, planned_segments
-
-#: the checkpoint's per-expert projection names (``mlp.experts.{e}.{name}.weight``)
-EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-#: the grouped parameters' names in :class:`Experts`
-GROUPED_NAMES = ("gate_up_proj", "down_proj")
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -99,6 +95,9 @@ class Experts(nn.Module):
     #: checkpoints hold one tensor per expert (Qwen3-MoE); False: the grouped tensors
     #: under the parameters' own names (gpt-oss)
     per_expert_checkpoint: bool = True
+    #: tokens per tile of routed rows (a lever, set by usp.models.Levers' mlp_tile_tokens
+    #: on the instance); 0: untiled
+    tile_tokens: int = 0
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int):
         super().__init__()
@@ -132,11 +131,16 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
         """x [N, H], experts [N, k], weights [N, k] -> [N, H] (:func:`routed_experts`);
-        compiled, one ``usp::moe_experts`` op (:mod:`usp.models.moe_op`): the segment
-        sizes depend on the routing, which a static graph cannot hold."""
+        with :attr:`tile_tokens`, over tiles of that many tokens, each recomputed in
+        backward (:func:`usp.models.moe_op.tiled_experts`); compiled, one
+        ``usp::moe_experts`` op (:mod:`usp.models.moe_op`): the segment sizes depend on
+        the routing, which a static graph cannot hold."""
         args = (x, experts, weights, self.op_params(), self.kind, self.op_options())
         if torch.compiler.is_compiling():
-            return moe_experts(*args, self.grouped_gemm is not False and _grouped_on(x))
+            grouped = self.grouped_gemm is not False and _grouped_on(x)
+            return moe_experts(*args, grouped, self.tile_tokens)
+        if self.tile_tokens and x.shape[0] > self.tile_tokens:
+            return tiled_experts(*args, self._use_grouped_gemm(x), self.tile_tokens)
         return routed_experts(*args, self._use_grouped_gemm(x))
 
     def _use_grouped_gemm(self, x: torch.Tensor) -> bool:
@@ -359,82 +363,6 @@ def sp_router_aux_loss(
     value = num_experts * (share * global_probs / global_rows).sum()
     own = num_experts * (share * (probs - probs.detach()) / global_rows).sum()
     return (value + own).to(dtype)
-
-
-# ---------------------------------------------------------------------- checkpoints
-def expert_key(key: str) -> tuple[str, int, str] | None:
-    """``(grouped parameter name, expert, projection)`` of a per-expert checkpoint key
-    (``...mlp.experts.3.up_proj.weight`` -> ``(...mlp.experts.gate_up_proj, 3,
-    "up_proj")``), else None."""
-    parts = key.split(".")
-    if (
-        len(parts) < 4
-        or parts[-1] != "weight"
-        or parts[-2] not in EXPERT_PROJECTIONS
-        or not parts[-3].isdigit()
-        or parts[-4] != "experts"
-    ):
-        return None
-    prefix = ".".join(parts[:-3])
-    grouped = "down_proj" if parts[-2] == "down_proj" else "gate_up_proj"
-    return f"{prefix}.{grouped}", int(parts[-3]), parts[-2]
-
-
-def join_expert_tensors(
-    pieces: dict[str, dict[int, dict[str, torch.Tensor]]], expected: dict[str, torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Grouped parameters from per-expert tensors (``pieces[grouped name][expert]
-    [projection]``): ``(state, problems)``, a problem for each missing or misshapen piece."""
-    state, problems = {}, []
-    for name, by_expert in pieces.items():
-        want = expected[name]
-        experts = want.shape[0]
-        parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
-        missing = [
-            f"{name.removesuffix(name.rpartition('.')[2])}{e}.{p}.weight"
-            for e in range(experts)
-            for p in parts
-            if p not in by_expert.get(e, {})
-        ]
-        extra = [e for e in by_expert if e >= experts]
-        if missing or extra:
-            problems.extend(missing[:3] + [f"{name}: expert {e} of {experts}" for e in extra])
-            continue
-        stacked = torch.stack([torch.cat([by_expert[e][p] for p in parts]) for e in range(experts)])
-        if stacked.shape != want.shape:
-            problems.append(f"{name}: {tuple(stacked.shape)} (config wants {tuple(want.shape)})")
-            continue
-        state[name] = stacked
-    return state, problems
-
-
-def split_expert_tensors(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One grouped parameter as the per-expert checkpoint keys transformers reads (and
-    the published checkpoints hold); other parameters unchanged."""
-    prefix, _, last = name.rpartition(".")
-    if not prefix.endswith("experts") or last not in GROUPED_NAMES or tensor.dim() != 3:
-        return {name: tensor}
-    out = {}
-    for expert, weight in enumerate(tensor):
-        if last == "down_proj":
-            out[f"{prefix}.{expert}.down_proj.weight"] = weight.contiguous()
-        else:
-            gate, up = weight.chunk(2, dim=0)
-            out[f"{prefix}.{expert}.gate_proj.weight"] = gate.contiguous()
-            out[f"{prefix}.{expert}.up_proj.weight"] = up.contiguous()
-    return out
-
-
-def per_expert_names(model: nn.Module) -> set[str]:
-    """The grouped parameters of ``model`` that checkpoints hold one tensor per expert
-    (:attr:`Experts.per_expert_checkpoint`): what :func:`join_expert_tensors` and
-    :func:`split_expert_tensors` convert."""
-    return {
-        f"{prefix}.{name}"
-        for prefix, module in model.named_modules()
-        if isinstance(module, Experts) and module.per_expert_checkpoint
-        for name in GROUPED_NAMES
-    }
 
 
 def is_moe(module: nn.Module) -> bool:

@@ -1,4 +1,6 @@
-"""RMSNorm with a hand-written backward that keeps one input and one float32 column.
+"""The stack's norms: :class:`RMSNorm` (Llama's) and :class:`ZeroCentredRMSNorm` (Gemma 3's
+and Qwen3.5's, ``1 + weight``), and RMSNorm's function with a hand-written backward
+that keeps one input and one float32 column.
 
     y = weight * (x / rms(x)).to(x.dtype),   rms(x) = sqrt(mean(x^2, -1) + eps)
 
@@ -23,6 +25,7 @@ formula in float64, float32 and bf16, tiled and untiled.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from usp.models.tiling import representative, tiles
 
@@ -116,3 +119,43 @@ def _backward_tile(g, x, r, weight, dx, dw) -> None:
     d_r = (gn * wide).sum(-1, keepdim=True)  # [tile, 1]
     d_mean = -0.5 * d_r * r.pow(3)
     dx.copy_((gn * r + (d_mean / x.shape[-1]) * (2 * wide)).to(x.dtype))
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight; normalised in float32 at least (float64 stays float64), then
+    cast back before the weight, as HF does for checkpoint fidelity in bf16. Its backward
+    keeps only ``x`` and one float32 value per token (:func:`rms_norm`). The weight starts
+    at 1."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    @torch.no_grad()
+    def init_weights(self, std: float, generator=None) -> None:
+        self.weight.fill_(1.0)
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), normalised and multiplied in float32 at least (float64
+    stays float64), then cast back (Gemma's order: the product is rounded once; ``1 +
+    weight`` formed in that width, not in the weight's dtype). The weight starts at 0
+    (the identity). Gemma 3's and Qwen3.5's (Qwen3-Next's) norm."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.to(wide.dtype))).to(x.dtype)
+
+    @torch.no_grad()
+    def init_weights(self, std: float, generator=None) -> None:
+        self.weight.zero_()

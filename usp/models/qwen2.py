@@ -1,10 +1,10 @@
-"""The Qwen2 / Qwen2.5 family: the shared decoder with a bias on the q, k and v
-projections (none on the output projection), as transformers' ``Qwen2Attention``.
+"""The Qwen2 / Qwen2.5 family: the stack with a bias on the q, k and v projections (none
+on the output projection), as transformers' ``Qwen2Attention``.
 
-Qwen2.5's sliding window (``use_sliding_window``, ``sliding_window``,
-``max_window_layers``, ``layer_types``) is off in the published checkpoints; where a
-config turns it on, documents longer than the window are refused (usp computes full
-causal attention: :meth:`usp.models.config.DecoderConfig.check_window`).
+Qwen's sliding window (:class:`QwenWindow`: ``use_sliding_window``, ``sliding_window``,
+``max_window_layers``, ``layer_types``; Qwen2, Qwen2.5, Qwen3) is off in the published
+checkpoints; where a config turns it on, its layers' windows are computed exactly by USP
+attention, at any length.
 """
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from usp.errors import ModelConfigError
+from usp.models.attention import AttentionOptions
 from usp.models.config import DecoderConfig
-from usp.models.decoder import Attention, CausalLM
+from usp.models.decoder import CausalLM
+from usp.models.layer_kinds import FULL, SLIDING, check_window
 
 #: transformers' defaults for a Qwen config.json's missing keys (Qwen2Config, Qwen3Config)
 QWEN_HF_DEFAULTS: dict[str, Any] = {
@@ -31,7 +34,7 @@ class QwenWindow:
     """Qwen's sliding-window settings (Qwen2, Qwen2.5, Qwen3), kept as config.json has
     them and read as transformers reads them: a window only with ``use_sliding_window``,
     on the layers ``layer_types`` marks ``sliding_attention`` (default: those from
-    ``max_window_layers`` on). A mixin of a family's config, before
+    ``max_window_layers`` on), computed exactly. A mixin of a family's config, before
     :class:`DecoderConfig` in its bases."""
 
     use_sliding_window: bool = False
@@ -41,18 +44,35 @@ class QwenWindow:
 
     def __post_init__(self) -> None:
         super().__post_init__()  # DecoderConfig's checks
-        if self.layer_types is not None:
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        check_window(self.sliding_window)
+        if self.layer_types is None:
+            return
+        types = tuple(self.layer_types)
+        object.__setattr__(self, "layer_types", types)
+        if len(types) != self.num_hidden_layers or not set(types) <= {FULL, SLIDING}:
+            raise ModelConfigError(
+                f"layer_types must name one of {FULL!r}, {SLIDING!r} for each of the "
+                f"{self.num_hidden_layers} layers, got {list(types)}"
+            )
 
     @property
-    def attention_window(self) -> int | None:
+    def layer_kinds(self) -> tuple[str, ...]:
+        layers = self.num_hidden_layers
         if not self.use_sliding_window or self.sliding_window is None:
-            return None
-        types = self.layer_types or [
-            "sliding_attention" if i >= self.max_window_layers else "full_attention"
-            for i in range(self.num_hidden_layers)
-        ]
-        return self.sliding_window if "sliding_attention" in types else None
+            return (FULL,) * layers
+        return self.layer_types or tuple(
+            SLIDING if i >= self.max_window_layers else FULL for i in range(layers)
+        )
+
+    def replace(self, **changes):
+        """A changed copy; another depth without ``layer_types`` keeps the kinds of the
+        layers that remain (and transformers' rule past them)."""
+        layers = changes.get("num_hidden_layers", self.num_hidden_layers)
+        if self.layer_types is not None and "layer_types" not in changes:
+            kept = self.layer_types[:layers]
+            rule = [SLIDING if i >= self.max_window_layers else FULL for i in range(layers)]
+            changes["layer_types"] = kept + tuple(rule[len(kept) :])
+        return super().replace(**changes)
 
 
 @dataclass(frozen=True)
@@ -97,15 +117,12 @@ PRESETS: dict[str, Qwen2Config] = {
 }
 
 
-class Qwen2Attention(Attention):
-    @staticmethod
-    def projection_bias(config) -> tuple[bool, bool]:
-        return True, False  # q, k, v carry a bias; the output projection does not
-
-
 class Qwen2(CausalLM):
     """A Qwen2 / Qwen2.5 causal LM (see :class:`usp.models.decoder.CausalLM`)."""
 
     config_class = Qwen2Config
     presets = PRESETS
-    attention_class = Qwen2Attention
+
+    @staticmethod
+    def attention_options(config) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=True)  # q, k, v carry a bias; o_proj does not

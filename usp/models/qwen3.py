@@ -1,16 +1,18 @@
-"""The Qwen3 family: the shared decoder with a per-head RMSNorm of q and k before RoPE
+"""The Qwen3 family: the stack with a per-head RMSNorm of q and k before RoPE
 (``q_norm``/``k_norm``, over ``head_dim``, which the config gives and which need not be
 ``hidden_size / heads``), as transformers' ``Qwen3Attention``; ``attention_bias`` on all
-four projections; tied embeddings at small sizes. The whole family is this file and its
-entry in :data:`usp.models.family.FAMILIES`."""
+four projections; tied embeddings at small sizes; Qwen's sliding window
+(:class:`usp.models.qwen2.QwenWindow`). The whole family is this file and its entry in
+:data:`usp.models.family.FAMILIES`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from usp.models.attention import AttentionOptions
 from usp.models.config import DecoderConfig
-from usp.models.decoder import Attention, CausalLM, RMSNorm
+from usp.models.decoder import CausalLM
 from usp.models.qwen2 import QWEN_HF_DEFAULTS, QwenWindow
 
 
@@ -59,20 +61,13 @@ PRESETS: dict[str, Qwen3Config] = {
 }
 
 
-class Qwen3Attention(Attention):
-    def __init__(self, config: Qwen3Config, plan):
-        super().__init__(config, plan)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # over each head's dims
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def project(self, x):
-        q, k, v = super().project(x)  # [B, S/P, H or Hkv, D]
-        return self.q_norm(q), self.k_norm(k), v
-
-
 class Qwen3(CausalLM):
     """A Qwen3 causal LM (see :class:`usp.models.decoder.CausalLM`)."""
 
     config_class = Qwen3Config
     presets = PRESETS
-    attention_class = Qwen3Attention
+
+    @staticmethod
+    def attention_options(config) -> AttentionOptions:
+        bias = config.attention_bias
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)

@@ -14,20 +14,14 @@ config has one) equal to ``moe_intermediate_size`` and does not write it back.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from usp.errors import ModelConfigError
-from usp.models.decoder import MLP
+from usp.models.config import check_integers, check_routing
+from usp.models.layer_kinds import FULL, LINEAR
+from usp.models.mlp import MLP
 from usp.models.moe import SparseMoE
-from usp.models.qwen3_5 import (
-    FULL,
-    LINEAR,
-    QWEN3_5_HF_DEFAULTS,
-    Qwen3_5,
-    Qwen3_5Config,
-)
+from usp.models.qwen3_5 import QWEN3_5_HF_DEFAULTS, Qwen3_5, Qwen3_5Config
 
 #: transformers' Qwen3_5MoeTextConfig defaults (5.24) for keys a config.json leaves out
 QWEN3_5_MOE_HF_DEFAULTS: dict[str, Any] = {
@@ -75,25 +69,15 @@ class Qwen3_5MoeConfig(Qwen3_5Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
-                     "num_experts_per_tok"):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.num_experts_per_tok > self.num_experts:
-            raise ModelConfigError(
-                f"num_experts_per_tok({self.num_experts_per_tok}) must be at most "
-                f"num_experts({self.num_experts})"
-            )
-        coef = self.router_aux_loss_coef
-        if not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
-            raise ModelConfigError(f"router_aux_loss_coef must be a number >= 0, got {coef!r}")
+        check_integers(self, dict.fromkeys(("moe_intermediate_size", "num_experts",
+            "shared_expert_intermediate_size", "num_experts_per_tok"), 1))  # fmt: skip
+        check_routing(self)
 
     @classmethod
     def from_hf_dict(cls, config: dict[str, Any], *, source: str = "config") -> Qwen3_5Config:
         if not cls.accepts(config):
             return super().from_hf_dict(config, source=source)  # its error
-        config = cls._text_config(config, source)
+        config = cls.text_dict(config, source)
         moe = config.get("moe_intermediate_size", cls.hf_defaults["moe_intermediate_size"])
         config.setdefault("intermediate_size", moe)  # (not an HF key here; see module doc)
         return super().from_hf_dict(config, source=source)

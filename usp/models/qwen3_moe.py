@@ -14,16 +14,17 @@ in-memory names (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_pro
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from usp.errors import ModelConfigError
-from usp.models.config import DecoderConfig, merge_alias
-from usp.models.decoder import MLP, CausalLM
+from usp.models.config import DecoderConfig, check_integers, check_routing, merge_alias
+from usp.models.decoder import CausalLM
+from usp.models.layer_kinds import FULL, SLIDING, check_window
+from usp.models.mlp import MLP
 from usp.models.moe import SparseMoE
 from usp.models.qwen2 import QWEN_HF_DEFAULTS
-from usp.models.qwen3 import Qwen3Attention
+from usp.models.qwen3 import Qwen3
 
 #: transformers' Qwen3MoeConfig defaults for keys a config.json leaves out
 QWEN3_MOE_HF_DEFAULTS: dict[str, Any] = {
@@ -70,20 +71,9 @@ class Qwen3MoeConfig(DecoderConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))
-        for name, minimum in (
-            ("moe_intermediate_size", 1),
-            ("num_experts", 0),
-            ("num_experts_per_tok", 1),
-            ("decoder_sparse_step", 1),
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ModelConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-        if self.num_experts and self.num_experts_per_tok > self.num_experts:
-            raise ModelConfigError(
-                f"num_experts_per_tok({self.num_experts_per_tok}) must be at most "
-                f"num_experts({self.num_experts})"
-            )
+        check_integers(self, {"moe_intermediate_size": 1, "num_experts": 0,
+                              "num_experts_per_tok": 1, "decoder_sparse_step": 1})  # fmt: skip
+        check_routing(self)
         # (indices past the last layer are allowed, as transformers allows them: a
         # shallower copy of a config, e.g. the planner's, keeps its list)
         bad = [
@@ -96,15 +86,14 @@ class Qwen3MoeConfig(DecoderConfig):
                 f"mlp_only_layers must hold layer indices (integers >= 0), got "
                 f"{list(self.mlp_only_layers)}"
             )
-        coef = self.router_aux_loss_coef
-        if not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
-            raise ModelConfigError(f"router_aux_loss_coef must be a number >= 0, got {coef!r}")
+        check_window(self.sliding_window)
 
     @property
-    def attention_window(self) -> int | None:
+    def layer_kinds(self) -> tuple[str, ...]:
         """transformers' Qwen3-MoE applies ``sliding_window`` to every layer when
-        ``use_sliding_window`` is set (documents within it are exact here)."""
-        return self.sliding_window if self.use_sliding_window else None
+        ``use_sliding_window`` is set."""
+        sliding = self.use_sliding_window and self.sliding_window is not None
+        return (SLIDING if sliding else FULL,) * self.num_hidden_layers
 
     def is_sparse(self, index: int) -> bool:
         """Whether layer ``index`` has experts (transformers' rule)."""
@@ -192,11 +181,12 @@ PRESETS: dict[str, Qwen3MoeConfig] = {
 
 
 class Qwen3Moe(CausalLM):
-    """A Qwen3-MoE causal LM (see :class:`usp.models.decoder.CausalLM`)."""
+    """A Qwen3-MoE causal LM: Qwen3's attention, experts on the sparse layers (see
+    :class:`usp.models.decoder.CausalLM`)."""
 
     config_class = Qwen3MoeConfig
     presets = PRESETS
-    attention_class = Qwen3Attention
+    attention_options = staticmethod(Qwen3.attention_options)
 
     @staticmethod
     def make_mlp(config: Qwen3MoeConfig, index: int):

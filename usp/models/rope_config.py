@@ -1,5 +1,7 @@
 """RoPE settings of an HF ``config.json``, read and checked: the one home of which RoPE
-variants exist, which keys each takes and which config fields are position settings.
+variants exist, which keys each takes and which config fields are position settings;
+:class:`RopeSettings`, the rotation one layer's attention uses (what
+:mod:`usp.models.rope` computes from).
 
 Both HF formats are read: transformers 4.x ``rope_theta`` + ``rope_scaling``, 5.x
 ``rope_parameters``. Every key is known and every value checked: an unknown key would
@@ -8,6 +10,7 @@ be an input silently dropped.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from usp.errors import ModelConfigError
@@ -35,6 +38,20 @@ POSITION_FIELDS = ("rope_theta", "rope_scaling", "max_position_embeddings")
 #: transformers' ``default_theta`` (every family here): the theta of a config.json
 #: that names none
 HF_DEFAULT_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class RopeSettings:
+    """The rotation a layer's attention applies, under the names :mod:`usp.models.rope`
+    reads from a config: ``attention_head_dim`` rotated dims (fewer than the head's: a
+    partial RoPE, the rest pass through), ``rope_theta`` and ``rope_scaling`` (None:
+    plain RoPE; else normalised, :func:`normalise_rope_scaling`). Families with RoPE per
+    layer type (Gemma 3's sliding layers) or on part of each head (Qwen3.5) give their
+    own per layer (``DecoderConfig.layer_rope``)."""
+
+    attention_head_dim: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = None
 
 
 def rope_from_hf(config: dict[str, Any], source: str) -> tuple[float, dict | None]:

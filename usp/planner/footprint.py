@@ -191,9 +191,9 @@ def scaling_runs(model) -> tuple[int | tuple[str, ...] | None, ...]:
 
 
 def layer_kinds(model) -> tuple[str, ...]:
-    """Each decoder layer's kind (the config's ``layer_types``; empty for a model
-    without: every layer alike)."""
-    return tuple(getattr(model, "layer_types", None) or ())
+    """Each decoder layer's kind (the config's ``layer_kinds``: full, sliding or linear
+    attention)."""
+    return tuple(model.layer_kinds)
 
 
 def from_runs(model, runs: list[Footprint]) -> Footprint:

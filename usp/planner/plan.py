@@ -189,7 +189,7 @@ def plan(
             f"{counts.active / 1e9:.2f}B one token uses. Fake tensors cannot know the "
             "routing: the experts are measured under the most uneven one (every token on "
             "the same top_k experts) with every expert's weight gradient held, never below "
-            "any routing (usp.models.moe_planning); experts are not tiled by mlp_tile_tokens"
+            "any routing (usp.models.moe_planning); mlp_tile_tokens tiles their routed rows"
         )
     mix = None
     if lengths is not None and ranked and ranked[0].fits:

@@ -140,8 +140,8 @@ def lever_options(model, grid: tuple[int, int, int], ranks_per_node: int) -> lis
 
 
 def tiles_mlp(config) -> bool:
-    """Whether the model's MLPs take ``mlp_tile_tokens`` (SwiGLU; not Gemma's GeGLU):
-    asked of one layer built on the meta device."""
+    """Whether the model's MLPs take ``mlp_tile_tokens`` (every usp family's: SwiGLU,
+    GeGLU, experts): asked of one layer built on the meta device."""
     with torch.device("meta"):
         model = family_of(config).build(config.replace(num_hidden_layers=1))
     try:

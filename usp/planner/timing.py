@@ -100,7 +100,7 @@ def step_time(target: Target, choice: Choice, cluster, sent: dict[str, int]) -> 
     rows = job.gradient_accumulation(choice.dp)
     sp = choice.sp
     gemm = 6 * counts.matmul * row * rows / sp
-    attention = counts.attention_flops(row * row) * rows / sp
+    attention = counts.attention_flops(counts.attention_square([row])) * rows / sp
     if choice.levers.activation_checkpointing:
         gemm, attention = gemm * 4 / 3, attention * 4 / 3
     if choice.levers.mlp_tile_tokens:

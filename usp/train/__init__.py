@@ -1,4 +1,5 @@
-"""``usp train``: fine-tune decoder models (Llama, Qwen2/2.5, Qwen3, Mistral) under USP (FSDP2 over dp x sp).
+"""``usp train``: fine-tune decoder models (usp's nine families: :mod:`usp.models`; HF
+models through the plug-in) under USP (FSDP2 over dp x sp).
 
 Parts: :mod:`~usp.train.config` (TOML), :mod:`~usp.train.data` (documents, packing,
 batches), :mod:`~usp.train.schedule`, :mod:`~usp.train.parallelize` (FSDP2),

@@ -261,7 +261,7 @@ def check_compile(job: TrainJobConfig, source: ModelSource, plan) -> None:
             "yet (its attention runs eagerly: a split part and a whole-documents part per "
             'rank); set compile = false, or token_placement = "sequence"'
         )
-    refusal = family.compile_refusal(plan) if job.train.compile else None
+    refusal = family.compile_refusal(plan, source.config) if job.train.compile else None
     if refusal is not None:
         raise job.error(
             f"[train] compile = true does not support {family.name} models here yet: "
