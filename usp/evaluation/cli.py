@@ -141,8 +141,8 @@ def run(args: argparse.Namespace) -> int:
         raise
     except Exception as err:  # noqa: BLE001 - report, then exit with a status
         synchronised = isinstance(err, user_errors)
+        prefix = f"usp eval [rank {os.environ.get('RANK', 0)}]: error: "
         if not synchronised or int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            prefix = f"usp eval [rank {os.environ.get('RANK', 0)}]: error: "
             text = str(err) if synchronised else "".join(traceback.format_exception(err))
             if isinstance(err, GridSizeError):
                 text = err.with_fixes("torchrun --nproc-per-node {ranks} -m usp eval ...")
