@@ -186,3 +186,25 @@ def test_usp_train_records_that_its_run_finished(tmp_path, monkeypatch):
     assert (
         record.message == "usp train [rank 0]: the run finished (steps 1-1; checkpoint step_000001)"
     )
+
+
+def test_eval_workers_get_every_flag_but_the_launchers():
+    """``usp eval ... --nproc-per-node N``: flags of several values (``--data``) and the
+    comma lists a flag's type turns into tuples (``--lengths``, ``--depths``) reach the
+    workers as the user gave them."""
+    parser = build_parser()
+    argv = [
+        "eval", "runs/x", "--config", "job.toml", "--data", "a.jsonl", "b c.jsonl",
+        "--lengths", "256,1024", "--passkey", "--depths", "0,0.5,1", "--trials", "3",
+        "--seed", "7", "--dtype", "float32", "--ulysses", "2", "--ring", "auto",
+        "--nproc-per-node", "4", "--master-port", "29512",
+    ]  # fmt: skip
+    args = parser.parse_args(argv)
+    (command,) = [a for a in parser._subparsers._actions if a.dest == "command"]
+    rebuilt = parser.parse_args(["eval", *worker_argv(command.choices["eval"], args)])
+    for key, value in vars(args).items():
+        if key in LAUNCH_DESTS:
+            assert getattr(rebuilt, key) is None, key
+        elif key != "run":
+            assert getattr(rebuilt, key) == value, key
+    assert rebuilt.data == ["a.jsonl", "b c.jsonl"] and rebuilt.lengths == (256, 1024)
