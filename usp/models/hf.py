@@ -144,13 +144,7 @@ def register(plan, *, name: str = "usp", model=None, **attention_options) -> str
         check.accept(model)
     seen = PaddingSeen()
     multimodal = MultimodalChecks(plan, name)  # encoders, multimodal positions, overlays
-
-    def check_model_of(config):
-        if not is_encoder_config(config):  # an encoder's masks: over its own patches
-            check(config)
-
-    mask_function = padding_mask_function(plan, name, seen, check_model_of)
-    mask_function.usp_check = check  # what models built with the name meet (hf_watch)
+    mask_function = padding_mask_function(plan, name, seen, check)
     AttentionMaskInterface.register(name, multimodal.wrap_mask_function(mask_function))
     attention = _attention_function(plan, name, seen, check, multimodal)
     attention.usp_plan, attention.usp_multimodal = plan, multimodal  # shard_multimodal's

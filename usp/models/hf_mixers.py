@@ -289,8 +289,8 @@ class MixerCheck:
         self.watch(model)
 
     def problem(self, config) -> str | None:
-        if self.plan.sp_degree == 1 or config is None:
-            return None
+        if self.plan.sp_degree == 1 or config is None or is_encoder_config(config):
+            return None  # an encoder's calls: over its own patches (hf_multimodal_checks)
         known = self._verdicts.get(id(config))
         if known is not None and known[0] is config:
             return known[1]

@@ -204,14 +204,14 @@ class PaddingSeen:
             raise HFInputError(message)
 
 
-def padding_mask_function(plan, name: str, seen: PaddingSeen, check_model_of=None):
+def padding_mask_function(plan, name: str, seen: PaddingSeen, check_model=None):
     """The mask function registered with attention ``name``: checks the 2-D padding mask
     (once per forward) and returns None, so the layers get no mask. Under SP the ranks
     agree on the verdict, so a refusal is raised on every rank. A mask built with
     transformers' bidirectional mask function counts as non-causal whatever the config.
     A chunked or bidirectional sliding-window mask whose window is shorter than the
     sequence is refused (a causal sliding window is computed by the attention call)
-    (:func:`window_problem`). ``check_model_of(config)``, when given, first checks the model
+    (:func:`window_problem`). ``check_model(config)``, when given, first checks the model
     behind the config (:class:`usp.models.hf_mixers.MixerCheck`)."""
     from transformers.masking_utils import bidirectional_mask_function
 
@@ -223,8 +223,8 @@ def padding_mask_function(plan, name: str, seen: PaddingSeen, check_model_of=Non
             raise
 
     def checked_mask(*args, attention_mask=None, config=None, mask_function=None, **kwargs):
-        if check_model_of is not None:
-            check_model_of(config)
+        if check_model is not None:
+            check_model(config)
         problem = None
         seen.padded = False
         local_size = kwargs.get("local_size")
@@ -264,7 +264,7 @@ def padding_mask_function(plan, name: str, seen: PaddingSeen, check_model_of=Non
         return None
 
     usp_padding_mask.usp_mask_for = name  # marks it as usp's (register may replace it)
-    usp_padding_mask.usp_check = check_model_of  # what models built with the name meet
+    usp_padding_mask.usp_check = check_model  # what models built with the name meet
     return usp_padding_mask
 
 
