@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from kda_cases import kda_inputs, reference_kda
+from mixer_grid import bytes_sent, grid_failures
 from reference import relative_error
 from refusal_cases import assert_same_refusals, refusal_messages
 from usp_cases import topology
@@ -102,11 +103,7 @@ def run_kda_case(ulysses, ring, layout, packed, seed):
         key_dim=DK, value_dim=DV, kernel=KERNEL, layout=layout, documents=docs, item_bytes=8,
         gate_bytes=8, state_bytes=8,
     )  # fmt: skip
-    sent = {
-        direction: {kind: counts.get("sent", 0) for kind, counts in measured.items() if counts}
-        for direction, measured in (("forward", forward), ("backward", backward))
-    }
-    formula = {d: {kind: c["sent"] for kind, c in kinds.items()} for d, kinds in planned.items()}
+    sent, formula = bytes_sent(forward, backward, planned)
     return errors, sent, formula
 
 
@@ -115,17 +112,7 @@ GRIDS = [(1, 4), (2, 2), (4, 1)]
 
 @pytest.mark.parametrize("grid", GRIDS, ids=[f"u{u}r{r}" for u, r in GRIDS])
 def test_kda_usp_matches_one_process(distributed, grid):
-    failures = []
-    cases = [("zigzag", False), ("contiguous", True), ("zigzag", True)]
-    for seed, case in enumerate(cases):
-        results = distributed.run(run_kda_case, *grid, *case, seed, world_size=4,
-                                  timeout=TIMEOUT)  # fmt: skip
-        for rank, (errors, sent, formula) in enumerate(results):
-            failures += [f"{grid} {case} r{rank} {n}: {e:.3g}" for n, e in errors.items()
-                         if not e < 1e-10]  # fmt: skip
-            measured = {d: {k: n for k, n in kinds.items() if n} for d, kinds in sent.items()}
-            if measured != formula:
-                failures.append(f"{grid} {case} r{rank} bytes {measured} != formula {formula}")
+    failures = grid_failures(distributed, run_kda_case, grid, 1e-10, TIMEOUT)
     assert not failures, "\n".join(failures)
 
 

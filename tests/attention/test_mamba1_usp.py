@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from mamba_cases import mamba1_inputs, reference_mamba1
+from mixer_grid import bytes_sent, grid_failures
 from reference import relative_error
 from refusal_cases import assert_same_refusals, refusal_messages
 from usp_cases import topology
@@ -94,9 +95,7 @@ def run_mamba1_case(ulysses, ring, layout, packed, seed):
         batch=batch, seqlen=seq_len, ulysses=ulysses, ring=ring, channels=CHANNELS,
         state_size=STATE, layout=layout, documents=docs, item_bytes=8, state_bytes=8,
     )  # fmt: skip
-    sent = {dn: {k: v.get("sent", 0) for k, v in measured.items() if v.get("sent", 0)}
-            for dn, measured in (("forward", forward), ("backward", backward))}  # fmt: skip
-    formula = {dn: {k: v["sent"] for k, v in kinds.items()} for dn, kinds in planned.items()}
+    sent, formula = bytes_sent(forward, backward, planned)
     return errors, sent, formula
 
 
@@ -105,16 +104,7 @@ GRIDS = [(1, 4), (2, 2), (4, 1)]
 
 @pytest.mark.parametrize("grid", GRIDS, ids=[f"u{u}r{r}" for u, r in GRIDS])
 def test_mamba1_usp_matches_one_process(distributed, grid):
-    failures = []
-    cases = [("zigzag", False), ("contiguous", True), ("zigzag", True)]
-    for seed, case in enumerate(cases):
-        results = distributed.run(run_mamba1_case, *grid, *case, seed, world_size=4,
-                                  timeout=TIMEOUT)  # fmt: skip
-        for rank, (errors, sent, formula) in enumerate(results):
-            failures += [f"{grid} {case} r{rank} {n}: {e:.3g}" for n, e in errors.items()
-                         if not e < 1e-10]  # fmt: skip
-            if sent != formula:
-                failures.append(f"{grid} {case} r{rank} bytes {sent} != formula {formula}")
+    failures = grid_failures(distributed, run_mamba1_case, grid, 1e-10, TIMEOUT)
     assert not failures, "\n".join(failures)
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from mixer_grid import bytes_sent, grid_failures
 from reference import relative_error
 from refusal_cases import assert_same_refusals, refusal_messages
 from usp_cases import topology
@@ -102,9 +103,7 @@ def run_conv_case(ulysses, ring, layout, packed, seed):
         batch=batch, seqlen=seq_len, ulysses=ulysses, ring=ring, channels=CHANNELS,
         kernel=KERNEL, layout=layout, documents=docs, item_bytes=8, state_bytes=8,
     )  # fmt: skip
-    sent = {d: {k: c.get("sent", 0) for k, c in measured.items() if c.get("sent", 0)}
-            for d, measured in (("forward", forward), ("backward", backward))}  # fmt: skip
-    formula = {d: {k: c["sent"] for k, c in kinds.items()} for d, kinds in planned.items()}
+    sent, formula = bytes_sent(forward, backward, planned)
     return errors, sent, formula
 
 
@@ -113,16 +112,7 @@ GRIDS = [(1, 4), (2, 2), (4, 1)]
 
 @pytest.mark.parametrize("grid", GRIDS, ids=[f"u{u}r{r}" for u, r in GRIDS])
 def test_short_conv_usp_matches_one_process(distributed, grid):
-    failures = []
-    cases = [("zigzag", False), ("contiguous", True), ("zigzag", True)]
-    for seed, case in enumerate(cases):
-        results = distributed.run(run_conv_case, *grid, *case, seed, world_size=4,
-                                  timeout=TIMEOUT)  # fmt: skip
-        for rank, (errors, sent, formula) in enumerate(results):
-            failures += [f"{grid} {case} r{rank} {n}: {e:.3g}" for n, e in errors.items()
-                         if not e < 1e-12]  # fmt: skip
-            if sent != formula:
-                failures.append(f"{grid} {case} r{rank} bytes {sent} != formula {formula}")
+    failures = grid_failures(distributed, run_conv_case, grid, 1e-12, TIMEOUT)
     assert not failures, "\n".join(failures)
 
 
