@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
                 text = err.with_fixes("torchrun --nproc-per-node {ranks} -m usp eval ...")
             print(prefix + text, file=sys.stderr, flush=True)
         status = EXIT_USER if synchronised else EXIT_INTERNAL
-        write_error_file(prefix + " ".join(str(err).split("\n")), status)
+        write_error_file(prefix + str(err), status)
         return status
     finally:
         if synchronised:

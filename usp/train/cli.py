@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
             status = (
                 EXIT_STATUS["user"] if isinstance(err, user_errors) else EXIT_STATUS["internal"]
             )
-        write_error_file(prefix + " ".join(what.split("\n")), status)
+        write_error_file(prefix + what, status)
         return status
     finally:
         if synchronised:

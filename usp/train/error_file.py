@@ -27,11 +27,13 @@ _KEY = "usp"  # usp's own block next to torchelastic's "message"
 
 
 def write_error_file(message: str, status: int) -> None:
-    """Record ``message`` (one line) and the exit status for the launcher; best effort
-    (a file that cannot be written must not hide the error itself)."""
+    """Record ``message`` and the exit status for the launcher, as one line (the line
+    breaks of a multi-line message become spaces: the launcher prints it last); best
+    effort (a file that cannot be written must not hide the error itself)."""
     path = os.environ.get(ENV)
     if not path:
         return
+    message = " ".join(message.split("\n"))
     now = time.time()
     data = {
         "message": {
