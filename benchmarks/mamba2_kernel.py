@@ -14,13 +14,13 @@ wire), against the same block computed alone; and the bytes that rank would send
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
+if __package__ in (None, ""):  # run as `python benchmarks/x.py`: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def _timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
+from benchmarks.interleaved import best_interleaved, ring_pass_cost  # noqa: E402
 
 
 def _inputs(args, seq_len, conv_width):
@@ -81,10 +81,7 @@ def main(argv=None) -> dict:
 
     variants = {"usp": lambda: run(usp_scan), "transformers": lambda: run(transformers_scan)}
     difference = (variants["usp"]() - variants["transformers"]()).abs().max().item()
-    best = dict.fromkeys(variants, float("inf"))
-    for _ in range(args.repeats):  # interleaved
-        for name, fn in variants.items():
-            best[name] = min(best[name], _timed(fn))
+    best = best_interleaved(variants, args.repeats)
     row = {**vars(args), **{f"{n}_s": t for n, t in best.items()}}
     row["ratio_usp_over_transformers"] = best["usp"] / best["transformers"]
     row["max_abs_difference"] = difference
@@ -104,9 +101,7 @@ def ring_cost(args) -> dict:
     (fake group) against the same tokens alone."""
     import torch
 
-    import usp
     from usp.linear import mamba2_usp
-    from usp.process_groups.fake import fake_world
 
     torch.set_num_threads(args.threads)
     r = args.ring_degree
@@ -121,19 +116,7 @@ def ring_cost(args) -> dict:
         if not args.no_backward:
             out.backward(dout)
 
-    with fake_world(r, 1, torch.device("cpu")):
-        topo = usp.build_topology(1, r)
-        try:
-            plan = usp.Plan(topo, layout="zigzag")
-            best = {"ring": float("inf"), "alone": float("inf")}
-            for _ in range(args.repeats):  # interleaved
-                best["ring"] = min(best["ring"], _timed(lambda: run(plan)))
-                best["alone"] = min(best["alone"], _timed(lambda: run(None)))
-            topo.comm_stats.reset()
-            run(plan)
-            sent = topo.comm_stats.total_sent
-        finally:
-            topo.destroy()
+    best, sent = ring_pass_cost(run, r, args.repeats)
     row = {**vars(args), "ring_s": best["ring"], "alone_s": best["alone"], "bytes_sent": sent}
     row["added_fraction"] = best["ring"] / best["alone"] - 1
     print(
