@@ -99,3 +99,34 @@ def build(model_type: str, settings: dict, *, seed: int = 0, **changes):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config(model_type, settings, **changes))
     return model.float().eval()
+
+
+def reference_by_document(model_type: str, settings: dict, ids, dlogits, bounds):
+    """transformers' own model (:func:`build`) on each document of ``bounds`` alone, its
+    logits concatenated and ``(logits * dlogits).sum()`` backpropagated: (the model, the
+    logits, every parameter's gradient by name)."""
+    model = build(model_type, settings)
+    logits = torch.cat(
+        [model(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(bounds, bounds[1:])],
+        dim=1,
+    )  # one document at a time
+    (logits * dlogits).sum().backward()
+    return model, logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def swap_batch(plan, layout: str, packed: bool, seed: int, lowest_id: int):
+    """The swap tests' global batch: (cu_seqlens or None, ids [1, S], dlogits [1, S, 64]);
+    packed: three documents of 7, 13 and 3 tokens, padded for ``plan``'s grid; dense: 16
+    tokens. Token ids from ``lowest_id`` to 63."""
+    import usp
+
+    gen = torch.Generator().manual_seed(seed)
+    if packed:
+        raw = torch.tensor([0, 7, 20, 23], dtype=torch.int32)
+        cu = usp.pad_documents(raw, plan.topology, layout=layout).cu_seqlens
+        seq = int(cu[-1])
+    else:
+        cu, seq = None, 16
+    ids = torch.randint(lowest_id, 64, (1, seq), generator=gen)
+    dlogits = torch.randn(1, seq, 64, generator=gen)
+    return cu, ids, dlogits

@@ -12,9 +12,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 import torch.distributed as dist
-from hybrid_cases import HYBRID, build
+from hybrid_cases import HYBRID, build, reference_by_document, swap_batch
 from reference import relative_error
 from usp_cases import topology
 
@@ -42,34 +41,21 @@ def _settings(model_type, extra):
     return {**HYBRID[model_type], **extra}
 
 
-def _reference(model_type, extra, ids, dlogits, bounds):
-    model = build(model_type, _settings(model_type, extra))
-    logits = torch.cat(
-        [model(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(bounds, bounds[1:])],
-        dim=1,
-    )  # one document at a time
-    (logits * dlogits).sum().backward()
-    return model, logits.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
 def run_mamba2_models(ulysses, ring, layout, packed, models):
     plan = usp.Plan(topology(ulysses, ring), layout=layout)
     name = usp_hf.register(plan, name=f"usp_mamba2_{ulysses}{ring}{layout}{int(packed)}")
-    gen = torch.Generator().manual_seed(5)
-    if packed:
-        raw = torch.tensor([0, 7, 20, 23], dtype=torch.int32)
-        cu = usp.pad_documents(raw, plan.topology, layout=layout).cu_seqlens
-        seq = int(cu[-1])
-    else:
-        cu, seq = None, 16
-    ids = torch.randint(0, 64, (1, seq), generator=gen)
-    dlogits = torch.randn(1, seq, 64, generator=gen)
+    cu, ids, dlogits = swap_batch(plan, layout, packed, seed=5, lowest_id=0)
+    seq = ids.shape[1]
     results = {}
     for model_type, extra in models:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            reference, expected, expected_grads = _reference(
-                model_type, extra, ids, dlogits, cu.tolist() if packed else [0, seq]
+            reference, expected, expected_grads = reference_by_document(
+                model_type,
+                _settings(model_type, extra),
+                ids,
+                dlogits,
+                cu.tolist() if packed else [0, seq],
             )
             model = build(model_type, _settings(model_type, extra), attn_implementation=name)
             model.load_state_dict(reference.state_dict())

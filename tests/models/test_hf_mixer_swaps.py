@@ -13,9 +13,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 import torch.distributed as dist
-from hybrid_cases import HYBRID, build
+from hybrid_cases import HYBRID, build, reference_by_document, swap_batch
 from reference import relative_error
 from usp_cases import topology
 
@@ -43,28 +42,10 @@ MODELS = [
 NOT_PACKED = {"jamba": "JambaMambaDecoderLayer (model.layers.0) was called with packed documents"}
 
 
-def _reference(model_type, settings, ids, dlogits, bounds):
-    model = build(model_type, settings)
-    logits = torch.cat(
-        [model(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(bounds, bounds[1:])],
-        dim=1,
-    )  # one document at a time
-    (logits * dlogits).sum().backward()
-    return model, logits.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
 def run_swapped_models(ulysses, ring, layout, packed, models):
     plan = usp.Plan(topology(ulysses, ring), layout=layout)
     name = usp_hf.register(plan, name=f"usp_swaps_{ulysses}{ring}{layout}{int(packed)}")
-    gen = torch.Generator().manual_seed(6)
-    if packed:
-        raw = torch.tensor([0, 7, 20, 23], dtype=torch.int32)
-        cu = usp.pad_documents(raw, plan.topology, layout=layout).cu_seqlens
-        seq = int(cu[-1])
-    else:
-        cu, seq = None, 16
-    ids = torch.randint(1, 64, (1, seq), generator=gen)
-    dlogits = torch.randn(1, seq, 64, generator=gen)
+    cu, ids, dlogits = swap_batch(plan, layout, packed, seed=6, lowest_id=1)
     results = {}
     for model_type, settings in models:
         if packed and model_type in NOT_PACKED:  # refused packed; its dense case on this grid
@@ -83,7 +64,7 @@ def _compare(plan, name, model_type, settings, ids, dlogits, cu):
     seq = ids.shape[1]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        reference, expected, expected_grads = _reference(
+        reference, expected, expected_grads = reference_by_document(
             model_type, settings, ids, dlogits, [0, seq] if cu is None else cu.tolist()
         )
         model = build(model_type, settings, attn_implementation=name)
