@@ -114,6 +114,7 @@ class GraniteHybridConfig(LayerTypes, DecoderConfig):
         if self.mamba_d_head == "auto" and isinstance(heads, int) and heads > 0:
             object.__setattr__(self, "mamba_d_head", self.mamba_expand * self.hidden_size // heads)
         super().__post_init__()
+        object.__setattr__(self, "head_dim", self.attention_head_dim)  # (as written back)
         check_integers(self, {**dict.fromkeys(MAMBA_FIELDS, 1), "mamba_d_head": 1,
                               "shared_intermediate_size": 1})  # fmt: skip
         check_numbers(self, MUP_FIELDS, positive=True)
@@ -214,6 +215,9 @@ class GraniteHybrid(CausalLM):
     config_class = GraniteHybridConfig
     presets = PRESETS
     blueprint = Blueprint(mup_multipliers=True, mlp_attribute="shared_mlp")
+    #: LoRA's default targets (usp.models.lora.default_targets): attention and the MLP
+    lora_default_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "input_linear",
+                            "output_linear")  # fmt: skip
     compile_refusal = (
         "its Mamba-2 layers run eagerly only (usp.linear.mamba2_usp is refused under "
         "torch.compile); set [train] compile = false"
