@@ -202,3 +202,53 @@ def test_lora_default_targets_and_mlp_tiles(checkpoints):
     assert len(plain_grads) == 2 * (4 + 2 + 2 + 2)  # A and B: 4 attention, 3 MLPs x 2
     assert relative_error(tiled, plain) <= 1e-12
     assert max(grad_errors(tiled_grads, plain_grads).values()) <= 1e-12
+
+
+def test_lora_matches_peft_and_its_export_loads(checkpoints, tmp_path):
+    """usp's LoRA on attention, the fused MLP and the Mamba-2 input projection against
+    PEFT's on transformers' float64 model with the same adapters (copied: usp's layers
+    hold the mixer before the MLP, transformers' the MLP first, so the two module orders
+    draw A differently): logits, loss and every adapter's gradient at 1e-12; the PEFT
+    adapter usp exports, loaded by PeftModel.from_pretrained, gives usp's logits."""
+    pytest.importorskip("peft", reason="the reference is PEFT's LoRA")
+    from lora_cases import adapter_grads, peft_model, usp_name
+    from peft import PeftModel
+
+    from usp.models.lora_export import save_peft_adapter
+
+    ckpt = checkpoints["rope"]
+    settings = dict(rank=4, alpha=10.0, targets=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                 "input_linear", "output_linear", "in_proj"])  # fmt: skip
+    ids = global_batch(2, 24, seed=41)
+    labels = sft_labels(ids, [4])
+    model = usp.models.from_pretrained(ckpt, dtype=torch.float64, backend="math")
+    apply_lora(model, Lora(**settings), seed=7)
+    reference, _ = peft_model(ckpt, **settings, seed=7, load=load_reference)
+    ours = dict(model.named_parameters())
+    generator = torch.Generator().manual_seed(17)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "lora_" in name:
+                mine = ours[usp_name(name)]
+                if name.endswith("lora_B.default.weight"):
+                    mine.copy_(0.2 * torch.randn(mine.shape, generator=generator, dtype=mine.dtype))
+                p.copy_(mine)
+    reference.train()
+    logits = reference(input_ids=ids, use_cache=False).logits
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    want.backward()
+    loss = model(ids, labels=labels)
+    loss.backward()
+    with torch.no_grad():
+        assert relative_error(model(ids), logits) <= 1e-12
+    assert abs(loss.item() - want.item()) <= 1e-12 * want.item()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    want_grads = adapter_grads(reference)
+    assert grads.keys() == want_grads.keys() and len(grads) == 2 * (4 + 3 * 2 + 2)
+    assert max(relative_error(grads[n], want_grads[n]) for n in grads) <= 1e-12
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    out = save_peft_adapter(tmp_path / "adapter", state, model.usp_lora, base_model=ckpt)
+    loaded = PeftModel.from_pretrained(load_reference(ckpt), out)
+    with torch.no_grad():
+        expected = model.eval()(ids)
+        assert relative_error(loaded(input_ids=ids, use_cache=False).logits, expected) <= 1e-12
