@@ -104,7 +104,7 @@ def test_config_reads_as_transformers_reads_it(checkpoints):
         ({"position_embedding_type": "alibi"}, r"position_embedding_type='alibi' .* 'nope'"),
         ({"layer_types": ["mamba", "sliding_attention", "mamba"]}, r"layer_types must name one"),
         ({"mamba_d_head": 8}, r"mamba_n_heads\(4\) x mamba_d_head\(8\) must equal"),
-        ({"mamba_n_groups": 3}, r"multiple of mamba_n_groups\(3\)"),
+        ({"mamba_n_groups": 3}, r"a multiple of mamba_n_groups\(3\)"),
         ({"logits_scaling": 0}, r"logits_scaling must be a number > 0"),
         ({"time_step_limit": [1.0, 0.5]}, r"time_step_limit must be \[low, high\]"),
     ],

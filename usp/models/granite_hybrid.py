@@ -8,12 +8,10 @@ shared SwiGLU MLP (``shared_mlp``: ``input_linear`` holds gate and up); the muP
 multipliers: the embedding times ``embedding_multiplier``, each sub-block's output times
 ``residual_multiplier`` before the residual, the logits divided by ``logits_scaling``.
 
-``layer_types`` is read in either form (``mamba`` / ``attention``, transformers 5's
-``linear_attention`` / ``full_attention``, or the ``layers_block_type`` alias) and written
-in transformers 5's. Refused by name: the mixture-of-experts form (``num_local_experts`` >
-0: Granite-4.0-H-Tiny and H-Small), another activation, ``attention_dropout``, another
-``position_embedding_type``.
-"""
+``layer_types`` is read in either naming (``mamba`` / ``attention``, transformers 5's
+``linear_attention`` / ``full_attention``; ``layers_block_type``), written in 5's. Refused
+by name: the MoE form (``num_local_experts`` > 0: H-Tiny, H-Small), another activation,
+``attention_dropout``, another ``position_embedding_type``."""
 
 from __future__ import annotations
 
@@ -24,8 +22,16 @@ from typing import Any, ClassVar
 from torch import nn
 
 from usp.errors import ModelConfigError
+from usp.models import mamba2
 from usp.models.attention import AttentionOptions
-from usp.models.config import DecoderConfig, check_integers, check_numbers, merge_alias
+from usp.models.config import (
+    DecoderConfig,
+    check_integers,
+    check_numbers,
+    hf_float,
+    merge_alias,
+    read_hf_float,
+)  # fmt: skip
 from usp.models.decoder import CausalLM
 from usp.models.layer_kinds import FULL, LINEAR, MAMBA, LayerTypes
 from usp.models.mlp import FusedGatedMLP
@@ -35,33 +41,16 @@ from usp.models.rope_config import RopeSettings
 #: layer_types as config.json files write them -> usp's kinds (and back, transformers 5's)
 KIND_OF = {"mamba": MAMBA, LINEAR: MAMBA, "attention": FULL, FULL: FULL}
 WRITTEN = {MAMBA: LINEAR, FULL: FULL}
-MAMBA_FIELDS = ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_conv",
-                "mamba_expand")  # fmt: skip
 MUP_FIELDS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
               "logits_scaling")  # fmt: skip
 POSITION_TYPES = (None, "nope", "rope")
-#: how transformers writes a non-finite float in a config.json (``{"__float__": "Infinity"}``)
-FLOAT_TAG = "__float__"
-
-
-def _read_float(value):
-    """A config.json number, transformers' tagged non-finite floats included."""
-    if isinstance(value, dict) and set(value) == {FLOAT_TAG}:
-        tag = value[FLOAT_TAG]
-        return float(tag) if tag in ("Infinity", "-Infinity", "NaN") else value
-    return value
-
-
-def _written_float(value: float):
-    return value if math.isfinite(value) else {FLOAT_TAG: str(value).replace("inf", "Infinity")}
 
 
 @dataclass(frozen=True)
 class GraniteHybridConfig(LayerTypes, DecoderConfig):
     """Granite 4 hybrid hyper-parameters (HF ``config.json`` names; the defaults are
     transformers' ``GraniteMoeHybridConfig``'s but ``num_local_experts``, 0 here).
-    ``mamba_d_head="auto"``: ``mamba_expand * hidden_size // mamba_n_heads``.
-    ``layer_types=None``: every layer Mamba-2 (transformers' default)."""
+    ``mamba_d_head="auto"``: ``mamba_expand * hidden_size // mamba_n_heads``."""
 
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -93,13 +82,12 @@ class GraniteHybridConfig(LayerTypes, DecoderConfig):
     hf_defaults: ClassVar[dict[str, Any]] = {"num_local_experts": 8}
     known_kinds: ClassVar[tuple[str, ...]] = (MAMBA, FULL)
     shape_fields: ClassVar[tuple[str, ...]] = (
-        "attention_bias", "layer_types", "shared_intermediate_size", *MAMBA_FIELDS,
-        "mamba_d_head", "mamba_conv_bias", "mamba_proj_bias",
+        "attention_bias", "layer_types", "shared_intermediate_size", *mamba2.SHAPE_FIELDS,
     )  # fmt: skip
 
     @classmethod
     def pattern_layer_types(cls, layers: int, pattern: int) -> tuple[str, ...]:
-        return (MAMBA,) * layers
+        return (MAMBA,) * layers  # (transformers' default: every layer Mamba-2)
 
     def __post_init__(self) -> None:
         if self.num_local_experts != 0:
@@ -110,39 +98,16 @@ class GraniteHybridConfig(LayerTypes, DecoderConfig):
                 "through transformers' own model with usp.models.hf.swap_linear_attention and "
                 "usp.models.hf.register (their Mamba-2 layers exact under SP)"
             )
-        heads = self.mamba_n_heads
-        if self.mamba_d_head == "auto" and isinstance(heads, int) and heads > 0:
-            object.__setattr__(self, "mamba_d_head", self.mamba_expand * self.hidden_size // heads)
         super().__post_init__()
         object.__setattr__(self, "head_dim", self.attention_head_dim)  # (as written back)
-        check_integers(self, {**dict.fromkeys(MAMBA_FIELDS, 1), "mamba_d_head": 1,
-                              "shared_intermediate_size": 1})  # fmt: skip
+        mamba2.check_config(self)
+        check_integers(self, {"shared_intermediate_size": 1})
         check_numbers(self, MUP_FIELDS, positive=True)
-        intermediate = self.mamba_expand * self.hidden_size
-        if self.mamba_n_heads * self.mamba_d_head != intermediate:
-            raise ModelConfigError(
-                f"mamba_n_heads({self.mamba_n_heads}) x mamba_d_head({self.mamba_d_head}) must "
-                f"equal mamba_expand({self.mamba_expand}) x hidden_size({self.hidden_size}) "
-                "(transformers' check); fix mamba_d_head or give 'auto'"
-            )
-        if self.mamba_n_heads % self.mamba_n_groups:
-            raise ModelConfigError(
-                f"mamba_n_heads({self.mamba_n_heads}) must be a multiple of "
-                f"mamba_n_groups({self.mamba_n_groups})"
-            )
         if self.position_embedding_type not in POSITION_TYPES:
             raise ModelConfigError(
                 f"position_embedding_type={self.position_embedding_type!r} is not a Granite "
                 "setting; give 'rope', 'nope' or null (no RoPE)"
             )
-        limit = tuple(self.time_step_limit or (0.0, math.inf))
-        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in limit)
-        if len(limit) != 2 or not numbers or not 0 <= limit[0] <= limit[1]:
-            raise ModelConfigError(
-                f"time_step_limit must be [low, high] with 0 <= low <= high, got "
-                f"{self.time_step_limit!r}"
-            )
-        object.__setattr__(self, "time_step_limit", tuple(float(v) for v in limit))
 
     def layer_rope(self, index: int) -> RopeSettings | None:
         """RoPE over each head's dims with ``position_embedding_type = "rope"``; None
@@ -159,13 +124,13 @@ class GraniteHybridConfig(LayerTypes, DecoderConfig):
         if isinstance(config.get("layer_types"), list):
             config["layer_types"] = [KIND_OF.get(kind, kind) for kind in config["layer_types"]]
         if isinstance(config.get("time_step_limit"), list):
-            config["time_step_limit"] = [_read_float(v) for v in config["time_step_limit"]]
+            config["time_step_limit"] = [read_hf_float(v) for v in config["time_step_limit"]]
         return super().from_hf_dict(config, source=source)
 
     def to_hf_dict(self, *, dtype: str | None = None) -> dict[str, Any]:
         out = super().to_hf_dict(dtype=dtype)
         out["layer_types"] = [WRITTEN[kind] for kind in self.layer_types]
-        out["time_step_limit"] = [_written_float(v) for v in self.time_step_limit]
+        out["time_step_limit"] = [hf_float(v) for v in self.time_step_limit]
         return out
 
 
@@ -218,10 +183,8 @@ class GraniteHybrid(CausalLM):
     #: LoRA's default targets (usp.models.lora.default_targets): attention and the MLP
     lora_default_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "input_linear",
                             "output_linear")  # fmt: skip
-    compile_refusal = (
-        "its Mamba-2 layers run eagerly only (usp.linear.mamba2_usp is refused under "
-        "torch.compile); set [train] compile = false"
-    )
+    compile_refusal = ("its Mamba-2 layers run eagerly only (usp.linear.mamba2_usp is refused "
+                       "under torch.compile); set [train] compile = false")  # fmt: skip
 
     @staticmethod
     def attention_options(config: GraniteHybridConfig) -> AttentionOptions:

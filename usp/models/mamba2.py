@@ -1,7 +1,8 @@
 """The Mamba-2 token mixer as a part of the stack (transformers' ``mamba``: Granite 4
 hybrid's ``linear_attention`` layers): :class:`usp.linear.Mamba2Mixer` built from a
 config's ``mamba_*`` fields, exact under Ulysses x ring (:func:`usp.linear.mamba2_usp`);
-its initialisation as transformers'; the construction-time check of its heads against
+the checks of those fields (:func:`check_config`); its initialisation as transformers';
+the construction-time check of its heads against
 the Ulysses degree; the refusal of a forced kernel that cannot run it; its scan's FLOPs.
 
 Parameter names are transformers' (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``,
@@ -10,17 +11,52 @@ Parameter names are transformers' (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from usp.errors import ModelConfigError
 from usp.linear import scan_backends
 from usp.linear.choice import Mamba2Shape, forced_kernel_refusal
 from usp.linear.mamba2_module import Mamba2Mixer
+from usp.models.config import check_integers
 from usp.process_groups.degrees import kv_replication_for
 
 #: what the construction-time check calls a Mamba-2 layer's two head counts
 MAMBA2_HEADS = ("Mamba-2 heads", "B/C groups")
+#: the config fields (transformers' names) that decide a Mamba-2 layer's parameter shapes
+SHAPE_FIELDS = ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_conv",
+                "mamba_expand", "mamba_d_head", "mamba_conv_bias", "mamba_proj_bias")  # fmt: skip
 #: the torch kernel's chunk length (work, not results: any chunk gives the same numbers)
 CHUNK = 64
+
+
+def check_config(config) -> None:
+    """Check (and complete, in place on a frozen config) a config's Mamba-2 fields as
+    transformers does: ``mamba_d_head = "auto"`` is ``mamba_expand * hidden_size //
+    mamba_n_heads``; heads x head dim = expand x hidden; heads a multiple of the B/C
+    groups; ``time_step_limit`` ``[low, high]``, 0 <= low <= high (a tuple of floats)."""
+    heads = config.mamba_n_heads
+    if config.mamba_d_head == "auto" and isinstance(heads, int) and heads > 0:
+        object.__setattr__(
+            config, "mamba_d_head", config.mamba_expand * config.hidden_size // heads
+        )
+    check_integers(config, dict.fromkeys(SHAPE_FIELDS[:6], 1))
+    groups, expand, dim = config.mamba_n_groups, config.mamba_expand, config.mamba_d_head
+    if heads * dim != expand * config.hidden_size or heads % groups:
+        raise ModelConfigError(
+            f"mamba_n_heads({heads}) x mamba_d_head({dim}) must equal mamba_expand({expand}) "
+            f"x hidden_size({config.hidden_size}) and mamba_n_heads be a multiple of "
+            f"mamba_n_groups({groups}); fix them (mamba_d_head 'auto' fits)"
+        )
+    limit = tuple(config.time_step_limit or (0.0, math.inf))
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in limit)
+    if len(limit) != 2 or not numbers or not 0 <= limit[0] <= limit[1]:
+        raise ModelConfigError(
+            f"time_step_limit must be [low, high] with 0 <= low <= high, got "
+            f"{config.time_step_limit!r}"
+        )
+    object.__setattr__(config, "time_step_limit", tuple(float(v) for v in limit))
 
 
 def build(config, plan) -> Mamba2Mixer:
