@@ -176,14 +176,19 @@ def test_mamba_heads_the_ulysses_degree_cannot_split_are_refused():
     check_heads(plan, PRESETS["granite4h-tiny"])  # 4 heads, the 2 groups repeated twice
 
 
-def test_lora_default_targets_and_mlp_tiles(checkpoints):
-    """LoRA's default targets are Granite's attention and fused MLP projections; MLP tiles
-    over the fused input_linear (its adapter's B split in halves) equal the untiled model
-    (float64, loss and every adapter's gradient)."""
+def test_lora_default_targets_and_levers(checkpoints):
+    """LoRA's default targets are Granite's attention and fused MLP projections; every
+    lever (checkpointing with offload, head chunks, MLP tiles over the fused input_linear:
+    its adapter's B split in halves, loss chunks) equals the plain model (float64, loss
+    and every adapter's gradient)."""
     ids = global_batch(1, 24, seed=5)
     labels = sft_labels(ids, [3])
     results = []
-    for levers in (Levers(), Levers(mlp_tile_tokens=7, activation_checkpointing=True)):
+    for levers in (
+        Levers(),
+        Levers(activation_checkpointing="offload", attention_head_chunks=2, mlp_tile_tokens=7,
+               loss_chunk_tokens=7),
+    ):  # fmt: skip
         model = usp.models.from_pretrained(checkpoints["rope"], dtype=torch.float64)
         apply_lora(model, Lora(rank=4, dropout=0.1), seed=3)
         with torch.no_grad():
