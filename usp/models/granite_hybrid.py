@@ -184,7 +184,7 @@ class GraniteHybrid(CausalLM):
     lora_default_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "input_linear",
                             "output_linear")  # fmt: skip
     compile_refusal = ("its Mamba-2 layers run eagerly only (usp.linear.mamba2_usp is refused "
-                       "under torch.compile); set [train] compile = false")  # fmt: skip
+                       "under torch.compile)")  # fmt: skip
 
     @staticmethod
     def attention_options(config: GraniteHybridConfig) -> AttentionOptions:
