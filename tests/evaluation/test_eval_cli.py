@@ -306,6 +306,7 @@ def _family_checkpoint(directory, family):
     """A tiny HF checkpoint of ``family`` written by transformers (vocabulary 256: the byte
     tokenizer's) and transformers' float64 model of it (its reference loader)."""
     import gemma3_cases
+    import granite_cases
     import qwen3_5_cases
     from model_cases import load_hf_reference, write_family_checkpoint
 
@@ -318,6 +319,9 @@ def _family_checkpoint(directory, family):
     if family == "qwen3_5_moe":  # the same layers, 4 experts and a shared one
         ckpt = qwen3_5_cases.write_moe_checkpoint(directory, seed=3, vocab_size=256)
         return ckpt, qwen3_5_cases.load_reference(ckpt)
+    if family == "granitemoehybrid":  # Mamba-2 layers 0 and 2, attention without RoPE
+        ckpt = granite_cases.write_checkpoint(directory, "nope", seed=3, vocab_size=256)
+        return ckpt, granite_cases.load_reference(ckpt)
     ckpt = write_family_checkpoint(directory, family, seed=3, vocab_size=256)
     return ckpt, load_hf_reference(ckpt)  # gpt-oss: eager (transformers has no sdpa for it)
 
@@ -329,6 +333,7 @@ HF_CLASSES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gemma3_cases
+import granite_cases
 import qwen3_5_cases
 from model_cases import load_hf_reference, write_family_checkpoint
 
@@ -29,9 +30,9 @@ U1R4 = (1, 4, "contiguous", 1)
 
 
 def small_chunks(model, chunk: int = 3):
-    """Several GDN kernel chunks per document (work, not results)."""
+    """Several GDN / Mamba-2 kernel chunks per document (work, not results)."""
     for module in model.modules():
-        if type(module).__name__ == "GatedDeltaNet":
+        if type(module).__name__ in ("GatedDeltaNet", "Mamba2Mixer"):
             module.chunk_size = chunk
     return model
 
@@ -73,9 +74,18 @@ def _qwen3_5(case: str) -> dict:
     return {"family": "qwen3_5_moe" if case == "moe" else "qwen3_5", "write": write}
 
 
+def _granite(case: str) -> dict:
+    def write(directory: Path) -> Path:
+        return Path(granite_cases.write_checkpoint(directory, case, seed=3))
+
+    return {"family": "granitemoehybrid", "write": write}
+
+
 _GEMMA3 = dict(load_reference=gemma3_cases.load_reference, grids=(U2R2, U1R4), group="gemma3")
 _QWEN3_5 = dict(load_reference=qwen3_5_cases.load_reference, prepare=small_chunks,
                 group="qwen3_5")  # fmt: skip
+_GRANITE = dict(load_reference=granite_cases.load_reference, prepare=small_chunks,
+                group="granitemoehybrid")  # fmt: skip
 _AUX = dict(output_router_logits=True, router_aux_loss_coef=AUX_COEF, num_hidden_layers=3)
 
 CASES: dict[str, CheckpointCase] = {
@@ -112,6 +122,8 @@ CASES: dict[str, CheckpointCase] = {
     "qwen3_5-biased": CheckpointCase(**_qwen3_5("biased"), grids=(U1R4,), **_QWEN3_5),
     # its 2 GDN key heads repeated for 4 ranks
     "qwen3_5_moe": CheckpointCase(**_qwen3_5("moe"), grids=((4, 1, "zigzag", 1),), **_QWEN3_5),
+    "granite-rope": CheckpointCase(**_granite("rope"), grids=(U2R2,), **_GRANITE),
+    "granite-nope": CheckpointCase(**_granite("nope"), grids=(U1R4,), **_GRANITE),
 }
 #: the 4-rank launches: group -> its cases
 GROUPS: dict[str, list[str]] = {}

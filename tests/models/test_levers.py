@@ -258,8 +258,9 @@ def test_tiled_mlp_takes_only_silu_among_transformers_activations():
 
 
 #: families whose levers are tested in their own files, on their own checkpoints
-#: (tests/models/test_gemma3.py and test_qwen3_5.py: test_levers_give_the_same_numbers)
-OWN_LEVER_TESTS = {"gemma3", "qwen3_5", "qwen3_5_moe"}
+#: (tests/models/test_gemma3.py and test_qwen3_5.py: test_levers_give_the_same_numbers;
+#: test_granite_hybrid.py: test_lora_default_targets_and_levers)
+OWN_LEVER_TESTS = {"gemma3", "qwen3_5", "qwen3_5_moe", "granitemoehybrid"}
 
 
 @pytest.mark.parametrize("family", [f.name for f in FAMILIES if f.name not in OWN_LEVER_TESTS])

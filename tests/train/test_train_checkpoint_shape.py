@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: every family's tiny preset
 TINY = ("tiny", "qwen3-tiny", "gpt-oss-tiny", "gemma3-tiny", "qwen3-moe-tiny", "qwen3.5-tiny",
-        "qwen3.5-moe-tiny")  # fmt: skip
+        "qwen3.5-moe-tiny", "granite4h-tiny")  # fmt: skip
 ALL_PRESETS = [name for family in FAMILIES for name in family.presets]
 
 

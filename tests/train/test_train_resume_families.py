@@ -53,6 +53,7 @@ CASES = {
     "qwen3-moe-tiny": {},  # a dense first layer, then MoE
     "qwen3.5-tiny": {"lora": LORA},  # Gated DeltaNet and gated attention, LoRA adapters
     "qwen3.5-moe-tiny": {},  # Gated DeltaNet with MoE, every parameter trained
+    "granite4h-tiny": {"lora": LORA},  # Mamba-2, attention without RoPE, muP; LoRA on MLPs
 }
 #: the presets resumed in one process from the 4-rank checkpoint (a hybrid, a hybrid MoE)
 OTHER_GRID = ("qwen3.5-tiny", "qwen3.5-moe-tiny")

@@ -12,7 +12,7 @@ SP-correct loss, the memory levers and LoRA adapters (:mod:`usp.models.lora`).
 
 The stack (:mod:`usp.models.stack`, :mod:`usp.models.decoder`) is built from parts
 (:mod:`usp.models.parts`: norms, token mixers -- :mod:`usp.models.attention`,
-:mod:`usp.models.gated_deltanet`, registered in :mod:`usp.models.mixers` --, MLPs --
+:mod:`usp.models.gated_deltanet`, :mod:`usp.models.mamba2`, registered in :mod:`usp.models.mixers` --, MLPs --
 :mod:`usp.models.mlp`, :mod:`usp.models.moe`, :mod:`usp.models.gpt_oss_experts`); a family
 file (``llama.py``, ..., ``qwen3_5_moe.py``) maps its HF config and checkpoint onto them.
 The family registry (:mod:`usp.models.family`) is what the rest of usp asks about a
@@ -41,6 +41,7 @@ from usp.models.family import (
 )
 from usp.models.gemma3 import Gemma3, Gemma3Config
 from usp.models.gpt_oss import GptOss, GptOssConfig
+from usp.models.granite_hybrid import GraniteHybrid, GraniteHybridConfig
 from usp.models.labels import IGNORE_INDEX, shift_labels
 from usp.models.levers import LeverError, Levers, levers_of
 from usp.models.llama import Llama, LlamaConfig
@@ -80,6 +81,8 @@ __all__ = [
     "DecoderConfig",
     "GptOss",
     "GptOssConfig",
+    "GraniteHybrid",
+    "GraniteHybridConfig",
     "LeverError",
     "Levers",
     "Llama",

@@ -98,7 +98,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if cos is not None:  # (None: a layer without RoPE, Granite's "nope")
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = self.plan.attention(
             q,
             k,

@@ -317,6 +317,25 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     return data
 
 
+#: how transformers writes a non-finite float in a config.json: ``{"__float__": "Infinity"}``
+FLOAT_TAG = "__float__"
+
+
+def read_hf_float(value):
+    """A config.json value, transformers' tagged non-finite floats read as floats."""
+    if isinstance(value, dict) and set(value) == {FLOAT_TAG}:
+        tag = value[FLOAT_TAG]
+        return float(tag) if tag in ("Infinity", "-Infinity", "NaN") else value
+    return value
+
+
+def hf_float(value: float):
+    """A float as transformers writes it in a config.json (non-finite ones tagged)."""
+    if math.isfinite(value):
+        return value
+    return {FLOAT_TAG: "NaN" if math.isnan(value) else ("-" if value < 0 else "") + "Infinity"}
+
+
 def check_integers(config, minimums: dict[str, int]) -> None:
     """A ModelConfigError unless each named field of ``config`` is an integer >= its
     minimum."""

@@ -23,6 +23,7 @@ from usp.errors import ModelConfigError
 from usp.models import (
     gemma3,
     gpt_oss,
+    granite_hybrid,
     llama,
     mistral,
     qwen2,
@@ -116,6 +117,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     # (before qwen3_5: its classes subclass those, and family_of takes the first match)
     ModelFamily(qwen3_5_moe.Qwen3_5Moe),
     ModelFamily(qwen3_5.Qwen3_5),
+    ModelFamily(granite_hybrid.GraniteHybrid),
 )
 
 #: every family's presets by name (names are unique across families)

@@ -3,8 +3,9 @@ mixin of the families whose ``config.json`` lists them.
 
 Every config says each layer's kind (``DecoderConfig.layer_kinds``): ``full_attention``
 (causal attention over the whole prefix), ``sliding_attention`` (over the
-``sliding_window`` keys up to the token) or ``linear_attention`` (Gated DeltaNet). The
-kind chooses the layer's token mixer (:data:`usp.models.mixers.MIXER_OF_KIND`). Llama
+``sliding_window`` keys up to the token), ``linear_attention`` (Gated DeltaNet) or
+``mamba`` (Mamba-2: transformers' older name for the layers Granite 4 hybrid's config now
+calls ``linear_attention``; that family reads them as ``mamba``). The kind chooses the layer's token mixer (:data:`usp.models.mixers.MIXER_OF_KIND`). Llama
 has full layers only, Mistral and Qwen's windowed configs derive theirs from
 ``sliding_window``; Gemma 3, gpt-oss and Qwen3.5 name them in ``layer_types``, read and
 checked by :class:`LayerTypes`.
@@ -18,6 +19,7 @@ from typing import ClassVar
 from usp.errors import ModelConfigError
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+MAMBA = "mamba"
 
 
 def check_window(window) -> None:

@@ -315,11 +315,34 @@ class _TiledMLP(_LeverForward):
         # LoRA adapters (usp.models.lora), which the tiled function computes per tile
         mlp = self.inner.__self__
         *weights, activation = _glu_weights(mlp)
-        adapters = tuple(low_rank(getattr(mlp, name), x) for name in _GLU)
-        return tiled_glu(x, *weights, self.tile, adapters, activation)  # [B, S/P, dim]
+        return tiled_glu(x, *weights, self.tile, _glu_adapters(mlp, x), activation)
 
 
 _GLU = ("gate_proj", "up_proj", "down_proj")
+#: a gated MLP with gate and up in one matrix, the gate's rows first (Granite's)
+_FUSED_GLU = ("input_linear", "output_linear")
+
+
+def _glu_linears(mlp: nn.Module) -> list:
+    """The MLP's projections: (gate, up, down), or (gate and up, down) when fused."""
+    fused = [getattr(mlp, name, None) for name in _FUSED_GLU]
+    if all(isinstance(m, nn.Linear) for m in fused):
+        return fused
+    return [getattr(mlp, name, None) for name in _GLU]
+
+
+def _glu_adapters(mlp: nn.Module, x: torch.Tensor) -> tuple:
+    """The LoRA adapters of (gate, up, down) for this forward's ``x``: a fused
+    projection's adapter is one ``a`` and ``b``'s two halves."""
+    linears = _glu_linears(mlp)
+    adapters = [low_rank(m, x) for m in linears]
+    if len(linears) == 3:
+        return tuple(adapters)
+    fused, down = adapters
+    if fused is None:
+        return (None, None, down)
+    gate_b, up_b = fused.b.chunk(2)  # [2 I, rank] -> [I, rank] each
+    return (fused.with_factors(fused.a, gate_b), fused.with_factors(fused.a, up_b), down)
 
 
 def _mlp_of(layer: nn.Module, index: int) -> nn.Module:
@@ -334,17 +357,19 @@ def _mlp_of(layer: nn.Module, index: int) -> nn.Module:
 
 
 def _glu_weights(mlp: nn.Module):
-    """(gate, up, down weights, activation name) of a bias-free gated MLP whose
-    activation the tiles compute (SiLU; tanh-GELU as usp's MLP holds it), or a
-    LeverError."""
-    linears = [getattr(mlp, name, None) for name in _GLU]
+    """(gate, up, down weights, activation name) of a bias-free gated MLP (a fused one's
+    gate and up: two views of its matrix) whose activation the tiles compute (SiLU;
+    tanh-GELU as usp's MLP holds it), or a LeverError."""
+    linears = _glu_linears(mlp)
     activation = _activation(getattr(mlp, "act_fn", nn.SiLU()))
     if not all(isinstance(m, nn.Linear) and m.bias is None for m in linears) or not activation:
         raise LeverError(
             f"mlp_tile_tokens needs a SwiGLU MLP (gate_proj, up_proj, down_proj without bias, "
-            f"SiLU), usp's GeGLU or usp's experts; {type(mlp).__name__} is not one: use "
-            "mlp_tile_tokens = 0"
+            f"SiLU; or input_linear and output_linear, Granite's), usp's GeGLU or usp's "
+            f"experts; {type(mlp).__name__} is not one: use mlp_tile_tokens = 0"
         )
+    if len(linears) == 2:  # [2 I, dim] -> gate, up [I, dim]
+        return (*linears[0].weight.chunk(2), linears[1].weight, activation)
     return linears[0].weight, linears[1].weight, linears[2].weight, activation
 
 

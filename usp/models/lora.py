@@ -4,7 +4,8 @@
     apply_lora(model, lora, seed=0)      # a usp model of any family, before FSDP2/levers
 
 Each target ``nn.Linear`` (HF's module names, matched against the last part of the
-module's name inside the decoder layers) computes, as PEFT's LoRA does,
+module's name inside the decoder layers; the default targets are the family's names for
+its attention and MLP projections, :func:`default_targets`) computes, as PEFT's LoRA does,
 
     y = x @ W.T (+ bias) + (drop(x) @ A.T) @ B.T * (alpha / rank)
 
@@ -44,7 +45,7 @@ Export (:mod:`usp.models.lora_export`): a PEFT adapter directory and merged weig
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -185,6 +186,8 @@ def apply_lora(model: nn.Module, lora: Lora, *, seed: int = 0) -> nn.Module:
         ) from None
     if lora_of(model) is not None:
         raise LoraError("this model already has LoRA adapters")
+    if lora.targets == DEFAULT_TARGETS:  # the same projections under the family's names
+        lora = replace(lora, targets=default_targets(model))
     on_experts = [t for t in lora.targets if t in EXPERT_TARGETS]
     if on_experts and has_experts(model):
         raise LoraError(
@@ -213,6 +216,14 @@ def apply_lora(model: nn.Module, lora: Lora, *, seed: int = 0) -> nn.Module:
             for name, value in initial_adapters(model, seed).items():
                 model.get_parameter(name).copy_(value)
     return model
+
+
+def default_targets(model: nn.Module) -> tuple[str, ...]:
+    """The targets a :class:`Lora` with the default ones adapts on ``model``: every
+    attention and MLP projection under its family's names (:data:`DEFAULT_TARGETS`, or
+    the model class's ``lora_default_targets``: Granite's fused MLP is ``input_linear``,
+    ``output_linear``)."""
+    return tuple(getattr(model, "lora_default_targets", DEFAULT_TARGETS))
 
 
 def _adapter_shapes(linear: nn.Linear, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from usp.models import gated_deltanet
+from usp.models import gated_deltanet, mamba2
 from usp.models.attention import Attention
-from usp.models.layer_kinds import FULL, LINEAR, SLIDING
+from usp.models.layer_kinds import FULL, LINEAR, MAMBA, SLIDING
 from usp.models.parts import LayerParts
 
 
@@ -26,7 +26,8 @@ from usp.models.parts import LayerParts
 class MixerPart:
     """One kind of token mixer.
 
-    * ``attribute``: the layer's attribute holding it (``self_attn``, ``linear_attn``);
+    * ``attribute``: the layer's attribute holding it (``self_attn``, ``linear_attn``,
+      ``mamba``);
     * ``build(config, plan, parts, norm)``: the module, ``x [B, S/P, dim] -> [B, S/P,
       dim]``, called ``mixer(x, cos, sin, packed)`` with ``uses_rope``, else
       ``mixer(x, packed=packed)``;
@@ -56,7 +57,11 @@ def _gated_deltanet(config, plan, parts: LayerParts, norm) -> nn.Module:
     return gated_deltanet.build(config, plan)
 
 
-ATTENTION, GATED_DELTANET = "attention", "gated_deltanet"
+def _mamba2(config, plan, parts: LayerParts, norm) -> nn.Module:
+    return mamba2.build(config, plan)
+
+
+ATTENTION, GATED_DELTANET, MAMBA2 = "attention", "gated_deltanet", "mamba2"
 MIXERS: dict[str, MixerPart] = {
     ATTENTION: MixerPart("self_attn", _attention),
     GATED_DELTANET: MixerPart(
@@ -68,9 +73,20 @@ MIXERS: dict[str, MixerPart] = {
         init_weights=gated_deltanet.init_weights,
         flops_per_token=gated_deltanet.flops_per_token,
     ),
+    MAMBA2: MixerPart(
+        "mamba",
+        _mamba2,
+        uses_rope=False,
+        check=mamba2.check_heads,
+        kernel_refusal=mamba2.kernel_refusal,
+        init_weights=mamba2.init_weights,
+        flops_per_token=mamba2.flops_per_token,
+    ),
 }
 #: transformers' layer kinds and the mixer that computes each
-MIXER_OF_KIND: dict[str, str] = {FULL: ATTENTION, SLIDING: ATTENTION, LINEAR: GATED_DELTANET}
+MIXER_OF_KIND: dict[str, str] = {
+    FULL: ATTENTION, SLIDING: ATTENTION, LINEAR: GATED_DELTANET, MAMBA: MAMBA2,
+}  # fmt: skip
 
 
 def mixers_of(config) -> list[MixerPart]:

@@ -27,12 +27,20 @@ class Blueprint:
       ``pre_feedforward_layernorm``, ``post_feedforward_layernorm``); False: pre-norms
       only (``input_layernorm``, ``post_attention_layernorm`` before the MLP);
     * ``scaled_embedding``: the embedding times ``sqrt(hidden_size)`` rounded to the
-      model's dtype (Gemma 3).
+      model's dtype (Gemma 3);
+    * ``mup_multipliers``: the config's muP multipliers (Granite): the embedding times
+      ``embedding_multiplier``, each sub-block's output times ``residual_multiplier``
+      before the residual, the final hidden states divided by ``logits_scaling`` (the
+      logits' divisor, applied before the output projection);
+    * ``mlp_attribute``: the layer's attribute holding its MLP (``mlp``; Granite:
+      ``shared_mlp``).
     """
 
     norm: type[nn.Module] = RMSNorm
     sandwich_norms: bool = False
     scaled_embedding: bool = False
+    mup_multipliers: bool = False
+    mlp_attribute: str = "mlp"
 
 
 @dataclass(frozen=True)

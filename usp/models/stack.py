@@ -3,9 +3,10 @@ embedding, the decoder layers, the final norm.
 
 A layer is a token mixer and an MLP (:class:`usp.models.parts.LayerParts`), each after
 its norm and added to the residual; the family's :class:`usp.models.parts.Blueprint`
-says which norm, whether each sub-block's output is normed too (Gemma 3's sandwich) and
-whether the embedding is scaled. The stack computes each distinct RoPE once per forward
-and hands each layer its own; a mixture-of-experts MLP's router statistics ride along
+says which norm, whether each sub-block's output is normed too (Gemma 3's sandwich),
+whether the embedding is scaled, whether the config's muP multipliers apply (Granite) and
+the MLP's attribute. The stack computes each distinct RoPE once per forward and hands
+each layer its own; a mixture-of-experts MLP's router statistics ride along
 with the hidden states and are summed over the layers.
 
 Architecture only: a layer's one distributed call is its mixer's (``plan.attention``,
@@ -42,9 +43,13 @@ class DecoderLayer(nn.Module):
         self.sandwich = blueprint.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
-        self.mlp = parts.mlp
+        #: the MLP's attribute (transformers' name: ``mlp``, Granite's ``shared_mlp``)
+        self.mlp_attribute = blueprint.mlp_attribute
+        setattr(self, self.mlp_attribute, parts.mlp)
         if self.sandwich:
             self.post_feedforward_layernorm = norm()
+        #: each sub-block's output times this before the residual (muP; None: 1)
+        self.residual_multiplier = config.residual_multiplier if blueprint.mup_multipliers else None
         #: the mixer's name in usp.models.mixers.MIXERS, the attribute holding it
         self.mixer_name, self.mixer_attribute = parts.mixer, mixer.attribute
         self.mixer_uses_rope = mixer.uses_rope
@@ -52,6 +57,13 @@ class DecoderLayer(nn.Module):
     @property
     def mixer(self) -> nn.Module:
         return getattr(self, self.mixer_attribute)
+
+    @property
+    def mlp(self) -> nn.Module:
+        return self._modules[self.mlp_attribute]
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.residual_multiplier is None else h * self.residual_multiplier
 
     def forward(self, x, cos=None, sin=None, packed=None):
         h = self.input_layernorm(x)
@@ -64,12 +76,13 @@ class DecoderLayer(nn.Module):
             x = x + self.post_attention_layernorm(h)
             h = self.pre_feedforward_layernorm(x)
         else:
-            x = x + h
+            x = x + self._scaled(h)
             h = self.post_attention_layernorm(x)
         out, stats = split_layer_output(self.mlp(h))
         if self.sandwich:
             out = self.post_feedforward_layernorm(out)
-        return x + out if stats is None else (x + out, stats)
+        x = x + self._scaled(out)
+        return x if stats is None else (x, stats)
 
 
 def pad_row_embedding(config) -> nn.Embedding:
@@ -94,6 +107,10 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, plan, p, blueprint) for p in parts)
         self.norm = blueprint.norm(config.hidden_size, config.rms_norm_eps)
         self.embedding_scale = math.sqrt(config.hidden_size) if blueprint.scaled_embedding else None
+        #: muP (Granite): the embedding's multiplier and the logits' divisor (None: none)
+        mup = blueprint.mup_multipliers
+        self.embedding_multiplier = config.embedding_multiplier if mup else None
+        self.logits_scaling = config.logits_scaling if mup else None
         #: the distinct RoPE settings, and each layer's index among them (None: no RoPE)
         self.ropes = []
         for p in parts:
@@ -104,13 +121,17 @@ class DecoderStack(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed=None, router_stats=None
     ):
-        """input_ids [B, S/P], position_ids [S/P] or [B, S/P] -> hidden [B, S/P, dim].
+        """input_ids [B, S/P], position_ids [S/P] or [B, S/P] -> hidden [B, S/P, dim]: the
+        final norm's output (divided by ``logits_scaling`` under muP: what the output
+        projection turns into the logits).
         ``router_stats``: a list that receives the sum of the MoE layers' router
         statistics ([2E + 1], :func:`usp.models.moe.router_stats`), if any layer has
         experts."""
         x = self.embed_tokens(input_ids)
         if self.embedding_scale is not None:  # rounded to the model's dtype, as HF holds it
             x = x * torch.tensor(self.embedding_scale, dtype=x.dtype, device=x.device)
+        if self.embedding_multiplier is not None:
+            x = x * self.embedding_multiplier
         if position_ids.dim() == 1:
             position_ids = position_ids[None]  # [1, S/P]: the same positions in every row
         tables = [
@@ -129,4 +150,5 @@ class DecoderStack(nn.Module):
             total = add_router_stats(total, stats)
         if router_stats is not None and total is not None:
             router_stats.append(total)
-        return self.norm(x)
+        x = self.norm(x)
+        return x if self.logits_scaling is None else x / self.logits_scaling

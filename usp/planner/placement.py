@@ -18,6 +18,7 @@ from usp.planner.hardware import (
     DEFAULT_INTRA_NODE_GBPS,
     GEMM_TFLOPS,
 )
+from usp.planner.mixer_traffic import mamba2_traffic
 from usp.planner.traffic import gdn_traffic, traffic_formula
 from usp.sp.assignment import DocumentCost, assign_documents
 from usp.sp.sharding import required_multiple
@@ -80,7 +81,8 @@ def row_bytes(
     """Bytes each SP rank sends for the row in one forward and backward of every layer,
     by collective kind (``all_to_all``, ``p2p``, ``all_gather``, ``reduce_scatter``):
     the attention layers' :func:`traffic_formula` (the ring rank's own where a window
-    makes them differ) and the Gated DeltaNet layers' :func:`gdn_traffic`, over the
+    makes them differ), the Gated DeltaNet layers' :func:`gdn_traffic` and the Mamba-2
+    layers' :func:`usp.planner.mixer_traffic.mamba2_traffic`, over the
     split documents only. ``model``: a usp model config."""
     sp = ring * ulysses
     if not row.split_lengths:
@@ -112,6 +114,16 @@ def row_bytes(
                 gate_bytes=gate_bytes, state_bytes=state_bytes,
             )  # fmt: skip
             _add(sent, traffic, linear_layers)
+        mamba_layers = list(getattr(model, "layer_types", None) or ()).count("mamba")
+        if mamba_layers:  # (Mamba-2: Granite 4 hybrid)
+            traffic = mamba2_traffic(
+                batch=1, seqlen=seqlen, ulysses=ulysses, ring=ring, heads=model.mamba_n_heads,
+                head_dim=model.mamba_d_head, groups=model.mamba_n_groups,
+                state_size=model.mamba_d_state, kernel=model.mamba_d_conv, layout=layout,
+                documents=len(row.split_lengths), item_bytes=item_bytes,
+                state_bytes=state_bytes,
+            )  # fmt: skip
+            _add(sent, traffic, mamba_layers)
         per_ring_rank.append(sent)
     return [per_ring_rank[rank // ulysses] for rank in range(sp)]
 
@@ -162,7 +174,7 @@ def _attention_windows(model) -> dict[int | None, int]:
     kinds = list(getattr(model, "layer_types", None) or ())
     groups: dict[int | None, int] = {}
     for index in range(layers):
-        if kinds and kinds[index] == "linear_attention":
+        if kinds and kinds[index] in ("linear_attention", "mamba"):  # (GDN, Mamba-2)
             continue
         window = model.layer_window(index) if hasattr(model, "layer_window") else None
         groups[window] = groups.get(window, 0) + 1

@@ -16,12 +16,15 @@ from usp.planner.hardware import (
     PCIE_GBPS,
 )
 from usp.planner.kernels import planning_backend
+from usp.planner.mixer_traffic import mamba2_traffic
 from usp.planner.traffic import fsdp_traffic, gdn_traffic, step_traffic, traffic_formula
 from usp.process_groups.rank_math import RankMap
 
 GB = 1e9
 #: transformers' ``layer_types`` name of a Gated DeltaNet layer
 LINEAR_ATTENTION = "linear_attention"
+#: usp's kind of a Mamba-2 layer (Granite 4 hybrid's ``linear_attention`` layers)
+MAMBA = "mamba"
 
 
 def _spans_nodes(members, ranks_per_node: int) -> bool:
@@ -63,14 +66,20 @@ def comm_bytes(target: Target, choice: Choice) -> dict[str, int]:
             gate_bytes=4,
             state_bytes=4,
         )  # fmt: skip  (the planned row is one document; g, beta and the kernel in float32)
+    mamba_layers = mamba2_layer_count(model)
+    mixers = []
+    if mamba_layers:
+        mixers.append((model_mamba2_traffic(model, row, choice, job.topology.attention.layout,
+                                            compute), mamba_layers))  # fmt: skip
     return step_traffic(
         attention,
         fsdp,
-        layers=model.num_hidden_layers - linear_layers,
+        layers=model.num_hidden_layers - linear_layers - mamba_layers,
         micro_batches=job.gradient_accumulation(choice.dp),
         recompute=bool(choice.levers.activation_checkpointing),
         linear=linear,
         linear_layers=linear_layers,
+        mixers=mixers,
     )
 
 
@@ -78,6 +87,25 @@ def linear_layer_count(model) -> int:
     """The model's Gated DeltaNet layers (``layer_types`` ``"linear_attention"``: Qwen3.5);
     0 for a model without."""
     return list(getattr(model, "layer_types", None) or ()).count(LINEAR_ATTENTION)
+
+
+def mamba2_layer_count(model) -> int:
+    """The model's Mamba-2 layers (``layer_types`` ``"mamba"``: Granite 4 hybrid); 0 for
+    a model without."""
+    return list(getattr(model, "layer_types", None) or ()).count(MAMBA)
+
+
+def model_mamba2_traffic(model, seqlen: int, choice, layout: str, item_bytes: int,
+                         documents: int = 1) -> dict:  # fmt: skip
+    """One Mamba-2 layer's traffic (:func:`usp.planner.mixer_traffic.mamba2_traffic`) for a
+    row of ``seqlen`` tokens in ``documents`` documents; dt, the scan's output, the conv
+    tails and the state maps in float32."""
+    return mamba2_traffic(
+        batch=1, seqlen=seqlen, ulysses=choice.ulysses, ring=choice.ring,
+        heads=model.mamba_n_heads, head_dim=model.mamba_d_head, groups=model.mamba_n_groups,
+        state_size=model.mamba_d_state, kernel=model.mamba_d_conv, layout=layout,
+        documents=documents, item_bytes=item_bytes, state_bytes=4,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
