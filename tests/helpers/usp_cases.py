@@ -4,6 +4,7 @@ importing the benchmarks."""
 from __future__ import annotations
 
 import importlib
+import types
 
 import torch
 from dist_harness import worker_cached
@@ -29,6 +30,15 @@ def topology(
             emulate_nodes=ranks_per_node is not None,  # the harness runs on one host
         ),
     )
+
+
+def heads_check_plan(ulysses: int = 8, sp: int = 8, ranks_per_node: int = 8):
+    """What a mixer's construction-time heads check reads of a multi-process plan (the
+    Ulysses and SP degrees, the ranks per node), without a process group; the degrees
+    are attributes a test may change."""
+    rank_map = types.SimpleNamespace(ranks_per_node=ranks_per_node)
+    topology = types.SimpleNamespace(single_process=False, rank_map=rank_map)
+    return types.SimpleNamespace(topology=topology, ulysses_degree=ulysses, sp_degree=sp)
 
 
 def global_inputs(seq_len, heads, kv_heads, head_dim=16, batch=2, seed=0):

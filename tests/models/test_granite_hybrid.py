@@ -14,13 +14,13 @@ tiles (float64, exact).
 
 from __future__ import annotations
 
-import types
 import warnings
 
 import pytest
 import torch
 from granite_cases import CASES, TINY, load_reference, write_checkpoint
 from model_cases import global_batch, grad_errors, relative_error, sft_labels
+from usp_cases import heads_check_plan
 
 transformers = pytest.importorskip("transformers", minversion="5.25")
 pytest.importorskip("safetensors", reason="checkpoints are safetensors files")
@@ -164,12 +164,7 @@ def test_random_init_as_transformers():
 
 def test_mamba_heads_the_ulysses_degree_cannot_split_are_refused():
     """4 Mamba-2 heads over ulysses 8 (what the construction-time check reads of a plan)."""
-    plan = types.SimpleNamespace(
-        topology=types.SimpleNamespace(
-            single_process=False, rank_map=types.SimpleNamespace(ranks_per_node=8)
-        ),
-        ulysses_degree=8, sp_degree=8,
-    )  # fmt: skip
+    plan = heads_check_plan(ulysses=8, sp=8, ranks_per_node=8)
     with pytest.raises(HeadLayoutError, match="4 Mamba-2 heads / 2 B/C groups cannot be split"):
         check_heads(plan, PRESETS["granite4h-tiny"])
     plan.ulysses_degree = 4

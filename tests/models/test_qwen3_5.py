@@ -17,7 +17,6 @@ parameter counts and FLOPs against transformers'; refusals.
 from __future__ import annotations
 
 import json
-import types
 import warnings
 
 import pytest
@@ -34,6 +33,7 @@ from qwen3_5_cases import (
     write_checkpoint,
     write_moe_checkpoint,
 )
+from usp_cases import heads_check_plan
 
 transformers = pytest.importorskip("transformers", minversion="5.24")
 pytest.importorskip("safetensors", reason="checkpoints are safetensors files")
@@ -183,12 +183,7 @@ def test_levers_give_the_same_numbers(checkpoints):
 # ---------------------------------------------------------------------- heads
 def test_gdn_heads_the_ulysses_degree_cannot_split_are_refused():
     """4 GDN value heads over ulysses 8 (what the construction-time check reads of a plan)."""
-    plan = types.SimpleNamespace(
-        topology=types.SimpleNamespace(
-            single_process=False, rank_map=types.SimpleNamespace(ranks_per_node=8)
-        ),
-        ulysses_degree=8, sp_degree=8,
-    )  # fmt: skip
+    plan = heads_check_plan(ulysses=8, sp=8, ranks_per_node=8)
     with pytest.raises(HeadLayoutError, match="4 GDN value heads / 2 key heads cannot be split"):
         check_linear_heads(plan, PRESETS["qwen3.5-tiny"])
     plan.ulysses_degree = 4
