@@ -144,7 +144,7 @@ def plan_cli(capsys, *argv):
 
 
 def test_plan_json_ranks_every_layout_and_finds_the_longest_sequence(tmp_path, capsys):
-    path = write_config(tmp_path, gpus=8, seq_len=1024)
+    path = write_config(tmp_path, gpus=8, layers=1, seq_len=1024)
     code, out, err = plan_cli(
         capsys, path, "--json", "--nodes", 1, "--gpus-per-node", 2, "--seq-len", 512,
         "--device", "cpu", "--host-memory-gib", 64, "--gpu-memory-gib", 0.01,
@@ -182,7 +182,7 @@ def test_plan_json_ranks_every_layout_and_finds_the_longest_sequence(tmp_path, c
 
 
 def test_plan_text_shows_the_table_and_lines_to_paste(tmp_path, capsys):
-    path = write_config(tmp_path, gpus=2, seq_len=256)
+    path = write_config(tmp_path, gpus=2, layers=1, seq_len=256)
     code, out, err = plan_cli(capsys, path, "--gpu-memory-gib", 0.01)
     assert code == 0, err
     assert "ulysses ring  dp" in out and "paste into the config:" in out
@@ -199,7 +199,7 @@ def test_plan_errors_exit_2_with_a_message(tmp_path, capsys):
     code, _, err = plan_cli(capsys, path)
     assert code == 2 and "must be a multiple of num_key_value_heads(3)" in err, err
 
-    path = write_config(tmp_path, gpus=2, seq_len=256)
+    path = write_config(tmp_path, gpus=2, layers=1, seq_len=256)
     code, out, err = plan_cli(capsys, path, "--gpu-memory-gib", 1e-6)
     assert code == 2 and "no layout fits 256 tokens" in err, err
     assert "ulysses ring" in out  # the table still says what each layout needs

@@ -36,11 +36,13 @@ WIDE_MLPS = {
 @pytest.mark.parametrize("preset", list(WIDE_MLPS))
 def test_mlp_tiles_lower_the_planned_peak(tmp_path, preset):
     """u1 x r4, 1,024 local tokens, checkpointing: tiles of 128 tokens lower the planned
-    peak of a step whose peak an MLP part holds."""
+    peak of a step whose peak an MLP part holds (one decoder layer: every layer has the
+    same MLP part, and the planner's depth line is tested in tests/planner/test_planner.py)."""
     job = load_train_config(write_config(tmp_path, seq_len=4096))
     target = Target(job, PRESETS[preset].replace(**WIDE_MLPS[preset]), 4, 4, "cpu")
-    untiled = measure(target, Choice(1, 4, 1, Levers(True))).peak_device
-    tiled = measure(target, Choice(1, 4, 1, Levers(True, mlp_tile_tokens=128))).peak_device
+    untiled = measure(target, Choice(1, 4, 1, Levers(True)), layers=1).peak_device
+    tiled = measure(target, Choice(1, 4, 1, Levers(True, mlp_tile_tokens=128)), layers=1)
+    tiled = tiled.peak_device
     assert tiled < untiled, (tiled, untiled)
 
 

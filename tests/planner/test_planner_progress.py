@@ -12,7 +12,7 @@ from usp.planner.report import COLUMNS
 
 
 def test_progress_best_row_and_columns(tmp_path, capsys):
-    path = write_config(tmp_path, gpus=1, seq_len=256)
+    path = write_config(tmp_path, gpus=1, layers=1, seq_len=256)
     code = main(
         ["plan", str(path), "--jobs", "1", "--gpu-memory-gib", "0.01", "--set", "train.seq_len=128"]
     )

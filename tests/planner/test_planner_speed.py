@@ -140,7 +140,7 @@ def plan_cli(capsys, *argv):
 def test_the_plan_does_not_depend_on_the_number_of_jobs(tmp_path, capsys):
     """The whole search (every candidate, the longest sequence's probes) in process and
     in two workers: the same JSON, all but the seconds it took."""
-    path = write_config(tmp_path, gpus=2, seq_len=512)
+    path = write_config(tmp_path, gpus=2, layers=1, seq_len=512)
     plans = []
     for jobs in (1, 2):
         code, out, err = plan_cli(capsys, path, "--json", "--gpu-memory-gib", 0.01, "--jobs", jobs)
@@ -217,7 +217,7 @@ def test_the_search_also_takes_a_plain_dict_as_its_cache(tmp_path):
     Measurements): the same candidate and the same longest sequence."""
     from usp.planner import search
 
-    target = target_of(write_config(tmp_path, gpus=2, seq_len=256), 2)
+    target = target_of(write_config(tmp_path, gpus=2, layers=1, seq_len=256), 2)
     cluster = search.Cluster(1, 2, 0.01, 64.0)
     choices = [Choice(1, 2, 1, Levers(True))]
     cache: dict = {}
