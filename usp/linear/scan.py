@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from usp.planning_mode import representative
 
-__all__ = ["scalar_decay_padded"]
+__all__ = ["chunk_loop", "scalar_decay_padded"]
 
 
 def scalar_decay_padded(
@@ -71,9 +71,19 @@ def scalar_decay_padded(
     last = gamma[..., -1].exp()  # [N, H, n]
 
     state = q.new_zeros(n, heads, dk, dv)
-    if representative(q):  # usp plan, fake tensors: the loop's memory without its ops
-        o, state = _PlannedScanLoop.apply(inner, q_decay, increments, last, state)
-        return o.reshape(n, heads, chunks * c, dv)[:, :, :length].transpose(1, 2), state
+    o, state = chunk_loop(inner, q_decay, increments, last, state)  # [N, H, n, C, dv]
+    o = o.reshape(n, heads, chunks * c, dv)[:, :, :length]
+    return o.transpose(1, 2), state
+
+
+def chunk_loop(inner, q_decay, increments, last, state):
+    """The chunks in order from ``state`` [N, H, dk, dv]: inner [N, H, n, C, dv] (each
+    chunk's output from a zero state), q_decay [N, H, n, C, dk], increments
+    [N, H, n, dk, dv] (each chunk's state from zero), last [N, H, n] (each chunk's decay
+    product) -> (o [N, H, n, C, dv], final state). Planned under ``usp plan``'s fake
+    tensors (:class:`_PlannedScanLoop`)."""
+    if representative(q_decay):  # usp plan, fake tensors: the loop's memory without its ops
+        return _PlannedScanLoop.apply(inner, q_decay, increments, last, state)
     outs = []
     # unbind, not index: the backward of one select per chunk fills a whole zero tensor
     for inner_i, q_i, inc_i, last_i in zip(
@@ -81,8 +91,7 @@ def scalar_decay_padded(
     ):
         outs.append(inner_i + q_i @ state)
         state = last_i[..., None, None] * state + inc_i
-    o = torch.stack(outs, dim=2).reshape(n, heads, chunks * c, dv)[:, :, :length]
-    return o.transpose(1, 2), state
+    return torch.stack(outs, dim=2), state
 
 
 class _PlannedScanLoop(torch.autograd.Function):
