@@ -1,6 +1,7 @@
 """Whether a step is being planned: the context ``usp plan`` measures a fake-tensor step
 in, read by the loops that run differently there (:mod:`usp.models.tiling`'s
-representative tiles, the gated delta rule's chunk loop in :mod:`usp.linear.kernel`).
+representative tiles, the chunk loops of the gated delta rule in :mod:`usp.linear.kernel`
+and of the scalar-decay scan in :mod:`usp.linear.scan`).
 
 A leaf module (torch only), so that any part of usp can ask without importing
 :mod:`usp.models`.
@@ -21,8 +22,9 @@ _REPRESENTATIVE = contextvars.ContextVar("usp_representative_tiles", default=Fal
 @contextmanager
 def representative_tiles() -> Iterator[None]:
     """While inside, memory-periodic loops over fake tensors run their first and last
-    tile only (:mod:`usp.models.tiling`), and the gated delta rule's chunk loop is planned
-    (:mod:`usp.linear.kernel`); real tensors are unaffected."""
+    tile only (:mod:`usp.models.tiling`), and the chunk loops of the gated delta rule and
+    the scalar-decay scan are planned (:mod:`usp.linear.kernel`, :mod:`usp.linear.scan`);
+    real tensors are unaffected."""
     token = _REPRESENTATIVE.set(True)
     try:
         yield

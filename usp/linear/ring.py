@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from usp.comm.collectives import all_gather_into, reduce_scatter_into
 from usp.comm.stats import CommStats
+from usp.planning_mode import representative
 from usp.ring.documents import Documents
 
 
@@ -150,7 +151,12 @@ def scalar_start_states(maps: torch.Tensor, segments: Segments) -> torch.Tensor:
     """Each local segment's start state from every segment's map under a scalar decay
     per head (Mamba-2): ``maps`` [r, B, N, H, X + 1], the state a segment reaches from
     zero (X numbers: dk * dv, flattened) and its decay product exp(sum g):
-    S_end = decay S_start + B. Returns [B, N, H, X]."""
+    S_end = decay S_start + B. Returns [B, N, H, X]. Planned under ``usp plan``'s fake
+    tensors (:class:`_PlannedScalarComposition`)."""
+    if representative(maps):  # usp plan, fake tensors: the loop's memory without its ops
+        needed = max(segments.chunk(s) for s in range(segments.count))
+        steps = min(needed, segments.documents.chunks_per_doc)
+        return _PlannedScalarComposition.apply(maps, steps, segments.num_docs)
     zero = maps[0, :, : segments.num_docs, :, :-1] * 0
     return compose_in_chunk_order(
         maps, segments, zero, lambda m, state: m[..., -1:] * state + m[..., :-1]
@@ -177,3 +183,52 @@ def compose_in_chunk_order(maps: torch.Tensor, segments: Segments, zero, step) -
     return torch.stack(
         [before[segments.chunk(s)][:, segments.doc(s)] for s in range(segments.count)], dim=1
     )
+
+
+class _PlannedScalarComposition(torch.autograd.Function):
+    """:func:`scalar_start_states`'s loop over chunks as ``usp plan`` measures it (fake
+    tensors inside :func:`usp.planning_mode.representative_tiles`): a few allocations
+    that hold at every moment at least what the loop holds (2r - 1 chunks at most: with
+    the ring's all-gather and the conv's context, the ops a Mamba-2 layer runs per chunk
+    of the ring, not per token).
+
+    With K steps (chunks composed), D documents, N local segments, per batch row and head:
+    Z = D X (every document's state), M = D (X + 1) (a chunk's maps, stacked), R the
+    gathered maps (r N (X + 1)). The real forward makes the zero state (Z), then per step
+    the stacked maps (M, kept: the product's saved view reads them), a product (Z,
+    freed) and the next state (Z, kept: the next product saves it); then the segments'
+    start states are stacked (N X). So it holds at most Z + K(M + Z) + max(Z, N X) and
+    keeps Z + K(M + Z). Here: the same.
+
+    The real backward: each segment's select gives a zero-filled state gradient (Z,
+    held until its chunk is reached: at most N + 1 with the running one and one
+    transient); a step's product and slice backwards make two Z and three M (two
+    zero-filled slices and their sum); every select of the gathered maps makes a
+    zero-filled R, added into the maps' gradient (R; out of place: three R at once).
+    Here, with the saved tensors held to the end: (N + 2) Z, 3M + 2Z of temporaries
+    and 3R, then the maps' gradient (R).
+    ``tests/planner/test_planner_granite.py`` measures both under the tracker.
+    """
+
+    @staticmethod
+    def forward(ctx, maps, steps: int, docs: int):
+        r, batch, count, heads, width = maps.shape  # width: X + 1
+        x = width - 1
+        kept = maps.new_empty(batch, heads, docs * (x + steps * (width + x)))
+        temporary = maps.new_empty(batch, docs, heads, x)
+        del temporary
+        out = maps.new_empty(batch, count, heads, x)
+        ctx.save_for_backward(kept)
+        ctx.shape = (r, batch, count, heads, width, docs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (kept,) = ctx.saved_tensors
+        r, batch, count, heads, width, docs = ctx.shape
+        x = width - 1
+        state_grads = kept.new_empty(batch, heads, (count + 2) * docs * x)
+        temporaries = kept.new_empty(batch, heads, docs * (3 * width + 2 * x))
+        maps_grads = kept.new_empty(3, r, batch, count, heads, width)
+        del temporaries, maps_grads, state_grads
+        return kept.new_empty(r, batch, count, heads, width), None, None

@@ -29,7 +29,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["scalar_decay_padded"]
+from usp.planning_mode import representative
+
+__all__ = ["chunk_loop", "scalar_decay_padded"]
 
 
 def scalar_decay_padded(
@@ -69,6 +71,19 @@ def scalar_decay_padded(
     last = gamma[..., -1].exp()  # [N, H, n]
 
     state = q.new_zeros(n, heads, dk, dv)
+    o, state = chunk_loop(inner, q_decay, increments, last, state)  # [N, H, n, C, dv]
+    o = o.reshape(n, heads, chunks * c, dv)[:, :, :length]
+    return o.transpose(1, 2), state
+
+
+def chunk_loop(inner, q_decay, increments, last, state):
+    """The chunks in order from ``state`` [N, H, dk, dv]: inner [N, H, n, C, dv] (each
+    chunk's output from a zero state), q_decay [N, H, n, C, dk], increments
+    [N, H, n, dk, dv] (each chunk's state from zero), last [N, H, n] (each chunk's decay
+    product) -> (o [N, H, n, C, dv], final state). Planned under ``usp plan``'s fake
+    tensors (:class:`_PlannedScanLoop`)."""
+    if representative(q_decay):  # usp plan, fake tensors: the loop's memory without its ops
+        return _PlannedScanLoop.apply(inner, q_decay, increments, last, state)
     outs = []
     # unbind, not index: the backward of one select per chunk fills a whole zero tensor
     for inner_i, q_i, inc_i, last_i in zip(
@@ -76,5 +91,72 @@ def scalar_decay_padded(
     ):
         outs.append(inner_i + q_i @ state)
         state = last_i[..., None, None] * state + inc_i
-    o = torch.stack(outs, dim=2).reshape(n, heads, chunks * c, dv)[:, :, :length]
-    return o.transpose(1, 2), state
+    return torch.stack(outs, dim=2), state
+
+
+class _PlannedScanLoop(torch.autograd.Function):
+    """The loop over chunks of :func:`scalar_decay_padded` as ``usp plan`` measures it
+    (fake tensors inside :func:`usp.planning_mode.representative_tiles`): no numbers, a
+    handful of allocations that hold at every moment at least what the loop's n chunks
+    hold, so a planned step costs the same host time at any length and is never
+    optimistic (the twin of :class:`usp.linear.kernel._PlannedChunkLoop`).
+
+    Per (row, head), with V = C * dv (a chunk's output), S = dk * dv (a state), Q = C * dk
+    (a chunk's q), n chunks: the real forward keeps, for autograd, the state each chunk
+    starts from (n S, the first the zero state the caller made) and views of ``q_decay``
+    and ``last`` (the whole tensors); it appends each chunk's output (V) and allocates
+    one V- or S-sized temporary at a time inside a chunk; each chunk's end state (S) is
+    the next one's start; ``torch.stack`` then copies the n outputs (nV) while they are
+    live. So its peak is n(2V + S) + S (the stack, with the final state), and after it
+    it keeps n S and the stacked copy. Here: n - 1 states (the first is the input, kept
+    by ``save_for_backward``), the n outputs, a max(V, S) temporary, the final state,
+    the stacked copy.
+
+    The real backward runs the chunks in reverse; each frees the state it saved (S) and
+    makes the gradients of the chunk's slices of ``q_decay`` (Q), ``increments`` (the
+    state's gradient, S) and ``last`` (1), with temporaries of at most Q + 4S (the
+    state's gradient from the matmul and from the decay's product, their sum, the
+    product ``last``'s gradient sums); the gradient of ``inner``'s slice is a view of the
+    output's. So after t chunks it holds nS + t(Q + 1) of the two. Autograd holds the
+    slices until every chunk's have come; then :func:`torch.unbind`'s backward stacks
+    them into each input's whole gradient, one input at a time, freeing that input's
+    slices after: in any order at most G + n max(Q, S), with G = n(V + Q + S + 1) the
+    whole gradients, the saved states all freed. Here the saved states are held to the
+    end (the autograd node keeps them): the slices n(Q + 1) (the states they outgrow),
+    the temporary, then the whole gradients with a transient n max(Q - S, 0).
+    ``tests/planner/test_planner_granite.py`` measures both under the tracker.
+    """
+
+    @staticmethod
+    def forward(ctx, inner, q_decay, increments, last, state):
+        n, heads, chunks, c, dv = inner.shape
+        dk = q_decay.shape[-1]
+        # the states the chunks after the first start from
+        saved = inner.new_empty(n, heads, (chunks - 1) * dk * dv)
+        outs = inner.new_empty(n, heads, chunks, c, dv)
+        temporary = inner.new_empty(n, heads, max(c * dv, dk * dv))
+        del temporary
+        final = state.new_empty(n, heads, dk, dv)
+        o = torch.empty_like(outs)  # torch.stack(outs)
+        del outs
+        # the loop's autograd keeps its slices of these (views: the whole tensors)
+        ctx.save_for_backward(saved, q_decay, last, state)
+        ctx.inputs = [(t.shape, t.dtype) for t in (inner, q_decay, increments, last, state)]
+        return o, final
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_final):
+        saved, *_ = ctx.saved_tensors  # (all held until this returns)
+        needed = [(shape, dtype) if need else None
+                  for (shape, dtype), need in zip(ctx.inputs, ctx.needs_input_grad)]  # fmt: skip
+        n, heads, chunks, c, dv = ctx.inputs[0][0]
+        dk = ctx.inputs[1][0][-1]
+        # the chunks' gradient slices beyond the saved states they replace
+        slices = saved.new_empty(n, heads, chunks * (c * dk + 1))
+        temporary = saved.new_empty(n, heads, c * dk + 4 * dk * dv)
+        del temporary, slices
+        grads = [None if s is None else saved.new_empty(s[0], dtype=s[1]) for s in needed]
+        # unbind's backward of one input: its whole gradient made while its slices live
+        transient = saved.new_empty(n, heads, chunks * max(c * dk - dk * dv, 0))
+        del transient, saved
+        return tuple(grads)
