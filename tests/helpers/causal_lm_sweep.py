@@ -222,26 +222,26 @@ def _quiet():
     return stack
 
 
-def outcome(model_type: str, plan, name: str, rank_of_reference: bool, given: bool):
-    """This type's outcome on this rank (every SP rank calls it; the rank given
-    ``rank_of_reference`` also computes the one-process reference and the verdict,
-    the others return ``None`` for a model that ran; ``given``: see :func:`under_sp`).
-    A type whose reference fails is skipped on every rank (the ranks share that before
-    the plug-in's collectives)."""
+def prepared(model_type: str, with_reference: bool):
+    """``(ids, reference or None)`` of this type on this rank, or why it does not build
+    tiny or run on plain ``input_ids`` in one process (a str). Collective-free: the
+    ranks compute their shares of the references side by side before the sweep's
+    first collective."""
+    with _quiet():
+        try:
+            ids = token_ids(tiny_config(model_type))
+            return ids, (reference(model_type, ids) if with_reference else None)
+        except Exception as err:  # noqa: BLE001 - a type that does not run tiny here
+            return f"{type(err).__name__}: {str(err)[:200]}"
+
+
+def outcome(model_type: str, plan, name: str, ids, want: dict | None, given: bool):
+    """This type's outcome on this rank (every SP rank calls it with the same ``ids``;
+    the rank holding the one-process reference ``want`` also gives the verdict, the
+    others return ``None`` for a model that ran; ``given``: see :func:`under_sp`)."""
     from usp.errors import UspError
 
     with _quiet():
-        skip, want = None, None
-        try:
-            ids = token_ids(tiny_config(model_type))
-            if rank_of_reference:
-                want = reference(model_type, ids)
-        except Exception as err:  # noqa: BLE001 - a type that does not run tiny here
-            skip = f"{type(err).__name__}: {str(err)[:200]}"
-        skips = [None] * plan.sp_degree
-        dist.all_gather_object(skips, skip, group=plan.sp_group)
-        if any(s is not None for s in skips):
-            return ("skipped", next(s for s in skips if s is not None))
         try:
             got = under_sp(model_type, plan, name, ids, given=given)
         except UspError as err:
@@ -262,15 +262,27 @@ def given_to_register(index: int) -> bool:
 
 
 def sweep_outcomes(plan, name: str, model_types) -> dict:
-    """Every type's outcome, the same dict on every SP rank: the ranks take turns at the
-    one-process references and share their verdicts."""
+    """Every type's outcome, the same dict on every SP rank. First every rank builds
+    each type's ids and its share of the one-process references (every
+    ``sp_degree``-th type), all ranks side by side with no collective in between (a
+    reference, and the first import of a model's module, never keeps the other ranks
+    waiting); one exchange then skips, on every rank, a type that failed there on any
+    rank; then each remaining type runs under SP and the rank holding its reference
+    gives the verdict; the ranks share their verdicts."""
+    degree, sp_rank = plan.sp_degree, dist.get_rank(plan.sp_group)
+    ready = {t: prepared(t, i % degree == sp_rank) for i, t in enumerate(model_types)}
+    skips = [None] * degree
+    dist.all_gather_object(skips, {t: r for t, r in ready.items() if isinstance(r, str)},
+                           group=plan.sp_group)  # fmt: skip
     mine = {}
-    sp_rank = dist.get_rank(plan.sp_group)
     for index, model_type in enumerate(model_types):
-        mine[model_type] = outcome(
-            model_type, plan, name, index % plan.sp_degree == sp_rank, given_to_register(index)
-        )
-    everyone = [None] * plan.sp_degree
+        why = [s[model_type] for s in skips if model_type in s]
+        if why:
+            mine[model_type] = ("skipped", why[0])
+            continue
+        ids, want = ready[model_type]
+        mine[model_type] = outcome(model_type, plan, name, ids, want, given_to_register(index))
+    everyone = [None] * degree
     dist.all_gather_object(everyone, mine, group=plan.sp_group)
     merged = {}
     for model_type in model_types:
