@@ -41,3 +41,11 @@ def representative(x: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return False
     return _REPRESENTATIVE.get() and is_fake(x)
+
+
+def planned_gradients(like: torch.Tensor, inputs, needs_input_grad) -> list:
+    """A planned autograd function's gradients: for each input ``(shape, dtype)`` in
+    ``inputs`` an uninitialised tensor on ``like``'s device where ``needs_input_grad``
+    says so, else None (allocations only: what ``usp plan`` counts)."""
+    return [like.new_empty(shape, dtype=dtype) if need else None
+            for (shape, dtype), need in zip(inputs, needs_input_grad)]  # fmt: skip

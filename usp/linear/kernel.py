@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from usp.planning_mode import representative
+from usp.planning_mode import planned_gradients, representative
 
 __all__ = [
     "chunk_gated_delta_rule",
@@ -229,10 +229,8 @@ class _PlannedChunkLoop(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_o, grad_final):
         saved = ctx.saved_tensors[0]
-        needed = [(shape, dtype) if need else None
-                  for (shape, dtype), need in zip(ctx.inputs, ctx.needs_input_grad)]  # fmt: skip
         # the chunks' gradient slices, held until the last chunk (one tensor per input)
-        slices = [None if s is None else saved.new_empty(s[0], dtype=s[1]) for s in needed]
+        slices = planned_gradients(saved, ctx.inputs, ctx.needs_input_grad)
         n, heads, _, c, dv = ctx.inputs[0][0]
         dk = ctx.inputs[1][0][-1]
         temporary = saved.new_empty(n, heads, 4 * c * dv + 6 * dk * dv)
@@ -240,7 +238,7 @@ class _PlannedChunkLoop(torch.autograd.Function):
         # unbind's backward stacks each input's slices; the backward of the ops that made
         # the inputs may run before the last stack (autograd's order): counted as if
         # every slice were held until every whole gradient is made
-        grads = [None if s is None else saved.new_empty(s[0], dtype=s[1]) for s in needed]
+        grads = planned_gradients(saved, ctx.inputs, ctx.needs_input_grad)
         del slices, saved
         return tuple(grads)
 

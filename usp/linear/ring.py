@@ -70,6 +70,13 @@ class Segments:
     def doc(self, segment: int) -> int:
         return segment % self.num_docs
 
+    @property
+    def composed_chunks(self) -> int:
+        """How many chunks the prefix scan composes (:func:`compose_in_chunk_order`):
+        up to the latest chunk a local segment starts at, at most a document's chunks."""
+        latest = max(self.chunk(s) for s in range(self.count))
+        return min(latest, self.documents.chunks_per_doc)
+
     def source(self, chunk: int, doc: int) -> tuple[int, int]:
         """(ring rank, its local segment index) holding chunk ``chunk`` of ``doc``."""
         r = self.documents.ring_size
@@ -154,9 +161,7 @@ def scalar_start_states(maps: torch.Tensor, segments: Segments) -> torch.Tensor:
     S_end = decay S_start + B. Returns [B, N, H, X]. Planned under ``usp plan``'s fake
     tensors (:class:`_PlannedScalarComposition`)."""
     if representative(maps):  # usp plan, fake tensors: the loop's memory without its ops
-        needed = max(segments.chunk(s) for s in range(segments.count))
-        steps = min(needed, segments.documents.chunks_per_doc)
-        return _PlannedScalarComposition.apply(maps, steps, segments.num_docs)
+        return _PlannedScalarComposition.apply(maps, segments.composed_chunks, segments.num_docs)
     zero = maps[0, :, : segments.num_docs, :, :-1] * 0
     return compose_in_chunk_order(
         maps, segments, zero, lambda m, state: m[..., -1:] * state + m[..., :-1]
@@ -171,11 +176,9 @@ def compose_in_chunk_order(maps: torch.Tensor, segments: Segments, zero, step) -
     (map [B, docs, ..], state) -> the state after that chunk. Returns each local
     segment's start state [B, N, ..]."""
     docs = segments.num_docs
-    chunks = segments.documents.chunks_per_doc
-    needed = max(segments.chunk(s) for s in range(segments.count))
     state = zero
     before = [state]  # before[c]: every document's state at the start of chunk c
-    for c in range(min(needed, chunks)):
+    for c in range(segments.composed_chunks):
         sources = [segments.source(c, d) for d in range(docs)]
         chunk_maps = torch.stack([maps[rank, :, index] for rank, index in sources], dim=1)
         state = step(chunk_maps, state)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from usp.planning_mode import representative
+from usp.planning_mode import planned_gradients, representative
 
 __all__ = ["chunk_loop", "scalar_decay_padded"]
 
@@ -147,15 +147,13 @@ class _PlannedScanLoop(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_o, grad_final):
         saved, *_ = ctx.saved_tensors  # (all held until this returns)
-        needed = [(shape, dtype) if need else None
-                  for (shape, dtype), need in zip(ctx.inputs, ctx.needs_input_grad)]  # fmt: skip
         n, heads, chunks, c, dv = ctx.inputs[0][0]
         dk = ctx.inputs[1][0][-1]
         # the chunks' gradient slices beyond the saved states they replace
         slices = saved.new_empty(n, heads, chunks * (c * dk + 1))
         temporary = saved.new_empty(n, heads, c * dk + 4 * dk * dv)
         del temporary, slices
-        grads = [None if s is None else saved.new_empty(s[0], dtype=s[1]) for s in needed]
+        grads = planned_gradients(saved, ctx.inputs, ctx.needs_input_grad)
         # unbind's backward of one input: its whole gradient made while its slices live
         transient = saved.new_empty(n, heads, chunks * max(c * dk - dk * dv, 0))
         del transient, saved
