@@ -1,8 +1,9 @@
 """Attention sinks (and sliding windows) through USP attention on 4 gloo ranks, against
 a single-process float64 reference with the sinks as an extra softmax column (as
 transformers' gpt-oss) and the window as a mask: out, dq, dk, dv and dsinks (summed over
-the SP group), every ring implementation and layout, dense and packed. One launch per
-grid runs every case. Tolerances: float64 1e-10; bfloat16 2e-2 (out) and 5e-2 (grads).
+the SP group), every ring implementation and layout, dense and packed. One pooled call
+per grid runs every case (u2r2's compiled packed window runs on its ring, u1r2, on 2
+ranks). Tolerances: float64 1e-10; bfloat16 2e-2 (out) and 5e-2 (grads).
 """
 
 from __future__ import annotations
@@ -148,14 +149,14 @@ def run_windows(ulysses, ring):
     # packed documents with a window, compiled: one graph for every window and packing
     # (every step, every block masked from the device bounds, usp.ring.masked_window),
     # the window only a number in its masks, so one window reaches every kind of row:
-    # window 6 over DOCS' chunks 4, 2, 10 (u2r2 zigzag, u1r4 contiguous) is shorter
-    # than one document's chunk and spans the others' (blocks 1, 2 and 3 chunks back),
-    # and leaves rows of a block with no key (out 0, lse -inf); sinks on u2r2 only.
-    # u2r2 also dense MLA zigzag tails (r = 2: both messages between one pair of ranks;
-    # the all-to-alls at each tensor's own head size)
-    layout = "contiguous" if ring == 4 else "zigzag"
+    # window 6 over DOCS' chunks 4, 2, 10 (u1r4 contiguous here; zigzag on a ring of 2:
+    # run_compiled_packed_window) is shorter than one document's chunk and spans the
+    # others' (blocks 1, 2 and 3 chunks back), and leaves rows of a block with no key
+    # (out 0, lse -inf). u2r2: dense MLA zigzag tails with sinks (r = 2: both messages
+    # between one pair of ranks; the all-to-alls at each tensor's own head size)
     compiled_cases = dense if ring == 4 else [("zigzag", "p2p", 5, True, None, 4)]
-    compiled_cases += [(layout, "p2p", 6, ring == 2, DOCS, 8)]
+    if ring == 4:
+        compiled_cases += [("contiguous", "p2p", 6, False, DOCS, 8)]
     graph_bytes = []  # dense: what the compiled graphs send, against the formula
     for layout, ring_impl, window, sinks, packed, value_dim in compiled_cases:
         case = dict(layout=layout, ring_impl=ring_impl, packed=packed, window=window)
@@ -176,13 +177,33 @@ def run_windows(ulysses, ring):
     return results, graph_bytes
 
 
+def run_compiled_packed_window():
+    """The zigzag packed window under compile with sinks (window 6 over DOCS' chunks 4,
+    2, 10, as u1r4's contiguous one in run_windows) on u1r2: the ring of u2r2 after its
+    all-to-all (the same chunks and masks), on 2 ranks. The all-to-all of packed inputs
+    under compile on 4 ranks (u2r2): test_compiled_attention.py's
+    ``test_one_compiled_graph_serves_every_packing_of_the_p2p_ring[u2xr2]``; sinks under
+    compile with u = 2: run_windows(2, 2)'s dense zigzag case."""
+    case = dict(layout="zigzag", ring_impl="p2p", packed=DOCS, window=6)
+    errors = usp_case(
+        topology(1, 2), case_inputs(64, 4, 2, seed=2), with_sinks=True, dtype=torch.float64,
+        sinks_dtype=torch.float64, compiled=True, **case,
+    )  # fmt: skip
+    return [({**case, "compiled": True}, torch.float64, errors)]
+
+
 @pytest.mark.parametrize("grid", [(2, 2), (1, 4)], ids=["u2r2", "u1r4"])
 def test_windows_match_the_masked_reference(distributed, grid):
-    # u1r4 also compiles four calls, u2r2 two: minutes on a loaded 2-core machine
+    # u1r4 also compiles four calls, u2r2 one (and u2r2's ring, u1r2, the packed window
+    # on 2 ranks): minutes on a loaded 2-core machine
     by_rank = distributed.run(run_windows, *grid, world_size=4, timeout=1200)
     results = [found for found, _ in by_rank]
     assert any("dsinks" in errors for _, _, errors in results[0])
     failures = _failures(results)
+    if grid == (2, 2):
+        on_u1r2 = distributed.run(run_compiled_packed_window, world_size=2, timeout=900)
+        assert all("dsinks" in errors for found in on_u1r2 for _, _, errors in found)
+        failures += [f"u1r2 {line}" for line in _failures(on_u1r2)]
     # compiled, dense: the bytes the graphs' collectives send (the counters see nothing
     # under compile) are the formula's, windowed tails and MLA's own head sizes included
     for rank, (_, graph_bytes) in enumerate(by_rank):

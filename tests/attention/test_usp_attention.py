@@ -4,7 +4,10 @@ Every (ulysses, ring) grid the issue lists, with MHA, GQA whose KV heads split o
 the Ulysses group, and GQA with more Ulysses ranks than KV heads (KV replication);
 causal and not; both layouts; both ring implementations; float32 and bfloat16.
 Tolerances as for the ring: float32 1e-5 relative (measured <= 1e-6), bfloat16 2e-2
-for out and 4e-2 for gradients (measured <= 1.5e-2).
+for out and 4e-2 for gradients (measured <= 1.5e-2). The same calls' bytes: every
+rank's sent and received bytes and calls per collective kind, forward and backward,
+equal ``traffic_formula`` (benchmarks/emulate.py) exactly; the grid with data
+parallelism is tests/attention/test_traffic.py's.
 """
 
 from __future__ import annotations
@@ -17,23 +20,30 @@ import torch.distributed as dist
 from usp_cases import global_inputs, reference_with_grads, topology, usp_errors
 
 import usp
+from benchmarks import emulate
+from usp.sp import sharding
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 4e-2)}
 HEAD_CONFIGS = {"mha": (8, 8), "gqa-split": (16, 8), "gqa-replicated": (8, 2)}
 
 
-def run_grid(ulysses, ring, ring_impl, local_len=8):
+LOCAL_LEN, BATCH, HEAD_DIM = 8, 2, 16  # global_inputs' batch and head size
+
+
+def run_grid(ulysses, ring, ring_impl):
+    """Every case's errors and the bytes its forward and backward moved on this rank."""
     topo = topology(ulysses, ring)
     world = dist.get_world_size()
     results = []
     for (heads_name, (heads, kv_heads)), causal in itertools.product(
         HEAD_CONFIGS.items(), (False, True)
     ):
-        inputs = global_inputs(local_len * world, heads, kv_heads, seed=heads + kv_heads)
+        inputs = global_inputs(LOCAL_LEN * world, heads, kv_heads, seed=heads + kv_heads)
         expected = reference_with_grads(*inputs, causal=causal)
         for layout, dtype in itertools.product(
             ("zigzag", "contiguous"), (torch.float32, torch.bfloat16)
         ):
+            traffic = {}
             errors = usp_errors(
                 topo,
                 inputs,
@@ -42,9 +52,25 @@ def run_grid(ulysses, ring, ring_impl, local_len=8):
                 layout=layout,
                 causal=causal,
                 ring_impl=ring_impl,
+                traffic=traffic,
             )
-            results.append(((heads_name, causal, layout, dtype), errors))
+            results.append(((heads_name, causal, layout, dtype), errors, traffic))
     return results
+
+
+def formula_traffic(ulysses, ring, ring_impl, heads_name, dtype):
+    """The stated bytes of one of run_grid's calls (float32 dK/dV accumulators)."""
+    heads, kv_heads = HEAD_CONFIGS[heads_name]
+    return emulate.traffic_formula(
+        emulate.AttentionShape(heads, kv_heads, HEAD_DIM),
+        batch=BATCH,
+        seqlen=LOCAL_LEN * ulysses * ring,
+        ulysses=ulysses,
+        ring=ring,
+        ring_impl=ring_impl,
+        item_bytes=dtype.itemsize,
+        acc_bytes=4,
+    )
 
 
 GRIDS = [(8, (8, 1)), (8, (4, 2)), (8, (2, 4)), (8, (1, 8)), (4, (4, 1)), (4, (2, 2)), (4, (1, 4))]
@@ -59,14 +85,20 @@ def test_usp_matches_single_process_reference(distributed, world, grid, ring_imp
     for rank, results in enumerate(
         distributed.run(run_grid, *grid, ring_impl, world_size=world, timeout=300)
     ):
-        for (heads, causal, layout, dtype), errors in results:
+        for (heads, causal, layout, dtype), errors, traffic in results:
             out_tol, grad_tol = TOL[dtype]
             for name, err in errors.items():
                 if err > (out_tol if name == "out" else grad_tol):
                     failures.append(
                         f"rank {rank} {heads} causal={causal} {layout} {dtype}: {name} {err:.3g}"
                     )
-    assert not failures, "\n".join(failures)
+            want = formula_traffic(*grid, ring_impl, heads, dtype)
+            if traffic != want:
+                failures.append(
+                    f"rank {rank} {heads} causal={causal} {layout} {dtype}: "
+                    f"moved {traffic}, the formula says {want}"
+                )
+    assert not failures, "\n".join(failures[:10])
 
 
 def run_uneven_replication(heads, kv_heads, ulysses, ring):
@@ -164,7 +196,7 @@ def test_shard_and_gather_round_trip_exactly(distributed, world, grid, placement
 
 def test_zigzag_positions_follow_the_documented_layout():
     # S = 16, r = 2, u = 2: chunks of 4; ring rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
-    pos = lambda rr, ur: usp.sp.sharding.sequence_positions(  # noqa: E731
+    pos = lambda rr, ur: sharding.sequence_positions(  # noqa: E731
         16, ring_size=2, ring_rank=rr, ulysses_size=2, ulysses_rank=ur, layout="zigzag"
     ).tolist()
     assert pos(0, 0) == [0, 1, 2, 3] and pos(0, 1) == [12, 13, 14, 15]
@@ -181,7 +213,7 @@ def test_pad_to_multiple():
         usp.ShardingError,
         match="sequence length 10 must be a multiple of 4 for the zigzag layout with ring=2, ulysses=2 \\(pad to 12",
     ):
-        usp.sp.sharding.check_sequence_length(10, 2, 2, "zigzag")
+        sharding.check_sequence_length(10, 2, 2, "zigzag")
 
 
 # ------------------------------------------------------------------ traffic

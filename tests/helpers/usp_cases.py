@@ -56,16 +56,25 @@ def reference_with_grads(q, k, v, dout, causal, mask=None):
     return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
 
 
-def usp_errors(topo, inputs, expected, *, dtype, layout, causal, ring_impl, extra=None):
-    """Shard the global inputs, run usp_attention fwd+bwd, gather, compare."""
+def usp_errors(
+    topo, inputs, expected, *, dtype, layout, causal, ring_impl, extra=None, traffic=None
+):
+    """Shard the global inputs, run usp_attention fwd+bwd, gather, compare. ``traffic``:
+    a dict that receives the topology's ``CommStats`` snapshots of the forward and of the
+    backward ("forward", "backward")."""
     q, k, v, dout = inputs
     local = [
         usp.shard_sequence(t, topo, layout=layout).to(dtype).requires_grad_() for t in (q, k, v)
     ]
+    topo.comm_stats.reset()
     out = usp.usp_attention(
         *local, topo, causal=causal, layout=layout, ring_impl=ring_impl, **(extra or {})
     )
+    forward = topo.comm_stats.snapshot()
+    topo.comm_stats.reset()
     out.backward(usp.shard_sequence(dout, topo, layout=layout).to(dtype))
+    if traffic is not None:
+        traffic.update(forward=forward, backward=topo.comm_stats.snapshot())
     actual = [out.detach(), *(t.grad for t in local)]
     if any(a.dtype != dtype for a in actual):
         raise AssertionError(f"dtype changed: {[a.dtype for a in actual]}")
