@@ -14,8 +14,8 @@ and every family's recorded model shape reads back as its own
 (``tests/train/test_train_checkpoint_shape.py`` has the comparison's cases).
 ``benchmarks/resume_soak.py`` runs the same check as the commands a user types (``usp
 train --steps 2``, then ``--steps 4 --resume``). A resume on 4 ranks (ulysses 2 x ring 2,
-the tiny preset) is tested by tests/train/test_train_faults.py and
-test_train_integrity.py; one from 4 ranks onto 2 under torchrun by test_train_launch.py.
+the tiny preset) is tested by tests/train/test_train_faults.py; one from 4 ranks onto 2
+under torchrun by test_train_launch.py.
 
 Then, in this process: the uninterrupted run's step-2 checkpoint resumes in one process
 without FSDP (another grid: DCP reshards 2 ranks' shards) for a hybrid and a hybrid MoE
