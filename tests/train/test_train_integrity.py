@@ -4,7 +4,7 @@ checkpoints) is checked before it is used, and its damage ends in one clear mess
 - checksums (:mod:`usp.train.checksums`) against an independent computation;
 - a damaged token cache (ids permuted, ids overwritten with 0xFF, ``meta.json`` deleted,
   a file cut short, ...) is rebuilt with a note and never trained on: the losses equal
-  those of the undamaged run (4 gloo ranks through the trainer);
+  those of the undamaged run (2 gloo ranks through the trainer);
 - the temporary directory of a builder killed with ``kill -9`` is removed by the next
   build;
 - one flipped byte in any rank's shard file (not only rank 0's) is the same error on
@@ -18,8 +18,11 @@ checkpoints) is checked before it is used, and its damage ends in one clear mess
 - a SIGTERM during a save stops the run at that checkpoint, without another step;
 - the same under torchrun, as a user runs it (two launches).
 
-Every 4-rank body captures its process's console (file descriptors 1 and 2): no
-traceback may reach it.
+The job runs on 2 ranks (ulysses 2): what is checked here (files, messages, every rank
+agreeing) does not depend on the grid, and a resume on 4 ranks (ulysses 2 x ring 2) is
+tested by tests/train/test_train_faults.py; the checksums of every rank's shard are
+verified on 4 ranks (files of 4 or 8 writers). Every multi-rank body captures its
+process's console (file descriptors 1 and 2): no traceback may reach it.
 """
 
 from __future__ import annotations
@@ -53,15 +56,17 @@ from usp.train.trainer import train, user_errors
 
 TIMEOUT = 240
 LAUNCH_TIMEOUT_S = 240
+#: the job's ranks (in-process and under torchrun)
+RANKS = 2
 
 CONFIG = """
 [cluster]
 nodes = 1
-gpus_per_node = 4
+gpus_per_node = 2
 
 [parallel]
 ulysses = 2
-ring = 2
+ring = 1
 
 [model]
 preset = "tiny"
@@ -126,7 +131,8 @@ def console_captured():
 
 
 def run_job(config_path, out, resume=False, steps=None):
-    """Body for every rank: the job as ``usp train`` runs it (on a cached 2x2 topology).
+    """Body for every rank: the job as ``usp train`` runs it (on a cached ulysses 2
+    topology).
     Returns ``(rows, log, error, exit_status, console)``: ``log`` is what rank 0 prints,
     ``error`` the message of an error (None: the run finished), ``exit_status`` the
     status ``usp train`` gives that error (2 for config, data, checkpoint errors)."""
@@ -135,7 +141,7 @@ def run_job(config_path, out, resume=False, steps=None):
     with console_captured() as console:
         try:
             job = load_train_config(config_path, steps=steps)
-            plan = build_plan(job, topology(2, 2))
+            plan = build_plan(job, topology(2, 1))
             result = train(job, plan, output_dir=out, resume=resume, stream=stream)
             rows = [(r["step"], r["loss"], r["grad_norm"]) for r in result.metrics]
         except Exception as err:  # noqa: BLE001 - the message is what is tested
@@ -157,7 +163,7 @@ def clean_run(distributed, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("integrity")
     config = write_job(tmp / "job")
     out = tmp / "clean"
-    results = distributed.run(run_job, str(config), str(out), world_size=4, timeout=TIMEOUT)
+    results = distributed.run(run_job, str(config), str(out), world_size=RANKS, timeout=TIMEOUT)
     rows, _, error, _, _ = results[0]
     assert error is None, error
     assert [r[0] for r in rows] == [1, 2, 3, 4]
@@ -301,14 +307,14 @@ def test_a_damaged_token_cache_is_rebuilt_and_never_trained_on(
     shutil.copytree(clean / "cache", out / "cache")  # a new run over the same data
     directory = _cache_of(out)
     _damage_cache(directory, how)
-    results = distributed.run(run_job, str(config), str(out), world_size=4, timeout=TIMEOUT)
+    results = distributed.run(run_job, str(config), str(out), world_size=RANKS, timeout=TIMEOUT)
     _assert_quiet(results)
     assert all(r[2] is None for r in results), [r[2] for r in results]
     log = results[0][1]
     note = f"the tokenised data cache {directory} was damaged ({CACHE_DAMAGE[how]}"
     assert log.count(note) == 1, log
     assert "rebuilt from the data" in log, log
-    assert [r[0] for r in results] == [rows] * 4, "the losses of the undamaged data, exactly"
+    assert [r[0] for r in results] == [rows] * RANKS, "the losses of the undamaged data, exactly"
     assert _cache_of(out) == directory and (directory / "meta.json").is_file()
 
 
@@ -450,7 +456,9 @@ def test_flipped_bytes_in_a_weight_fall_back_to_the_previous_checkpoint(
     out = _copy(clean, tmp_path)
     newest = out / "checkpoints" / "step_000004"
     name = _flip_weight_bytes(newest)
-    results = distributed.run(run_job, str(config), str(out), True, world_size=4, timeout=TIMEOUT)
+    results = distributed.run(
+        run_job, str(config), str(out), True, world_size=RANKS, timeout=TIMEOUT
+    )
     _assert_quiet(results)
     assert all(r[2] is None for r in results), [r[2] for r in results]
     log = results[0][1]
@@ -467,7 +475,9 @@ def test_a_missing_or_empty_metadata_file_is_one_message(distributed, tmp_path, 
     out = _copy(clean, tmp_path)
     metadata = out / "checkpoints" / "step_000004" / ".metadata"
     metadata.unlink() if how == "missing" else metadata.write_bytes(b"")
-    results = distributed.run(run_job, str(config), str(out), True, world_size=4, timeout=TIMEOUT)
+    results = distributed.run(
+        run_job, str(config), str(out), True, world_size=RANKS, timeout=TIMEOUT
+    )
     _assert_quiet(results)
     log = results[0][1]
     expected = ".metadata is missing" if how == "missing" else ".metadata has 0 bytes"
@@ -487,7 +497,9 @@ def test_dcp_tracebacks_of_a_checkpoint_without_checksums_go_to_its_log(
     del meta["checksums"]
     (newest / "usp_meta.json").write_text(json.dumps(meta))
     (newest / ".metadata").write_bytes(b"")
-    results = distributed.run(run_job, str(config), str(out), True, world_size=4, timeout=TIMEOUT)
+    results = distributed.run(
+        run_job, str(config), str(out), True, world_size=RANKS, timeout=TIMEOUT
+    )
     _assert_quiet(results)
     log = results[0][1]
     dcp_log = out / "checkpoints" / "dcp.log"
@@ -496,7 +508,7 @@ def test_dcp_tracebacks_of_a_checkpoint_without_checksums_go_to_its_log(
     assert "Traceback" not in log, log
     text = dcp_log.read_text()
     assert "Global metadata is not found" in text and "Traceback" in text, text
-    assert all(f"[rank {r}] " in text for r in range(4)), text
+    assert all(f"[rank {r}] " in text for r in range(RANKS)), text
     assert results[0][0] == rows[2:]
 
 
@@ -532,7 +544,7 @@ def test_a_divergence_after_a_resume_names_the_step_before_it(
     if newest == "damaged":
         _flip_weight_bytes(out / "checkpoints" / "step_000004")
     results = distributed.run(
-        run_diverging_after_resume, str(config), str(out), 6, world_size=4, timeout=TIMEOUT
+        run_diverging_after_resume, str(config), str(out), 6, world_size=RANKS, timeout=TIMEOUT
     )
     _assert_quiet(results)
     messages = {r[2] for r in results}
@@ -558,12 +570,12 @@ def test_a_metrics_file_that_is_a_directory_is_one_start_up_error(distributed, t
     out = tmp_path / "run"
     (out / "metrics.jsonl").mkdir(parents=True)
     # (it used to fail rank 0 alone, after the model was built: the others hung)
-    results = distributed.run(run_job, str(config), str(out), world_size=4, timeout=60)
+    results = distributed.run(run_job, str(config), str(out), world_size=RANKS, timeout=60)
     _assert_quiet(results)
     assert len({r[2] for r in results}) == 1 and {r[3] for r in results} == {2}
     message = results[0][2]
     assert message == (
-        "ConfigError: usp train set-up failed on ranks 0, 1, 2, 3 of 4: "
+        "ConfigError: usp train set-up failed on ranks 0, 1 of 2: "
         f"{out / 'metrics.jsonl'} is a directory, but usp train writes its "
         "metrics there (a file): move it away, or choose another --output directory"
     )
@@ -607,7 +619,7 @@ def run_signalled_during_a_save(config_path, out, rank_signalled):
     checkpoint.record_checksums = signalled
     try:
         job = load_train_config(config_path)
-        plan = build_plan(job, topology(2, 2))
+        plan = build_plan(job, topology(2, 1))
         result = train(job, plan, output_dir=out, stream=io.StringIO())
     finally:
         checkpoint.record_checksums = original
@@ -618,10 +630,10 @@ def test_sigterm_during_a_save_stops_at_that_checkpoint(distributed, tmp_path, c
     config, _, _ = clean_run
     out = tmp_path / "run"
     results = distributed.run(
-        run_signalled_during_a_save, str(config), str(out), 3, world_size=4, timeout=TIMEOUT
+        run_signalled_during_a_save, str(config), str(out), 1, world_size=RANKS, timeout=TIMEOUT
     )
-    assert results[3][0] == "SIGTERM"
-    assert {r[0] for r in results[:3]} == {"a signal on another rank"}
+    assert results[1][0] == "SIGTERM"
+    assert {r[0] for r in results[:1]} == {"a signal on another rank"}
     assert {r[1:] for r in results} == {(2, str(out / "checkpoints" / "step_000002"), 2)}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2], "no step after the save"
@@ -629,10 +641,10 @@ def test_sigterm_during_a_save_stops_at_that_checkpoint(distributed, tmp_path, c
 
 
 # ----------------------------------------------------------------------------- torchrun
-def _usp_train(config: Path, out: Path, *flags: str, nproc: int = 4) -> list[str]:
+def _usp_train(config: Path, out: Path, *flags: str) -> list[str]:
     port = free_port()
     return torchrun(
-        "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+        "--nproc-per-node", str(RANKS), "--master-addr", "127.0.0.1", "--master-port", str(port),
         "--shutdown-timeout", "60",
         "-m", "usp", "train", str(config), "--output", str(out), "--device", "cpu", *flags,
     )  # fmt: skip
@@ -652,9 +664,7 @@ def test_under_torchrun_damage_is_reported_and_repaired_without_a_traceback(tmp_
     dead.mkdir()
     bad = tmp_path / "bad"
     (bad / "metrics.jsonl").mkdir(parents=True)
-    two_ranks = ("--set", "cluster.gpus_per_node=2", "--ulysses", "2", "--ring", "1")
-    refused = _usp_train(config, bad, *two_ranks, nproc=2)  # the refusal needs no 4 ranks
-    launches = [_usp_train(config, out, "--resume"), refused]
+    launches = [_usp_train(config, out, "--resume"), _usp_train(config, bad)]
     result, refusal = run_agents(launches, tmp_path, LAUNCH_TIMEOUT_S)
     text = result.stdout
     assert result.returncode == 0, text

@@ -1,21 +1,27 @@
 """``usp train --resume`` for every model family's tiny preset, and ``usp eval`` of such a
 training output.
 
-One launch of 4 gloo ranks (ulysses 2 x ring 2) runs, for each preset of :data:`CASES`,
-two jobs in-process: 4 uninterrupted steps (warm-up and cosine schedule, clipping active,
-a checkpoint every 2 steps), then a resume from a copy of their step-2 checkpoint in
-another output directory (what a run preempted after step 2 leaves). Checked: the resumed
-steps 3-4 repeat the uninterrupted ones (loss, router aux loss, gradient norm; 1e-6
-relative): model and AdamW state, the MoE routers, the Gated DeltaNet layers, the sliding
-windows and LoRA adapters (with keyed dropout) all come back, and every family's
-recorded model shape reads back as its own (``tests/train/test_train_checkpoint_shape.py``
-has the comparison's cases). ``benchmarks/resume_soak.py`` runs the same check as the
-commands a user types (``usp train --steps 2``, then ``--steps 4 --resume``).
+One launch of 2 gloo ranks runs, for each preset of :data:`CASES`, two jobs in-process on
+the preset's grid (:data:`GRIDS`: half the presets on Ulysses 2, half on ring 2, so a
+resume is checked through both exchanges; FSDP shards every trained parameter over the 2
+ranks): 4 uninterrupted steps (warm-up and cosine schedule, clipping active, a checkpoint
+every 2 steps), then a resume from a copy of their step-2 checkpoint in another output
+directory (what a run preempted after step 2 leaves). Checked: the resumed steps 3-4
+repeat the uninterrupted ones (loss, router aux loss, gradient norm; 1e-6 relative): model
+and AdamW state, the data position, the schedule, the MoE routers, the Gated DeltaNet and
+Mamba-2 layers, the sliding windows and LoRA adapters (with keyed dropout) all come back,
+and every family's recorded model shape reads back as its own
+(``tests/train/test_train_checkpoint_shape.py`` has the comparison's cases).
+``benchmarks/resume_soak.py`` runs the same check as the commands a user types (``usp
+train --steps 2``, then ``--steps 4 --resume``). A resume on 4 ranks (ulysses 2 x ring 2,
+the tiny preset) is tested by tests/train/test_train_faults.py; one from 4 ranks onto 2
+under torchrun by test_train_launch.py.
 
 Then, in this process: the uninterrupted run's step-2 checkpoint resumes in one process
-without FSDP (another grid: DCP reshards) for a hybrid and a hybrid MoE family, within
-the float32 tolerances of one process against 4 ranks; and ``usp eval`` of the
-Qwen3.5-MoE training output gives the same report in one process and on 4 ranks.
+without FSDP (another grid: DCP reshards 2 ranks' shards) for a hybrid and a hybrid MoE
+family, within the float32 tolerances of one process against several ranks; and ``usp
+eval`` of the Qwen3.5-MoE training output gives the same report in one process and on 4
+ranks (ulysses 2 x ring 2: DCP reshards the 2 ranks' shards onto 4).
 """
 
 from __future__ import annotations
@@ -55,7 +61,20 @@ CASES = {
     "qwen3.5-moe-tiny": {},  # Gated DeltaNet with MoE, every parameter trained
     "granite4h-tiny": {"lora": LORA},  # Mamba-2, attention without RoPE, muP; LoRA on MLPs
 }
-#: the presets resumed in one process from the 4-rank checkpoint (a hybrid, a hybrid MoE)
+#: each preset's grid (ulysses, ring) on the 2 ranks: windows, MoE routing, Gated
+#: DeltaNet's and Mamba-2's states cross ranks by the ring or by Ulysses' all-to-all
+GRIDS = {
+    "tiny": (1, 2),
+    "qwen3-tiny": (2, 1),
+    "gpt-oss-tiny": (1, 2),
+    "gemma3-tiny": (2, 1),
+    "qwen3-moe-tiny": (1, 2),
+    "qwen3.5-tiny": (2, 1),
+    "qwen3.5-moe-tiny": (1, 2),
+    "granite4h-tiny": (2, 1),
+}
+RANKS = 2
+#: the presets resumed in one process from the 2-rank checkpoint (a hybrid, a hybrid MoE)
 OTHER_GRID = ("qwen3.5-tiny", "qwen3.5-moe-tiny")
 EVAL_FLAGS = ["--lengths", "64,128", "--windows", "1", "--buckets", "2", "--seed", "3"]
 EVAL_FLAGS += ["--dtype", "float32", "--device", "cpu"]
@@ -63,9 +82,13 @@ EVAL_FLAGS += ["--dtype", "float32", "--device", "cpu"]
 
 def resume_job(preset: str) -> dict:
     """``base_config``'s job (4 steps, warm-up and cosine schedule, clipping active, a
-    checkpoint every 2 steps) on ``preset`` with its case's [train] keys."""
+    checkpoint every 2 steps) on ``preset`` with its case's [train] keys, on one node of
+    2 ranks with the preset's grid (:data:`GRIDS`)."""
     config = base_config(**CASES[preset])
     config["model"] = {"preset": preset}
+    ulysses, ring = GRIDS[preset]
+    config["cluster"] = {"nodes": 1, "gpus_per_node": RANKS}
+    config["parallel"] = {"ulysses": ulysses, "ring": ring, "dp": 1}
     return config
 
 
@@ -75,9 +98,10 @@ def _rows(result) -> list[tuple]:
 
 
 def _train(config: dict, out: Path, *, resume: bool = False) -> list[tuple]:
-    """The job on this rank of ulysses 2 x ring 2: its rows."""
+    """The job on this rank of its config's grid: its rows."""
     job = train_config_from_dict(config)
-    plan = build_plan(job, topology(2, 2))
+    parallel = config["parallel"]
+    plan = build_plan(job, topology(parallel["ulysses"], parallel["ring"]))
     return _rows(train(job, plan, output_dir=out, resume=resume, stream=io.StringIO()))
 
 
@@ -101,7 +125,7 @@ def run_presets(root: str) -> dict[str, tuple[list, list]]:
 @pytest.fixture(scope="module")
 def presets_run(distributed, tmp_path_factory):
     root = tmp_path_factory.mktemp("resume_families")
-    per_rank = distributed.run(run_presets, str(root), world_size=4, timeout=TIMEOUT)
+    per_rank = distributed.run(run_presets, str(root), world_size=RANKS, timeout=TIMEOUT)
     return root, per_rank
 
 
@@ -129,9 +153,9 @@ def test_a_resumed_run_repeats_the_uninterrupted_steps(presets_run, preset):
 
 
 @pytest.mark.parametrize("preset", OTHER_GRID)
-def test_a_4_rank_checkpoint_resumes_in_one_process(presets_run, tmp_path, preset):
-    """DCP reshards the step-2 checkpoint of the uninterrupted 4-rank run onto one process
-    without FSDP; float32 tolerances of one process against 4 ranks."""
+def test_a_2_rank_checkpoint_resumes_in_one_process(presets_run, tmp_path, preset):
+    """DCP reshards the step-2 checkpoint of the uninterrupted 2-rank run onto one process
+    without FSDP; float32 tolerances of one process against several ranks."""
     root, per_rank = presets_run
     full = per_rank[0][preset][0]
     source = root / preset / "full" / "checkpoints" / "step_000002"
@@ -154,9 +178,10 @@ def _eval_argv(root: Path, preset: str) -> list[str]:
     out = root / preset / "full"
     config = out / "config.toml"
     text = config.read_text()
-    assert "gpus_per_node = 4\n" in text, text
+    written = f"gpus_per_node = {RANKS}\n"
+    assert written in text, text
     eval_config = root / preset / "eval.toml"
-    eval_config.write_text(text.replace("gpus_per_node = 4\n", 'gpus_per_node = "auto"\n'))
+    eval_config.write_text(text.replace(written, 'gpus_per_node = "auto"\n'))
     return [str(out), "--config", str(eval_config), *EVAL_FLAGS, "--json"]
 
 
