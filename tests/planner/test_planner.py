@@ -8,6 +8,7 @@ import pytest
 import torch
 from planner_cases import target_of, write_config
 
+import usp.planner.measure as measure_module
 from usp.cli import main
 from usp.models import Levers
 from usp.planner.footprint import Choice
@@ -24,20 +25,28 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
     "choice, checkpointing",
     [(Choice(2, 2, 1, Levers(True)), True), (Choice(1, 2, 2, Levers(False)), False)],
 )
-def test_scaled_depth_equals_a_full_depth_run(tmp_path, choice, checkpointing):
+def test_scaled_depth_equals_a_full_depth_run(tmp_path, monkeypatch, choice, checkpointing):
     """Measured at 3 and 4 layers and extrapolated to 6, every phase's peak (and each
-    part of its breakdown) equals a 6-layer run byte for byte."""
+    part of its breakdown) equals a 6-layer run byte for byte. (The 3-layer run that
+    ``measure_scaled`` makes is read back through a recording ``measure``, not run again.)"""
     path = write_config(tmp_path, layers=6, seq_len=256, global_batch=2, layout="contiguous")
     target = target_of(path, 4)
     full = measure(target, choice)
+    runs = {}
+
+    def recorded(target_, choice_, *, layers=None, **kwargs):
+        runs[layers] = measure(target_, choice_, layers=layers, **kwargs)
+        return runs[layers]
+
+    monkeypatch.setattr(measure_module, "measure", recorded)
     scaled = measure_scaled(target, choice)
+    assert sorted(runs) == [3, 4]  # (the two shallow runs, nothing else)
     assert full.layers == scaled.layers == 6
     assert [p.device for p in scaled.phases] == [p.device for p in full.phases]
     assert [p.breakdown for p in scaled.phases] == [p.breakdown for p in full.phases]
     assert scaled.peak_device == full.peak_device > 0
     # what the extrapolation must get right: deeper is more memory, also in backward
-    shallow = measure(target, choice, layers=3)
-    assert full.peak_device > shallow.peak_device
+    assert full.peak_device > runs[3].peak_device and runs[3].layers == 3
 
 
 # ----------------------------------------------------------------------------- real step
@@ -137,24 +146,43 @@ def test_fsdp_traffic_by_hand():
 # ----------------------------------------------------------------------------- the command
 def plan_cli(capsys, *argv):
     """``usp plan`` in this process (``--jobs 1``: a tiny plan spends more starting
-    workers than measuring; tests/planner/test_planner_speed.py runs it with workers)."""
+    workers than measuring; the JSON test below also runs it with two workers)."""
     code = main(["plan", *map(str, argv), "--jobs", "1"])
     out, err = capsys.readouterr()
     return code, out, err
 
 
 def test_plan_json_ranks_every_layout_and_finds_the_longest_sequence(tmp_path, capsys):
+    """The whole search (every candidate, the longest sequence's probes) of the one-layer
+    tiny model on 2 CPU ranks, the file's cluster and length overridden by flags; run in
+    process and in two worker processes: the same JSON, all but the seconds it took (what
+    the worker pool must keep, usp.planner.pool). (The text form of a plan:
+    tests/planner/test_planner_progress.py.)"""
     path = write_config(tmp_path, gpus=8, layers=1, seq_len=1024)
-    code, out, err = plan_cli(
-        capsys, path, "--json", "--nodes", 1, "--gpus-per-node", 2, "--seq-len", 512,
-        "--device", "cpu", "--host-memory-gib", 64, "--gpu-memory-gib", 0.01,
-    )  # fmt: skip
-    assert code == 0, err
-    plan = json.loads(out)
+    plans = []
+    for jobs in (1, 2):
+        code = main(
+            ["plan", str(path), "--json", "--nodes", "1", "--gpus-per-node", "2", "--seq-len",
+             "512", "--device", "cpu", "--host-memory-gib", "64", "--gpu-memory-gib", "0.01",
+             "--jobs", str(jobs)]
+        )  # fmt: skip
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        plans.append(json.loads(out))
+        plans[-1].pop("seconds")
+    assert plans[0] == plans[1]
+    plan = plans[0]
     assert plan["seq_len"] == 512 and plan["world_size"] == 2
     grids = {(c["ulysses"], c["ring"], c["dp"]) for c in plan["candidates"]}
     assert grids == {(1, 2, 1), (2, 1, 1)}  # global_batch 1: no dp
     assert {c["activation_checkpointing"] for c in plan["candidates"]} == {True, False, "offload"}
+    # 2 grids x 7 lever sets (5 for activations, then the optimizer's and the parameters'
+    # offload on top of the last), and on u1 x r2 (2 KV heads per ring) one with head chunks
+    assert len(plan["candidates"]) == 15
+    chunked = [c for c in plan["candidates"] if c["attention_head_chunks"] > 1]
+    assert {(c["ulysses"], c["attention_head_chunks"]) for c in chunked} == {(1, 2)}
+    offloaded = [(c["offload_optimizer"], c["offload_parameters"]) for c in chunked]
+    assert sorted(offloaded) == [(False, False), (True, False), (True, True)]
     for c in plan["candidates"]:
         # a CPU rank: its step plus a 1% margin within its share (no CUDA overheads)
         names = {i["name"] for i in c["overheads"] if i["added"]}
@@ -181,15 +209,6 @@ def test_plan_json_ranks_every_layout_and_finds_the_longest_sequence(tmp_path, c
     assert at_longest["tokens_per_rank"] * sp == plan["max_seq_len"]
 
 
-def test_plan_text_shows_the_table_and_lines_to_paste(tmp_path, capsys):
-    path = write_config(tmp_path, gpus=2, layers=1, seq_len=256)
-    code, out, err = plan_cli(capsys, path, "--gpu-memory-gib", 0.01)
-    assert code == 0, err
-    assert "ulysses ring  dp" in out and "paste into the config:" in out
-    assert "[parallel]\nulysses = " in out and "activation_checkpointing = " in out
-    assert "longest sequence that fits:" in out
-
-
 def test_plan_errors_exit_2_with_a_message(tmp_path, capsys):
     code, _, err = plan_cli(capsys, tmp_path / "missing.toml")
     assert code == 2 and "no such config file" in err
@@ -199,7 +218,7 @@ def test_plan_errors_exit_2_with_a_message(tmp_path, capsys):
     code, _, err = plan_cli(capsys, path)
     assert code == 2 and "must be a multiple of num_key_value_heads(3)" in err, err
 
-    path = write_config(tmp_path, gpus=2, layers=1, seq_len=256)
+    path = write_config(tmp_path, gpus=1, layers=1, seq_len=256)  # (one grid: u1 x r1)
     code, out, err = plan_cli(capsys, path, "--gpu-memory-gib", 1e-6)
     assert code == 2 and "no layout fits 256 tokens" in err, err
     assert "ulysses ring" in out  # the table still says what each layout needs

@@ -1,5 +1,8 @@
-"""``usp plan`` says on stderr what it measures (n of m) as it goes, marks the best row and
-explains every column of its table in one line; ``--quiet`` and ``--set``."""
+"""``usp plan`` says on stderr what it measures (n of m) as it goes, marks the best row,
+explains every column of its table in one line and prints the lines to paste and the
+longest sequence (the text form: one plan of the one-layer tiny model on one rank; the
+JSON form on two ranks, in process and in workers: tests/planner/test_planner.py);
+``--quiet`` and ``--set``."""
 
 from __future__ import annotations
 
@@ -42,6 +45,10 @@ def test_progress_best_row_and_columns(tmp_path, capsys):
     for column in ("comm GB", "device GiB", "step s (est.)", "tokens/rank", "fits"):
         assert column in table[0] and any(line.startswith(f"  {column} ") for line in legend)
     assert "bytes one rank sends per optimizer step" in out, "what comm GB counts"
+    # the best layout's lines to paste, and the longest sequence
+    assert "ulysses ring  dp" in out and "paste into the config:" in out
+    assert "[parallel]\nulysses = " in out and "activation_checkpointing = " in out
+    assert "longest sequence that fits:" in out
 
 
 def test_quiet_and_json_keep_stderr_for_errors():

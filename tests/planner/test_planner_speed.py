@@ -1,8 +1,9 @@
 """``usp plan``'s shortcuts are exact: the planning tracker against torch's plain one, the
 worker pool against the measurements in process, the search's schedule against the
-plain order."""
+plain order. (The whole search in process and in two workers gives the same JSON:
+``test_plan_json_ranks_every_layout_and_finds_the_longest_sequence`` in
+tests/planner/test_planner.py.)"""
 
-import json
 import os
 import signal
 
@@ -135,26 +136,6 @@ def plan_cli(capsys, *argv):
     code = main(["plan", *map(str, argv)])
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def test_the_plan_does_not_depend_on_the_number_of_jobs(tmp_path, capsys):
-    """The whole search (every candidate, the longest sequence's probes) in process and
-    in two workers: the same JSON, all but the seconds it took."""
-    path = write_config(tmp_path, gpus=2, layers=1, seq_len=512)
-    plans = []
-    for jobs in (1, 2):
-        code, out, err = plan_cli(capsys, path, "--json", "--gpu-memory-gib", 0.01, "--jobs", jobs)
-        assert code == 0, err
-        plans.append(json.loads(out))
-        plans[-1].pop("seconds")
-    assert plans[0] == plans[1]
-    # 2 grids x 7 lever sets (5 for activations, then the optimizer's and the parameters'
-    # offload on top of the last), and on u1 x r2 (2 KV heads per ring) one with head chunks
-    assert len(plans[0]["candidates"]) == 15 and plans[0]["max_seq_len"] > 512
-    chunked = [c for c in plans[0]["candidates"] if c["attention_head_chunks"] > 1]
-    assert {(c["ulysses"], c["attention_head_chunks"]) for c in chunked} == {(1, 2)}
-    offloaded = [(c["offload_optimizer"], c["offload_parameters"]) for c in chunked]
-    assert sorted(offloaded) == [(False, False), (True, False), (True, True)]
 
 
 def test_scaled_footprints_from_workers_equal_the_in_process_ones(tmp_path):

@@ -11,7 +11,7 @@ search says early what it will need (:meth:`Measurements.want`; ``urgent`` for w
 waits for next), at most N are in flight, the most urgent first, and
 :meth:`Measurements.footprint` waits for its own. Only the order and the place of the
 runs differ, so the results are the same for every ``jobs``
-(``tests/planner/test_planner_speed.py`` compares the JSON of 1 and 2 jobs). A program that
+(``tests/planner/test_planner.py`` compares the JSON of 1 and 2 jobs). A program that
 calls :func:`usp.planner.plan.plan` with ``jobs > 1`` needs the usual
 ``if __name__ == "__main__":`` guard (spawned workers import the main module).
 
