@@ -6,15 +6,21 @@ generated documents packed into sequences, a new packing at every step, which th
 compiled layers take without recompiling (one graph per kind of layer after the three
 packings).
 
-The model is the tiny Qwen3-MoE preset: a dense first layer (the decoder layer every
-dense family compiles: attention under SP, the gated MLP) and a sparse one (the
-load-balancing loss on), so one launch compiles both kinds. The experts' data-dependent
-part is one ``usp::moe_experts`` op of each sparse layer's graph (usp.models.moe_op) and
-the router statistics leave the layer as an output, so loss, gradient norm and the
-metrics' ``aux_loss`` agree to the same tolerance. (The launch compiled the dense Llama
-preset too until 2026-12-04: a second model's Inductor compile on 4 ranks sharing two
-cores, for a dense layer this model's first layer compiles as well; Llama's layers
-compiled under u2 x r2 stay tested against eager in tests/models/test_compile.py.)
+The model is the tiny Qwen3-MoE preset cut to one sparse layer (``num_hidden_layers`` 1,
+``mlp_only_layers`` emptied; the load-balancing loss on), so the launch compiles one
+graph: attention under SP and the experts. The experts' data-dependent part is one
+``usp::moe_experts`` op of the graph (usp.models.moe_op) and the router statistics leave
+the layer as an output, so loss, gradient norm and the metrics' ``aux_loss`` agree to the
+same tolerance. (Until 2026-12-07 the preset's dense first layer was compiled too: a
+second fwd+bwd Inductor compile on each of 4 ranks sharing two cores, for a layer whose
+attention is the sparse one's and whose gated MLP is token-local. Both layers sparse
+share one graph but route twice: a token whose top-2 experts flip at step 2 between
+eager and compiled (float32 rounding after an Adam step) moved the gradient norm by 3e-5
+relative, beyond TOL: the gated MLPs of
+Gemma 3 and Qwen3.5 compile with Inductor in one process below, Qwen3-MoE's dense layer
+through AOT autograd in tests/models/test_moe_compile.py, and Llama's dense layers under
+u2 x r2 against eager in tests/models/test_compile.py. The dense Llama preset left this launch on
+2026-12-04 for the same reason.)
 
 The windowed families (gpt-oss, Gemma 3) train compiled against eager in one process
 (below): their sliding layers' windows (16) over the packed documents (20-40 tokens) are
@@ -57,20 +63,26 @@ COMPILE_TIMEOUT = 600  # Inductor on 4 ranks sharing small CI machines
 #: refused with ring_impl = "allgather" and a ring degree > 1
 WINDOWED_PRESETS = ("gpt-oss-tiny", "gemma3-tiny")
 #: the graphs a compiled run makes, where the test pins them: one per kind of layer
-#: (qwen3.5-tiny: Gated DeltaNet and full attention; qwen3-moe-tiny: dense and sparse),
-#: whatever the packings
-GRAPHS = {"qwen3.5-tiny": 2, "qwen3-moe-tiny": 2}
+#: (qwen3.5-tiny: Gated DeltaNet and full attention; the launch's one-layer sparse
+#: qwen3-moe-tiny: one), whatever the packings
+GRAPHS = {"qwen3.5-tiny": 2, "qwen3-moe-tiny": 1}
+#: the launch's model: qwen3-moe-tiny cut to its one sparse layer (one graph)
+LAUNCH_MODEL = {
+    "preset": "qwen3-moe-tiny",
+    "overrides": {"num_hidden_layers": 1, "mlp_only_layers": []},
+}
 
 
-def job_config(compile: bool, preset: str) -> dict:
+def job_config(compile: bool, model: str | dict) -> dict:
     """The main job's data (examples/configs/cpu_finetune.toml): documents of 20-40
-    letters, padded to multiples of 8, about 6 packed into each 256-token sequence."""
+    letters, padded to multiples of 8, about 6 packed into each 256-token sequence;
+    ``model``: a preset's name, or the whole ``[model]`` table."""
     config = base_config(
         steps=STEPS, checkpoint_interval=0, compile=compile, global_batch=2, micro_batch=2,
         seq_len=256,
         data={"synthetic_documents": 256, "synthetic_length": 40, "document_multiple": 8},
     )  # fmt: skip
-    config["model"] = {"preset": preset}
+    config["model"] = {"preset": model} if isinstance(model, str) else dict(model)
     return config
 
 
@@ -102,9 +114,7 @@ def run_compile_case(config, out):
         return pack(cu_seqlens, **kwargs)
 
     plan.pack = recording_pack
-    # qwen3-moe-tiny's dense and sparse layers are two graphs of one forward (a recompile
-    # by design, so not under error_on_recompile); a new packing that recompiled would
-    # add more
+    # one sparse layer, one graph; a new packing that recompiled would add more
     result = train(train_config_from_dict(config), plan, output_dir=out, stream=io.StringIO())
     rows = [(r["step"], r["loss"], r["grad_norm"], r["aux_loss"]) for r in result.metrics]
     graphs = counters["stats"]["unique_graphs"]
@@ -125,14 +135,14 @@ def run_compile_case(config, out):
 def test_compiled_layers_train_like_eager_on_4_ranks(distributed, tmp_path):
     runs = {}
     for compile in (False, True):
-        config = job_config(compile, "qwen3-moe-tiny")
+        config = job_config(compile, LAUNCH_MODEL)
         out = tmp_path / f"compile_{compile}"
         runs[compile] = distributed.run(
             run_compile_case, config, str(out), world_size=4, timeout=COMPILE_TIMEOUT
         )
     eager, compiled = runs[False], runs[True]
     assert all(r["graphs"] == 0 for r in eager)
-    # one graph per kind of layer, whatever the packings: a new packing did not recompile
+    # one graph for the one kind of layer, whatever the packings: no recompile
     assert all(r["graphs"] == GRAPHS["qwen3-moe-tiny"] for r in compiled), [
         r["graphs"] for r in compiled
     ]
