@@ -2,7 +2,9 @@
 under sequence parallelism against the same model in one process.
 
 :func:`tiny_config` shrinks a type's default config by field name (layers, widths, heads,
-experts); :func:`sweep_outcomes` runs a list of types on the SP ranks of a plan with the
+experts, every vocabulary; SSM and linear-attention widths per type: a type left at a
+default width cost up to 25 s of the sweep, Gemma 4's 262,144 x 256 per-layer
+embeddings); :func:`sweep_outcomes` runs a list of types on the SP ranks of a plan with the
 README's recipe (``register(plan)``, the model built with the returned name,
 ``shard_batch``, ``model(**batch.hf_kwargs())``, ``plan.gather``, ``sp_loss``) and
 compares each with transformers' own attention in one process: logits and every
@@ -28,7 +30,8 @@ import torch.distributed as dist
 SHRINK = (
     (r"(num_hidden_layers|n_layers?|num_layers|decoder_layers|encoder_layers|"
      r"num_decoder_layers|num_encoder_layers)", 2),
-    (r"(hidden_size|d_model|n_embd|embed_dim|dim|model_dim|word_embed_proj_dim)", 32),
+    (r"(hidden_size|d_model|n_embd|embed_dim|emb_dim|dim|model_dim|word_embed_proj_dim)", 32),
+    (r"(hidden_size_per_layer_input)", 8),
     (r"(intermediate_size|ffn_dim|n_inner|d_ff|decoder_ffn_dim|encoder_ffn_dim|"
      r"ffn_hidden_size|moe_intermediate_size|shared_intermediate_size|"
      r"expert_intermediate_size|shared_expert_intermediate_size)", 32),
@@ -51,6 +54,20 @@ OVERRIDES = {
     "bamba": dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1),
     "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1),
     "mamba2": dict(num_heads=4, head_dim=16, n_groups=1),
+    # the SSM and linear-attention widths the rules above do not name (their defaults:
+    # 128 heads, states of 128-256, chunks of 128-256; seconds per type)
+    "falcon_h1": dict(
+        mamba_n_heads=4, mamba_d_head=8, mamba_d_ssm=32, mamba_d_state=16, mamba_chunk_size=16
+    ),
+    "nemotron_h": dict(
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=1,
+        ssm_state_size=16,
+        chunk_size=16,
+        moe_shared_expert_intermediate_size=32,
+    ),
+    "kimi_linear": dict(linear_num_heads=4, linear_head_dim=8),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "reformer": dict(is_decoder=True, axial_pos_embds_dim=[16, 16]),
     "hunyuan_v1_dense": dict(head_dim=8),
@@ -87,7 +104,7 @@ def _shrunk(config) -> dict:
         for pattern, small in _SHRINK:
             if pattern.match(name) and value > small:
                 changes[name] = small
-        if name.endswith("_vocab") and value > VOCAB:  # hashed or grouped vocabularies
+        if _extra_vocabulary(name) and value > VOCAB:  # hashed, grouped or per-layer ones
             changes[name] = VOCAB
     layers = values.get("num_hidden_layers")
     if isinstance(layers, int) and "num_hidden_layers" in changes:
@@ -111,6 +128,12 @@ def _shrunk(config) -> dict:
             if isinstance(values[name], int) and values[name] >= VOCAB:
                 changes[name] = VOCAB - 1 - index
     return changes
+
+
+def _extra_vocabulary(name: str) -> bool:
+    """A vocabulary beside ``vocab_size`` (hashed or grouped ``*_vocab``, Gemma 4's
+    ``vocab_size_per_layer_input``, ``unpadded_vocab_size``)."""
+    return name.endswith(("_vocab", "_vocab_size")) or name.startswith("vocab_size_")
 
 
 def _field(config, name):

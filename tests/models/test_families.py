@@ -72,6 +72,30 @@ def checkpoints(tmp_path_factory):
     return _Written(tmp_path_factory.mktemp("families"))
 
 
+class _References(dict):
+    """Each case's transformers model (``case.load_reference``), loaded when first asked
+    for and kept for the module: :meth:`run` clears its gradients before each batch."""
+
+    def __init__(self, checkpoints):
+        super().__init__()
+        self.checkpoints = checkpoints
+
+    def __missing__(self, name):
+        self[name] = CASES[name].load_reference(self.checkpoints[name])
+        return self[name]
+
+    def run(self, name, rows, labels, cu_seqlens=None) -> dict:
+        """:func:`model_cases.transformers_reference` of one batch on ``name``'s model."""
+        model = self[name]
+        model.zero_grad(set_to_none=True)
+        return transformers_reference(model, rows, labels, cu_seqlens)
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    return _References(checkpoints)
+
+
 def test_every_family_is_registered_once():
     registered = [f.name for f in FAMILIES]
     assert len(set(registered)) == len(registered)
@@ -130,21 +154,22 @@ def test_config_reads_as_transformers_reads_it(checkpoints, name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_float64_one_process_matches_transformers(checkpoints, name):
-    """Dense rows (loss chunked by 5) and packed documents."""
+def test_float64_one_process_matches_transformers(checkpoints, references, name):
+    """Dense rows (loss chunked by 5) and packed documents, one model each side
+    (gradients cleared between the batches)."""
     case = CASES[name]
     dense = global_batch(2, 24, seed=21)
     packed, cu_seqlens = dense[:1], cu_of([9, 15])
+    model = usp.models.from_pretrained(checkpoints[name], dtype=torch.float64, backend="math")
+    model = case.prepare(model)
+    assert model.config.family == case.family
+    Levers(loss_chunk_tokens=5).apply(model)
     for rows, cu, row_labels in (
         (dense, None, sft_labels(dense, [4])),
         (packed, cu_seqlens, sft_labels(packed, [2, 3], cu_seqlens)),
     ):
-        reference = case.load_reference(checkpoints[name])
-        expected = transformers_reference(reference, rows, row_labels, cu)
-        model = usp.models.from_pretrained(checkpoints[name], dtype=torch.float64, backend="math")
-        model = case.prepare(model)
-        assert model.config.family == case.family
-        Levers(loss_chunk_tokens=5).apply(model)
+        expected = references.run(name, rows, row_labels, cu)
+        model.zero_grad(set_to_none=True)
         errors = one_process_errors(model, rows, row_labels, cu, expected)
         assert max(errors.values()) <= 1e-12, (name, errors)
 
@@ -164,7 +189,7 @@ def sp_case(runs, batches):
 
 
 @pytest.mark.parametrize("group", list(GROUPS))
-def test_float64_4_ranks_match_transformers(distributed, checkpoints, group):
+def test_float64_4_ranks_match_transformers(distributed, checkpoints, references, group):
     """Each case of the family on each of its grids, dense rows (2 x 48) and packed
     documents (16 and 32 tokens: multiples of 2r for every grid) whose windows and
     states cross the ranks' shards; one launch."""
@@ -176,10 +201,7 @@ def test_float64_4_ranks_match_transformers(distributed, checkpoints, group):
     runs, expected = [], []
     for name in GROUPS[group]:
         case = CASES[name]
-        want = [
-            transformers_reference(case.load_reference(checkpoints[name]), *batch)
-            for batch in batches
-        ]  # (a fresh model each: the reference accumulates its gradients)
+        want = [references.run(name, *batch) for batch in batches]
         for grid in case.grids:
             runs.append((str(checkpoints[name]), case.prepare, grid))
             expected += [(name, grid, w) for w in want]

@@ -148,19 +148,44 @@ def reference(kind: str, case: str, dtype=torch.float32) -> dict:
     return {"logits": logits.detach(), "loss": loss.item(), "grads": grads}
 
 
-def sp_run(
-    plan, kind, case, expected, chunked=False, ignore_index=-100, dtype=torch.float32
-) -> dict:
-    """One case on this rank: shard_multimodal, the forward, sp_loss (``chunked``: the
-    chunked loss inside the model's forward, no logits), the backward; the errors
-    against ``expected``. Another ``ignore_index`` also passes an all-ones
-    ``attention_mask`` (what a processor returns)."""
+class _References(dict):
+    """:func:`reference` of each ``(kind, case, dtype)``, computed when first asked for
+    (the tests only read them)."""
+
+    def __missing__(self, key):
+        self[key] = reference(*key)
+        return self[key]
+
+
+@pytest.fixture(scope="module")
+def references():
+    return _References()
+
+
+def sp_model(plan, kind, dtype=torch.float32):
+    """The tiny model of ``kind`` with USP attention on ``plan`` (Qwen3.5's Gated
+    DeltaNet swapped), given to ``register``."""
     _quiet()
     name = usp_hf.register(plan, name=f"usp_mm_{kind}")
     model = vl_cases.build(kind, attn_implementation=name, dtype=dtype)
     if kind == "qwen3_5":
         assert usp_hf.swap_linear_attention(model, plan) == 1
     usp_hf.register(plan, name=name, model=model)
+    return model
+
+
+def sp_run(
+    plan, kind, case, expected, chunked=False, ignore_index=-100, dtype=torch.float32, model=None
+) -> dict:
+    """One case on this rank: shard_multimodal, the forward, sp_loss (``chunked``: the
+    chunked loss inside the model's forward, no logits), the backward; the errors
+    against ``expected``. Another ``ignore_index`` also passes an all-ones
+    ``attention_mask`` (what a processor returns). ``model``: a :func:`sp_model` of
+    ``kind`` on ``plan`` to reuse (its gradients are cleared first), else a new one."""
+    _quiet()
+    if model is None:
+        model = sp_model(plan, kind, dtype)
+    model.zero_grad(set_to_none=True)
     inputs = global_batch(kind, case, dtype)
     bounds = inputs.pop("bounds")
     ids = inputs.pop("input_ids")
@@ -210,11 +235,14 @@ BATCHES = ("dense", "packed", "rows")
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))
-def test_shard_multimodal_in_one_process(kind):
-    """Every batch with the logits' loss; packed with the chunked loss too."""
+def test_shard_multimodal_in_one_process(references, kind):
+    """Every batch with the logits' loss; packed with the chunked loss too (one model)."""
     failures = []
+    plan = usp.Plan(None)
+    model = sp_model(plan, kind)
     for case, chunked in (*((c, False) for c in BATCHES), ("packed", True)):
-        errors = sp_run(usp.Plan(None), kind, case, reference(kind, case), chunked)
+        expected = references[kind, case, torch.float32]
+        errors = sp_run(plan, kind, case, expected, chunked, model=model)
         failures += _failures(f"{kind} {case} chunked={chunked}", errors)
     assert not failures, "\n".join(failures)
 
@@ -224,12 +252,15 @@ def run_grid(kind, grid, expected):
     (u, r), layout = GRIDS[grid]
     plan = usp.Plan(topology(u, r), layout=layout)
     ignore = {case: -7 if (grid, case) == ("u1r4", "rows") else -100 for case in BATCHES}
-    return [sp_run(plan, kind, c, expected[c], ignore_index=ignore[c]) for c in BATCHES]
+    model = sp_model(plan, kind)
+    return [
+        sp_run(plan, kind, c, expected[c], ignore_index=ignore[c], model=model) for c in BATCHES
+    ]
 
 
 @pytest.mark.parametrize("kind, grid", SP_CASES, ids=[f"{k}-{g}" for k, g in SP_CASES])
-def test_shard_multimodal_under_sp_matches_transformers(distributed, kind, grid):
-    expected = {case: reference(kind, case) for case in BATCHES}
+def test_shard_multimodal_under_sp_matches_transformers(distributed, references, kind, grid):
+    expected = {case: references[kind, case, torch.float32] for case in BATCHES}
     results = distributed.run(run_grid, kind, grid, expected, world_size=4, timeout=600)
     failures = []
     for rank, cases in enumerate(results):
@@ -250,11 +281,11 @@ def run_float64(expected):
     return [sp_run(plan, k, c, expected[k], dtype=torch.float64) for k, c in F64_CASES]
 
 
-def test_float64_under_sp_matches_transformers_to_rounding(distributed):
+def test_float64_under_sp_matches_transformers_to_rounding(distributed, references):
     """Gemma 3 (image blocks split over ranks) and Qwen3-VL (multimodal positions,
     deepstack), packed, u2 x r2, float64: logits, loss and every gradient within 1e-6
     relative."""
-    expected = {k: reference(k, c, torch.float64) for k, c in F64_CASES}
+    expected = {k: references[k, c, torch.float64] for k, c in F64_CASES}
     results = distributed.run(run_float64, expected, world_size=4, timeout=600)
     failures = []
     for rank, cases in enumerate(results):
@@ -265,11 +296,11 @@ def test_float64_under_sp_matches_transformers_to_rounding(distributed):
     print(f"float64: largest relative error {worst:.3g}")
 
 
-def test_ignore_index_and_a_mask_of_ones_in_one_process():
+def test_ignore_index_and_a_mask_of_ones_in_one_process(references):
     """``ignore_index`` other than -100 and an all-ones ``attention_mask`` (what a
     processor returns): the same loss as the reference."""
     _quiet()
-    expected = reference("qwen3_vl", "dense")["loss"]
+    expected = references["qwen3_vl", "dense", torch.float32]["loss"]
     plan = usp.Plan(None)
     name = usp_hf.register(plan, name="usp_mm_ignore")
     model = vl_cases.build("qwen3_vl", attn_implementation=name)
