@@ -11,16 +11,16 @@ The model is the tiny Qwen3-MoE preset cut to one sparse layer (``num_hidden_lay
 graph: attention under SP and the experts. The experts' data-dependent part is one
 ``usp::moe_experts`` op of the graph (usp.models.moe_op) and the router statistics leave
 the layer as an output, so loss, gradient norm and the metrics' ``aux_loss`` agree to the
-same tolerance. (Until 2026-12-07 the preset's dense first layer was compiled too: a
+same tolerance. Until 2026-12-07 the preset's dense first layer was compiled too: a
 second fwd+bwd Inductor compile on each of 4 ranks sharing two cores, for a layer whose
-attention is the sparse one's and whose gated MLP is token-local. Both layers sparse
-share one graph but route twice: a token whose top-2 experts flip at step 2 between
-eager and compiled (float32 rounding after an Adam step) moved the gradient norm by 3e-5
-relative, beyond TOL: the gated MLPs of
-Gemma 3 and Qwen3.5 compile with Inductor in one process below, Qwen3-MoE's dense layer
-through AOT autograd in tests/models/test_moe_compile.py, and Llama's dense layers under
-u2 x r2 against eager in tests/models/test_compile.py. The dense Llama preset left this launch on
-2026-12-04 for the same reason.)
+attention is the sparse one's and whose gated MLP is token-local. The gated MLPs compile
+elsewhere: Gemma 3's and Qwen3.5's with Inductor in one process (below), Qwen3-MoE's dense
+layer through AOT autograd (tests/models/test_moe_compile.py), Llama's dense layers under
+u2 x r2 against eager (tests/models/test_compile.py; the dense Llama preset left this
+launch on 2026-12-04 for the same reason). Both layers sparse would share one graph too,
+but route twice: a token whose top-2 experts flipped at step 2 between eager and compiled
+(float32 rounding after an Adam step) moved the gradient norm by 3e-5 relative, beyond
+TOL.
 
 The windowed families (gpt-oss, Gemma 3) train compiled against eager in one process
 (below): their sliding layers' windows (16) over the packed documents (20-40 tokens) are
