@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -58,23 +59,29 @@ def test_sp_matches_single_process(sp_run, tmp_path):
 
 
 def test_resume_repeats_the_uninterrupted_losses(sp_run, distributed, tmp_path):
-    config, results, _ = sp_run
+    """A run "preempted" after step 3, rebuilt from the uninterrupted run's own files (its
+    step-2 checkpoint, the first 3 lines of its metrics.jsonl: what a run stopped after
+    step 3 leaves at checkpoint_interval 2), resumes on 4 ranks: step 3 is redone and the
+    losses and norms of steps 3-4 equal the uninterrupted run's, metrics.jsonl ends with
+    steps 1-4 once each, keep_checkpoints = 1 prunes step 2. (A stop and resume in one
+    body on 4 ranks: test_train_reference's placement test; ``stop_after`` here: the
+    memory-lever test; stops of real launches: test_train_faults, test_train_signals.)"""
+    config, results, sp_out = sp_run
     config = dict(config, train=dict(config["train"], keep_checkpoints=1))
     uninterrupted = results[0]
-    out = str(tmp_path / "resumed")
-    # "preempted" after step 3: the newest checkpoint is step 2, so step 3 is redone
-    first = distributed.run(
-        _train_on_ranks, config, 2, 2, out, False, 3, world_size=4, timeout=TIMEOUT
-    )
-    assert first[0] == uninterrupted[:3]
+    out = tmp_path / "resumed"
+    shutil.copytree(sp_out / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
+    written = (sp_out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert [json.loads(line)["step"] for line in written] == [1, 2, 3, 4]
+    (out / "metrics.jsonl").write_text("".join(written[:3]))
     resumed = distributed.run(
-        _train_on_ranks, config, 2, 2, out, True, world_size=4, timeout=TIMEOUT
+        _train_on_ranks, config, 2, 2, str(out), True, world_size=4, timeout=TIMEOUT
     )
     assert [r[0] for r in resumed[0]] == [3, 4]
     assert resumed[0] == uninterrupted[2:], "resumed losses and norms equal the uninterrupted run's"
-    lines = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
-    checkpoints = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir())
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert checkpoints == ["step_000004"], "keep_checkpoints = 1 prunes older ones"
 
 
@@ -335,20 +342,23 @@ def test_loss_is_finite_and_falls(sp_run):
 def test_memory_levers_train_like_the_plain_path(sp_run, distributed, tmp_path, checkpointing,
                                                  tile, tol):  # fmt: skip
     """FSDP2 on 4 ranks: activation checkpoint offload (exact) and the tiled MLP with
-    on-device checkpointing (float32 rounding) give the plain run's losses and norms."""
+    on-device checkpointing (float32 rounding) give the plain run's losses and norms for
+    the first 2 of its 4 scheduled steps (``stop_after=2``, the same learning-rate
+    schedule: step 2 runs on the weights step 1's gradients updated)."""
     config, results, _ = sp_run
     config = dict(
         config,
         train=dict(config["train"], activation_checkpointing=checkpointing, mlp_tile_tokens=tile),
     )
     rows = distributed.run(
-        _train_on_ranks, config, 2, 2, str(tmp_path), world_size=4, timeout=TIMEOUT
+        _train_on_ranks, config, 2, 2, str(tmp_path), False, 2, world_size=4, timeout=TIMEOUT
     )
     assert all(r == rows[0] for r in rows)
+    assert [step for step, _, _ in rows[0]] == [1, 2]
     for (step, loss, norm), (_, plain_loss, plain_norm) in zip(rows[0], results[0]):
         assert _relative(loss, plain_loss) <= tol, (step, loss, plain_loss)
         assert _relative(norm, plain_norm) <= tol, (step, norm, plain_norm)
-    assert len(rows[0]) == len(results[0]) == STEPS
+    assert len(results[0]) == STEPS
 
 
 def test_extend_a_checkpoints_context_and_export(distributed, tmp_path):
