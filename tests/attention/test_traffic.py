@@ -21,9 +21,8 @@ import itertools
 
 import pytest
 import torch
-from usp_cases import global_inputs, topology
+from usp_cases import global_inputs, stated_traffic, topology, usp_run
 
-import usp
 from benchmarks import emulate
 
 # name -> (heads, kv heads); "gqa-replicated" needs KV replication whenever u > 2
@@ -39,37 +38,20 @@ def measure(ulysses, ring):
     for heads, impl, layout, dtype in itertools.product(
         HEADS, ("p2p", "allgather"), ("zigzag", "contiguous"), DTYPES
     ):
-        q, k, v, dout = global_inputs(
+        inputs = global_inputs(
             LOCAL_LEN * topo.sp_degree, *HEADS[heads], head_dim=HEAD_DIM, batch=BATCH
         )
-        local = [
-            usp.shard_sequence(t, topo, layout=layout).to(DTYPES[dtype]).requires_grad_()
-            for t in (q, k, v)
-        ]
-        topo.comm_stats.reset()
-        out = usp.usp_attention(*local, topo, causal=True, layout=layout, ring_impl=impl)
-        forward = topo.comm_stats.snapshot()
-        topo.comm_stats.reset()
-        out.backward(usp.shard_sequence(dout, topo, layout=layout).to(DTYPES[dtype]))
-        results[heads, impl, layout, dtype] = {
-            "forward": forward,
-            "backward": topo.comm_stats.snapshot(),
-        }
+        results[heads, impl, layout, dtype] = traffic = {}
+        usp_run(topo, inputs, dtype=DTYPES[dtype], layout=layout, causal=True, ring_impl=impl,
+                traffic=traffic)  # fmt: skip
     return results
 
 
 def expected(ulysses, ring, heads, impl, dtype, sp_degree):
-    num_heads, kv_heads = HEADS[heads]
-    return emulate.traffic_formula(
-        emulate.AttentionShape(num_heads, kv_heads, HEAD_DIM),
-        batch=BATCH,
-        seqlen=LOCAL_LEN * sp_degree,
-        ulysses=ulysses,
-        ring=ring,
-        ring_impl=impl,
-        item_bytes=DTYPES[dtype].itemsize,
-        acc_bytes=4,
-    )
+    return stated_traffic(
+        *HEADS[heads], ulysses=ulysses, ring=ring, ring_impl=impl, dtype=DTYPES[dtype],
+        seq_len=LOCAL_LEN * sp_degree, head_dim=HEAD_DIM, batch=BATCH,
+    )  # fmt: skip
 
 
 #: with data parallelism: dp 2 x u2 x r2 (the grids without it: test_usp_attention.py)

@@ -17,17 +17,22 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from usp_cases import global_inputs, reference_with_grads, topology, usp_errors
+from usp_cases import (
+    global_inputs,
+    reference_with_grads,
+    stated_traffic,
+    topology,
+    usp_errors,
+)
 
 import usp
-from benchmarks import emulate
 from usp.sp import sharding
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 4e-2)}
 HEAD_CONFIGS = {"mha": (8, 8), "gqa-split": (16, 8), "gqa-replicated": (8, 2)}
 
 
-LOCAL_LEN, BATCH, HEAD_DIM = 8, 2, 16  # global_inputs' batch and head size
+LOCAL_LEN = 8  # tokens per rank
 
 
 def run_grid(ulysses, ring, ring_impl):
@@ -58,21 +63,6 @@ def run_grid(ulysses, ring, ring_impl):
     return results
 
 
-def formula_traffic(ulysses, ring, ring_impl, heads_name, dtype):
-    """The stated bytes of one of run_grid's calls (float32 dK/dV accumulators)."""
-    heads, kv_heads = HEAD_CONFIGS[heads_name]
-    return emulate.traffic_formula(
-        emulate.AttentionShape(heads, kv_heads, HEAD_DIM),
-        batch=BATCH,
-        seqlen=LOCAL_LEN * ulysses * ring,
-        ulysses=ulysses,
-        ring=ring,
-        ring_impl=ring_impl,
-        item_bytes=dtype.itemsize,
-        acc_bytes=4,
-    )
-
-
 GRIDS = [(8, (8, 1)), (8, (4, 2)), (8, (2, 4)), (8, (1, 8)), (4, (4, 1)), (4, (2, 2)), (4, (1, 4))]
 
 
@@ -92,7 +82,11 @@ def test_usp_matches_single_process_reference(distributed, world, grid, ring_imp
                     failures.append(
                         f"rank {rank} {heads} causal={causal} {layout} {dtype}: {name} {err:.3g}"
                     )
-            want = formula_traffic(*grid, ring_impl, heads, dtype)
+            u, r = grid
+            want = stated_traffic(
+                *HEAD_CONFIGS[heads], ulysses=u, ring=r, ring_impl=ring_impl, dtype=dtype,
+                seq_len=LOCAL_LEN * u * r,
+            )  # fmt: skip
             if traffic != want:
                 failures.append(
                     f"rank {rank} {heads} causal={causal} {layout} {dtype}: "

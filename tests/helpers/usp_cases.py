@@ -11,6 +11,7 @@ from dist_harness import worker_cached
 from reference import reference_attention, relative_error
 
 import usp
+from benchmarks import emulate
 
 
 def topology(
@@ -56,12 +57,11 @@ def reference_with_grads(q, k, v, dout, causal, mask=None):
     return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
 
 
-def usp_errors(
-    topo, inputs, expected, *, dtype, layout, causal, ring_impl, extra=None, traffic=None
-):
-    """Shard the global inputs, run usp_attention fwd+bwd, gather, compare. ``traffic``:
-    a dict that receives the topology's ``CommStats`` snapshots of the forward and of the
-    backward ("forward", "backward")."""
+def usp_run(topo, inputs, *, dtype, layout, causal, ring_impl, extra=None, traffic=None):
+    """Shard the global inputs, run usp_attention forward and backward; returns this
+    rank's [out, dq, dk, dv] in ``dtype``. ``traffic``: a dict that receives the
+    topology's ``CommStats`` snapshots of the forward and of the backward ("forward",
+    "backward")."""
     q, k, v, dout = inputs
     local = [
         usp.shard_sequence(t, topo, layout=layout).to(dtype).requires_grad_() for t in (q, k, v)
@@ -78,8 +78,31 @@ def usp_errors(
     actual = [out.detach(), *(t.grad for t in local)]
     if any(a.dtype != dtype for a in actual):
         raise AssertionError(f"dtype changed: {[a.dtype for a in actual]}")
+    return actual
+
+
+def usp_errors(topo, inputs, expected, *, layout, **run):
+    """:func:`usp_run`, gathered and compared with ``expected`` (relative errors of out,
+    dq, dk, dv); ``run``: usp_run's keywords."""
+    actual = usp_run(topo, inputs, layout=layout, **run)
     full = [usp.gather_sequence(a, topo, layout=layout) for a in actual]
     return {n: relative_error(a, e) for n, a, e in zip(("out", "dq", "dk", "dv"), full, expected)}
+
+
+def stated_traffic(heads, kv_heads, *, ulysses, ring, ring_impl, dtype, seq_len, head_dim=16,
+                   batch=2):  # fmt: skip
+    """What ``benchmarks.emulate.traffic_formula`` states one :func:`usp_run` moves on
+    :func:`global_inputs` of these sizes (float32 dK/dV accumulators)."""
+    return emulate.traffic_formula(
+        emulate.AttentionShape(heads, kv_heads, head_dim),
+        batch=batch,
+        seqlen=seq_len,
+        ulysses=ulysses,
+        ring=ring,
+        ring_impl=ring_impl,
+        item_bytes=dtype.itemsize,
+        acc_bytes=4,
+    )
 
 
 def load_benchmark(name: str):
