@@ -144,10 +144,10 @@ def test_fsdp_traffic_by_hand():
 
 
 # ----------------------------------------------------------------------------- the command
-def plan_cli(capsys, *argv):
-    """``usp plan`` in this process (``--jobs 1``: a tiny plan spends more starting
+def plan_cli(capsys, *argv, jobs=1):
+    """``usp plan`` (``--jobs 1``, in this process: a tiny plan spends more starting
     workers than measuring; the JSON test below also runs it with two workers)."""
-    code = main(["plan", *map(str, argv), "--jobs", "1"])
+    code = main(["plan", *map(str, argv), "--jobs", str(jobs)])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -161,12 +161,10 @@ def test_plan_json_ranks_every_layout_and_finds_the_longest_sequence(tmp_path, c
     path = write_config(tmp_path, gpus=8, layers=1, seq_len=1024)
     plans = []
     for jobs in (1, 2):
-        code = main(
-            ["plan", str(path), "--json", "--nodes", "1", "--gpus-per-node", "2", "--seq-len",
-             "512", "--device", "cpu", "--host-memory-gib", "64", "--gpu-memory-gib", "0.01",
-             "--jobs", str(jobs)]
+        code, out, err = plan_cli(
+            capsys, path, "--json", "--nodes", 1, "--gpus-per-node", 2, "--seq-len", 512,
+            "--device", "cpu", "--host-memory-gib", 64, "--gpu-memory-gib", 0.01, jobs=jobs,
         )  # fmt: skip
-        out, err = capsys.readouterr()
         assert code == 0, err
         plans.append(json.loads(out))
         plans[-1].pop("seconds")
