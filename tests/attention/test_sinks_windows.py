@@ -154,9 +154,10 @@ def run_windows(ulysses, ring):
     # others' (blocks 1, 2 and 3 chunks back), and leaves rows of a block with no key
     # (out 0, lse -inf). u2r2: dense MLA zigzag tails with sinks (r = 2: both messages
     # between one pair of ranks; the all-to-alls at each tensor's own head size)
-    compiled_cases = dense if ring == 4 else [("zigzag", "p2p", 5, True, None, 4)]
     if ring == 4:
-        compiled_cases += [("contiguous", "p2p", 6, False, DOCS, 8)]
+        compiled_cases = [*dense, ("contiguous", "p2p", 6, False, DOCS, 8)]
+    else:
+        compiled_cases = [("zigzag", "p2p", 5, True, None, 4)]
     graph_bytes = []  # dense: what the compiled graphs send, against the formula
     for layout, ring_impl, window, sinks, packed, value_dim in compiled_cases:
         case = dict(layout=layout, ring_impl=ring_impl, packed=packed, window=window)
