@@ -1,6 +1,8 @@
 """``usp train`` under faults, in-process on 4 gloo ranks (no torchrun): a second job on
 one output directory, a damaged ``metrics.jsonl``, non-finite losses, a signal, damaged
 or node-local checkpoints, a resume with a changed run, an unwritable output directory.
+The non-finite stop and the zero-gradient stop run on 2 ranks (ulysses 2): neither
+depends on the grid, and one rank's NaN agreed by all 4 ranks is the skipped-step test's.
 
 Every error case checks that all ranks raise the same message (the harness fails a rank
 left in a collective within its timeout). Signals and stalls across processes are in
@@ -180,8 +182,11 @@ def test_a_cut_last_line_is_dropped_on_resume_with_a_warning(sp_faults_run, dist
 
 # ------------------------------------------------------------------ shared run
 def _train_logged(config, out, resume=False, resume_changed=False, stop_after=None):
+    """The job on the world's ranks: ulysses 2 x ring 2 on 4 (:func:`base_config`), ulysses
+    2 on 2 (:func:`two_rank_config`)."""
     job = train_config_from_dict(config)
-    plan = Plan(topology(2, 2), layout=job.topology.attention.layout, verify_calls=False)
+    grid = (config["parallel"]["ulysses"], config["parallel"]["ring"])
+    plan = Plan(topology(*grid), layout=job.topology.attention.layout, verify_calls=False)
     stream = io.StringIO()
     result = train(
         job,
@@ -205,6 +210,16 @@ def sp_faults_run(distributed, tmp_path_factory):
 
 
 # ------------------------------------------------------------------ 3. non-finite steps
+def two_rank_config(**train) -> dict:
+    """:func:`base_config` on 2 ranks (ulysses 2): what a fault does not depend on the
+    grid for (a non-finite or zero norm on 2 ranks; the 4-rank agreement on one rank's
+    NaN: test_max_skipped_steps_skips_the_update_and_continues)."""
+    config = base_config(**train)
+    config["cluster"] = {**config["cluster"], "gpus_per_node": 2}
+    config["parallel"] = {"ulysses": 2, "ring": 1, "dp": 1}
+    return config
+
+
 def _nan_norm_on(rank_with_nan: int, steps: tuple[int, ...]):
     """Make clip_grad_norm_ report NaN on one rank at the given optimizer steps."""
     original = torch.nn.utils.clip_grad_norm_
@@ -234,10 +249,11 @@ def run_with_nan_norm(config, out, steps):
 
 
 def test_a_non_finite_step_stops_the_run_on_every_rank(distributed, tmp_path):
-    config = base_config(checkpoint_interval=1, keep_checkpoints=1)
+    """Rank 1's norm is NaN at step 3 of 2 ranks: both raise the same error."""
+    config = two_rank_config(checkpoint_interval=1, keep_checkpoints=1)
     out = tmp_path / "run"
     results = distributed.run(
-        run_with_nan_norm, config, str(out), (3,), world_size=4, timeout=TIMEOUT
+        run_with_nan_norm, config, str(out), (3,), world_size=2, timeout=TIMEOUT
     )
     message = _same_everywhere([r[2] for r in results])
     assert message.startswith("TrainingDivergedError"), message
@@ -302,10 +318,11 @@ def run_with_zero_gradients(config, out, from_step):
 
 
 def test_a_zero_gradient_norm_with_labels_stops_the_run(distributed, tmp_path):
-    config = base_config(checkpoint_interval=1)
+    """Every rank's gradients zeroed from step 3, on 2 ranks: the same error on both."""
+    config = two_rank_config(checkpoint_interval=1)
     out = tmp_path / "run"
     message = _same_everywhere(
-        distributed.run(run_with_zero_gradients, config, str(out), 3, world_size=4, timeout=TIMEOUT)
+        distributed.run(run_with_zero_gradients, config, str(out), 3, world_size=2, timeout=TIMEOUT)
     )
     assert message.startswith("TrainingDivergedError"), message
     assert "gradient norm is exactly 0 with" in message and "label tokens" in message, message
