@@ -2,11 +2,14 @@
 
 Two launches only (each worker imports torch, several seconds on a small machine): two
 torchrun agents on localhost acting as two nodes of 2 ranks each, with the degrees given
-as flags; then one agent with 2 ranks (ulysses 2) that resumes that run from its
-checkpoint (``--resume``) and trains one more step: another node layout, and another
-world (DCP reshards the 4 ranks' shards onto 2; a resume that needed the writer's layout
-would fail either way, so 2 ranks show it at half the start-up of 4). The exported HF
-checkpoint is loaded by ``usp.models.Llama`` and, when installed, by transformers.
+as flags; then one agent with 1 rank that resumes that run from its checkpoint
+(``--resume``) and trains one more step: another node layout, and another world (DCP
+reshards the 4 ranks' shards onto 1; a resume that needed the writer's layout or world
+would fail either way, so 1 rank shows it at a quarter of the start-up of 4). Resumes on
+several ranks: tests/train/test_train_faults.py (4 ranks, ulysses 2 x ring 2),
+test_train_resume_families.py (2 ranks per family) and test_train_integrity.py's torchrun
+resume (2 ranks). The exported HF checkpoint is loaded by ``usp.models.Llama`` and, when
+installed, by transformers.
 """
 
 from __future__ import annotations
@@ -106,12 +109,12 @@ def test_resume_on_one_node_continues_the_two_node_run(two_node_run):
     tmp, out, results = two_node_run
     assert results[0].returncode == 0, results[0].stdout
     config = tmp / "one_node.toml"
-    config.write_text("[cluster]\nnodes = 1\ngpus_per_node = 2\n" + TRAIN_SECTIONS)
+    config.write_text("[cluster]\nnodes = 1\ngpus_per_node = 1\n" + TRAIN_SECTIONS)
     before = _metrics(out)
     port = free_port()
     command = _usp_train(
-        ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)],
-        [str(config), "--steps", "3", "--output", str(out), "--ulysses", "2", "--ring", "1", "--resume"],
+        ["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)],
+        [str(config), "--steps", "3", "--output", str(out), "--ulysses", "1", "--ring", "1", "--resume"],
     )  # fmt: skip
     (result,) = run_agents([command], tmp, LAUNCH_TIMEOUT_S)
     assert result.returncode == 0, result.stdout

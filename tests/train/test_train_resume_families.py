@@ -14,7 +14,7 @@ and every family's recorded model shape reads back as its own
 (``tests/train/test_train_checkpoint_shape.py`` has the comparison's cases).
 ``benchmarks/resume_soak.py`` runs the same check as the commands a user types (``usp
 train --steps 2``, then ``--steps 4 --resume``). A resume on 4 ranks (ulysses 2 x ring 2,
-the tiny preset) is tested by tests/train/test_train_faults.py; one from 4 ranks onto 2
+the tiny preset) is tested by tests/train/test_train_faults.py; one from 4 ranks onto 1
 under torchrun by test_train_launch.py.
 
 Then, in this process: the uninterrupted run's step-2 checkpoint resumes in one process
