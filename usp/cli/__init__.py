@@ -21,8 +21,9 @@ SUBCOMMANDS = (
     "usp.cli.data",
 )
 #: subcommands whose module imports no torch until it runs: ``usp plan --bad-flag``
-#: answers from a parser of that command alone, before torch loads (tested)
-LIGHT = {"plan": "usp.planner.cli"}
+#: answers from a parser of that command alone, before torch loads, and ``usp train
+#: --nproc-per-node N``'s launcher starts without the training stack (tested)
+LIGHT = {"plan": "usp.planner.cli", "train": "usp.cli.train"}
 
 
 def build_parser(modules: tuple[str, ...] = SUBCOMMANDS) -> argparse.ArgumentParser:

@@ -1,4 +1,8 @@
-"""``usp train CONFIG``: the flags; the command itself is :func:`usp.train.cli.run`."""
+"""``usp train CONFIG``: the flags; the command itself is :func:`usp.train.cli.run`.
+
+This module imports no torch: ``usp train`` parses its flags, and its launcher
+(``--nproc-per-node``) starts, before the training stack loads (only the workers load it).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import functools
 
 from usp.cli.args import add_set_argument, int_or_auto, positive_int
 from usp.cli.launch import add_launch_arguments, launch, wants_launcher
-from usp.train.cli import run as run_train
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,4 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
     """``usp train``: this process's part of the job, or (``--nproc-per-node``) the
     launcher that starts every worker (:mod:`usp.cli.launch`)."""
-    return launch(parser, args) if wants_launcher(args) else run_train(args)
+    if wants_launcher(args):
+        return launch(parser, args)
+    from usp.train.cli import run as run_train  # the training stack: torch and the rest
+
+    return run_train(args)
