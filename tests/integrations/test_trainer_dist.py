@@ -14,8 +14,10 @@ Qwen3.5-MoE (sliding windows shorter than the sequences, sinks, experts and the 
 aux loss, TRL's and transformers'; Gated DeltaNet layers) run once each. A planted bug
 (the SP ranks' gradients averaged instead of summed) must fail the same comparison.
 
-Tiny models (2 layers, 8 heads / 2 KV heads, vocabulary 64), 3 steps, float32 (one
-bf16 autocast run against sdpa under autocast).
+Tiny models (2 layers, 8 heads / 2 KV heads, vocabulary 64), 2 steps (the second on
+weights and optimizer state the first step updated, at the schedule's second learning
+rate; the evaluation case evaluates after each step and at the end), float32 (one bf16
+autocast run against sdpa under autocast).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ WEIGHT_TOL = 1e-5
 #: mantissa, 4e-3 relative), in other orders; measured: 2e-4 on the losses, 1e-3 on the
 #: grad norms
 BF16_TOL = 1e-2
-STEPS = 3
+STEPS = 2
 #: plain SGD: the final weights are the gradients' sums, so they agree to float32
 #: rounding; AdamW normalises each entry by its own gradient's size, which turns the
 #: rounding of near-zero gradient entries into lr-sized differences (seen: 1e-4 of the
@@ -104,8 +106,8 @@ def argv(root, example, family, accumulation, extra, out, batch):
     flags = [f for f in extra if f not in ("--tokens", "--eval")]
     if "--tokens" in extra:
         data = "tokens.jsonl"
-    if "--eval" in extra:  # a held-out loss after steps 2 and 3
-        flags += ["--eval-data", str(root / "held_out.jsonl"), "--eval-steps", "2"]
+    if "--eval" in extra:  # a held-out loss after steps 1 and 2
+        flags += ["--eval-data", str(root / "held_out.jsonl"), "--eval-steps", "1"]
     return [
         "--model", str(root / family), "--data", str(root / data), "--output-dir", str(out),
         "--max-steps", str(STEPS), "--batch-size", str(batch),
@@ -181,7 +183,7 @@ def test_four_ranks_give_the_one_process_run(
         # so with dp the replicas' padded rows differ from one process's)
         flos = [tc.state_of(d)["total_flos"] for d in (got, expected)]
         assert abs(flos[0] - flos[1]) <= 1e-6 * flos[1], flos
-    if "--eval" in extra:  # after step 2, after step 3 and trainer.evaluate()
+    if "--eval" in extra:  # after step 1, after step 2 and trainer.evaluate()
         assert len(tc.eval_losses_of(got)) == 3
     if example == "trl_sft":  # TRL's token count: every replica's tokens once
         assert tc.steps_of(got)[-1]["num_tokens"] == tc.steps_of(expected)[-1]["num_tokens"]

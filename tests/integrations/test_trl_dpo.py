@@ -1,8 +1,9 @@
 """examples/trl_dpo.py (TRL's DPOTrainer on usp) on 4 gloo ranks against the stock
-DPOTrainer in one process (``--no-usp``: sdpa), 3 steps, sequential sampling: every
-step's loss, grad norm, rewards/chosen, rewards/rejected and token count agree (1e-4
-relative). u2 x r2 with the reference model live; dp2 x r2 (the per-replica batch
-halved) with the reference log-probs precomputed under SP (``precompute_ref_log_probs``).
+DPOTrainer in one process (``--no-usp``: sdpa), 2 steps (the second on the weights the
+first updated), sequential sampling: every step's loss, grad norm, rewards/chosen,
+rewards/rejected and token count agree (1e-4 relative). u2 x r2 with the reference model
+live; dp2 x r2 (the per-replica batch halved) with the reference log-probs precomputed
+under SP (``precompute_ref_log_probs``).
 
 Tiny Qwen3 (vocabulary 64, character tokenizer), float32.
 """
@@ -18,7 +19,7 @@ pytest.importorskip("datasets", reason="the examples read their data with datase
 import rl_cases  # noqa: E402
 import trainer_cases as tc  # noqa: E402
 
-STEPS = 3
+STEPS = 2
 REL = 1e-4
 BATCH = 4  # pairs per step, over all replicas
 CASES = [((2, 2), {}), ((1, 2), {"precompute_ref_log_probs": True})]

@@ -1,5 +1,7 @@
 """examples/trl_grpo.py (TRL's GRPOTrainer on usp) on 4 gloo ranks against the stock
-GRPOTrainer in one process (``--no-usp``: sdpa, no usp code on the path), 3 steps.
+GRPOTrainer in one process (``--no-usp``: sdpa, no usp code on the path), 2 steps (with
+num_iterations = 2 the second step reuses the first step's completions with the old
+policy's log-probs: importance ratios away from 1, a KL away from 0 with beta > 0).
 
 Generation is made deterministic (tests/helpers/rl_cases.py: a row's completion depends
 only on its prompt and its index among that prompt's rows in the ``generate`` call, so
@@ -26,7 +28,7 @@ pytest.importorskip("datasets", reason="the examples read their data with datase
 import rl_cases  # noqa: E402
 import trainer_cases as tc  # noqa: E402
 
-STEPS = 3
+STEPS = 2
 REL = 1e-4
 ABS = 1e-6
 BATCH = 8  # completions per step, over all replicas
