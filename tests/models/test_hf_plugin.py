@@ -14,7 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from model_cases import IGNORE, global_batch, load_hf_reference, relative_error, write_hf_checkpoint
+from model_cases import (
+    IGNORE,
+    TINY,
+    global_batch,
+    load_hf_reference,
+    relative_error,
+    write_hf_checkpoint,
+)
 
 transformers = pytest.importorskip("transformers", reason="the plug-in is for HF transformers")
 pytest.importorskip("safetensors", reason="checkpoints are safetensors files")
@@ -345,10 +352,18 @@ def test_plugin_code_compiles_fullgraph_around_a_stand_in_attention(ckpt):
         compiled(ids[:1], position_ids=restart, use_cache=False)
 
 
-def test_fullgraph_compile_at_plan_none_equals_eager(ckpt):
+def test_fullgraph_compile_at_plan_none_equals_eager():
+    """Inductor's code generation around the plug-in at Plan(None) (the plug-in's query a
+    transposed view into usp's kernel op, its mask function, the float64 graph): the
+    compiled forward equals eager. One layer of the tiny Llama, float64 (until
+    2026-12-07 the checkpoint's two: the second compiled the first's code again); the
+    plug-in's fwd+bwd graph against eager is tests/models/test_compile.py's
+    test_hf_plugin_compiles_fullgraph_at_plan_none (AOT autograd)."""
     torch._dynamo.reset()
     name = usp_hf.register(None, name="usp-plugin-compile")
-    _, model = models(ckpt, name)
+    torch.manual_seed(9)
+    config = transformers.LlamaConfig(**{**TINY, "num_hidden_layers": 1}, attn_implementation=name)
+    model = transformers.LlamaForCausalLM(config).double()
     ids = global_batch(2, 16, seed=9)
     eager = model(ids, use_cache=False).logits
     compiled = torch.compile(model, fullgraph=True)(ids, use_cache=False).logits

@@ -64,8 +64,13 @@ COMPILE_TIMEOUT = 600  # Inductor on 4 ranks sharing small CI machines
 WINDOWED_PRESETS = ("gpt-oss-tiny", "gemma3-tiny")
 #: the graphs a compiled run makes, where the test pins them: one per kind of layer
 #: (qwen3.5-tiny: Gated DeltaNet and full attention; the launch's one-layer sparse
-#: qwen3-moe-tiny: one), whatever the packings
-GRAPHS = {"qwen3.5-tiny": 2, "qwen3-moe-tiny": 1}
+#: qwen3-moe-tiny and the one-layer gpt-oss-tiny: one), whatever the packings
+GRAPHS = {"qwen3.5-tiny": 2, "qwen3-moe-tiny": 1, "gpt-oss-tiny": 1}
+#: the one-process families' models where not the whole preset: gpt-oss-tiny cut to its
+#: first layer (sliding, with sinks and experts; its full layer's attention compiles in
+#: Gemma 3's and Qwen3.5's full layers, sinks without a window in
+#: tests/attention/test_sinks_windows.py)
+FAMILY_MODELS = {"gpt-oss-tiny": {"preset": "gpt-oss-tiny", "overrides": {"num_hidden_layers": 1}}}
 #: the launch's model: qwen3-moe-tiny cut to its one sparse layer (one graph)
 LAUNCH_MODEL = {
     "preset": "qwen3-moe-tiny",
@@ -188,10 +193,11 @@ def test_compile_refuses_windows_only_on_an_allgather_ring(preset):
 def test_families_train_compiled_like_eager_in_one_process(preset, tmp_path):
     """The tiny presets' sliding layers (window 16, shorter than the documents of 20-40
     tokens) and full ones, packed in one process (each windowed block a masked attention
-    from device bounds); gpt-oss's sinks and experts, Gemma 3's local/global RoPE;
-    Qwen3.5's Gated DeltaNet layers (conv and recurrence restarting at every document)
-    and gated full attention: compiled against eager, loss, gradient norm and aux loss
-    every step."""
+    from device bounds); gpt-oss's sinks and experts (its one sliding layer, one graph:
+    FAMILY_MODELS; both of its layers until 2026-12-07), Gemma 3's local/global RoPE and
+    zero-centred norms; Qwen3.5's Gated DeltaNet layers (conv and recurrence restarting
+    at every document) and gated full attention: compiled with Inductor against eager,
+    loss, gradient norm and aux loss every step."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -199,7 +205,7 @@ def test_families_train_compiled_like_eager_in_one_process(preset, tmp_path):
     for compile in (False, True):
         torch._dynamo.reset()
         counters.clear()
-        config = job_config(compile, preset)
+        config = job_config(compile, FAMILY_MODELS.get(preset, preset))
         config["cluster"] = {"nodes": 1, "gpus_per_node": 1}
         config["parallel"] = {"ulysses": 1, "ring": 1, "dp": 1}
         result = train(train_config_from_dict(config), Plan(None), output_dir=tmp_path / str(compile),
