@@ -17,13 +17,14 @@ SUBCOMMANDS = (
     "usp.cli.topo",
     "usp.cli.train",
     "usp.planner.cli",
-    "usp.evaluation.cli",
+    "usp.cli.eval",
     "usp.cli.data",
 )
 #: subcommands whose module imports no torch until it runs: ``usp plan --bad-flag``
 #: answers from a parser of that command alone, before torch loads, and ``usp train
-#: --nproc-per-node N``'s launcher starts without the training stack (tested)
-LIGHT = {"plan": "usp.planner.cli", "train": "usp.cli.train"}
+#: --nproc-per-node N``'s and ``usp eval ... --nproc-per-node N``'s launchers start
+#: without the training or evaluation stack (tests/tools/test_light_cli.py)
+LIGHT = {"plan": "usp.planner.cli", "train": "usp.cli.train", "eval": "usp.cli.eval"}
 
 
 def build_parser(modules: tuple[str, ...] = SUBCOMMANDS) -> argparse.ArgumentParser:

@@ -9,6 +9,9 @@ import argparse
 #: and a usage error answers before torch loads; tests/planner/test_planner_cli.py checks
 #: they agree)
 AUTO = "auto"
+#: the keys of ``usp.train.components.TORCH_DTYPES`` (not imported from there: it loads
+#: torch; tests/tools/test_light_cli.py checks they agree): ``usp eval --dtype``'s choices
+DTYPE_NAMES = ("float32", "bfloat16")
 
 
 def int_or_auto(text: str) -> int | str:

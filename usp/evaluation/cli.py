@@ -5,8 +5,10 @@ device: every rank holds the model, the sequence is split over ulysses x ring).
     torchrun --nproc-per-node 4 -m usp eval runs/cpu_finetune --config examples/configs/cpu_finetune.toml --lengths 256,1024 --passkey
     usp eval runs/cpu_finetune --config examples/configs/cpu_finetune.toml --lengths 256,1024 --nproc-per-node 4
 
-The second form is ``usp train``'s launcher (:mod:`usp.cli.launch`): the workers are
-started here, and the first failing rank's error is the last line printed.
+This module is the command each process runs. The flags are parsed by :mod:`usp.cli.eval`
+(no torch), which in the second form runs ``usp train``'s launcher (:mod:`usp.cli.launch`):
+the workers are started without this module loaded in the launcher, and the first failing
+rank's error is the last line printed.
 
 Set-up (resolving TARGET, the tokenizer, the held-out data, the lengths, the weights)
 runs on every rank and ends in an agreement, so an error on one rank is the same error
@@ -18,7 +20,6 @@ beside an HF directory) and prints the table, or the JSON with ``--json``.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import traceback
@@ -27,8 +28,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from usp.cli.args import int_or_auto, positive_int
-from usp.cli.launch import add_launch_arguments, launch, wants_launcher
 from usp.comm.agreement import agree
 from usp.config import AUTO, ConfigError, config_from_dict
 from usp.config.launch import GridSizeError
@@ -45,73 +44,6 @@ from usp.train.error_file import FINISHED, write_error_file
 from usp.train.setup import user_errors as user_error_kinds
 
 EXIT_DONE, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers (e.g. 4096,16384), got {text!r}"
-        ) from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
-def _depth_list(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers in [0, 1] (e.g. 0,0.5,1), got {text!r}"
-        ) from None
-    if not values or any(not 0 <= v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected numbers in [0, 1], got {text!r}")
-    return values
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``eval`` on the ``usp`` command line (``set_defaults(run=run)``)."""
-    p = subparsers.add_parser(
-        "eval",
-        help="long-context check of a trained model: perplexity by position, passkey retrieval",
-        description="Forward-only evaluation of a training output directory (its newest "
-        "checkpoint) or an HF model directory at several sequence lengths, under torchrun "
-        "for lengths beyond one device: torchrun --nproc-per-node N -m usp eval TARGET ..., "
-        "or usp eval TARGET ... --nproc-per-node N (the launcher in this process).",
-    )
-    p.add_argument("target", help="training output directory, one checkpoint, or HF directory")
-    p.add_argument("--config", help="the training config (required for a training output)")
-    p.add_argument(
-        "--data", nargs="+", metavar="FILE", help="held-out JSONL files (default: [eval] files)"
-    )
-    p.add_argument("--lengths", type=_int_list, required=True, help="e.g. 4096,16384")
-    p.add_argument("--passkey", action="store_true", help="also run passkey retrieval")
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--buckets", type=positive_int, default=8, help="position buckets (8)")
-    p.add_argument("--windows", type=positive_int, default=4, help="windows per length (4)")
-    p.add_argument(
-        "--depths", type=_depth_list, default=DEFAULT_DEPTHS, help="passkey depths (0,.25,...,1)"
-    )
-    p.add_argument("--trials", type=positive_int, default=4, help="passkeys per cell (4)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the passkeys (0)")
-    p.add_argument("--tokenizer", help='"byte" or a tokenizer.json (default: the model\'s)')
-    p.add_argument("--output", help="where eval.json and the plots go (default: TARGET/eval)")
-    p.add_argument("--ulysses", type=int_or_auto, help='Ulysses degree, int or "auto"')
-    p.add_argument("--ring", type=int_or_auto, help='ring degree, int or "auto"')
-    p.add_argument("--dp", type=int_or_auto, help="replicas sharing the sequences (default 1)")
-    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    p.add_argument("--dtype", choices=["auto", *TORCH_DTYPES], default=AUTO, help="bf16 on CUDA")
-    add_launch_arguments(p)
-    p.set_defaults(run=functools.partial(run_or_launch, parser=p))
-    return p
-
-
-def run_or_launch(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
-    """``usp eval``: this process's part, or (``--nproc-per-node``) the launcher that starts
-    every worker (:mod:`usp.cli.launch`)."""
-    return launch(parser, args, "eval") if wants_launcher(args) else run(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,7 +95,7 @@ def prepare(args: argparse.Namespace):
         buckets=args.buckets,
         windows=args.windows,
         passkey=args.passkey,
-        depths=tuple(args.depths),
+        depths=DEFAULT_DEPTHS if args.depths is None else tuple(args.depths),
         trials=args.trials,
         seed=args.seed,
     )
