@@ -9,9 +9,15 @@ transformers with the same logits as usp's model of it.
 
 Run elsewhere (:data:`SP_ELSEWHERE`): Qwen3-MoE's u2r2 training job is
 test_train_moe.py's (the same checkpoint kind with the load-balancing loss on, u2r2 and
-dp 2 x ring 2 against one process). dp 2 x ring 2 against one process:
-test_train_moe.py (a Qwen3-MoE checkpoint: Qwen3's attention with biases and q/k norms)
-and test_train_dist.py's ``test_dp2_sp2_replicas_read_different_data``.
+dp 2 x ring 2 against one process). Llama's: test_train_dist.py's
+``test_fine_tune_a_checkpoint_on_jsonl_and_export`` (a Llama checkpoint from
+``[model] path`` with the byte tokenizer, u2r2 against one process, the same comparison).
+Qwen2's: its model on u2r2 against transformers in float64 (losses and gradients,
+dense and packed) is tests/models/test_families.py's ``qwen2`` case, and the trainer on
+u2r2 with biased projections is this file's Qwen3 case (biases on all four). dp 2 x
+ring 2 against one process: test_train_moe.py (a Qwen3-MoE checkpoint: Qwen3's attention
+with biases and q/k norms) and test_train_dist.py's
+``test_dp2_sp2_replicas_read_different_data``.
 """
 
 from __future__ import annotations
@@ -34,8 +40,13 @@ pytest.importorskip("transformers", reason="the reference is HF transformers")
 pytest.importorskip("safetensors", reason="HF checkpoints are safetensors files")
 
 TIMEOUT = 300
-#: families whose u2r2 training job against one process another file runs
-SP_ELSEWHERE = {"qwen3_moe": "test_train_moe.py::test_usp_train_qwen3_moe_with_the_aux_loss"}
+#: families whose u2r2 training job against one process other tests cover (docstring)
+SP_ELSEWHERE = {
+    "qwen3_moe": "test_train_moe.py::test_usp_train_qwen3_moe_with_the_aux_loss",
+    "llama": "test_train_dist.py::test_fine_tune_a_checkpoint_on_jsonl_and_export",
+    # the model: tests/models/test_families.py's qwen2 case; the trainer: qwen3's here
+    "qwen2": "test_families.py::test_float64_4_ranks_match_transformers[qwen2]",
+}
 
 
 @pytest.fixture(scope="module")

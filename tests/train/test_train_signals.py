@@ -2,9 +2,12 @@
 
 - SIGTERM to the torchrun agent (what scancel and SLURM's --signal do): the workers
   finish the step in flight, save it, rank 0 prints one line, the workers exit 5; a
-  second job on the same output directory, started meanwhile, exits 2 naming the
-  holder; a resume continues (and Ctrl-C, SIGINT to the whole process group, stops it
-  the same way).
+  second job on the same output directory, started meanwhile (``usp train`` in this
+  process: another process than the job's), exits 2 naming the holder; a resume on one
+  worker continues (DCP reshards the 2 ranks' checkpoint onto 1; resumes on several
+  ranks: tests/train/test_train_faults.py, test_train_resume_families.py,
+  test_train_integrity.py), and Ctrl-C, SIGINT to the whole process group, stops it the
+  same way.
 - A stalled rank (SIGSTOP): the others fail within ``collective_timeout_s`` naming the
   step, and the job ends.
 - A second signal exits at once (a subprocess with the handlers only).
@@ -22,7 +25,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from launch_cases import ROOT, free_port, torchrun
+
+from usp.cli import main
 
 LAUNCH_TIMEOUT_S = 240
 
@@ -45,7 +51,7 @@ synthetic_length = 24
 document_multiple = 8
 
 [train]
-steps = 400                # far more than the tests let run
+steps = 100000             # far more than the tests let run (400 were not, on a loaded machine)
 global_batch = 2
 seq_len = 64
 lr = 1e-3
@@ -56,10 +62,10 @@ collective_timeout_s = 10
 """
 
 
-def _command(config: Path, out: Path, *flags: str) -> list[str]:
+def _command(config: Path, out: Path, *flags: str, workers: int = 2) -> list[str]:
     port = free_port()
     return torchrun(
-        "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+        "--nproc-per-node", str(workers), "--master-addr", "127.0.0.1", "--master-port", str(port),
         "--shutdown-timeout", "60",
         "-m", "usp", "train", str(config), "--output", str(out), "--device", "cpu", *flags,
     )  # fmt: skip
@@ -143,7 +149,16 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_sigterm_saves_the_step_a_second_job_is_refused_and_resume_continues(tmp_path):
+def _usp_train_here(argv: list[str]) -> int:
+    """``usp train ARGV`` in this process (a world of 1, no torchrun)."""
+    threads = torch.get_num_threads()
+    try:
+        return main(["train", *argv])
+    finally:
+        torch.set_num_threads(threads)  # the command shares the machine's cores out
+
+
+def test_sigterm_saves_the_step_a_second_job_is_refused_and_resume_continues(tmp_path, capsys):
     config = tmp_path / "job.toml"
     config.write_text(CONFIG)
     out = tmp_path / "run"
@@ -152,20 +167,19 @@ def test_sigterm_saves_the_step_a_second_job_is_refused_and_resume_continues(tmp
     _wait_for_lock(out, first, log)
 
     # a second job on the same output directory (also with --resume) is refused: here
-    # one process without torchrun (a world of 1), which starts faster. It starts as soon
-    # as the first job holds the lock: its start-up then overlaps the first job's, not
-    # steps of it that nothing checks
+    # usp train in this process (a world of 1; another process than the job's, so the
+    # lock is another process's), which needs no start-up of its own
     single = tmp_path / "single.toml"
     single.write_text(CONFIG.replace("gpus_per_node = 2", 'gpus_per_node = "auto"'))
-    second = subprocess.run(
-        [sys.executable, "-m", "usp", "train", str(single), "--output", str(out), "--resume",
-         "--ulysses", "1", "--ring", "1", "--device", "cpu"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-        timeout=LAUNCH_TIMEOUT_S,
+    capsys.readouterr()
+    status = _usp_train_here(
+        [str(single), "--output", str(out), "--resume", "--ulysses", "1", "--ring", "1",
+         "--device", "cpu"]
     )  # fmt: skip
-    assert second.returncode == 2, second
-    assert "is in use by another usp train job" in second.stderr, second.stderr
-    assert f"pid {_workers_of(first.pid)[0]}" in second.stderr, second.stderr
+    stderr = capsys.readouterr().err
+    assert status == 2, stderr
+    assert "is in use by another usp train job" in stderr, stderr
+    assert f"pid {_workers_of(first.pid)[0]}" in stderr, stderr
 
     _wait_for_steps(out, 2, first, log)
     with open(out / ".usp.lock") as held, pytest.raises(BlockingIOError):
@@ -181,9 +195,11 @@ def test_sigterm_saves_the_step_a_second_job_is_refused_and_resume_continues(tmp
     assert f'File "{ROOT / "usp"}' not in text, "no usp traceback (torchrun prints its own)"
     assert first.returncode == 1, (first.returncode, "torchrun re-raises the signal")
 
-    # the resume continues from there; Ctrl-C (SIGINT to every process) stops it alike
+    # the resume continues from there, on one worker (DCP reshards the 2 ranks' shards);
+    # Ctrl-C (SIGINT to every process: the agent and its worker) stops it alike
     log2 = tmp_path / "resume.log"
-    resumed = _start(_command(config, out, "--resume"), log2)
+    flags = ("--resume", "--ulysses", "1", "--ring", "1")
+    resumed = _start(_command(single, out, *flags, workers=1), log2)
     _wait_for_steps(out, step + 2, resumed, log2)
     os.killpg(resumed.pid, signal.SIGINT)
     text = _finish(resumed, log2)
