@@ -1,8 +1,9 @@
 """``torch.compile(fullgraph=True)`` of USP attention under sequence parallelism, on 4
 gloo ranks: ulysses 2 x ring 2, 1 x 4 and 4 x 1; dense and packed; causal; p2p and
 all-gather (a ring of one has no ring implementation to choose). Forward and backward
-equal eager (float32, 1e-5 relative), in one graph with no break, and the graphs hold
-what the eager loops do: every collective, each ring shift in flight while a kernel
+equal eager (float32, 1e-5 relative), with no break: one graph for every packing of
+the p2p ring (the all-gather ring's packed call in a graph of its own, made per packing),
+and the graphs hold what the eager loops do: every collective, each ring shift in flight while a kernel
 runs, and the backward circulating K/V again (nothing of other ranks saved from the
 forward).
 
@@ -66,81 +67,127 @@ def _overlapped_shifts(ops) -> int:
     return count
 
 
+#: the packings of the grid's packed calls: global document boundaries in units of the
+#: document multiple (2 r u tokens: every document splits over the zigzag ring and
+#: Ulysses), 16 units in all; 2, 3 and 6 documents, the second with one document of a
+#: single multiple (one token per rank's zigzag chunk)
+PACKINGS = [(0, 12, 16), (0, 8, 9, 16), (0, 4, 6, 8, 10, 12, 16)]
+#: the all-gather ring's graph is made again per packing: the first two show that a
+#: second packing traces and equals eager (a third would be one more trace of the same)
+ALLGATHER_PACKINGS = 2
+
+
+def _errors(got, want) -> list[float]:
+    return [((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want)]
+
+
 def run_compiled_grid(ulysses: int, ring: int):
+    """Two compiled functions on one grid, each against eager, with the graphs Dynamo
+    made. The first, called with three packings (2, 3 and 6 documents): a dense sequence
+    (batch 2) through every ring implementation (the same q/k/v) and packed documents
+    (batch 1) through the p2p ring, with a non-default softmax scale and two KV-head
+    chunks where there are two KV heads a rank (both reach the compiled kernels); its
+    graph takes the documents as tensors, so one graph serves every packing. The second
+    (ring > 1): the all-gather ring packed, whose graph indexes by document and is made
+    again per packing (two packings)."""
     from torch._dynamo.utils import counters
 
     topo = topology(ulysses, ring)
     impls = ("p2p", "allgather") if ring > 1 else ("p2p",)
     plans = {impl: usp.Plan(topo, ring_impl=impl, backend="cpu") for impl in impls}
-    seq = LOCAL * ulysses * ring
-    multiple = 2 * ring * ulysses  # every document splits over the zigzag ring and ulysses
-    cu = torch.tensor([0, seq // 2, seq // 2 + multiple, seq], dtype=torch.int32)
-    packs = {impl: plan.pack(cu) for impl, plan in plans.items()}
+    options = {"softmax_scale": 0.3, "head_chunks": 2} if KV_HEADS // ulysses > 1 else {}
+    multiple = 2 * ring * ulysses
     gen = torch.Generator().manual_seed(7 + topo.ulysses_rank + 10 * topo.ring_rank)
 
-    def tensors(batch):
-        shapes = [(batch, LOCAL, HEADS, DIM)] + [(batch, LOCAL, KV_HEADS, DIM)] * 2
+    def tensors(batch, local):
+        shapes = [(batch, local, HEADS, DIM)] + [(batch, local, KV_HEADS, DIM)] * 2
         return [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
 
-    inputs = tensors(2) + tensors(1)  # dense (batch 2) and packed (batch 1)
+    def attend_all(q, k, v, qp, kp, vp, packed):
+        outs = [plan.attention(q, k, v, causal=True) for plan in plans.values()]
+        return outs + [plans["p2p"].attention(qp, kp, vp, causal=True, packed=packed, **options)]
 
-    def attend_all(q, k, v, qp, kp, vp):
-        outs = []
-        for impl, plan in plans.items():
-            outs.append(plan.attention(q, k, v, causal=True))
-            outs.append(plan.attention(qp, kp, vp, causal=True, packed=packs[impl]))
-        return outs
+    def attend_gathered(q, k, v, packed):
+        return [plans["allgather"].attention(q, k, v, causal=True, packed=packed)]
 
-    douts = [torch.randn(o.shape, generator=gen) for o in attend_all(*inputs)]
+    dense = tensors(2, LOCAL)
+    calls = [(attend_all, dense, PACKINGS)]
+    if ring > 1:
+        calls.append((attend_gathered, [], PACKINGS[:ALLGATHER_PACKINGS]))
+    results = []
+    for fn, fixed, packings in calls:
+        torch._dynamo.reset()
+        counters.clear()
+        graphs: list = []
+        compiled = torch.compile(fn, fullgraph=True, backend=_recording_backend(graphs))
+        errors = []
+        for units in packings:
+            plan = plans["allgather" if fn is attend_gathered else "p2p"]
+            packed = plan.pack(torch.tensor([u * multiple for u in units], dtype=torch.int32))
+            inputs = fixed + tensors(1, 4 * LOCAL)
+            douts = [torch.randn(o.shape, generator=gen) for o in fn(*inputs, packed)]
 
-    def outputs_and_grads(fn):
-        outs = fn(*inputs)
-        grads = torch.autograd.grad(outs, inputs, douts)
-        return [o.detach() for o in outs] + list(grads)
+            def outputs_and_grads(f, inputs=inputs, packed=packed, douts=douts):
+                outs = f(*inputs, packed)
+                grads = torch.autograd.grad(outs, inputs, douts)
+                return [o.detach() for o in outs] + list(grads)
 
+            errors += _errors(outputs_and_grads(compiled), outputs_and_grads(fn))
+        breaks = sum(counters["graph_break"].values())
+        unique = counters["stats"]["unique_graphs"]
+        forward, backward = (_ops(gm) for gm in graphs[:2])
+        results.append((errors, breaks, unique, len(graphs) // 2, forward, backward))
     torch._dynamo.reset()
-    counters.clear()
-    graphs: list = []
-    compiled = torch.compile(attend_all, fullgraph=True, backend=_recording_backend(graphs))
-    got = outputs_and_grads(compiled)
-    want = outputs_and_grads(attend_all)
-    errors = [((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want)]
-    breaks = sum(counters["graph_break"].values())
-    unique = counters["stats"]["unique_graphs"]
-    forward, backward = (_ops(gm) for gm in graphs)
-    torch._dynamo.reset()
-    return errors, breaks, unique, forward, backward
+    return results
+
+
+def _check_graphs(forward, backward, ulysses, ring, calls, sets, p2p_passes, gathers):
+    """The collectives of one compiled forward/backward pair: ``calls`` attention calls
+    on ``sets`` q/k/v sets, ``p2p_passes`` passes of the p2p ring (one per call and
+    KV-head chunk), ``gathers`` all-gather ring calls."""
+    fw, bw = ([kind for kind, _ in ops] for ops in (forward, backward))
+    # Ulysses: the output back per call, q/k/v there once per input set (the ring
+    # implementations attending to the same q/k/v: one all-to-all); backward: the two
+    # inverses of every call
+    if ulysses > 1:
+        assert fw.count("all_to_all") == calls + sets, fw
+        assert bw.count("all_to_all") == 2 * calls, bw
+    shifts = p2p_passes * (ring - 1)  # one K/V shift per step but the last
+    assert fw.count("shift") == shifts and fw.count("all_gather_into_tensor") == gathers, fw
+    # backward: K/V circulate again (not saved from the forward) and dK/dV travel; the
+    # all-gather ring gathers K/V again and reduce-scatters dK/dV
+    assert bw.count("shift") == 2 * shifts, bw
+    assert bw.count("all_gather_into_tensor") == bw.count("reduce_scatter_tensor") == gathers
+    for kinds in (fw, bw):
+        posted = [k for k in kinds if k in ("all_to_all", "shift")]
+        posted += [k for k in kinds if k.endswith(("_into_tensor", "scatter_tensor"))]
+        assert kinds.count("wait_tensor") == len(posted)
+    # every shift is in flight while a kernel runs, but the last dK/dV shift of each
+    # backward pass (the accumulators reaching their owners: nothing left to compute)
+    assert _overlapped_shifts(forward) == shifts, fw
+    assert _overlapped_shifts(backward) == 2 * shifts - (p2p_passes if ring > 1 else 0), bw
 
 
 @pytest.mark.parametrize("ulysses,ring", GRIDS, ids=[f"u{u}xr{r}" for u, r in GRIDS])
 def test_compiled_sp_attention_equals_eager_in_one_graph(distributed, ulysses, ring):
+    """One graph (forward and backward) for every packing of the p2p ring, equal to
+    eager; the all-gather ring's packed graph made again per packing (a recompile that
+    works: a second packing once failed to trace)."""
     results = distributed.run(run_compiled_grid, ulysses, ring, world_size=4, timeout=900)
-    calls = 2 * (2 if ring > 1 else 1)  # dense and packed, per ring implementation
-    for errors, breaks, unique, forward, backward in results:
+    chunks = 2 if KV_HEADS // ulysses > 1 else 1
+    for by_fn in results:
+        errors, breaks, unique, pairs, forward, backward = by_fn[0]
         assert max(errors) <= TOL, errors
-        assert breaks == 0 and unique == 1, (breaks, unique)  # one graph, no break
-        fw, bw = ([kind for kind, _ in ops] for ops in (forward, backward))
-        # Ulysses: the output back per call, q/k/v there once per input set (the two ring
-        # implementations attend to the same q/k/v: one all-to-all); backward: the two
-        # inverses of every call
-        if ulysses > 1:
-            assert fw.count("all_to_all") == calls + 2, fw
-            assert bw.count("all_to_all") == 2 * calls, bw
-        shifts = 2 * (ring - 1)  # p2p, dense and packed: one K/V shift per step but the last
-        gathers = 2 if ring > 1 else 0  # the all-gather ring, dense and packed
-        assert fw.count("shift") == shifts and fw.count("all_gather_into_tensor") == gathers, fw
-        # backward: K/V circulate again (not saved from the forward) and dK/dV travel;
-        # the all-gather ring gathers K/V again and reduce-scatters dK/dV
-        assert bw.count("shift") == 2 * shifts, bw
-        assert bw.count("all_gather_into_tensor") == bw.count("reduce_scatter_tensor") == gathers
-        for kinds in (fw, bw):
-            posted = [k for k in kinds if k in ("all_to_all", "shift")]
-            posted += [k for k in kinds if k.endswith(("_into_tensor", "scatter_tensor"))]
-            assert kinds.count("wait_tensor") == len(posted)
-        # every shift is in flight while a kernel runs, but the last dK/dV shift of each
-        # backward pass (the accumulators reaching their owners: nothing left to compute)
-        assert _overlapped_shifts(forward) == shifts, fw
-        assert _overlapped_shifts(backward) == 2 * shifts - (2 if ring > 1 else 0), bw
+        assert breaks == 0 and unique == pairs == 1, (breaks, unique, pairs)
+        calls = 3 if ring > 1 else 2  # dense per ring implementation, packed
+        passes = 1 + chunks  # the p2p ring's: dense, and per KV-head chunk packed
+        gathers = 1 if ring > 1 else 0
+        _check_graphs(forward, backward, ulysses, ring, calls, 2, passes, gathers)
+        if ring > 1:  # the all-gather ring, packed: its first packing's graphs
+            errors, breaks, unique, pairs, forward, backward = by_fn[1]
+            assert max(errors) <= TOL, errors
+            assert breaks == 0 and unique == pairs == ALLGATHER_PACKINGS, (breaks, unique, pairs)
+            _check_graphs(forward, backward, ulysses, ring, 1, 1, 0, 1)
 
 
 class _Node:
@@ -218,78 +265,6 @@ def test_the_front_doors_compile(distributed):
         # forward: the K/V shift; backward: K/V again and the dK/dV accumulator; on
         # every rank, whether or not it reads what it receives
         assert shifts == [[1, 2], [1, 2]], shifts
-
-
-#: global document boundaries, as fractions of the sequence in units of the document
-#: multiple: each packing has another number of documents
-PACKINGS = [(3, 1), (1, 1, 2), (2, 1, 1, 1, 1, 2)]
-#: the all-gather ring's graph is made again per packing: the first two show that a
-#: second packing traces and equals eager (a third would be one more trace of the same)
-ALLGATHER_PACKINGS = 2
-
-
-def _boundaries(units, seq: int, multiple: int) -> torch.Tensor:
-    step = seq // multiple // sum(units) * multiple  # a document unit, in tokens
-    bounds = [0]
-    for n in units[:-1]:
-        bounds.append(bounds[-1] + n * step)
-    return torch.tensor(bounds + [seq], dtype=torch.int32)
-
-
-def run_compiled_packings(ulysses: int, ring: int):
-    """One compiled attention function called with three packings (2, 3 and 6
-    documents; the all-gather ring with the first two): per ring implementation, its
-    outputs and gradients against eager for each, and the graphs Dynamo made. The p2p
-    ring runs with a non-default softmax scale and two KV-head chunks (both reach the
-    compiled kernels)."""
-    from torch._dynamo.utils import counters
-
-    topo = topology(ulysses, ring)
-    seq = 4 * LOCAL * ulysses * ring
-    multiple = 2 * ring * ulysses
-    gen = torch.Generator().manual_seed(11 + topo.ulysses_rank + 10 * topo.ring_rank)
-    shapes = [(1, seq // (ulysses * ring), HEADS, DIM)] + [
-        (1, seq // (ulysses * ring), KV_HEADS, DIM)
-    ] * 2
-    results = {}
-    for impl, options in (("p2p", {"softmax_scale": 0.3, "head_chunks": 2}), ("allgather", {})):
-        plan = usp.Plan(topo, ring_impl=impl, backend="cpu")
-
-        def attend(q, k, v, packed, plan=plan, options=options):
-            return plan.attention(q, k, v, causal=True, packed=packed, **options)
-
-        torch._dynamo.reset()
-        counters.clear()
-        graphs: list = []
-        compiled = torch.compile(attend, fullgraph=True, backend=_recording_backend(graphs))
-        errors = []
-        for units in PACKINGS if impl == "p2p" else PACKINGS[:ALLGATHER_PACKINGS]:
-            packed = plan.pack(_boundaries(units, seq, multiple))
-            inputs = [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
-            dout = torch.randn(shapes[0], generator=gen)
-            got, want = (fn(*inputs, packed) for fn in (compiled, attend))
-            grads = [torch.autograd.grad(o, inputs, dout) for o in (got, want)]
-            errors.append(max(((a - b).abs().max() / b.abs().max()).item()
-                              for a, b in zip((got, *grads[0]), (want, *grads[1]))))  # fmt: skip
-        breaks = sum(counters["graph_break"].values())
-        results[impl] = (errors, breaks, counters["stats"]["unique_graphs"], len(graphs) // 2)
-    torch._dynamo.reset()
-    return results
-
-
-@pytest.mark.parametrize("ulysses,ring", [(2, 2), (1, 4)], ids=["u2xr2", "u1xr4"])
-def test_one_compiled_graph_serves_every_packing_of_the_p2p_ring(distributed, ulysses, ring):
-    """The p2p ring's graph takes the documents as a tensor: three packings with 2, 3
-    and 6 documents run one graph (forward and backward), each equal to eager; the
-    all-gather ring's graph indexes by document and is made again per packing (a
-    recompile that works: a second packing once failed to trace; two packings)."""
-    results = distributed.run(run_compiled_packings, ulysses, ring, world_size=4, timeout=900)
-    for by_impl in results:
-        for impl, (errors, breaks, unique, compiled_pairs) in by_impl.items():
-            assert max(errors) <= TOL, (impl, errors)
-            assert breaks == 0, (impl, breaks)
-            expected = 1 if impl == "p2p" else ALLGATHER_PACKINGS
-            assert unique == compiled_pairs == expected, (impl, unique, compiled_pairs)
 
 
 def test_compiled_varlen_kernels_get_each_packings_longest_document(monkeypatch):

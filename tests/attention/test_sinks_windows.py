@@ -183,7 +183,7 @@ def run_compiled_packed_window():
     2, 10, as u1r4's contiguous one in run_windows) on u1r2: the ring of u2r2 after its
     all-to-all (the same chunks and masks), on 2 ranks. The all-to-all of packed inputs
     under compile on 4 ranks (u2r2): test_compiled_attention.py's
-    ``test_one_compiled_graph_serves_every_packing_of_the_p2p_ring[u2xr2]``; sinks under
+    ``test_compiled_sp_attention_equals_eager_in_one_graph[u2xr2]``; sinks under
     compile with u = 2: run_windows(2, 2)'s dense zigzag case."""
     case = dict(layout="zigzag", ring_impl="p2p", packed=DOCS, window=6)
     errors = usp_case(
