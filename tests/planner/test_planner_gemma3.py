@@ -16,6 +16,8 @@ from usp.planner.search import lever_options, tiles_mlp
 from usp.planner.validate import real_peak
 from usp.train.config import load_train_config
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 
 def test_the_lever_search_takes_mlp_tiles_for_every_family():
     for name in ("gemma-3-4b", "gpt-oss-20b", "qwen3-30b-a3b", "qwen3.5-35b-a3b", "tiny"):

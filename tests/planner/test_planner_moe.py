@@ -22,6 +22,8 @@ from usp.planner.validate import real_peak
 from usp.planning_mode import representative_tiles
 from usp.train.config import load_train_config
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 
 def test_moe_estimate_matches_a_real_step_whatever_the_routing(tmp_path):
     """ulysses 1 x ring 4 without checkpointing (the experts' saved rows all live at the
