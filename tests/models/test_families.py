@@ -52,6 +52,8 @@ from usp.models import (  # noqa: E402
     family_named,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 NAMES = list(FAMILY_CASES)
 
 

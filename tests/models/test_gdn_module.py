@@ -16,6 +16,8 @@ from usp_cases import topology
 import usp
 from usp.linear.module import GatedDeltaNet
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 transformers = pytest.importorskip("transformers")
 

@@ -50,6 +50,8 @@ from usp.models import (  # noqa: E402
 )
 from usp.models.lora_export import merged_state, save_peft_adapter  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):

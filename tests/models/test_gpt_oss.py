@@ -45,6 +45,8 @@ from usp.models import (  # noqa: E402
 )
 from usp.models.gpt_oss_experts import GptOssExperts, GptOssRouter  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 OSS = {**TINY, **FAMILY_CASES["gpt_oss"][1]}
 
 #: openai/gpt-oss-20b's config.json (its published keys; the weights are MXFP4)

@@ -34,6 +34,8 @@ from usp.models import Levers, shard_batch  # noqa: E402
 from usp.models import hf as usp_hf  # noqa: E402
 from usp.models.hf_mixers import TokenMixerError, mixer_problem  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 TOL = 1e-4
 SEQ = 16
 

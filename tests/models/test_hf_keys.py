@@ -10,6 +10,8 @@ from model_cases import TINY, YARN_ROPE
 
 from usp.models import LlamaConfig, hf_keys
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 transformers = pytest.importorskip("transformers", reason="compares with transformers' output")
 
 FORM_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "dtype", "torch_dtype")

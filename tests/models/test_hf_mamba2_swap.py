@@ -25,6 +25,8 @@ from usp.models import hf as usp_hf  # noqa: E402
 from usp.models import shard_batch  # noqa: E402
 from usp.models.hf_mixers import mixer_problem  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 TOL = 1e-4  # float32, transformers' order of operations against usp's
 #: (model type, its settings beyond hybrid_cases.HYBRID)
 MODELS = [

@@ -35,6 +35,8 @@ import transformers.masking_utils as masking  # noqa: E402
 import usp.models.hf as usp_hf  # noqa: E402
 from usp.models.hf_inputs import HFInputError, window_problem  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 TOL = 1e-12
 BATCH, SEQ = 2, 8
 

@@ -26,6 +26,8 @@ from usp.models import shard_batch  # noqa: E402
 from usp.models.hf_mixers import mixer_problem  # noqa: E402
 from usp.models.hf_swap import USP_MIXERS  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 TOL = 1e-4  # float32, transformers' order of operations against usp's
 _TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
 _CONV_THEN_ATTENTION = ["conv", "full_attention"]

@@ -30,6 +30,8 @@ from usp.errors import ModelConfigError  # noqa: E402
 from usp.models import hf as usp_hf  # noqa: E402
 from usp.models import shard_batch  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 TOL = 1e-4
 
 

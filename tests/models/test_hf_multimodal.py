@@ -35,6 +35,8 @@ from usp.errors import UspError  # noqa: E402
 from usp.models import hf as usp_hf  # noqa: E402
 from usp.models import shift_labels  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4
 #: per kind: the dense batch (32 tokens) and the packed one (documents of 16 and 16)
 CASES = {

@@ -32,6 +32,8 @@ from usp.models import shard_batch  # noqa: E402
 from usp.models.hf_inputs import HFInputError  # noqa: E402
 from usp.models.hf_multimodal_checks import mask_overlays  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 IMAGES = {  # a text run, an image, a text run (Qwen3.5 also a two-frame video)
     "qwen3_vl": [5, ("image", 4, 4), 7],
     "qwen3_5": [5, ("image", 4, 4), 3, ("video", 2, 2, 4), 4],

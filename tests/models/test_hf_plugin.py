@@ -30,6 +30,8 @@ import usp  # noqa: E402
 import usp.models.hf as usp_hf  # noqa: E402
 from usp.models.hf_inputs import HFInputError  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 TOL = 1e-12
 LAYERS = 2  # model_cases.TINY
 

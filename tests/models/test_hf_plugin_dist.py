@@ -24,6 +24,8 @@ pytest.importorskip("safetensors", reason="checkpoints are safetensors files")
 import usp  # noqa: E402
 from usp.models import shift_labels  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 TOL = 1e-10
 LENGTHS = (7, 12, 3, 10)  # none a multiple of 2r = 4: shard_flattened must pad them
 

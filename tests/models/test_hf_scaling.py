@@ -19,6 +19,8 @@ from model_cases import hf_config
 
 import usp
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 transformers = pytest.importorskip("transformers", reason="the reference is HF transformers")
 
 SCALE = 0.7  # head_dim 8: the default would be 0.354

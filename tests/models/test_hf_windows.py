@@ -26,6 +26,8 @@ import usp  # noqa: E402
 from usp.models import hf as usp_hf  # noqa: E402
 from usp.models import shard_batch  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 TOL = 1e-9
 #: DeepSeek-V3 computes its MoE router (and RMSNorm) in float32 in transformers: the
 #: router's gradient differs from one process's by ~7e-8 (an attention error is O(1))

@@ -19,6 +19,8 @@ import usp  # noqa: E402
 from usp.integrations.hf_setup import kernel_problem  # noqa: E402
 from usp.models import hf as usp_hf  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 CPU = torch.device("cpu")
 #: model type -> (the layer kind as the refusal names it, whether a forced "fla" is refused
 #: for its recurrence's limits or because it has no fla kernel at all)

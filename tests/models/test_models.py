@@ -44,6 +44,8 @@ from usp.models import (
     sp_cross_entropy,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 transformers = pytest.importorskip("transformers", reason="the reference is HF transformers")
 pytest.importorskip("safetensors", reason="checkpoints are safetensors files")
 

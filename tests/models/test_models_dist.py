@@ -45,6 +45,8 @@ from usp.models import (  # noqa: E402
 )
 from usp.sp.plan import Plan  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 TOL_LOGITS, TOL_LOSS, TOL_GRAD = 1e-4, 1e-5, 1e-4
 #: bf16 model (bf16 weights and activations, float32 loss) against float64; measured
 #: at u=4: logits 1.2e-2, loss 3.3e-5, gradients 3.2e-2

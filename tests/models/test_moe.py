@@ -68,6 +68,8 @@ from usp.models.moe import (  # noqa: E402
     sp_router_aux_loss,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 MOE = {**TINY, **FAMILY_CASES["qwen3_moe"][1]}
 #: the MoE cases with their aux loss on (family_cases: 3 layers; Qwen3-MoE's layer 0
 #: dense, 1 and 2 sparse; gpt-oss's full, sliding, sliding with window 5) and the

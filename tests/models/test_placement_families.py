@@ -34,6 +34,8 @@ from usp.linear import GatedDeltaNet  # noqa: E402
 from usp.models import config_from_file, document_cost  # noqa: E402
 from usp.sp.sharding import document_position_ids  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
 #: 64 tokens: 1 to 40 tokens, the 40 longer than a rank's share on 4 ranks (16) and on 2
 #: (32): split on every grid; a multiple of every grid's sequence_multiple (4 or 8)
 LENGTHS = [1, 3, 40, 5, 2, 9, 4]
