@@ -3,9 +3,9 @@ gloo ranks: ulysses 2 x ring 2, 1 x 4 and 4 x 1; dense and packed; causal; p2p a
 all-gather (a ring of one has no ring implementation to choose). Forward and backward
 equal eager (float32, 1e-5 relative), with no break: one graph for every packing of
 the p2p ring (the all-gather ring's packed call in a graph of its own, made per packing),
-and the graphs hold what the eager loops do: every collective, each ring shift in flight while a kernel
-runs, and the backward circulating K/V again (nothing of other ranks saved from the
-forward).
+and the graphs hold what the eager loops do: every collective, each ring shift in
+flight while a kernel runs, and the backward circulating K/V again (nothing of other
+ranks saved from the forward).
 
 The graphs are captured by Dynamo and partitioned by AOT autograd as Inductor's are
 (the min-cut partitioner), then run without code generation (Inductor takes minutes on
