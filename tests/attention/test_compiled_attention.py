@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import relative_error
 from usp_cases import topology
 
 import usp
@@ -77,10 +78,6 @@ PACKINGS = [(0, 12, 16), (0, 8, 9, 16), (0, 4, 6, 8, 10, 12, 16)]
 ALLGATHER_PACKINGS = 2
 
 
-def _errors(got, want) -> list[float]:
-    return [((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want)]
-
-
 def run_compiled_grid(ulysses: int, ring: int):
     """Two compiled functions on one grid, each against eager, with the graphs Dynamo
     made. The first, called with three packings (2, 3 and 6 documents): a dense sequence
@@ -132,7 +129,8 @@ def run_compiled_grid(ulysses: int, ring: int):
                 grads = torch.autograd.grad(outs, inputs, douts)
                 return [o.detach() for o in outs] + list(grads)
 
-            errors += _errors(outputs_and_grads(compiled), outputs_and_grads(fn))
+            got, want = outputs_and_grads(compiled), outputs_and_grads(fn)
+            errors += [relative_error(g, w) for g, w in zip(got, want)]
         breaks = sum(counters["graph_break"].values())
         unique = counters["stats"]["unique_graphs"]
         forward, backward = (_ops(gm) for gm in graphs[:2])
@@ -252,7 +250,7 @@ def run_front_doors_compiled():
         compiled = torch.compile(call, fullgraph=True, backend=_recording_backend(graphs))
         got, want = compiled(q, k, v), call(q, k, v)
         grads = [torch.autograd.grad(o.sum(), (q, k, v)) for o in (got, want)]
-        errors.append(max(((a - b).abs().max() / b.abs().max()).item()
+        errors.append(max(relative_error(a, b)
                           for a, b in zip((got, *grads[0]), (want, *grads[1]))))  # fmt: skip
         shifts.append([[kind for kind, _ in _ops(gm)].count("shift") for gm in graphs])
     torch._dynamo.reset()
