@@ -14,8 +14,9 @@ import sys
 
 import pytest
 import torch
+from launch_cases import usp_in_process
 
-from usp.cli import build_parser, main
+from usp.cli import build_parser
 from usp.evaluation.cli import evaluate_target, prepare
 from usp.train.config import load_train_config
 from usp.train.trainer import train, user_errors
@@ -81,11 +82,7 @@ def _targets(tmp, out) -> dict[str, list[str]]:
 
 def _usp_eval(argv) -> int:
     """The command in this process (a world of 1)."""
-    threads = torch.get_num_threads()
-    try:
-        return main(["eval", *argv])
-    finally:
-        torch.set_num_threads(threads)  # the command shares the machine's cores out
+    return usp_in_process("eval", *argv)
 
 
 @pytest.fixture(scope="module")

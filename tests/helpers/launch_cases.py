@@ -21,6 +21,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def usp_in_process(*argv: str) -> int:
+    """``usp ARGV`` in this process (a world of one, no torchrun): its exit status. Torch's
+    intra-op thread count is restored after it (the command shares the machine's cores
+    out among a node's ranks, here all of them to the one)."""
+    import torch
+
+    from usp.cli import main
+
+    threads = torch.get_num_threads()
+    try:
+        return main(list(argv))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

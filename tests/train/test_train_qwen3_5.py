@@ -19,6 +19,7 @@ import json
 import pytest
 import torch
 from fla_standin import standin_conv_kernel, standin_kernel
+from launch_cases import usp_in_process
 from model_cases import relative_error
 from qwen3_5_cases import load_reference, write_checkpoint, write_moe_checkpoint
 from train_cases import (
@@ -29,7 +30,6 @@ from train_cases import (
 )
 
 import usp
-from usp.cli import main
 from usp.linear import backends, conv
 from usp.train.config import train_config_from_dict
 from usp.train.setup import user_errors
@@ -149,11 +149,7 @@ checkpoint_interval = 0
 
 
 def _usp_train(config, out, *sets) -> int:
-    threads = torch.get_num_threads()
-    try:
-        return main(["train", str(config), "--output", str(out), *(f"--set={s}" for s in sets)])
-    finally:
-        torch.set_num_threads(threads)  # the command shares the machine's cores out
+    return usp_in_process("train", str(config), "--output", str(out), *(f"--set={s}" for s in sets))
 
 
 def _losses(out) -> list[float]:

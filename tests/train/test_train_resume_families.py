@@ -33,12 +33,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
+from launch_cases import usp_in_process
 from train_cases import _relative, base_config
 from usp_cases import topology
 
-from usp.cli import build_parser, main
+from usp.cli import build_parser
 from usp.evaluation.cli import evaluate_target, prepare
 from usp.train.components import build_plan
 from usp.train.config import train_config_from_dict
@@ -198,13 +198,12 @@ def test_usp_eval_of_a_qwen3_5_moe_training_output_1_rank_equals_4(
 ):
     root, _ = presets_run
     argv = [*_eval_argv(root, "qwen3.5-moe-tiny"), "--output", str(tmp_path / "one")]
-    stdout, threads = io.StringIO(), torch.get_num_threads()
+    stdout = io.StringIO()
     monkeypatch.setattr(sys, "stdout", stdout)
     try:
-        assert main(["eval", *argv, "--ulysses", "1", "--ring", "1"]) == 0
+        assert usp_in_process("eval", *argv, "--ulysses", "1", "--ring", "1") == 0
     finally:
         monkeypatch.undo()
-        torch.set_num_threads(threads)  # the command shares the machine's cores out
     one = json.loads(stdout.getvalue())
     assert "step_000004" in one["target"] and one["ranks"] == 1
     argv[argv.index("--output") + 1] = str(tmp_path / "four")

@@ -25,10 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from launch_cases import ROOT, free_port, torchrun
-
-from usp.cli import main
+from launch_cases import ROOT, free_port, torchrun, usp_in_process
 
 LAUNCH_TIMEOUT_S = 240
 
@@ -149,15 +146,6 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _usp_train_here(argv: list[str]) -> int:
-    """``usp train ARGV`` in this process (a world of 1, no torchrun)."""
-    threads = torch.get_num_threads()
-    try:
-        return main(["train", *argv])
-    finally:
-        torch.set_num_threads(threads)  # the command shares the machine's cores out
-
-
 def test_sigterm_saves_the_step_a_second_job_is_refused_and_resume_continues(tmp_path, capsys):
     config = tmp_path / "job.toml"
     config.write_text(CONFIG)
@@ -172,9 +160,9 @@ def test_sigterm_saves_the_step_a_second_job_is_refused_and_resume_continues(tmp
     single = tmp_path / "single.toml"
     single.write_text(CONFIG.replace("gpus_per_node = 2", 'gpus_per_node = "auto"'))
     capsys.readouterr()
-    status = _usp_train_here(
-        [str(single), "--output", str(out), "--resume", "--ulysses", "1", "--ring", "1",
-         "--device", "cpu"]
+    status = usp_in_process(
+        "train", str(single), "--output", str(out), "--resume", "--ulysses", "1", "--ring", "1",
+        "--device", "cpu",
     )  # fmt: skip
     stderr = capsys.readouterr().err
     assert status == 2, stderr
