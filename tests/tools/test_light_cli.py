@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import torch
 from launch_cases import ROOT
 
 from usp.cli import LIGHT
@@ -69,3 +70,4 @@ def test_light_commands_answer_before_torch_or_their_stack_loads():
     assert result.stdout.splitlines() == expected, result.stdout + result.stderr
     # eval's --dtype choices, named without torch, are the command's dtypes
     assert tuple(TORCH_DTYPES) == DTYPE_NAMES
+    assert {"float32": torch.float32, "bfloat16": torch.bfloat16} == TORCH_DTYPES

@@ -31,7 +31,7 @@ from usp.models.lora import initial_adapters
 from usp.models.offload import HostOffloader
 from usp.process_groups import Topology
 from usp.sp.plan import Plan
-from usp.train.config import AUTO, TrainJobConfig
+from usp.train.config import AUTO, DTYPE_CHOICES, TrainJobConfig
 from usp.train.data import (
     ByteTokenizer,
     DataError,
@@ -43,8 +43,8 @@ from usp.train.data.build import DataInputs, describe_files, packed_dataset
 from usp.train.host_optimizer import HostAdamW
 from usp.train.parallelize import compile_layers, parameters_device
 
-#: the torch dtype of each ``[train] dtype`` name other than "auto"
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: the torch dtype of each ``[train] dtype`` name other than "auto" (its choices name them)
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name != AUTO}
 
 
 # ----------------------------------------------------------------------------- model shape

@@ -26,7 +26,9 @@ from usp.models.lora import Lora, LoraError, lora_from_table
 from usp.models.rope_config import POSITION_FIELDS
 
 DATA_SOURCES = ("jsonl", "synthetic")
-DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+#: [train] dtype: "auto" or a torch dtype's name (usp.train.components.TORCH_DTYPES maps
+#: them; usp.cli.args.DTYPE_NAMES names them for `usp eval` without loading torch)
+DTYPE_CHOICES = (AUTO, "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LONG_DOCUMENTS = ("truncate", "split", "drop", "error")
 #: [train] report_to: where metrics go besides metrics.jsonl (usp.train.report_to)
