@@ -1,5 +1,19 @@
+import gc
+
 import pytest
-from dist_harness import DistributedRunner
+from dist_harness import DistributedRunner, freeze_imported_modules
+
+
+def pytest_runtest_setup(item):
+    """Between tests, what the imports so far made leaves the garbage collector's walk
+    (see ``freeze_imported_modules``): pytest's process, as every pooled rank."""
+    freeze_imported_modules()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Back in the collector's reach for the interpreter's shutdown (which would report
+    frozen extension objects as leaks)."""
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")
