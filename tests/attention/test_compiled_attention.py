@@ -108,18 +108,17 @@ def run_compiled_grid(ulysses: int, ring: int):
         return [plans["allgather"].attention(q, k, v, causal=True, packed=packed)]
 
     dense = tensors(2, LOCAL)
-    calls = [(attend_all, dense, PACKINGS)]
+    calls = [(attend_all, dense, plans["p2p"], PACKINGS)]  # the plan packs the documents
     if ring > 1:
-        calls.append((attend_gathered, [], PACKINGS[:ALLGATHER_PACKINGS]))
+        calls.append((attend_gathered, [], plans["allgather"], PACKINGS[:ALLGATHER_PACKINGS]))
     results = []
-    for fn, fixed, packings in calls:
+    for fn, fixed, plan, packings in calls:
         torch._dynamo.reset()
         counters.clear()
         graphs: list = []
         compiled = torch.compile(fn, fullgraph=True, backend=_recording_backend(graphs))
         errors = []
         for units in packings:
-            plan = plans["allgather" if fn is attend_gathered else "p2p"]
             packed = plan.pack(torch.tensor([u * multiple for u in units], dtype=torch.int32))
             inputs = fixed + tensors(1, 4 * LOCAL)
             douts = [torch.randn(o.shape, generator=gen) for o in fn(*inputs, packed)]
