@@ -118,15 +118,35 @@ def _worker_main(rank: int, world_size: int, store_path: str, conn, dump_path: s
 def _context() -> mp.context.BaseContext:
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        # Workers fork from a server that already imported these, so they start in
-        # milliseconds instead of re-importing torch each. transformers' model base
-        # (~5 s of CPU per process) too: most pools' tests build HF models; a module that
-        # is not installed is skipped by the fork server (ImportError is ignored).
+        # Workers fork from a server that already imported what the tests' ranks use
+        # (tests/helpers/forkserver_preload.py: torch, transformers' model base, Dynamo,
+        # TRL, ...), so they start in milliseconds instead of re-importing it each. The
+        # first names are imported even where the last one cannot be (ImportError is
+        # ignored by the fork server, module by module).
         ctx.set_forkserver_preload(
-            ["torch", "torch.distributed", "usp", "transformers.modeling_utils"]
-        )
+            ["torch", "torch.distributed", "usp", "transformers.modeling_utils",
+             "forkserver_preload"]
+        )  # fmt: skip
+        _start_forkserver_with(os.path.dirname(os.path.abspath(__file__)))
         return ctx
     return mp.get_context("spawn")
+
+
+def _start_forkserver_with(helpers_dir: str) -> None:
+    """Start the fork server with this directory importable: Python 3.11's fork server
+    ignores the parent's ``sys.path`` while it imports its preload modules, and reads
+    ``PYTHONPATH`` from the environment it starts in (restored here at once)."""
+    from multiprocessing import forkserver
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (helpers_dir, before) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 class WorkerPool:

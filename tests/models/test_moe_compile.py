@@ -16,7 +16,7 @@ without Inductor's code generation (``backend="aot_eager"``: what is asserted he
 the trace, the op's place and autograd formula in it and the aux term's way out, not
 Inductor's kernels); Qwen3-MoE and gpt-oss in float32 (the op's grouped GEMM path),
 1e-5 relative. Inductor compiles these layers in tests/train/test_train_compile.py:
-Qwen3-MoE's sparse layer trained on 4 ranks (u2 x r2, packed), gpt-oss's layers trained
+Qwen3-MoE's sparse layer trained on 2 ranks (ring 2, packed), gpt-oss's layers trained
 in one process (packed), both against eager. (Both ran through Inductor here too until
 2026-12-07: about 55 s of a cold-cache suite for the same layers.)
 """

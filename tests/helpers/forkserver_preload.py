@@ -1,0 +1,59 @@
+"""What the test ranks' fork server imports once, so that no rank imports it again.
+
+Imported by the fork server of tests/helpers/dist_harness.py (``set_forkserver_preload``)
+before it forks any rank. A rank is forked at every pool start and after every failed
+distributed test; each used to import what its tests needed on its own: Dynamo and
+Inductor, TRL, datasets, accelerate, PEFT, transformers' model modules and usp's
+integrations, 5% of the samples of a py-spy profile of the suite (2026-12-07), with four
+ranks importing the same modules side by side on two cores; and each compiling rank
+hashed triton's sources for Inductor's cache key. Then everything imported is
+frozen out of the garbage collector's walk (``freeze_imported_modules``): the forked
+ranks share it, and their first freeze has nothing left to walk.
+
+A library that is not installed is skipped (the extras are optional), as the fork server
+skips a preload module that fails to import.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import importlib
+
+from dist_harness import freeze_imported_modules
+
+#: heaviest first; each is what some pooled test imports in its ranks
+MODULES = (
+    "torch.distributed",
+    "transformers.modeling_utils",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "usp",
+    "usp.train.trainer",
+    "usp.integrations.transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3_5.modeling_qwen3_5",
+    "trl",
+    "datasets",
+    "peft",
+    "usp.integrations.hf_trl",
+)
+
+for name in MODULES:
+    with contextlib.suppress(ImportError):
+        importlib.import_module(name)
+
+with contextlib.suppress(ImportError):
+    # Inductor's cache key hashes triton's sources once per process (0.6 s of each
+    # compiling rank's first compile); cached here for every rank. Nothing that touches
+    # CUDA: a forked rank could not initialise it again.
+    from torch._inductor.codecache import triton_key
+
+    triton_key()
+
+freeze_imported_modules()
+# the fork server's own exit: back in the collector's reach first (frozen extension
+# objects, e.g. triton's, would be reported as leaks); forked ranks leave by os._exit
+# and unfreeze in dist_harness._worker_main
+atexit.register(gc.unfreeze)
