@@ -1,7 +1,14 @@
 import gc
 
 import pytest
-from dist_harness import DistributedRunner, freeze_imported_modules
+from dist_harness import DistributedRunner, freeze_imported_modules, start_fork_server
+
+
+def pytest_sessionstart(session):
+    """The pooled ranks' fork server starts now, so that its imports run beside the
+    collection of the tests (pytest's process uses one core meanwhile) instead of
+    delaying the first distributed test."""
+    start_fork_server()
 
 
 def pytest_runtest_setup(item):

@@ -115,6 +115,13 @@ def _worker_main(rank: int, world_size: int, store_path: str, conn, dump_path: s
 
 
 # ----------------------------------------------------------------------------- parent side
+def start_fork_server() -> None:
+    """Start the ranks' fork server without waiting for it: its imports (seconds of CPU)
+    run on another core while pytest collects the tests; the first pool's start waits
+    for whatever is left of them. Idempotent (a running server is kept)."""
+    _context()
+
+
 def _context() -> mp.context.BaseContext:
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
