@@ -10,8 +10,9 @@ hashed triton's sources for Inductor's cache key. Then everything imported is
 frozen out of the garbage collector's walk (``freeze_imported_modules``): the forked
 ranks share it, and their first freeze has nothing left to walk.
 
-A library that is not installed is skipped (the extras are optional), as the fork server
-skips a preload module that fails to import.
+A library that is not installed, or fails to import, is skipped here (the extras are
+optional): the fork server must start whatever happens, and a test that needs the library
+fails on its own import with its own traceback.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import atexit
 import contextlib
 import gc
 import importlib
+import warnings
 
 from dist_harness import freeze_imported_modules
 
-#: heaviest first; each is what some pooled test imports in its ranks
+#: each is what some pooled test imports in its ranks
 MODULES = (
     "torch.distributed",
     "transformers.modeling_utils",
@@ -40,11 +42,15 @@ MODULES = (
     "usp.integrations.hf_trl",
 )
 
-for name in MODULES:
-    with contextlib.suppress(ImportError):
-        importlib.import_module(name)
+with warnings.catch_warnings():
+    # import-time notes (fla: "Triton is not supported on current platform") would
+    # print between pytest's header and its first line: the server starts with the session
+    warnings.simplefilter("ignore")
+    for name in MODULES:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
 
-with contextlib.suppress(ImportError):
+with contextlib.suppress(Exception):
     # Inductor's cache key hashes triton's sources once per process (0.6 s of each
     # compiling rank's first compile); cached here for every rank. Nothing that touches
     # CUDA: a forked rank could not initialise it again.
