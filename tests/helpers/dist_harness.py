@@ -126,14 +126,10 @@ def _context() -> mp.context.BaseContext:
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         # Workers fork from a server that already imported what the tests' ranks use
-        # (tests/helpers/forkserver_preload.py: torch, transformers' model base, Dynamo,
-        # TRL, ...), so they start in milliseconds instead of re-importing it each. The
-        # first names are imported even where the last one cannot be (ImportError is
-        # ignored by the fork server, module by module).
-        ctx.set_forkserver_preload(
-            ["torch", "torch.distributed", "usp", "transformers.modeling_utils",
-             "forkserver_preload"]
-        )  # fmt: skip
+        # (tests/helpers/forkserver_preload.py names it: torch, transformers' model base,
+        # Dynamo, TRL, ...), so they start in milliseconds instead of re-importing it
+        # each; were that module not importable, the ranks would import for themselves.
+        ctx.set_forkserver_preload(["forkserver_preload"])
         _start_forkserver_with(os.path.dirname(os.path.abspath(__file__)))
         return ctx
     return mp.get_context("spawn")

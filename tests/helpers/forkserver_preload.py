@@ -27,6 +27,7 @@ from dist_harness import freeze_imported_modules
 
 #: each is what some pooled test imports in its ranks
 MODULES = (
+    "torch",
     "torch.distributed",
     "transformers.modeling_utils",
     "torch._dynamo",
