@@ -158,6 +158,8 @@ def test_rows_become_documents_scored_in_trls_layout():
     assert rows[0].tolist() == [0, 0, 3, 4, 0] and rows[1].tolist() == [0, 0, 6, 7, 8]
     completions = shard.to_rows(values, last=3)
     assert completions.tolist() == [[3, 4, 0], [6, 7, 8], [0, 0, 0]]
+    # tensors of their own (the fused head's outputs under FSDP2: no view to write into)
+    assert rows._base is None and completions._base is None
     taken = shard.take(completions, fill=-1.0)
     assert taken[0].tolist() == [-1, -1, 3, 4, -1, 6, 7, 8, -1, -1, -1]
     assert shard.sequence_sums(values).tolist() == [7.0, 21.0, 0.0]
