@@ -103,11 +103,11 @@ class RowShard:
         flat = torch.zeros(self.rows * self.columns, dtype=values.dtype, device=values.device)
         flat = flat.index_add(0, self.index[valid], values[valid])  # [rows * columns]
         full = sum_over_group(flat, self.group).view(self.rows, self.columns)
-        rows = full if last is None else full[:, self.columns - last :]
+        kept = full if last is None else full[:, self.columns - last :]
         # a tensor of its own, not a view (one value per token: a small copy): a model
         # output under FSDP2 carries the pre-backward hook that an in-place op on a view
-        # would drop (torch >= 2.13 warns of it on every such output)
-        return rows.clone()
+        # would drop (torch 2.13 warns of it on every such output)
+        return kept.clone()
 
     def take(self, row_values: torch.Tensor, *, fill=0) -> torch.Tensor:
         """The inverse direction: row_values [rows, columns] (or its last ``c`` columns,
