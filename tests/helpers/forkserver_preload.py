@@ -5,8 +5,9 @@ before it forks any rank. A rank is forked at every pool start and after every f
 distributed test; each used to import what its tests needed on its own: Dynamo and
 Inductor, TRL, datasets, accelerate, PEFT, transformers' model modules and usp's
 integrations, 5% of the samples of a py-spy profile of the suite (2026-12-07), with four
-ranks importing the same modules side by side on two cores; and each compiling rank
-hashed triton's sources for Inductor's cache key. Then everything imported is
+ranks importing the same modules side by side on two cores; and each compiling rank's
+first Inductor compile hashed torch's and triton's sources for Inductor's cache key and
+probed the CPU's vector instruction sets (below). Then everything imported is
 frozen out of the garbage collector's walk (``freeze_imported_modules``): the forked
 ranks share it, and their first freeze has nothing left to walk.
 
