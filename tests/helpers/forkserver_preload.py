@@ -59,8 +59,10 @@ with contextlib.suppress(Exception):
     # loading a test library per set (1.6 s a process once the libraries are in the
     # Inductor cache; building them, ~8 s of g++, runs here beside the collection on a
     # cold cache). The 2-rank Inductor training launch took 23.5 and 27.8 s with these
-    # three, 34.6 and 35.4 s without (alternated runs, cold caches, 2026-12-07). Nothing
-    # that touches CUDA: a forked rank could not initialise it again.
+    # three, 34.6 and 35.4 s without (alternated runs, cold caches, 2026-12-07). Since
+    # the suite compiles scalar kernels (tests/conftest.py), the probes build nothing
+    # unless ``TORCHINDUCTOR_VEC_ISA_OK=1`` asks for vectorized ones. Nothing that
+    # touches CUDA: a forked rank could not initialise it again.
     from torch._inductor.codecache import torch_key, triton_key
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
