@@ -5,7 +5,7 @@ import os
 # collectives and overlap pass, numerics within the compile tests' tolerances, and no
 # code that depends on the CPU's vector instruction sets (AVX2, AVX-512, AMX: the suite
 # runs on any x86-64). g++ builds them faster, and a process's first compile no longer
-# probes the instruction sets: the compile files took 33-37 s less of 240-270 s
+# probes the instruction sets: the compile files took 34 and 36 s less of 239-271 s
 # (alternated runs, cold caches, 2026-12-08). Set before anything imports Inductor's
 # config; every rank and launched process inherits it. ``TORCHINDUCTOR_VEC_ISA_OK=1``
 # in the environment compiles the vectorized kernels instead.
